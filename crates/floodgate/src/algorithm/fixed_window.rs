@@ -1,0 +1,63 @@
+//! `fixed_window`: at most `limit` per window, windows aligned to multiples of `window` since
+//! the Unix epoch. Cheap, with the known flaw that a client may send `limit` at the end of one
+//! window and `limit` again at the start of the next.
+
+use super::LimitOutcome;
+use crate::limit::Limit;
+
+/// Counter of the window starting at `window_start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedWindowState {
+    /// Start of the counted window, microseconds since the epoch.
+    pub window_start: u64,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+fn current(limit: &Limit, state: Option<&FixedWindowState>, now: u64) -> FixedWindowState {
+    let window_start = now - now % limit.window_micros();
+    let count = match state {
+        Some(state) if state.window_start == window_start => state.count,
+        _ => 0,
+    };
+    FixedWindowState {
+        window_start,
+        count,
+    }
+}
+
+pub(super) fn evaluate(
+    limit: &Limit,
+    state: Option<&FixedWindowState>,
+    now: u64,
+    cost: u64,
+) -> LimitOutcome {
+    let window = current(limit, state, now);
+    let until_next_window = window.window_start + limit.window_micros() - now;
+    let remaining = limit.limit() - window.count.min(limit.limit());
+    if cost > limit.limit() {
+        return LimitOutcome::never(remaining, until_next_window);
+    }
+    if cost <= remaining {
+        LimitOutcome::allowed(remaining - cost, until_next_window)
+    } else {
+        LimitOutcome::denied(remaining, until_next_window, until_next_window)
+    }
+}
+
+pub(super) fn consume(
+    limit: &Limit,
+    state: Option<&FixedWindowState>,
+    now: u64,
+    cost: u64,
+) -> FixedWindowState {
+    let window = current(limit, state, now);
+    FixedWindowState {
+        count: window.count + cost,
+        ..window
+    }
+}
+
+pub(super) fn idle_at(limit: &Limit, state: &FixedWindowState) -> u64 {
+    state.window_start + limit.window_micros()
+}

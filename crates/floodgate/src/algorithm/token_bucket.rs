@@ -1,0 +1,69 @@
+//! `token_bucket`: capacity `burst`, refilled continuously at `limit / window`.
+//!
+//! The level is kept as *credit time*: tokens × emission interval, in microseconds. Refill is
+//! then plain elapsed time, every value is an integer, and the Lua script computes the same
+//! numbers bit for bit.
+
+use super::LimitOutcome;
+use crate::limit::Limit;
+
+/// Bucket state: credit in microseconds (tokens × emission interval) at `updated_at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenBucketState {
+    /// Credit, in microseconds of emission time.
+    pub level: u64,
+    /// When `level` was computed, microseconds since the epoch.
+    pub updated_at: u64,
+}
+
+fn full_credit(limit: &Limit) -> u64 {
+    limit.capacity() * limit.emission_micros()
+}
+
+/// The credit available at `now`: refilled by the time elapsed, capped at the capacity.
+fn level_at(limit: &Limit, state: Option<&TokenBucketState>, now: u64) -> u64 {
+    let full = full_credit(limit);
+    match state {
+        None => full,
+        Some(state) => full.min(state.level + now.saturating_sub(state.updated_at)),
+    }
+}
+
+pub(super) fn evaluate(
+    limit: &Limit,
+    state: Option<&TokenBucketState>,
+    now: u64,
+    cost: u64,
+) -> LimitOutcome {
+    let emission = limit.emission_micros();
+    let full = full_credit(limit);
+    let level = level_at(limit, state, now);
+    if cost > limit.capacity() {
+        return LimitOutcome::never(level / emission, full - level);
+    }
+    let needed = cost * emission;
+    if needed <= level {
+        let after = level - needed;
+        LimitOutcome::allowed(after / emission, full - after)
+    } else {
+        LimitOutcome::denied(level / emission, full - level, needed - level)
+    }
+}
+
+pub(super) fn consume(
+    limit: &Limit,
+    state: Option<&TokenBucketState>,
+    now: u64,
+    cost: u64,
+) -> TokenBucketState {
+    let level = level_at(limit, state, now);
+    TokenBucketState {
+        level: level - cost * limit.emission_micros(),
+        // A clock that stepped back must not refill the same interval twice.
+        updated_at: state.map_or(now, |state| state.updated_at.max(now)),
+    }
+}
+
+pub(super) fn idle_at(limit: &Limit, state: &TokenBucketState) -> u64 {
+    state.updated_at + full_credit(limit).saturating_sub(state.level)
+}

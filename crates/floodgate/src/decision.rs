@@ -1,0 +1,194 @@
+//! The decision for one request across all the limits that apply to it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::LimitOutcome;
+use crate::store::{Check, Lease};
+use crate::time::Timestamp;
+
+/// Where a decision came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecisionSource {
+    /// The configured store decided.
+    Store,
+    /// The store failed and the failure policy let the request through undecided.
+    FailOpen,
+}
+
+/// One applied limit as it stands after the decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitStatus {
+    /// The limit's name.
+    pub name: Arc<str>,
+    /// Requests (or units) per window.
+    pub limit: u64,
+    /// The window.
+    pub window: Duration,
+    /// The most units available at once (the burst for bucket algorithms).
+    pub capacity: u64,
+    /// Whether this limit admitted the request.
+    pub allowed: bool,
+    /// Whole units still available.
+    pub remaining: u64,
+    /// Time until the limit is fully available again, or its window ends.
+    pub reset_after: Duration,
+    /// When this limit denied: the exact wait until it would admit the request.
+    pub retry_after: Option<Duration>,
+}
+
+impl LimitStatus {
+    /// Remaining as a fraction of capacity, compared without rounding: `a < b` as
+    /// `a.remaining / a.capacity < b.remaining / b.capacity`.
+    fn has_less_room_than(&self, other: &LimitStatus) -> bool {
+        u128::from(self.remaining) * u128::from(other.capacity)
+            < u128::from(other.remaining) * u128::from(self.capacity)
+    }
+}
+
+/// The outcome of checking a request against every limit that applies to it.
+///
+/// Placed in the request's extensions by the layer, so handlers can read it.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    allowed: bool,
+    decided_at: Timestamp,
+    limits: Vec<LimitStatus>,
+    binding: Option<usize>,
+    retry_after: Option<Duration>,
+    delay: Duration,
+    leases: Vec<Lease>,
+    source: DecisionSource,
+}
+
+impl Decision {
+    /// Assembles the decision from each limit's outcome, in the order of `checks`. Every store
+    /// uses this, so that binding-limit selection is the same everywhere.
+    pub fn from_outcomes(
+        decided_at: Timestamp,
+        checks: &[Check],
+        outcomes: &[LimitOutcome],
+        leases: Vec<Lease>,
+    ) -> Decision {
+        debug_assert_eq!(checks.len(), outcomes.len());
+        let allowed = outcomes.iter().all(|outcome| outcome.allowed);
+        let limits: Vec<LimitStatus> = checks
+            .iter()
+            .zip(outcomes)
+            .map(|(check, outcome)| LimitStatus {
+                name: check.limit.shared_name().clone(),
+                limit: check.limit.limit(),
+                window: check.limit.window(),
+                capacity: check.limit.capacity(),
+                allowed: outcome.allowed,
+                remaining: outcome.remaining,
+                reset_after: Duration::from_micros(outcome.reset_after_micros),
+                retry_after: outcome.retry_after_micros.map(Duration::from_micros),
+            })
+            .collect();
+        let (binding, retry_after) = if allowed {
+            let tightest = (0..limits.len()).reduce(|best, index| {
+                if limits[index].has_less_room_than(&limits[best]) {
+                    index
+                } else {
+                    best
+                }
+            });
+            (tightest, None)
+        } else {
+            // Each algorithm only becomes more permissive while no traffic arrives, so the
+            // request is admitted once the slowest denying limit admits it; a limit it can
+            // never pass dominates.
+            let wait = |index: usize| match limits[index].retry_after {
+                None => Duration::MAX,
+                Some(wait) => wait,
+            };
+            let slowest = (0..limits.len())
+                .filter(|&index| !limits[index].allowed)
+                .max_by_key(|&index| wait(index));
+            (slowest, slowest.and_then(|index| limits[index].retry_after))
+        };
+        let delay = outcomes
+            .iter()
+            .map(|outcome| outcome.delay_micros)
+            .max()
+            .map_or(Duration::ZERO, Duration::from_micros);
+        Decision {
+            allowed,
+            decided_at,
+            limits,
+            binding,
+            retry_after,
+            delay: if allowed { delay } else { Duration::ZERO },
+            leases,
+            source: DecisionSource::Store,
+        }
+    }
+
+    /// A decision that admits the request without consulting any store (store failure under
+    /// `on_store_error: open`, or no limit applies).
+    pub fn unlimited(decided_at: Timestamp, source: DecisionSource) -> Decision {
+        Decision {
+            allowed: true,
+            decided_at,
+            limits: Vec::new(),
+            binding: None,
+            retry_after: None,
+            delay: Duration::ZERO,
+            leases: Vec::new(),
+            source,
+        }
+    }
+
+    /// Whether the request is admitted.
+    pub fn is_allowed(&self) -> bool {
+        self.allowed
+    }
+
+    /// When the decision was made, by the store's clock.
+    pub fn decided_at(&self) -> Timestamp {
+        self.decided_at
+    }
+
+    /// Every applied limit, in check order.
+    pub fn limits(&self) -> &[LimitStatus] {
+        &self.limits
+    }
+
+    /// The limit that binds: the one that denied (the slowest to recover, if several did), or
+    /// else the one with the least remaining fraction.
+    pub fn binding_limit(&self) -> Option<&LimitStatus> {
+        self.binding.map(|index| &self.limits[index])
+    }
+
+    /// When denied, the exact wait until the request sent alone would be admitted; `None` when
+    /// allowed or when the request can never be admitted (its cost exceeds a capacity).
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// Whether the request was denied because its cost exceeds a limit's capacity.
+    pub fn is_never_admissible(&self) -> bool {
+        !self.allowed && self.retry_after.is_none()
+    }
+
+    /// How long the request must wait before it proceeds (`leaky_bucket` shaping).
+    pub fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// Concurrency leases taken by this decision; release them when the response ends.
+    pub fn leases(&self) -> &[Lease] {
+        &self.leases
+    }
+
+    /// Takes the leases out, leaving none (the layer hands them to the response body).
+    pub fn take_leases(&mut self) -> Vec<Lease> {
+        std::mem::take(&mut self.leases)
+    }
+
+    /// Where the decision came from.
+    pub fn source(&self) -> DecisionSource {
+        self.source
+    }
+}

@@ -1,0 +1,472 @@
+//! Limits: what a client may do per window, validated when built so bad configuration cannot
+//! reach the algorithms.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::time::duration_to_micros;
+
+/// The longest window a limit may have. Bounding it keeps every intermediate value of the
+/// algorithms below 2^53, where the Lua scripts' doubles are still exact integers.
+pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// The largest `limit` or `burst`.
+pub const MAX_QUANTITY: u64 = 1 << 40;
+
+/// The lease lifetime of a `concurrency` limit when no window is given.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+
+/// The longest limit name; names travel in storage keys, metric labels and headers.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// The rate limiting algorithms; see SPEC §1 for their exact semantics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Capacity `burst`, refilled continuously at `limit / window`.
+    TokenBucket,
+    /// Generic cell rate algorithm: the token bucket's admission with one timestamp of state.
+    Gcra,
+    /// At most `limit` per window, windows aligned to multiples of `window` since the epoch.
+    FixedWindow,
+    /// At most `limit` in any trailing `window`; admitted requests are logged.
+    SlidingWindowLog,
+    /// The previous window's count weighted by its overlap, plus the current count.
+    SlidingWindowCounter,
+    /// Shaping: requests leave at `limit / window`; a request is delayed by its wait, or
+    /// rejected when that wait exceeds `burst` emission intervals.
+    LeakyBucket,
+    /// At most `limit` requests in flight; leases expire after `window`.
+    Concurrency,
+}
+
+impl Algorithm {
+    /// Every algorithm, in the order of SPEC §1.
+    pub const ALL: [Algorithm; 7] = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+        Algorithm::LeakyBucket,
+        Algorithm::Concurrency,
+    ];
+
+    /// The configuration name (`token_bucket`, `gcra`, ...).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Gcra => "gcra",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindowLog => "sliding_window_log",
+            Algorithm::SlidingWindowCounter => "sliding_window_counter",
+            Algorithm::LeakyBucket => "leaky_bucket",
+            Algorithm::Concurrency => "concurrency",
+        }
+    }
+
+    /// Whether `burst` means something for this algorithm.
+    pub const fn uses_burst(self) -> bool {
+        matches!(
+            self,
+            Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket
+        )
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = LimitError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|algorithm| algorithm.as_str() == name)
+            .ok_or_else(|| LimitError::UnknownAlgorithm(name.to_owned()))
+    }
+}
+
+/// Why a limit could not be built. The message starts with the offending field.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// The name is empty, too long or has characters other than `A-Z a-z 0-9 - _ .`.
+    #[error(
+        "name: `{0}` is not a valid limit name (1 to 64 characters among A-Z a-z 0-9 - _ .)"
+    )]
+    InvalidName(String),
+    /// No algorithm of that name.
+    #[error(
+        "algorithm: unknown algorithm `{0}`; expected one of token_bucket, gcra, fixed_window, \
+         sliding_window_log, sliding_window_counter, leaky_bucket, concurrency"
+    )]
+    UnknownAlgorithm(String),
+    /// `limit` is zero.
+    #[error("limit: must be greater than 0")]
+    ZeroLimit,
+    /// `limit` is larger than [`MAX_QUANTITY`].
+    #[error("limit: must be at most {MAX_QUANTITY}")]
+    LimitTooLarge,
+    /// `window` was not given (only `concurrency` has a default).
+    #[error("window: is required for {0}")]
+    MissingWindow(Algorithm),
+    /// `window` is shorter than a millisecond.
+    #[error("window: must be greater than 0 (at least 1ms)")]
+    WindowTooShort,
+    /// `window` is longer than [`MAX_WINDOW`].
+    #[error("window: must be at most 366 days")]
+    WindowTooLong,
+    /// `burst` is zero.
+    #[error("burst: must be at least 1")]
+    ZeroBurst,
+    /// `burst` is larger than [`MAX_QUANTITY`], or so large that refilling it takes over a year.
+    #[error("burst: too large; refilling it at limit/window must take at most 366 days")]
+    BurstTooLarge,
+    /// `burst` was given for an algorithm that has none.
+    #[error("burst: not used by {0}; remove it")]
+    BurstNotSupported(Algorithm),
+    /// `cost` is zero.
+    #[error("cost: must be at least 1")]
+    ZeroCost,
+}
+
+impl LimitError {
+    /// The field the error is about (`name`, `algorithm`, `limit`, `window`, `burst`, `cost`).
+    pub fn field(&self) -> &'static str {
+        match self {
+            LimitError::InvalidName(_) => "name",
+            LimitError::UnknownAlgorithm(_) => "algorithm",
+            LimitError::ZeroLimit | LimitError::LimitTooLarge => "limit",
+            LimitError::MissingWindow(_)
+            | LimitError::WindowTooShort
+            | LimitError::WindowTooLong => "window",
+            LimitError::ZeroBurst
+            | LimitError::BurstTooLarge
+            | LimitError::BurstNotSupported(_) => "burst",
+            LimitError::ZeroCost => "cost",
+        }
+    }
+}
+
+/// A validated limit: `limit` requests (or cost units) per `window` under one algorithm.
+///
+/// Built with [`Limit::builder`] or the per-algorithm shortcuts; every value is checked, so a
+/// `Limit` that exists can be evaluated without panics or overflow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limit {
+    name: Arc<str>,
+    algorithm: Algorithm,
+    limit: u64,
+    window_micros: u64,
+    burst: u64,
+    cost: Option<u64>,
+    /// Microseconds per unit at `limit / window`, rounded up so that quantisation can only make
+    /// the limiter stricter, never looser.
+    emission_micros: u64,
+}
+
+impl Limit {
+    /// Starts a limit named `name`.
+    pub fn builder(name: impl Into<String>) -> LimitBuilder {
+        LimitBuilder {
+            name: name.into(),
+            algorithm: Ok(Algorithm::TokenBucket),
+            limit: None,
+            window: None,
+            burst: None,
+            cost: None,
+        }
+    }
+
+    /// A limit of `limit` per `window` with `algorithm` and no burst or cost override.
+    pub fn new(
+        name: impl Into<String>,
+        algorithm: Algorithm,
+        limit: u64,
+        window: Duration,
+    ) -> Result<Limit, LimitError> {
+        Limit::builder(name)
+            .algorithm(algorithm)
+            .limit(limit)
+            .window(window)
+            .build()
+    }
+
+    /// The limit's name, as used in headers, keys and metrics.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name as a shared string.
+    pub fn shared_name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// Requests (or cost units) per window; for `concurrency`, requests in flight.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window (for `concurrency`, the lease lifetime).
+    pub fn window(&self) -> Duration {
+        Duration::from_micros(self.window_micros)
+    }
+
+    /// The window in microseconds.
+    pub fn window_micros(&self) -> u64 {
+        self.window_micros
+    }
+
+    /// The burst: bucket capacity for `token_bucket` and `gcra`, queue depth in units for
+    /// `leaky_bucket`; equal to `limit` for the others.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The most units that can ever be admitted at once; a larger cost is never admitted.
+    pub fn capacity(&self) -> u64 {
+        self.burst
+    }
+
+    /// The fixed cost this limit charges per request, overriding the request's cost.
+    pub fn cost_override(&self) -> Option<u64> {
+        self.cost
+    }
+
+    /// What a request of `request_cost` costs against this limit.
+    pub fn cost_for(&self, request_cost: u64) -> u64 {
+        self.cost.unwrap_or(request_cost)
+    }
+
+    /// Microseconds per unit at `limit / window`, rounded up.
+    pub fn emission_micros(&self) -> u64 {
+        self.emission_micros
+    }
+}
+
+/// Builds a [`Limit`], validating every field in [`LimitBuilder::build`].
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct LimitBuilder {
+    name: String,
+    algorithm: Result<Algorithm, LimitError>,
+    limit: Option<u64>,
+    window: Option<Duration>,
+    burst: Option<u64>,
+    cost: Option<u64>,
+}
+
+impl LimitBuilder {
+    /// The algorithm (default `token_bucket`).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = Ok(algorithm);
+        self
+    }
+
+    /// The algorithm by configuration name; an unknown name fails in [`build`](Self::build).
+    pub fn algorithm_name(mut self, name: &str) -> Self {
+        self.algorithm = name.parse();
+        self
+    }
+
+    /// Requests (or cost units) per window.
+    pub fn limit(mut self, limit: u64) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// The window.
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// The burst (`token_bucket`, `gcra`, `leaky_bucket` only).
+    pub fn burst(mut self, burst: u64) -> Self {
+        self.burst = Some(burst);
+        self
+    }
+
+    /// A fixed cost per request for this limit.
+    pub fn cost(mut self, cost: u64) -> Self {
+        self.cost = Some(cost);
+        self
+    }
+
+    /// Validates and builds the limit.
+    pub fn build(self) -> Result<Limit, LimitError> {
+        let valid_name = !self.name.is_empty()
+            && self.name.len() <= MAX_NAME_LEN
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !valid_name {
+            return Err(LimitError::InvalidName(self.name));
+        }
+        let algorithm = self.algorithm?;
+        let limit = match self.limit {
+            None | Some(0) => return Err(LimitError::ZeroLimit),
+            Some(limit) if limit > MAX_QUANTITY => return Err(LimitError::LimitTooLarge),
+            Some(limit) => limit,
+        };
+        let window = match (self.window, algorithm) {
+            (Some(window), _) => window,
+            (None, Algorithm::Concurrency) => DEFAULT_LEASE_TTL,
+            (None, algorithm) => return Err(LimitError::MissingWindow(algorithm)),
+        };
+        if window < Duration::from_millis(1) {
+            return Err(LimitError::WindowTooShort);
+        }
+        if window > MAX_WINDOW {
+            return Err(LimitError::WindowTooLong);
+        }
+        let window_micros = duration_to_micros(window);
+        let burst = match self.burst {
+            None => limit,
+            Some(_) if !algorithm.uses_burst() => {
+                return Err(LimitError::BurstNotSupported(algorithm));
+            }
+            Some(0) => return Err(LimitError::ZeroBurst),
+            Some(burst) if burst > MAX_QUANTITY => return Err(LimitError::BurstTooLarge),
+            Some(burst) => burst,
+        };
+        if self.cost == Some(0) {
+            return Err(LimitError::ZeroCost);
+        }
+        let emission_micros = window_micros.div_ceil(limit);
+        // The full bucket expressed as time must stay below a year so that timestamps plus
+        // it stay exact in Lua's doubles.
+        let fill_micros = u128::from(burst) * u128::from(emission_micros);
+        if fill_micros > u128::from(duration_to_micros(MAX_WINDOW)) {
+            return Err(LimitError::BurstTooLarge);
+        }
+        Ok(Limit {
+            name: self.name.into(),
+            algorithm,
+            limit,
+            window_micros,
+            burst,
+            cost: self.cost,
+            emission_micros,
+        })
+    }
+}
+
+macro_rules! shortcut {
+    ($(#[$doc:meta] $fn_name:ident => $algorithm:ident),* $(,)?) => {
+        impl Limit {
+            $(
+                #[$doc]
+                pub fn $fn_name(
+                    name: impl Into<String>,
+                    limit: u64,
+                    window: Duration,
+                ) -> Result<Limit, LimitError> {
+                    Limit::new(name, Algorithm::$algorithm, limit, window)
+                }
+            )*
+        }
+    };
+}
+
+shortcut! {
+    /// A `token_bucket` limit with capacity `limit`.
+    token_bucket => TokenBucket,
+    /// A `gcra` limit with capacity `limit`.
+    gcra => Gcra,
+    /// A `fixed_window` limit.
+    fixed_window => FixedWindow,
+    /// A `sliding_window_log` limit.
+    sliding_window_log => SlidingWindowLog,
+    /// A `sliding_window_counter` limit.
+    sliding_window_counter => SlidingWindowCounter,
+    /// A `leaky_bucket` limit with a queue of `limit` units.
+    leaky_bucket => LeakyBucket,
+    /// A `concurrency` limit of `limit` in flight; `window` is the lease lifetime.
+    concurrency => Concurrency,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_each_invalid_field_with_its_name() {
+        let second = Duration::from_secs(1);
+        let cases: Vec<(LimitBuilder, &str)> = vec![
+            (Limit::builder("").limit(1).window(second), "name"),
+            (Limit::builder("a:b").limit(1).window(second), "name"),
+            (Limit::builder("x").limit(0).window(second), "limit"),
+            (Limit::builder("x").window(second), "limit"),
+            (Limit::builder("x").limit(1).window(Duration::ZERO), "window"),
+            (Limit::builder("x").limit(1), "window"),
+            (
+                Limit::builder("x").limit(1).window(Duration::from_secs(400 * 86400)),
+                "window",
+            ),
+            (Limit::builder("x").limit(1).window(second).burst(0), "burst"),
+            (
+                Limit::builder("x")
+                    .algorithm(Algorithm::FixedWindow)
+                    .limit(1)
+                    .window(second)
+                    .burst(3),
+                "burst",
+            ),
+            (
+                Limit::builder("x").limit(1).window(Duration::from_secs(86400)).burst(1000),
+                "burst",
+            ),
+            (Limit::builder("x").limit(1).window(second).cost(0), "cost"),
+            (
+                Limit::builder("x").algorithm_name("leaky").limit(1).window(second),
+                "algorithm",
+            ),
+        ];
+        for (builder, field) in cases {
+            let error = builder.clone().build().expect_err(&format!("{builder:?}"));
+            assert_eq!(error.field(), field, "{error}");
+            assert!(error.to_string().starts_with(field), "{error}");
+        }
+    }
+
+    #[test]
+    fn defaults_burst_to_limit_and_concurrency_window_to_30s() {
+        let limit = Limit::token_bucket("per-second", 10, Duration::from_secs(1)).unwrap();
+        assert_eq!(limit.burst(), 10);
+        assert_eq!(limit.emission_micros(), 100_000);
+        let leases = Limit::builder("inflight")
+            .algorithm(Algorithm::Concurrency)
+            .limit(4)
+            .build()
+            .unwrap();
+        assert_eq!(leases.window(), DEFAULT_LEASE_TTL);
+    }
+
+    #[test]
+    fn emission_interval_rounds_up_so_the_rate_never_exceeds_the_limit() {
+        let limit = Limit::gcra("odd", 3, Duration::from_secs(1)).unwrap();
+        assert_eq!(limit.emission_micros(), 333_334);
+    }
+
+    #[test]
+    fn algorithm_names_round_trip() {
+        for algorithm in Algorithm::ALL {
+            assert_eq!(algorithm.as_str().parse::<Algorithm>(), Ok(algorithm));
+        }
+        let error = "bucket".parse::<Algorithm>().unwrap_err();
+        assert!(error.to_string().contains("unknown algorithm `bucket`"));
+    }
+}

@@ -1,0 +1,340 @@
+//! The in-memory store: a sharded hash table of per-key state behind short mutexes.
+//!
+//! A request's checks may live in several shards; their mutexes are taken in ascending shard
+//! order (so two requests never deadlock), which makes a multi-limit check atomic without the
+//! refund dance that Redis needs across slots.
+//!
+//! Memory stays bounded under rotating keys: every entry records when it becomes
+//! indistinguishable from a fresh key, and a shard drops such entries when it is next touched
+//! after its sweep interval, or when [`MemoryStore::evict_expired`] runs (periodically, if the
+//! store was built inside a Tokio runtime with [`MemoryStoreBuilder::evict_every`]).
+
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use hashbrown::{DefaultHashBuilder, HashTable};
+
+use super::{BoxFuture, Check, Lease, Store, StoreError};
+use crate::algorithm::{self, LimitOutcome, State};
+use crate::decision::Decision;
+use crate::time::{Clock, SystemClock, Timestamp, duration_to_micros};
+
+/// The in-memory store. Clones share the same state.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: DefaultHashBuilder,
+    clock: Arc<dyn Clock>,
+    next_lease_id: AtomicU64,
+    sweep_interval_micros: u64,
+}
+
+struct Shard {
+    entries: HashTable<Entry>,
+    next_sweep_at: u64,
+}
+
+struct Entry {
+    key: Arc<str>,
+    hash: u64,
+    state: Option<State>,
+    /// From this time on, `state` equals a fresh key's and the entry can go.
+    idle_at: u64,
+}
+
+/// Configures a [`MemoryStore`].
+#[must_use]
+pub struct MemoryStoreBuilder {
+    clock: Arc<dyn Clock>,
+    shards: usize,
+    sweep_interval: Duration,
+    evict_every: Option<Duration>,
+}
+
+impl MemoryStoreBuilder {
+    /// The clock (default: the system clock). Tests pass a [`crate::FakeClock`].
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Number of shards, rounded up to a power of two (default: 16 per CPU, at least 64).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.clamp(1, 1 << 16);
+        self
+    }
+
+    /// How often a shard that is being used drops its idle entries (default 1s).
+    pub fn sweep_interval(mut self, interval: Duration) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Also sweep every shard on this period from a background task, so that memory is
+    /// returned even when traffic stops. Needs a Tokio runtime at `build`; without one the
+    /// setting is ignored. The task ends when the last clone of the store is dropped.
+    pub fn evict_every(mut self, period: Duration) -> Self {
+        self.evict_every = Some(period);
+        self
+    }
+
+    /// Builds the store.
+    pub fn build(self) -> MemoryStore {
+        let shard_count = self.shards.next_power_of_two();
+        let shards = (0..shard_count)
+            .map(|_| {
+                Mutex::new(Shard {
+                    entries: HashTable::new(),
+                    next_sweep_at: 0,
+                })
+            })
+            .collect();
+        let store = MemoryStore {
+            inner: Arc::new(Inner {
+                shards,
+                hasher: DefaultHashBuilder::default(),
+                clock: self.clock,
+                next_lease_id: AtomicU64::new(1),
+                sweep_interval_micros: duration_to_micros(self.sweep_interval).max(1),
+            }),
+        };
+        if let (Some(period), Ok(runtime)) =
+            (self.evict_every, tokio::runtime::Handle::try_current())
+        {
+            runtime.spawn(evict_periodically(Arc::downgrade(&store.inner), period));
+        }
+        store
+    }
+}
+
+async fn evict_periodically(store: Weak<Inner>, period: Duration) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(inner) = store.upgrade() else { return };
+        let evicted = inner.evict_expired();
+        if evicted > 0 {
+            tracing::debug!(evicted, "memory store evicted idle keys");
+        }
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore {
+    /// A store on the system clock with default settings.
+    pub fn new() -> MemoryStore {
+        MemoryStore::builder().build()
+    }
+
+    /// Configures a store.
+    pub fn builder() -> MemoryStoreBuilder {
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        MemoryStoreBuilder {
+            clock: Arc::new(SystemClock),
+            shards: (cpus * 16).max(64),
+            sweep_interval: Duration::from_secs(1),
+            evict_every: None,
+        }
+    }
+
+    /// The synchronous form of [`Store::check_and_consume`]: the memory store never waits.
+    pub fn check_and_consume_now(&self, checks: &[Check], now: Option<Timestamp>) -> Decision {
+        let now = now.unwrap_or_else(|| self.inner.clock.now());
+        self.inner.check_and_consume(checks, now)
+    }
+
+    /// Drops every entry that is idle at the clock's current time; returns how many went.
+    pub fn evict_expired(&self) -> usize {
+        self.inner.evict_expired()
+    }
+
+    /// Number of keys currently held (idle ones included until swept).
+    pub fn len(&self) -> usize {
+        self.inner.shards.iter().map(|shard| lock(shard).entries.len()).sum()
+    }
+
+    /// Whether no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding the lock cannot leave an entry half-written (entries are replaced
+    // whole), so a poisoned shard is still consistent.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Inner {
+    fn shard_of(&self, hash: u64) -> usize {
+        // The table uses the hash's low bits for buckets and top 7 bits for tags; the shard
+        // takes bits from the middle so the two do not correlate.
+        (hash >> 32) as usize & (self.shards.len() - 1)
+    }
+
+    fn check_and_consume(&self, checks: &[Check], now: Timestamp) -> Decision {
+        let now_micros = now.as_micros();
+        let hashes: Vec<u64> = checks
+            .iter()
+            .map(|check| self.hasher.hash_one(&*check.key))
+            .collect();
+        let mut shard_ids: Vec<usize> = hashes.iter().map(|&hash| self.shard_of(hash)).collect();
+        shard_ids.sort_unstable();
+        shard_ids.dedup();
+        // Ascending order: every request locks shards in the same global order.
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_ids
+            .iter()
+            .map(|&id| (id, lock(&self.shards[id])))
+            .collect();
+
+        let outcomes: Vec<LimitOutcome> = checks
+            .iter()
+            .zip(&hashes)
+            .map(|(check, &hash)| {
+                let shard = locked_shard(&mut guards, self.shard_of(hash));
+                let state = shard
+                    .entries
+                    .find(hash, |entry| *entry.key == *check.key)
+                    .and_then(|entry| entry.state.as_ref());
+                algorithm::evaluate(&check.limit, state, now_micros, check.cost)
+            })
+            .collect();
+
+        let mut leases = Vec::new();
+        if outcomes.iter().all(|outcome| outcome.allowed) {
+            for (check, &hash) in checks.iter().zip(&hashes) {
+                let lease_id = self.next_lease_id.fetch_add(1, Ordering::Relaxed);
+                let shard = locked_shard(&mut guards, self.shard_of(hash));
+                let entry = shard
+                    .entries
+                    .entry(
+                        hash,
+                        |entry| *entry.key == *check.key,
+                        |entry| entry.hash,
+                    )
+                    .or_insert_with(|| Entry {
+                        key: check.key.clone(),
+                        hash,
+                        state: None,
+                        idle_at: 0,
+                    })
+                    .into_mut();
+                algorithm::consume(&check.limit, &mut entry.state, now_micros, check.cost, lease_id);
+                if let Some(state) = &entry.state {
+                    entry.idle_at = algorithm::idle_at(&check.limit, state);
+                }
+                if matches!(entry.state, Some(State::Concurrency(_))) {
+                    leases.push(Lease {
+                        key: check.key.clone(),
+                        id: lease_id,
+                    });
+                }
+            }
+        }
+
+        for (_, shard) in &mut guards {
+            if now_micros >= shard.next_sweep_at {
+                shard.sweep(now_micros);
+                shard.next_sweep_at = now_micros + self.sweep_interval_micros;
+            }
+        }
+        Decision::from_outcomes(now, checks, &outcomes, leases)
+    }
+
+    fn release(&self, leases: &[Lease]) {
+        for lease in leases {
+            let hash = self.hasher.hash_one(&*lease.key);
+            let mut shard = lock(&self.shards[self.shard_of(hash)]);
+            if let Ok(mut entry) = shard
+                .entries
+                .find_entry(hash, |entry| *entry.key == *lease.key)
+            {
+                let emptied = match &mut entry.get_mut().state {
+                    Some(state) => {
+                        algorithm::release(state, lease.id);
+                        matches!(state, State::Concurrency(leases) if leases.leases.is_empty())
+                    }
+                    None => true,
+                };
+                if emptied {
+                    entry.remove();
+                }
+            }
+        }
+    }
+
+    fn evict_expired(&self) -> usize {
+        let now = self.clock.now().as_micros();
+        self.shards
+            .iter()
+            .map(|shard| {
+                let mut shard = lock(shard);
+                let evicted = shard.sweep(now);
+                shard.next_sweep_at = now + self.sweep_interval_micros;
+                evicted
+            })
+            .sum()
+    }
+}
+
+/// The locked shard `id` among `guards` (which holds every shard the request touches).
+fn locked_shard<'g>(guards: &'g mut [(usize, MutexGuard<'_, Shard>)], id: usize) -> &'g mut Shard {
+    let position = guards
+        .iter()
+        .position(|(locked, _)| *locked == id)
+        .unwrap_or_default();
+    &mut guards[position].1
+}
+
+impl Shard {
+    /// Drops idle entries and gives memory back once the table is mostly empty.
+    fn sweep(&mut self, now: u64) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|entry| entry.idle_at > now);
+        let len = self.entries.len();
+        if self.entries.capacity() > 4 * len + 16 {
+            self.entries.shrink_to(len * 2, |entry| entry.hash);
+        }
+        before - len
+    }
+}
+
+impl Store for MemoryStore {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        let decision = self.check_and_consume_now(checks, now);
+        Box::pin(std::future::ready(Ok(decision)))
+    }
+
+    fn release(&self, leases: Vec<Lease>) {
+        self.inner.release(&leases);
+    }
+
+    fn backend(&self) -> &'static str {
+        "memory"
+    }
+}

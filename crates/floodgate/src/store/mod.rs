@@ -1,0 +1,119 @@
+//! Stores: where limit state lives, and the one atomic operation every store provides.
+//!
+//! A [`Store`] checks a request against all its limits and, only if every limit admits it,
+//! consumes from all of them, in one atomic step. The memory store ([`MemoryStore`]) is the
+//! default; the Redis store shares this trait and the conformance suite in `tests/`.
+
+mod memory;
+
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::limit::Limit;
+use crate::time::Timestamp;
+
+/// A boxed future, as returned by [`Store`] methods so that stores can be trait objects.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// One limit to check for one request: which counter, under which limit, at what cost.
+#[derive(Clone, Debug)]
+pub struct Check {
+    /// The storage key, as laid out by [`crate::key::StorageKey`].
+    pub key: Arc<str>,
+    /// The limit.
+    pub limit: Arc<Limit>,
+    /// Units this request costs against this limit.
+    pub cost: u64,
+}
+
+impl Check {
+    /// A check of `limit` under `key` for a request costing `request_cost` (the limit's own
+    /// cost override wins).
+    pub fn new(key: impl Into<Arc<str>>, limit: Arc<Limit>, request_cost: u64) -> Check {
+        let cost = limit.cost_for(request_cost);
+        Check {
+            key: key.into(),
+            limit,
+            cost,
+        }
+    }
+}
+
+/// A concurrency lease held by an admitted request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The key of the `concurrency` limit.
+    pub key: Arc<str>,
+    /// The lease's identifier within that key.
+    pub id: u64,
+}
+
+/// Why a store could not decide.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store did not answer within its deadline.
+    #[error("store call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The store could not be reached or failed to answer.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The circuit breaker is open: the store is not being called.
+    #[error("circuit breaker open; store not called")]
+    BreakerOpen,
+    /// The store answered something this version does not understand.
+    #[error("unexpected store reply: {0}")]
+    Protocol(String),
+}
+
+impl StoreError {
+    /// Whether retrying later may succeed (connection trouble, timeouts), as opposed to a
+    /// problem that repeats on every call.
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, StoreError::Protocol(_))
+    }
+}
+
+/// Where limit state lives.
+///
+/// `check_and_consume` is atomic over all its checks: either every limit admits the request
+/// and each consumes its cost, or none consumes anything.
+pub trait Store: Send + Sync + 'static {
+    /// Checks `checks` and consumes from all of them if all admit. `now` overrides the store's
+    /// clock (tests); `None` uses the store's own time.
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>>;
+
+    /// Releases concurrency leases. Never blocks: a store that needs I/O does it in the
+    /// background, and a lease that cannot be released expires with its window.
+    fn release(&self, leases: Vec<Lease>);
+
+    /// A short name for logs and metrics (`memory`, `redis`).
+    fn backend(&self) -> &'static str;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        (**self).check_and_consume(checks, now)
+    }
+
+    fn release(&self, leases: Vec<Lease>) {
+        (**self).release(leases)
+    }
+
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+}

@@ -1,0 +1,117 @@
+//! Time as the limiter sees it: whole microseconds since the Unix epoch.
+//!
+//! Every algorithm works on integer microseconds so that the Rust functions and the Lua scripts
+//! (whose numbers are IEEE doubles, exact for integers below 2^53) compute identical results.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A point in time: microseconds since the Unix epoch.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Timestamp(u64);
+
+impl Timestamp {
+    /// The Unix epoch.
+    pub const EPOCH: Timestamp = Timestamp(0);
+
+    /// A timestamp `micros` microseconds after the Unix epoch.
+    pub const fn from_micros(micros: u64) -> Self {
+        Timestamp(micros)
+    }
+
+    /// A timestamp `secs` seconds after the Unix epoch.
+    pub const fn from_secs(secs: u64) -> Self {
+        Timestamp(secs * 1_000_000)
+    }
+
+    /// Microseconds since the Unix epoch.
+    pub const fn as_micros(self) -> u64 {
+        self.0
+    }
+
+    /// Whole seconds since the Unix epoch, rounded up (for `X-RateLimit-Reset`).
+    pub const fn as_secs_ceil(self) -> u64 {
+        self.0.div_ceil(1_000_000)
+    }
+
+    /// The current wall-clock time.
+    pub fn now() -> Self {
+        let since_epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO);
+        Timestamp(duration_to_micros(since_epoch))
+    }
+
+    /// This timestamp moved `by` later, saturating.
+    pub fn saturating_add(self, by: Duration) -> Self {
+        Timestamp(self.0.saturating_add(duration_to_micros(by)))
+    }
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Timestamp({}.{:06}s)", self.0 / 1_000_000, self.0 % 1_000_000)
+    }
+}
+
+/// Converts a duration to whole microseconds, saturating at `u64::MAX`.
+pub(crate) fn duration_to_micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A source of the current time, injected into the memory store so that tests control time.
+pub trait Clock: Send + Sync + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The system's wall clock.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+}
+
+/// A clock that moves only when told to. Clones share one time, so a test can keep a handle
+/// while the store owns another.
+#[derive(Clone, Debug, Default)]
+pub struct FakeClock {
+    micros: Arc<AtomicU64>,
+}
+
+impl FakeClock {
+    /// A fake clock stopped at `start`.
+    pub fn new(start: Timestamp) -> Self {
+        FakeClock {
+            micros: Arc::new(AtomicU64::new(start.as_micros())),
+        }
+    }
+
+    /// Moves the clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        self.micros
+            .fetch_add(duration_to_micros(by), Ordering::SeqCst);
+    }
+
+    /// Sets the clock to `to` (which may be earlier: the algorithms tolerate a clock that steps back).
+    pub fn set(&self, to: Timestamp) {
+        self.micros.store(to.as_micros(), Ordering::SeqCst);
+    }
+}
+
+impl Clock for FakeClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.micros.load(Ordering::SeqCst))
+    }
+}
+
+impl<C: Clock + ?Sized> Clock for Arc<C> {
+    fn now(&self) -> Timestamp {
+        (**self).now()
+    }
+}
