@@ -97,9 +97,7 @@ impl FromStr for Algorithm {
 #[non_exhaustive]
 pub enum LimitError {
     /// The name is empty, too long or has characters other than `A-Z a-z 0-9 - _ .`.
-    #[error(
-        "name: `{0}` is not a valid limit name (1 to 64 characters among A-Z a-z 0-9 - _ .)"
-    )]
+    #[error("name: `{0}` is not a valid limit name (1 to 64 characters among A-Z a-z 0-9 - _ .)")]
     InvalidName(String),
     /// No algorithm of that name.
     #[error(
@@ -410,13 +408,21 @@ mod tests {
             (Limit::builder("a:b").limit(1).window(second), "name"),
             (Limit::builder("x").limit(0).window(second), "limit"),
             (Limit::builder("x").window(second), "limit"),
-            (Limit::builder("x").limit(1).window(Duration::ZERO), "window"),
-            (Limit::builder("x").limit(1), "window"),
             (
-                Limit::builder("x").limit(1).window(Duration::from_secs(400 * 86400)),
+                Limit::builder("x").limit(1).window(Duration::ZERO),
                 "window",
             ),
-            (Limit::builder("x").limit(1).window(second).burst(0), "burst"),
+            (Limit::builder("x").limit(1), "window"),
+            (
+                Limit::builder("x")
+                    .limit(1)
+                    .window(Duration::from_secs(400 * 86400)),
+                "window",
+            ),
+            (
+                Limit::builder("x").limit(1).window(second).burst(0),
+                "burst",
+            ),
             (
                 Limit::builder("x")
                     .algorithm(Algorithm::FixedWindow)
@@ -426,12 +432,18 @@ mod tests {
                 "burst",
             ),
             (
-                Limit::builder("x").limit(1).window(Duration::from_secs(86400)).burst(1000),
+                Limit::builder("x")
+                    .limit(1)
+                    .window(Duration::from_secs(86400))
+                    .burst(1000),
                 "burst",
             ),
             (Limit::builder("x").limit(1).window(second).cost(0), "cost"),
             (
-                Limit::builder("x").algorithm_name("leaky").limit(1).window(second),
+                Limit::builder("x")
+                    .algorithm_name("leaky")
+                    .limit(1)
+                    .window(second),
                 "algorithm",
             ),
         ];

@@ -52,7 +52,12 @@ impl Timestamp {
 
 impl fmt::Debug for Timestamp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Timestamp({}.{:06}s)", self.0 / 1_000_000, self.0 % 1_000_000)
+        write!(
+            f,
+            "Timestamp({}.{:06}s)",
+            self.0 / 1_000_000,
+            self.0 % 1_000_000
+        )
     }
 }
 

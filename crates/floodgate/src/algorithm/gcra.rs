@@ -16,7 +16,12 @@ fn tolerance(limit: &Limit) -> u64 {
     limit.capacity() * limit.emission_micros()
 }
 
-pub(super) fn evaluate(limit: &Limit, state: Option<&GcraState>, now: u64, cost: u64) -> LimitOutcome {
+pub(super) fn evaluate(
+    limit: &Limit,
+    state: Option<&GcraState>,
+    now: u64,
+    cost: u64,
+) -> LimitOutcome {
     let emission = limit.emission_micros();
     let tolerance = tolerance(limit);
     let tat = state.map_or(now, |state| state.tat.max(now));

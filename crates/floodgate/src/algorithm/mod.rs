@@ -156,14 +156,9 @@ pub fn consume(limit: &Limit, state: &mut Option<State>, now: u64, cost: u64, le
             now,
             cost,
         )),
-        Algorithm::SlidingWindowCounter => {
-            State::SlidingWindowCounter(sliding_window_counter::consume(
-                limit,
-                previous.and_then(State::as_counter),
-                now,
-                cost,
-            ))
-        }
+        Algorithm::SlidingWindowCounter => State::SlidingWindowCounter(
+            sliding_window_counter::consume(limit, previous.and_then(State::as_counter), now, cost),
+        ),
         Algorithm::LeakyBucket => State::LeakyBucket(leaky_bucket::consume(
             limit,
             previous.and_then(State::as_leaky_bucket),

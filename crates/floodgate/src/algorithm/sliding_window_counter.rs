@@ -75,8 +75,7 @@ fn retry_after(limit: &Limit, counters: &SlidingWindowCounterState, now: u64, co
     let mut wait = if counters.current + cost <= limit_units {
         // The previous window's weight must decay enough within the current window.
         let spare = (limit_units - counters.current - cost) as f64;
-        let needed =
-            (window - elapsed) as f64 - (spare * window as f64) / counters.previous as f64;
+        let needed = (window - elapsed) as f64 - (spare * window as f64) / counters.previous as f64;
         needed.ceil().max(0.0) as u64
     } else {
         // Only after the current window has become the previous one.

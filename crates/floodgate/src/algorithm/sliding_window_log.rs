@@ -61,12 +61,7 @@ pub(super) fn evaluate(
     LimitOutcome::denied(remaining, until_empty, retry_after)
 }
 
-pub(super) fn consume(
-    limit: &Limit,
-    state: &mut SlidingWindowLogState,
-    now: u64,
-    cost: u64,
-) {
+pub(super) fn consume(limit: &Limit, state: &mut SlidingWindowLogState, now: u64, cost: u64) {
     while state
         .entries
         .front()
@@ -75,7 +70,10 @@ pub(super) fn consume(
         state.entries.pop_front();
     }
     // Keep the log sorted even if the clock stepped back.
-    let at = state.entries.back().map_or(now, |newest| newest.at.max(now));
+    let at = state
+        .entries
+        .back()
+        .map_or(now, |newest| newest.at.max(now));
     state.entries.push_back(LogEntry { at, cost });
 }
 

@@ -171,7 +171,11 @@ impl MemoryStore {
 
     /// Number of keys currently held (idle ones included until swept).
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|shard| lock(shard).entries.len()).sum()
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| lock(shard).entries.len())
+            .sum()
     }
 
     /// Whether no key is held.
@@ -208,31 +212,37 @@ impl Inner {
             .map(|&id| (id, lock(&self.shards[id])))
             .collect();
 
-        let outcomes: Vec<LimitOutcome> = checks
+        let mut evaluate = |check: &Check, hash: u64, cost: u64| {
+            let shard = locked_shard(&mut guards, self.shard_of(hash));
+            let state = shard
+                .entries
+                .find(hash, |entry| *entry.key == *check.key)
+                .and_then(|entry| entry.state.as_ref());
+            algorithm::evaluate(&check.limit, state, now_micros, cost)
+        };
+        let mut outcomes: Vec<LimitOutcome> = checks
             .iter()
             .zip(&hashes)
-            .map(|(check, &hash)| {
-                let shard = locked_shard(&mut guards, self.shard_of(hash));
-                let state = shard
-                    .entries
-                    .find(hash, |entry| *entry.key == *check.key)
-                    .and_then(|entry| entry.state.as_ref());
-                algorithm::evaluate(&check.limit, state, now_micros, check.cost)
-            })
+            .map(|(check, &hash)| evaluate(check, hash, check.cost))
             .collect();
+        let admitted = outcomes.iter().all(|outcome| outcome.allowed);
+        if !admitted {
+            // The limits that would have admitted were not charged: report them as they stand.
+            for ((check, &hash), outcome) in checks.iter().zip(&hashes).zip(&mut outcomes) {
+                if outcome.allowed {
+                    *outcome = evaluate(check, hash, 0);
+                }
+            }
+        }
 
         let mut leases = Vec::new();
-        if outcomes.iter().all(|outcome| outcome.allowed) {
+        if admitted {
             for (check, &hash) in checks.iter().zip(&hashes) {
                 let lease_id = self.next_lease_id.fetch_add(1, Ordering::Relaxed);
                 let shard = locked_shard(&mut guards, self.shard_of(hash));
                 let entry = shard
                     .entries
-                    .entry(
-                        hash,
-                        |entry| *entry.key == *check.key,
-                        |entry| entry.hash,
-                    )
+                    .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
                     .or_insert_with(|| Entry {
                         key: check.key.clone(),
                         hash,
@@ -240,7 +250,13 @@ impl Inner {
                         idle_at: 0,
                     })
                     .into_mut();
-                algorithm::consume(&check.limit, &mut entry.state, now_micros, check.cost, lease_id);
+                algorithm::consume(
+                    &check.limit,
+                    &mut entry.state,
+                    now_micros,
+                    check.cost,
+                    lease_id,
+                );
                 if let Some(state) = &entry.state {
                     entry.idle_at = algorithm::idle_at(&check.limit, state);
                 }

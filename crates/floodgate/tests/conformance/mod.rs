@@ -1,0 +1,447 @@
+//! The store conformance suite: every test body is written once here, against the `Store`
+//! trait, and stamped out for each store by `conformance_suite!` (see `conformance_memory.rs`).
+//!
+//! Time is passed explicitly (`now`), so the suite runs on a fake clock against any store.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate::{Algorithm, Check, Decision, Limit, Store, Timestamp};
+
+/// A timestamp aligned to a day, so every window of the suite starts there.
+pub const T0: u64 = 1_700_006_400 * 1_000_000;
+
+pub fn at(offset: Duration) -> Timestamp {
+    Timestamp::from_micros(T0 + offset.as_micros() as u64)
+}
+
+pub fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+pub fn secs(secs: u64) -> Duration {
+    Duration::from_secs(secs)
+}
+
+pub fn limit(algorithm: Algorithm, limit: u64, window: Duration) -> Arc<Limit> {
+    Arc::new(Limit::new("test", algorithm, limit, window).unwrap())
+}
+
+pub fn limit_with_burst(
+    algorithm: Algorithm,
+    limit: u64,
+    window: Duration,
+    burst: u64,
+) -> Arc<Limit> {
+    Arc::new(
+        Limit::builder("test")
+            .algorithm(algorithm)
+            .limit(limit)
+            .window(window)
+            .burst(burst)
+            .build()
+            .unwrap(),
+    )
+}
+
+pub fn named(name: &str, algorithm: Algorithm, limit: u64, window: Duration) -> Arc<Limit> {
+    Arc::new(Limit::new(name, algorithm, limit, window).unwrap())
+}
+
+/// A key shaped like the real layout, on one hash slot per identity.
+pub fn key(identity: &str, limit: &str) -> String {
+    format!("fgtest:{{ip:{identity}}}:default:{limit}")
+}
+
+pub async fn hit_all(store: &dyn Store, checks: &[Check], now: Timestamp) -> Decision {
+    store
+        .check_and_consume(checks, Some(now))
+        .await
+        .expect("store decides")
+}
+
+pub async fn hit(store: &dyn Store, limit: &Arc<Limit>, cost: u64, now: Timestamp) -> Decision {
+    let checks = [Check::new(key("client", limit.name()), limit.clone(), cost)];
+    hit_all(store, &checks, now).await
+}
+
+/// Sends unit requests at `now` until one is denied; returns how many were admitted.
+pub async fn admit_until_denied(store: &dyn Store, limit: &Arc<Limit>, now: Timestamp) -> u64 {
+    let mut admitted = 0;
+    while hit(store, limit, 1, now).await.is_allowed() {
+        admitted += 1;
+        assert!(admitted <= 1_000_000, "never denied");
+    }
+    admitted
+}
+
+fn binding(decision: &Decision) -> &floodgate::LimitStatus {
+    decision.binding_limit().expect("a binding limit")
+}
+
+// ---------------------------------------------------------------------------------------------
+
+async fn bucket_burst_then_refill(store: &dyn Store, algorithm: Algorithm) {
+    let limit = limit(algorithm, 10, secs(1)); // one token every 100ms
+    for expected_remaining in (0..10).rev() {
+        let decision = hit(store, &limit, 1, at(ms(0))).await;
+        assert!(decision.is_allowed());
+        assert_eq!(binding(&decision).remaining, expected_remaining);
+        assert_eq!(
+            binding(&decision).reset_after,
+            ms(100) * (10 - expected_remaining as u32),
+            "time until the bucket is full again"
+        );
+    }
+    let denied = hit(store, &limit, 1, at(ms(0))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.retry_after(), Some(ms(100)));
+    assert_eq!(binding(&denied).remaining, 0);
+    assert_eq!(binding(&denied).reset_after, secs(1));
+
+    let early = hit(store, &limit, 1, at(ms(100) - Duration::from_micros(1))).await;
+    assert!(!early.is_allowed());
+    assert_eq!(early.retry_after(), Some(Duration::from_micros(1)));
+    assert!(hit(store, &limit, 1, at(ms(100))).await.is_allowed());
+
+    // Half a window refills half the capacity, no more.
+    assert_eq!(admit_until_denied(store, &limit, at(ms(600))).await, 5);
+    // A long pause refills to capacity, never beyond.
+    assert_eq!(admit_until_denied(store, &limit, at(secs(60))).await, 10);
+}
+
+pub async fn token_bucket_burst_then_refill(store: impl Store) {
+    bucket_burst_then_refill(&store, Algorithm::TokenBucket).await;
+}
+
+pub async fn gcra_burst_then_refill(store: impl Store) {
+    bucket_burst_then_refill(&store, Algorithm::Gcra).await;
+}
+
+async fn bucket_burst_above_rate(store: &dyn Store, algorithm: Algorithm) {
+    let limit = limit_with_burst(algorithm, 10, secs(1), 20);
+    assert_eq!(admit_until_denied(store, &limit, at(ms(0))).await, 20);
+    // Then the sustained rate: one per 100ms.
+    assert_eq!(admit_until_denied(store, &limit, at(ms(300))).await, 3);
+    let decision = hit(store, &limit, 1, at(ms(300))).await;
+    assert_eq!(decision.retry_after(), Some(ms(100)));
+}
+
+pub async fn token_bucket_burst_above_rate(store: impl Store) {
+    bucket_burst_above_rate(&store, Algorithm::TokenBucket).await;
+}
+
+pub async fn gcra_burst_above_rate(store: impl Store) {
+    bucket_burst_above_rate(&store, Algorithm::Gcra).await;
+}
+
+pub async fn fixed_window_counts_per_aligned_window(store: impl Store) {
+    let limit = limit(Algorithm::FixedWindow, 5, secs(60));
+    for expected_remaining in (0..5).rev() {
+        let decision = hit(&store, &limit, 1, at(secs(30))).await;
+        assert!(decision.is_allowed());
+        assert_eq!(binding(&decision).remaining, expected_remaining);
+        assert_eq!(
+            binding(&decision).reset_after,
+            secs(30),
+            "until the window ends"
+        );
+    }
+    let denied = hit(&store, &limit, 1, at(secs(45))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.retry_after(), Some(secs(15)));
+    assert!(
+        !hit(&store, &limit, 1, at(secs(60) - Duration::from_micros(1)))
+            .await
+            .is_allowed()
+    );
+    assert_eq!(admit_until_denied(&store, &limit, at(secs(60))).await, 5);
+}
+
+/// The known flaw of fixed windows, shown: `limit` at the end of one window and `limit` at the
+/// start of the next pass within 200ms, twice the limit in far less than a window.
+pub async fn fixed_window_boundary_burst(store: impl Store) {
+    let limit = limit(Algorithm::FixedWindow, 5, secs(60));
+    assert_eq!(
+        admit_until_denied(&store, &limit, at(secs(60) - ms(100))).await,
+        5
+    );
+    assert_eq!(
+        admit_until_denied(&store, &limit, at(secs(60) + ms(100))).await,
+        5
+    );
+}
+
+pub async fn sliding_window_log_trailing_window(store: impl Store) {
+    let limit = limit(Algorithm::SlidingWindowLog, 3, secs(10));
+    for offset in [0, 2, 4] {
+        assert!(hit(&store, &limit, 1, at(secs(offset))).await.is_allowed());
+    }
+    let denied = hit(&store, &limit, 1, at(secs(5))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(
+        denied.retry_after(),
+        Some(secs(5)),
+        "the t0 entry leaves at t0+10s"
+    );
+    assert_eq!(
+        binding(&denied).reset_after,
+        secs(9),
+        "the t0+4s entry leaves at t0+14s"
+    );
+    // No boundary burst: just before the oldest entry leaves, still denied.
+    assert!(
+        !hit(&store, &limit, 1, at(secs(10) - Duration::from_micros(1)))
+            .await
+            .is_allowed()
+    );
+    let admitted = hit(&store, &limit, 1, at(secs(10))).await;
+    assert!(admitted.is_allowed());
+    assert_eq!(binding(&admitted).remaining, 0);
+    // Denied requests were not logged: only the t0+2s entry must leave for one more.
+    let denied = hit(&store, &limit, 1, at(secs(11))).await;
+    assert_eq!(denied.retry_after(), Some(secs(1)));
+}
+
+pub async fn sliding_window_counter_weights_previous_window(store: impl Store) {
+    let limit = limit(Algorithm::SlidingWindowCounter, 10, secs(10));
+    assert_eq!(admit_until_denied(&store, &limit, at(secs(1))).await, 10);
+    // New window starts at t0+10s: the previous window still weighs 100%.
+    assert!(!hit(&store, &limit, 1, at(secs(10))).await.is_allowed());
+    // Halfway through: previous weighs 50% → estimate 5 → five more.
+    let first = hit(&store, &limit, 1, at(secs(15))).await;
+    assert!(first.is_allowed());
+    assert_eq!(binding(&first).remaining, 4);
+    assert_eq!(admit_until_denied(&store, &limit, at(secs(15))).await, 4);
+    let denied = hit(&store, &limit, 1, at(secs(15))).await;
+    // estimate = 10 × (10 - 5 - d)/10 + 5 must drop to 9: d = 1s.
+    assert_eq!(denied.retry_after(), Some(secs(1)));
+    assert!(
+        !hit(&store, &limit, 1, at(secs(16) - Duration::from_micros(1)))
+            .await
+            .is_allowed()
+    );
+    assert!(hit(&store, &limit, 1, at(secs(16))).await.is_allowed());
+}
+
+pub async fn leaky_bucket_delays_then_rejects(store: impl Store) {
+    // 10 per second (one every 100ms); a request may wait at most burst × 100ms = 200ms.
+    let limit = limit_with_burst(Algorithm::LeakyBucket, 10, secs(1), 2);
+    for expected_delay in [ms(0), ms(100), ms(200)] {
+        let decision = hit(&store, &limit, 1, at(ms(0))).await;
+        assert!(decision.is_allowed());
+        assert_eq!(decision.delay(), expected_delay);
+    }
+    let denied = hit(&store, &limit, 1, at(ms(0))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.delay(), Duration::ZERO);
+    assert_eq!(denied.retry_after(), Some(ms(100)));
+    assert_eq!(
+        binding(&denied).reset_after,
+        ms(300),
+        "the queue drains in 300ms"
+    );
+    let later = hit(&store, &limit, 1, at(ms(100))).await;
+    assert!(later.is_allowed());
+    assert_eq!(later.delay(), ms(200));
+    // Once drained, no delay.
+    let drained = hit(&store, &limit, 1, at(secs(5))).await;
+    assert_eq!(drained.delay(), Duration::ZERO);
+}
+
+pub async fn concurrency_leases_release_and_expire(store: impl Store) {
+    let limit = limit(Algorithm::Concurrency, 2, secs(30));
+    let first = hit(&store, &limit, 1, at(ms(0))).await;
+    let second = hit(&store, &limit, 1, at(ms(10))).await;
+    assert!(first.is_allowed() && second.is_allowed());
+    assert_eq!(first.leases().len(), 1);
+    let denied = hit(&store, &limit, 1, at(ms(20))).await;
+    assert!(!denied.is_allowed());
+    assert!(
+        denied.leases().is_empty(),
+        "a denied request holds no lease"
+    );
+    assert_eq!(
+        denied.retry_after(),
+        Some(secs(30) - ms(20)),
+        "until the first lease expires"
+    );
+
+    store.release(first.leases().to_vec());
+    let third = hit(&store, &limit, 1, at(ms(30))).await;
+    assert!(third.is_allowed(), "a released lease frees its slot");
+    assert!(!hit(&store, &limit, 1, at(ms(40))).await.is_allowed());
+    // Leases never released (a crashed node) expire with the window.
+    assert!(
+        hit(&store, &limit, 1, at(secs(30) + ms(30)))
+            .await
+            .is_allowed()
+    );
+}
+
+pub async fn several_limits_are_all_or_nothing(store: impl Store) {
+    let per_second = named("per-second", Algorithm::TokenBucket, 2, secs(1));
+    let daily = named("daily", Algorithm::FixedWindow, 3, secs(86_400));
+    let checks = [
+        Check::new(key("client", "per-second"), per_second.clone(), 1),
+        Check::new(key("client", "daily"), daily.clone(), 1),
+    ];
+    assert!(hit_all(&store, &checks, at(ms(0))).await.is_allowed());
+    assert!(hit_all(&store, &checks, at(ms(0))).await.is_allowed());
+    // per-second denies: daily must not be charged.
+    let denied = hit_all(&store, &checks, at(ms(0))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.binding_limit().unwrap().name.as_ref(), "per-second");
+    assert_eq!(denied.limits()[1].remaining, 1);
+    let third = hit_all(&store, &checks, at(secs(1))).await;
+    assert!(third.is_allowed(), "daily still had one left");
+    assert_eq!(third.limits()[1].remaining, 0);
+    // Now daily denies: per-second (refilled to 2, one taken) must not be charged.
+    let denied = hit_all(&store, &checks, at(secs(1))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.binding_limit().unwrap().name.as_ref(), "daily");
+    assert_eq!(
+        denied.limits()[0].remaining,
+        1,
+        "per-second reports its state without charge"
+    );
+    let per_second_only = [Check::new(key("client", "per-second"), per_second, 1)];
+    let after = hit_all(&store, &per_second_only, at(secs(1) + ms(500))).await;
+    assert!(after.is_allowed());
+    // 1 token + 0.5s × 2/s = 2, minus one: 1 left. Had daily's denial charged it, 0.
+    assert_eq!(after.limits()[0].remaining, 1);
+    // The binding limit's retry is the longest: daily resets at the end of the day.
+    assert_eq!(denied.retry_after(), Some(secs(86_399)));
+}
+
+pub async fn binding_limit_has_least_room(store: impl Store) {
+    let per_second = named("per-second", Algorithm::TokenBucket, 10, secs(1));
+    let daily = named("daily", Algorithm::FixedWindow, 100, secs(86_400));
+    let checks = [
+        Check::new(key("client", "daily"), daily, 1),
+        Check::new(key("client", "per-second"), per_second, 1),
+    ];
+    let decision = hit_all(&store, &checks, at(ms(0))).await;
+    let binding = binding(&decision);
+    assert_eq!(
+        binding.name.as_ref(),
+        "per-second",
+        "9/10 left beats 99/100"
+    );
+    assert_eq!(binding.remaining, 9);
+    assert_eq!(decision.limits().len(), 2);
+}
+
+pub async fn costs_are_charged_and_oversized_costs_never_pass(store: impl Store) {
+    let limit = limit(Algorithm::TokenBucket, 10, secs(1));
+    let first = hit(&store, &limit, 4, at(ms(0))).await;
+    assert_eq!(binding(&first).remaining, 6);
+    assert_eq!(
+        binding(&hit(&store, &limit, 4, at(ms(0))).await).remaining,
+        2
+    );
+    let denied = hit(&store, &limit, 4, at(ms(0))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(
+        denied.retry_after(),
+        Some(ms(200)),
+        "two more tokens needed"
+    );
+    let oversized = hit(&store, &limit, 11, at(secs(10))).await;
+    assert!(!oversized.is_allowed());
+    assert!(oversized.is_never_admissible());
+    assert_eq!(
+        oversized.retry_after(),
+        None,
+        "no promise for a request that cannot pass"
+    );
+    // ... and it consumed nothing.
+    assert_eq!(admit_until_denied(&store, &limit, at(secs(10))).await, 10);
+}
+
+/// For every algorithm: the retry_after of a denial is exact. A microsecond early the request
+/// is still denied; at `now + retry_after`, sent alone, it is admitted.
+pub async fn retry_after_is_exact_for_every_algorithm(store: impl Store) {
+    for algorithm in Algorithm::ALL {
+        let limit = Arc::new(Limit::new(algorithm.as_str(), algorithm, 3, secs(1)).unwrap());
+        let checks = [Check::new(
+            key("retry", algorithm.as_str()),
+            limit.clone(),
+            1,
+        )];
+        let now = at(ms(300));
+        let mut denied = None;
+        for _ in 0..100 {
+            let decision = hit_all(&store, &checks, now).await;
+            if !decision.is_allowed() {
+                denied = Some(decision);
+                break;
+            }
+        }
+        let denied = denied.unwrap_or_else(|| panic!("{algorithm} never denied"));
+        let wait = denied.retry_after().expect("a retry promise");
+        assert!(wait > Duration::ZERO, "{algorithm}");
+        let early = hit_all(
+            &store,
+            &checks,
+            now.saturating_add(wait - Duration::from_micros(1)),
+        )
+        .await;
+        assert!(
+            !early.is_allowed(),
+            "{algorithm}: admitted before retry_after {wait:?}"
+        );
+        let on_time = hit_all(&store, &checks, now.saturating_add(wait)).await;
+        assert!(
+            on_time.is_allowed(),
+            "{algorithm}: denied at retry_after {wait:?}"
+        );
+    }
+}
+
+pub async fn keys_are_independent(store: impl Store) {
+    let limit = limit(Algorithm::FixedWindow, 2, secs(1));
+    let alice = [Check::new(key("alice", "test"), limit.clone(), 1)];
+    let bob = [Check::new(key("bob", "test"), limit.clone(), 1)];
+    for _ in 0..2 {
+        assert!(hit_all(&store, &alice, at(ms(0))).await.is_allowed());
+    }
+    assert!(!hit_all(&store, &alice, at(ms(0))).await.is_allowed());
+    assert!(hit_all(&store, &bob, at(ms(0))).await.is_allowed());
+}
+
+/// Stamps out every test above for one store. `$make_store` is an async expression that
+/// yields a fresh, empty store.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make_store:expr) => {
+        $crate::conformance_suite!(@each $make_store;
+            token_bucket_burst_then_refill,
+            gcra_burst_then_refill,
+            token_bucket_burst_above_rate,
+            gcra_burst_above_rate,
+            fixed_window_counts_per_aligned_window,
+            fixed_window_boundary_burst,
+            sliding_window_log_trailing_window,
+            sliding_window_counter_weights_previous_window,
+            leaky_bucket_delays_then_rejects,
+            concurrency_leases_release_and_expire,
+            several_limits_are_all_or_nothing,
+            binding_limit_has_least_room,
+            costs_are_charged_and_oversized_costs_never_pass,
+            retry_after_is_exact_for_every_algorithm,
+            keys_are_independent,
+        );
+    };
+    (@each $make_store:expr; $($test:ident,)*) => {
+        $(
+            #[tokio::test]
+            async fn $test() {
+                let store = $make_store.await;
+                conformance::$test(store).await;
+            }
+        )*
+    };
+}
