@@ -1,15 +1,31 @@
 #![doc = include_str!("../README.md")]
 
 pub mod algorithm;
+mod body;
 mod decision;
+mod future;
+pub mod headers;
+pub mod key;
+mod layer;
 mod limit;
+mod plan;
+mod response;
+mod service;
 pub mod store;
 mod time;
 
+pub use body::RateLimitBody;
 pub use decision::{Decision, DecisionSource, LimitStatus};
+pub use future::ResponseFuture;
+pub use headers::HeaderStyle;
+pub use key::{Identity, IdentityHash, PeerAddr, RequestInfo, UserId};
+pub use layer::{BuildError, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder};
 pub use limit::{
     Algorithm, DEFAULT_LEASE_TTL, Limit, LimitBuilder, LimitError, MAX_NAME_LEN, MAX_QUANTITY,
     MAX_WINDOW,
 };
+pub use plan::{LimitPlan, StaticPlan};
+pub use response::{Denial, MakeLimitedResponse, forbidden_response, unavailable_response};
+pub use service::{RateLimit, RequestCost};
 pub use store::{Check, Lease, MemoryStore, Store, StoreError};
 pub use time::{Clock, FakeClock, SystemClock, Timestamp};

@@ -72,7 +72,7 @@ fn retry_after(limit: &Limit, counters: &SlidingWindowCounterState, now: u64, co
     let window = limit.window_micros();
     let elapsed = now - counters.window_start;
     let limit_units = limit.limit();
-    let mut wait = if counters.current + cost <= limit_units {
+    let wait = if counters.current + cost <= limit_units {
         // The previous window's weight must decay enough within the current window.
         let spare = (limit_units - counters.current - cost) as f64;
         let needed = (window - elapsed) as f64 - (spare * window as f64) / counters.previous as f64;
@@ -83,12 +83,11 @@ fn retry_after(limit: &Limit, counters: &SlidingWindowCounterState, now: u64, co
         let needed = window as f64 - (spare * window as f64) / counters.current as f64;
         (window - elapsed) + needed.ceil().max(0.0) as u64
     };
-    for _ in 0..16 {
-        let then = now + wait;
+    for candidate in wait..wait + 16 {
+        let then = now + candidate;
         if admits(limit, &rotate(limit, Some(counters), then), then, cost) {
-            return wait;
+            return candidate;
         }
-        wait += 1;
     }
     // Both windows have fully passed: always admitted, since cost ≤ limit.
     2 * window - elapsed

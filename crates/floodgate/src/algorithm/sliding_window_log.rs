@@ -43,7 +43,9 @@ pub(super) fn evaluate(
     };
     let used: u64 = live().map(|entry| entry.cost).sum();
     let remaining = limit.limit().saturating_sub(used);
-    let until_empty = live().last().map_or(0, |newest| newest.at + window - now);
+    let until_empty = live()
+        .next_back()
+        .map_or(0, |newest| newest.at + window - now);
     if cost > limit.limit() {
         return LimitOutcome::never(remaining, until_empty);
     }

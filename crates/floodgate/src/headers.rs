@@ -1,0 +1,165 @@
+//! Rate limit response headers: legacy `X-RateLimit-*` and the IETF `RateLimit` /
+//! `RateLimit-Policy` fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields).
+
+use std::fmt::Write as _;
+use std::str::FromStr;
+use std::time::Duration;
+
+use http::HeaderMap;
+use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
+
+use crate::decision::Decision;
+
+/// `X-RateLimit-Limit`.
+pub static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`.
+pub static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset` (Unix epoch seconds).
+pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// `RateLimit` (IETF draft).
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `RateLimit-Policy` (IETF draft).
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+/// Which rate limit headers responses carry (`response.headers`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HeaderStyle {
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+    Legacy,
+    /// `RateLimit-Policy` and `RateLimit`.
+    Ietf,
+    /// Both sets (the default).
+    #[default]
+    Both,
+    /// No rate limit headers (429s still carry `Retry-After`).
+    None,
+}
+
+impl HeaderStyle {
+    fn legacy(self) -> bool {
+        matches!(self, HeaderStyle::Legacy | HeaderStyle::Both)
+    }
+
+    fn ietf(self) -> bool {
+        matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+}
+
+/// An unknown header style name.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown header style `{0}`; expected legacy, ietf, both or none")]
+pub struct UnknownHeaderStyle(pub String);
+
+impl FromStr for HeaderStyle {
+    type Err = UnknownHeaderStyle;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "legacy" => Ok(HeaderStyle::Legacy),
+            "ietf" => Ok(HeaderStyle::Ietf),
+            "both" => Ok(HeaderStyle::Both),
+            "none" => Ok(HeaderStyle::None),
+            other => Err(UnknownHeaderStyle(other.to_owned())),
+        }
+    }
+}
+
+/// Whole seconds, rounded up: a client told to wait must never come back early.
+pub(crate) fn ceil_secs(duration: Duration) -> u64 {
+    let whole = duration.as_secs();
+    if duration.subsec_nanos() > 0 {
+        whole + 1
+    } else {
+        whole
+    }
+}
+
+/// The `Retry-After` seconds for a true wait of `wait`: at least 1, never below the wait
+/// rounded up, plus a uniform extra of up to `jitter × wait` (`unit` is uniform in [0, 1)) so
+/// that denied clients do not return in one herd.
+pub fn retry_after_secs(wait: Duration, jitter: f64, unit: f64) -> u64 {
+    let extra = wait.mul_f64((jitter * unit).clamp(0.0, 1e6));
+    ceil_secs(wait.saturating_add(extra)).max(1)
+}
+
+/// Adds the rate limit headers for `decision` in `style` to `headers`.
+pub fn write_rate_limit_headers(headers: &mut HeaderMap, decision: &Decision, style: HeaderStyle) {
+    let Some(binding) = decision.binding_limit() else {
+        return;
+    };
+    if style.legacy() {
+        let reset_at = decision.decided_at().saturating_add(binding.reset_after);
+        headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(binding.limit));
+        headers.insert(
+            X_RATELIMIT_REMAINING.clone(),
+            HeaderValue::from(binding.remaining),
+        );
+        headers.insert(
+            X_RATELIMIT_RESET.clone(),
+            HeaderValue::from(reset_at.as_secs_ceil()),
+        );
+    }
+    if style.ietf() {
+        let mut policy = String::new();
+        for (index, limit) in decision.limits().iter().enumerate() {
+            if index > 0 {
+                policy.push_str(", ");
+            }
+            // Limit names are restricted to A-Z a-z 0-9 - _ . so they need no escaping.
+            let _ = write!(
+                policy,
+                "\"{}\";q={};w={}",
+                limit.name,
+                limit.limit,
+                ceil_secs(limit.window).max(1)
+            );
+        }
+        let current = format!(
+            "\"{}\";r={};t={}",
+            binding.name,
+            binding.remaining,
+            ceil_secs(binding.reset_after)
+        );
+        if let Ok(value) = HeaderValue::try_from(policy) {
+            headers.insert(RATELIMIT_POLICY.clone(), value);
+        }
+        if let Ok(value) = HeaderValue::try_from(current) {
+            headers.insert(RATELIMIT.clone(), value);
+        }
+    }
+}
+
+/// Sets `Retry-After: <seconds>`.
+pub(crate) fn write_retry_after(headers: &mut HeaderMap, seconds: u64) {
+    headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after_secs(Duration::from_millis(1), 0.0, 0.0), 1);
+        assert_eq!(retry_after_secs(Duration::ZERO, 0.2, 0.9), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1001), 0.0, 0.0), 2);
+        assert_eq!(retry_after_secs(Duration::from_secs(42), 0.0, 0.99), 42);
+    }
+
+    #[test]
+    fn jitter_stays_within_its_bound() {
+        let wait = Duration::from_secs(10);
+        for step in 0..100 {
+            let unit = f64::from(step) / 100.0;
+            let secs = retry_after_secs(wait, 0.2, unit);
+            assert!((10..=12).contains(&secs), "{secs}");
+        }
+        assert_eq!(retry_after_secs(wait, 0.2, 0.999_999), 12);
+    }
+
+    #[test]
+    fn header_styles_parse() {
+        assert_eq!("ietf".parse(), Ok(HeaderStyle::Ietf));
+        assert!("IETF".parse::<HeaderStyle>().is_err());
+    }
+}

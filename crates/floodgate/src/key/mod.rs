@@ -1,0 +1,420 @@
+//! Client identity: who a request counts against, and the storage keys it is counted under.
+//!
+//! The default identifier follows SPEC §3, in order: an API key (header, or
+//! `Authorization: Bearer`), then a user id (a [`UserId`] request extension set by the app's
+//! auth layer, or a header honoured only from a trusted proxy), then the client IP.
+//! Identities are never stored raw: keys, logs and metrics carry an [`IdentityHash`].
+
+mod client_ip;
+
+pub use client_ip::ClientIpResolver;
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use http::header::{AUTHORIZATION, HeaderName};
+use http::{Extensions, HeaderMap, Method, Uri};
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+
+/// The longest API key or user id accepted; longer values are treated as absent.
+pub const MAX_IDENTITY_LEN: usize = 256;
+
+/// What an identifier sees of a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestInfo<'a> {
+    /// The method.
+    pub method: &'a Method,
+    /// The URI.
+    pub uri: &'a Uri,
+    /// The headers.
+    pub headers: &'a HeaderMap,
+    /// The extensions (connection info, the app's auth results).
+    pub extensions: &'a Extensions,
+}
+
+impl<'a> RequestInfo<'a> {
+    /// A view of `request`.
+    pub fn new<B>(request: &'a http::Request<B>) -> Self {
+        RequestInfo {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            extensions: request.extensions(),
+        }
+    }
+
+    /// The socket peer: [`PeerAddr`], or axum's `ConnectInfo<SocketAddr>`.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        if let Some(PeerAddr(addr)) = self.extensions.get::<PeerAddr>() {
+            return Some(*addr);
+        }
+        #[cfg(feature = "axum")]
+        if let Some(axum::extract::ConnectInfo(addr)) = self
+            .extensions
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        {
+            return Some(*addr);
+        }
+        None
+    }
+}
+
+/// The socket address of the connection's peer, as a request extension. Servers other than
+/// axum's `into_make_service_with_connect_info` insert this so the IP identity works.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// An authenticated user id, as a request extension set by the app's auth layer. Always
+/// trusted, unlike the user header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UserId(pub String);
+
+/// Who a request counts against.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Identity {
+    /// An API key.
+    ApiKey(String),
+    /// A user id.
+    User(String),
+    /// A client IP (IPv6 already grouped by prefix).
+    Ip(IpAddr),
+    /// An application-defined identity in its own scope.
+    Custom {
+        /// The scope, kept apart from the built-in ones (`tenant`, `org`, ...).
+        scope: Arc<str>,
+        /// The value within the scope.
+        value: String,
+    },
+    /// Nothing identified the client (no peer address was available). All such requests
+    /// share one budget, so that unidentifiable traffic is limited rather than free.
+    Unknown,
+}
+
+impl Identity {
+    /// The scope part of storage keys: `key`, `user`, `ip`, the custom scope, or `unknown`.
+    pub fn scope(&self) -> &str {
+        match self {
+            Identity::ApiKey(_) => "key",
+            Identity::User(_) => "user",
+            Identity::Ip(_) => "ip",
+            Identity::Custom { scope, .. } => scope,
+            Identity::Unknown => "unknown",
+        }
+    }
+
+    /// The stable hash that stands for this identity in keys, logs and metrics.
+    pub fn hash(&self) -> IdentityHash {
+        let mut hasher = Sha256::new();
+        hasher.update(self.scope().as_bytes());
+        hasher.update(b":");
+        match self {
+            Identity::ApiKey(value) | Identity::User(value) | Identity::Custom { value, .. } => {
+                hasher.update(value.as_bytes())
+            }
+            Identity::Ip(ip) => hasher.update(ip.to_string().as_bytes()),
+            Identity::Unknown => {}
+        }
+        let digest = hasher.finalize();
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        IdentityHash(bytes)
+    }
+}
+
+/// The first 16 bytes of SHA-256 over `scope:value`; displayed as 32 hex digits.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdentityHash(pub [u8; 16]);
+
+impl fmt::Display for IdentityHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for IdentityHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IdentityHash({self})")
+    }
+}
+
+/// The storage key of one limit for one identity:
+/// `<prefix>:{<scope>:<identity-hash>}:<rule>:<limit-name>`. The `{…}` hash tag keeps one
+/// identity's limits on one Redis Cluster slot, so they can be decided in one script call.
+pub fn storage_key(
+    prefix: &str,
+    scope: &str,
+    hash: &IdentityHash,
+    rule: &str,
+    limit: &str,
+) -> String {
+    format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")
+}
+
+/// Decides who a request counts against. Closures `Fn(&RequestInfo) -> Identity` implement it.
+pub trait IdentifyClient: Send + Sync + 'static {
+    /// The identity of the request's client.
+    fn identify(&self, request: &RequestInfo<'_>) -> Identity;
+}
+
+impl<F> IdentifyClient for F
+where
+    F: Fn(&RequestInfo<'_>) -> Identity + Send + Sync + 'static,
+{
+    fn identify(&self, request: &RequestInfo<'_>) -> Identity {
+        self(request)
+    }
+}
+
+/// Why an identity configuration is invalid.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IdentityError {
+    /// A trusted proxy entry is not an address or CIDR.
+    #[error("trusted_proxies[{index}]: `{value}` is not an IP address or CIDR")]
+    InvalidTrustedProxy {
+        /// Position in the list.
+        index: usize,
+        /// The offending text.
+        value: String,
+    },
+    /// The IPv6 prefix is longer than 128 bits.
+    #[error("ipv6_prefix: must be between 0 and 128, got {0}")]
+    InvalidIpv6Prefix(u8),
+    /// A header name is not a valid HTTP header name.
+    #[error("{field}: `{value}` is not a valid header name")]
+    InvalidHeaderName {
+        /// Which setting.
+        field: &'static str,
+        /// The offending text.
+        value: String,
+    },
+}
+
+/// The default identifier of SPEC §3.
+#[derive(Debug)]
+pub struct DefaultIdentifier {
+    api_key_header: Option<HeaderName>,
+    bearer: bool,
+    user_header: Option<HeaderName>,
+    client_ip: ClientIpResolver,
+    malformed: AtomicU64,
+}
+
+impl Default for DefaultIdentifier {
+    fn default() -> Self {
+        DefaultIdentifier {
+            api_key_header: Some(HeaderName::from_static("x-api-key")),
+            bearer: true,
+            user_header: None,
+            client_ip: ClientIpResolver::default(),
+            malformed: AtomicU64::new(0),
+        }
+    }
+}
+
+impl DefaultIdentifier {
+    /// API key in `x-api-key` or a bearer token, no user header, no trusted proxies, IPv6
+    /// grouped by /64.
+    pub fn new() -> Self {
+        DefaultIdentifier::default()
+    }
+
+    /// The API key header (`None` disables it).
+    pub fn api_key_header(mut self, name: Option<&str>) -> Result<Self, IdentityError> {
+        self.api_key_header = name
+            .map(|name| header_name("api_key.header", name))
+            .transpose()?;
+        Ok(self)
+    }
+
+    /// Whether `Authorization: Bearer <key>` carries an API key (default true).
+    pub fn bearer(mut self, enabled: bool) -> Self {
+        self.bearer = enabled;
+        self
+    }
+
+    /// The user id header, honoured only from a trusted proxy (`None` disables it).
+    pub fn user_header(mut self, name: Option<&str>) -> Result<Self, IdentityError> {
+        self.user_header = name
+            .map(|name| header_name("user_header", name))
+            .transpose()?;
+        Ok(self)
+    }
+
+    /// Proxies whose forwarding headers are believed: addresses or CIDRs.
+    pub fn trusted_proxies<I, T>(mut self, proxies: I) -> Result<Self, IdentityError>
+    where
+        I: IntoIterator<Item = T>,
+        T: AsRef<str>,
+    {
+        let nets = proxies
+            .into_iter()
+            .enumerate()
+            .map(|(index, text)| {
+                parse_net(text.as_ref()).ok_or_else(|| IdentityError::InvalidTrustedProxy {
+                    index,
+                    value: text.as_ref().to_owned(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.client_ip = ClientIpResolver::new(nets, self.client_ip_prefix());
+        Ok(self)
+    }
+
+    /// The prefix by which IPv6 clients are grouped (default 64).
+    pub fn ipv6_prefix(mut self, prefix: u8) -> Result<Self, IdentityError> {
+        if prefix > 128 {
+            return Err(IdentityError::InvalidIpv6Prefix(prefix));
+        }
+        self.client_ip = ClientIpResolver::new(self.client_ip_nets(), prefix);
+        Ok(self)
+    }
+
+    /// How many requests carried an API key or user id that was oversized or not visible
+    /// ASCII, and was therefore ignored.
+    pub fn malformed_count(&self) -> u64 {
+        self.malformed.load(Ordering::Relaxed)
+    }
+
+    /// The client IP resolver (trusted proxies and IPv6 grouping).
+    pub fn client_ip(&self) -> &ClientIpResolver {
+        &self.client_ip
+    }
+
+    /// The grouped client IP of a request, if its peer address is known.
+    pub fn client_ip_of(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        let peer = request.peer_addr()?;
+        Some(
+            self.client_ip
+                .group(self.client_ip.client_ip(peer.ip(), request.headers)),
+        )
+    }
+
+    /// The API key of a request, if it carries a well-formed one.
+    pub fn api_key<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
+        if let Some(name) = &self.api_key_header {
+            if let Some(value) = request.headers.get(name) {
+                match self.well_formed(value.as_bytes()) {
+                    Some(key) => return Some(key),
+                    None => self.count_malformed(),
+                }
+            }
+        }
+        if self.bearer {
+            let value = request.headers.get(AUTHORIZATION)?.as_bytes();
+            let token = value
+                .get(..7)
+                .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
+                .map(|_| &value[7..])?;
+            match self.well_formed(token) {
+                Some(key) => return Some(key),
+                None => self.count_malformed(),
+            }
+        }
+        None
+    }
+
+    /// The user id of a request: the [`UserId`] extension, or the user header if the peer is a
+    /// trusted proxy.
+    pub fn user_id<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
+        if let Some(UserId(user)) = request.extensions.get::<UserId>() {
+            return Some(user);
+        }
+        let name = self.user_header.as_ref()?;
+        let value = request.headers.get(name)?;
+        let peer = request.peer_addr()?;
+        if !self.client_ip.is_trusted(peer.ip()) {
+            return None;
+        }
+        let user = self.well_formed(value.as_bytes());
+        if user.is_none() {
+            self.count_malformed();
+        }
+        user
+    }
+
+    fn client_ip_prefix(&self) -> u8 {
+        self.client_ip.ipv6_prefix()
+    }
+
+    fn client_ip_nets(&self) -> Vec<IpNet> {
+        self.client_ip.trusted_proxies().to_vec()
+    }
+
+    /// Visible ASCII, 1 to 256 bytes; anything else is treated as absent.
+    fn well_formed<'v>(&self, value: &'v [u8]) -> Option<&'v str> {
+        let valid = !value.is_empty()
+            && value.len() <= MAX_IDENTITY_LEN
+            && value.iter().all(|byte| (0x21..=0x7e).contains(byte));
+        // Visible ASCII is valid UTF-8.
+        valid.then(|| std::str::from_utf8(value).ok()).flatten()
+    }
+
+    fn count_malformed(&self) {
+        let total = self.malformed.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::debug!(total, "ignored an oversized or malformed identity header");
+    }
+}
+
+impl IdentifyClient for DefaultIdentifier {
+    fn identify(&self, request: &RequestInfo<'_>) -> Identity {
+        if let Some(key) = self.api_key(request) {
+            return Identity::ApiKey(key.to_owned());
+        }
+        if let Some(user) = self.user_id(request) {
+            return Identity::User(user.to_owned());
+        }
+        match self.client_ip_of(request) {
+            Some(ip) => Identity::Ip(ip),
+            None => Identity::Unknown,
+        }
+    }
+}
+
+fn header_name(field: &'static str, name: &str) -> Result<HeaderName, IdentityError> {
+    HeaderName::try_from(name).map_err(|_| IdentityError::InvalidHeaderName {
+        field,
+        value: name.to_owned(),
+    })
+}
+
+/// `10.0.0.0/8`, or a bare address meaning just that host.
+fn parse_net(text: &str) -> Option<IpNet> {
+    let text = text.trim();
+    text.parse::<IpNet>()
+        .ok()
+        .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_key_layout_keeps_identity_in_a_hash_tag() {
+        let hash = Identity::ApiKey("secret-key".into()).hash();
+        let key = storage_key("fg", "key", &hash, "api", "per-second");
+        assert_eq!(key, format!("fg:{{key:{hash}}}:api:per-second"));
+        assert!(!key.contains("secret-key"));
+        assert_eq!(hash.to_string().len(), 32);
+    }
+
+    #[test]
+    fn hashes_are_stable_and_scoped() {
+        // First 16 bytes of SHA-256("key:abc"), from `printf 'key:abc' | sha256sum`.
+        assert_eq!(
+            Identity::ApiKey("abc".into()).hash().to_string(),
+            "09309b29285f2554ee45a02d29fa5de0"
+        );
+        assert_ne!(
+            Identity::ApiKey("abc".into()).hash(),
+            Identity::User("abc".into()).hash()
+        );
+    }
+}

@@ -1,0 +1,303 @@
+//! [`RateLimitLayer`] and its builder.
+
+use std::collections::HashSet;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use crate::headers::HeaderStyle;
+use crate::key::{DefaultIdentifier, IdentifyClient};
+use crate::limit::Limit;
+use crate::plan::{LimitPlan, StaticPlan};
+use crate::response::{MakeLimitedResponse, ResponseSettings};
+use crate::service::{RateLimit, RequestCost, Shared};
+use crate::store::{MemoryStore, Store};
+
+/// What to do when the store cannot decide (`on_store_error`, SPEC §4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Let the request through, as most production APIs do (the default).
+    #[default]
+    Open,
+    /// Refuse with 503 `{"error":"rate_limiter_unavailable"}` and `Retry-After: 1`.
+    Closed,
+}
+
+impl FromStr for FailurePolicy {
+    type Err = BuildError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "open" => Ok(FailurePolicy::Open),
+            "closed" => Ok(FailurePolicy::Closed),
+            other => Err(BuildError::UnknownFailurePolicy(other.to_owned())),
+        }
+    }
+}
+
+/// Why a layer could not be built.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    /// No limit was given and no custom plan either.
+    #[error("limits: at least one limit is required")]
+    NoLimits,
+    /// Two limits share a name; names key the counters, so they must differ.
+    #[error("limits[{index}].name: `{name}` is used by an earlier limit")]
+    DuplicateLimitName {
+        /// Position of the second limit.
+        index: usize,
+        /// The name.
+        name: String,
+    },
+    /// The rule name has characters outside `A-Z a-z 0-9 - _ .` or is empty or too long.
+    #[error("rule: `{0}` is not a valid rule name (1 to 64 characters among A-Z a-z 0-9 - _ .)")]
+    InvalidRule(String),
+    /// The key prefix is empty, too long, or contains `{`, `}` or `:`.
+    #[error("prefix: `{0}` is not a valid key prefix (1 to 64 characters, no braces or colons)")]
+    InvalidPrefix(String),
+    /// The jitter is negative, not finite, or above 10.
+    #[error("retry_after_jitter: must be between 0 and 10, got {0}")]
+    InvalidJitter(f64),
+    /// No such failure policy.
+    #[error("on_store_error: unknown policy `{0}`; expected open or closed")]
+    UnknownFailurePolicy(String),
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Applies rate limiting to a service. Clones (and the services they make) share one state.
+///
+/// ```
+/// use std::time::Duration;
+/// use floodgate::{Limit, RateLimitLayer};
+///
+/// let layer = RateLimitLayer::builder()
+///     .limit(Limit::token_bucket("per-second", 10, Duration::from_secs(1))?)
+///     .limit(Limit::fixed_window("daily", 10_000, Duration::from_secs(86_400))?)
+///     .build()?;
+/// # let _ = layer;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct RateLimitLayer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for RateLimitLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("store", &self.shared.store.backend())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer {
+    /// Starts configuring a layer.
+    pub fn builder() -> RateLimitLayerBuilder {
+        RateLimitLayerBuilder::default()
+    }
+
+    /// The store the layer decides against.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.shared.store
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, self.shared.clone())
+    }
+}
+
+/// Configures a [`RateLimitLayer`]; every setting is checked in [`build`](Self::build).
+#[must_use]
+pub struct RateLimitLayerBuilder {
+    limits: Vec<Limit>,
+    rule: String,
+    prefix: String,
+    plan: Option<Arc<dyn LimitPlan>>,
+    store: Option<Arc<dyn Store>>,
+    identify: Option<Arc<dyn IdentifyClient>>,
+    cost: Option<Arc<dyn RequestCost>>,
+    on_store_error: FailurePolicy,
+    responses: ResponseSettings,
+    limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+}
+
+impl Default for RateLimitLayerBuilder {
+    fn default() -> Self {
+        RateLimitLayerBuilder {
+            limits: Vec::new(),
+            rule: "default".to_owned(),
+            prefix: "fg".to_owned(),
+            plan: None,
+            store: None,
+            identify: None,
+            cost: None,
+            on_store_error: FailurePolicy::Open,
+            responses: ResponseSettings::default(),
+            limited_response: None,
+        }
+    }
+}
+
+impl RateLimitLayerBuilder {
+    /// Adds a limit; every request is checked against all of them, all-or-nothing.
+    pub fn limit(mut self, limit: Limit) -> Self {
+        self.limits.push(limit);
+        self
+    }
+
+    /// Adds several limits.
+    pub fn limits(mut self, limits: impl IntoIterator<Item = Limit>) -> Self {
+        self.limits.extend(limits);
+        self
+    }
+
+    /// The rule name in storage keys (default `default`). Counters survive a restart or a
+    /// reconfiguration as long as the rule and limit names stay the same.
+    pub fn rule(mut self, rule: impl Into<String>) -> Self {
+        self.rule = rule.into();
+        self
+    }
+
+    /// The storage key prefix (default `fg`).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Replaces the fixed limits with a custom plan that picks limits per request.
+    pub fn plan(mut self, plan: impl LimitPlan) -> Self {
+        self.plan = Some(Arc::new(plan));
+        self
+    }
+
+    /// The store (default: a [`MemoryStore`] that evicts idle keys every 10 s).
+    pub fn store(mut self, store: impl Store) -> Self {
+        self.store = Some(Arc::new(store));
+        self
+    }
+
+    /// A shared store, e.g. one used by several layers.
+    pub fn shared_store(mut self, store: Arc<dyn Store>) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// How clients are identified (default: [`DefaultIdentifier::new`]). Closures
+    /// `Fn(&RequestInfo) -> Identity` work.
+    pub fn identify(mut self, identify: impl IdentifyClient) -> Self {
+        self.identify = Some(Arc::new(identify));
+        self
+    }
+
+    /// The cost of each request (default 1). Closures `Fn(&RequestInfo) -> u64` work.
+    pub fn cost(mut self, cost: impl RequestCost) -> Self {
+        self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// What to do when the store fails (default [`FailurePolicy::Open`]).
+    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+
+    /// Which rate limit headers to send (default [`HeaderStyle::Both`]).
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.responses.headers = style;
+        self
+    }
+
+    /// The largest random extra added to `Retry-After`, as a fraction of the wait (default 0.2).
+    pub fn retry_after_jitter(mut self, jitter: f64) -> Self {
+        self.responses.retry_after_jitter = jitter;
+        self
+    }
+
+    /// A link to the API's rate limit documentation, put in 429 bodies.
+    pub fn docs_url(mut self, url: impl Into<String>) -> Self {
+        self.responses.docs_url = Some(url.into().into());
+        self
+    }
+
+    /// Answer 429 with RFC 9457 `application/problem+json` (default false).
+    pub fn problem_json(mut self, enabled: bool) -> Self {
+        self.responses.problem_json = enabled;
+        self
+    }
+
+    /// Replaces the 429 response. Closures `Fn(&Denial) -> Response<Bytes>` work.
+    pub fn limited_response(mut self, make: impl MakeLimitedResponse) -> Self {
+        self.limited_response = Some(Arc::new(make));
+        self
+    }
+
+    /// Validates the configuration and builds the layer.
+    pub fn build(self) -> Result<RateLimitLayer, BuildError> {
+        if !valid_name(&self.rule) {
+            return Err(BuildError::InvalidRule(self.rule));
+        }
+        let prefix_ok = !self.prefix.is_empty()
+            && self.prefix.len() <= 64
+            && !self.prefix.contains(['{', '}', ':']);
+        if !prefix_ok {
+            return Err(BuildError::InvalidPrefix(self.prefix));
+        }
+        let jitter = self.responses.retry_after_jitter;
+        if !(0.0..=10.0).contains(&jitter) {
+            return Err(BuildError::InvalidJitter(jitter));
+        }
+        let plan = match self.plan {
+            Some(plan) => plan,
+            None => {
+                if self.limits.is_empty() {
+                    return Err(BuildError::NoLimits);
+                }
+                let mut seen = HashSet::new();
+                for (index, limit) in self.limits.iter().enumerate() {
+                    if !seen.insert(limit.name()) {
+                        return Err(BuildError::DuplicateLimitName {
+                            index,
+                            name: limit.name().to_owned(),
+                        });
+                    }
+                }
+                let limits = self.limits.into_iter().map(Arc::new).collect();
+                Arc::new(StaticPlan::new(self.prefix, self.rule, limits))
+            }
+        };
+        let store = self.store.unwrap_or_else(|| {
+            Arc::new(
+                MemoryStore::builder()
+                    .evict_every(Duration::from_secs(10))
+                    .build(),
+            )
+        });
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                store,
+                plan,
+                identify: self
+                    .identify
+                    .unwrap_or_else(|| Arc::new(DefaultIdentifier::new())),
+                cost: self.cost,
+                on_store_error: self.on_store_error,
+                responses: self.responses,
+                limited_response: self.limited_response,
+            }),
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! The responses the limiter answers with instead of calling the service: 429 (SPEC §2),
+//! 503 when the store is down under `on_store_error: closed`, 403 for denylisted clients.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+use serde_json::json;
+
+use crate::decision::Decision;
+use crate::headers::{HeaderStyle, write_rate_limit_headers, write_retry_after};
+
+/// A denied request, as handed to a [`MakeLimitedResponse`].
+#[derive(Clone, Copy, Debug)]
+pub struct Denial<'a> {
+    /// The decision.
+    pub decision: &'a Decision,
+    /// The `Retry-After` value the layer will send (jittered, rounded up, ≥ 1); `None` when
+    /// the request can never be admitted.
+    pub retry_after_secs: Option<u64>,
+}
+
+/// Builds the response for a denied request, replacing the default 429. Closures
+/// `Fn(&Denial) -> Response<Bytes>` implement it. The layer still adds the rate limit headers
+/// and `Retry-After` unless the response already has them.
+pub trait MakeLimitedResponse: Send + Sync + 'static {
+    /// The response for `denial`.
+    fn make_response(&self, denial: &Denial<'_>) -> Response<Bytes>;
+}
+
+impl<F> MakeLimitedResponse for F
+where
+    F: Fn(&Denial<'_>) -> Response<Bytes> + Send + Sync + 'static,
+{
+    fn make_response(&self, denial: &Denial<'_>) -> Response<Bytes> {
+        self(denial)
+    }
+}
+
+/// How the built-in responses look.
+#[derive(Clone, Debug)]
+pub(crate) struct ResponseSettings {
+    pub(crate) headers: HeaderStyle,
+    pub(crate) retry_after_jitter: f64,
+    pub(crate) docs_url: Option<Arc<str>>,
+    pub(crate) problem_json: bool,
+}
+
+impl Default for ResponseSettings {
+    fn default() -> Self {
+        ResponseSettings {
+            headers: HeaderStyle::Both,
+            retry_after_jitter: 0.2,
+            docs_url: None,
+            problem_json: false,
+        }
+    }
+}
+
+fn json_response(
+    status: StatusCode,
+    content_type: &'static str,
+    body: serde_json::Value,
+) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from(body.to_string()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+/// The default 429 body: SPEC §2's JSON, or RFC 9457 problem details.
+pub(crate) fn default_limited_response(
+    denial: &Denial<'_>,
+    settings: &ResponseSettings,
+) -> Response<Bytes> {
+    let decision = denial.decision;
+    let policy = decision.binding_limit().map(|limit| limit.name.to_string());
+    let docs = settings.docs_url.as_deref();
+    if settings.problem_json {
+        let violated: Vec<&str> = decision
+            .limits()
+            .iter()
+            .filter(|limit| !limit.allowed)
+            .map(|limit| &*limit.name)
+            .collect();
+        let detail = match denial.retry_after_secs {
+            Some(secs) => format!("Rate limit exceeded; retry in {secs} seconds."),
+            None => "The request costs more than the limit can ever allow.".to_owned(),
+        };
+        let mut body = json!({
+            "type": format!("{}#quota-exceeded", docs.unwrap_or("about:blank")),
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": detail,
+            "violated-policies": violated,
+        });
+        if let Some(secs) = denial.retry_after_secs {
+            body["retry_after"] = json!(secs);
+        }
+        return json_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            "application/problem+json",
+            body,
+        );
+    }
+    let mut body = match denial.retry_after_secs {
+        Some(secs) => {
+            json!({ "error": "rate_limit_exceeded", "retry_after": secs, "policy": policy })
+        }
+        None => {
+            let capacity = decision.binding_limit().map(|limit| limit.capacity);
+            json!({
+                "error": "cost_exceeds_limit",
+                "message": "the request costs more than this limit can ever admit; it will never succeed as is",
+                "policy": policy,
+                "capacity": capacity,
+            })
+        }
+    };
+    if let Some(docs) = docs {
+        body["docs"] = json!(docs);
+    }
+    json_response(StatusCode::TOO_MANY_REQUESTS, "application/json", body)
+}
+
+/// Adds what every denial carries, unless a custom response already set it.
+pub(crate) fn finish_limited_response(
+    response: &mut Response<Bytes>,
+    denial: &Denial<'_>,
+    settings: &ResponseSettings,
+) {
+    let headers = response.headers_mut();
+    if let Some(secs) = denial.retry_after_secs {
+        if !headers.contains_key(http::header::RETRY_AFTER) {
+            write_retry_after(headers, secs);
+        }
+    }
+    if !headers.contains_key(CACHE_CONTROL) {
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    write_rate_limit_headers(headers, denial.decision, settings.headers);
+}
+
+/// 503 for `on_store_error: closed`: the limiter cannot decide, so it refuses.
+pub fn unavailable_response() -> Response<Bytes> {
+    let mut response = json_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "application/json",
+        json!({ "error": "rate_limiter_unavailable" }),
+    );
+    write_retry_after(response.headers_mut(), 1);
+    response
+}
+
+/// 403 for a denylisted client.
+pub fn forbidden_response() -> Response<Bytes> {
+    json_response(
+        StatusCode::FORBIDDEN,
+        "application/json",
+        json!({ "error": "forbidden" }),
+    )
+}

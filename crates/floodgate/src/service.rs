@@ -1,0 +1,186 @@
+//! The [`RateLimit`] service: decides in `call`, then answers 429 or calls the inner service.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use crate::FailurePolicy;
+use crate::body::{LeaseGuard, RateLimitBody};
+use crate::decision::{Decision, DecisionSource};
+use crate::future::ResponseFuture;
+use crate::headers::{retry_after_secs, write_rate_limit_headers};
+use crate::key::{IdentifyClient, RequestInfo};
+use crate::plan::LimitPlan;
+use crate::response::{
+    Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
+    finish_limited_response, unavailable_response,
+};
+use crate::store::{Check, Store};
+use crate::time::Timestamp;
+
+/// How much a request costs; closures `Fn(&RequestInfo) -> u64` implement it.
+pub trait RequestCost: Send + Sync + 'static {
+    /// The cost of `request`; 0 counts as 1.
+    fn cost(&self, request: &RequestInfo<'_>) -> u64;
+}
+
+impl<F> RequestCost for F
+where
+    F: Fn(&RequestInfo<'_>) -> u64 + Send + Sync + 'static,
+{
+    fn cost(&self, request: &RequestInfo<'_>) -> u64 {
+        self(request)
+    }
+}
+
+/// What every clone of a layer and its services share: one store, one configuration.
+pub(crate) struct Shared {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) plan: Arc<dyn LimitPlan>,
+    pub(crate) identify: Arc<dyn IdentifyClient>,
+    pub(crate) cost: Option<Arc<dyn RequestCost>>,
+    pub(crate) on_store_error: FailurePolicy,
+    pub(crate) responses: ResponseSettings,
+    pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+}
+
+impl Shared {
+    fn checks<B>(&self, request: &Request<B>) -> Vec<Check> {
+        let info = RequestInfo::new(request);
+        let identity = self.identify.identify(&info);
+        let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
+        self.plan.checks(&info, &identity, cost)
+    }
+
+    fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
+        let denial = Denial {
+            decision,
+            retry_after_secs: decision.retry_after().map(|wait| {
+                retry_after_secs(wait, self.responses.retry_after_jitter, fastrand::f64())
+            }),
+        };
+        let mut response = match &self.limited_response {
+            Some(custom) => custom.make_response(&denial),
+            None => default_limited_response(&denial, &self.responses),
+        };
+        finish_limited_response(&mut response, &denial, &self.responses);
+        response.map(RateLimitBody::full)
+    }
+}
+
+/// Rate limits requests to the inner service. Made by [`crate::RateLimitLayer`]; clones share
+/// the same state, so the limit holds however the service is cloned, buffered or spread.
+pub struct RateLimit<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> RateLimit<S> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared>) -> Self {
+        RateLimit { inner, shared }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone> Clone for RateLimit<S> {
+    fn clone(&self) -> Self {
+        RateLimit {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for RateLimit<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<RateLimitBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    /// Only the inner service's readiness: limiting happens in `call`, so an over-limit
+    /// client gets a 429 instead of being queued.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The ready service goes into the future; a fresh clone waits for the next poll_ready.
+        let fresh = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, fresh);
+        let shared = self.shared.clone();
+        let checks = shared.checks(&request);
+        ResponseFuture::new(Box::pin(decide_then_call(shared, inner, request, checks)))
+    }
+}
+
+async fn decide_then_call<S, ReqBody, ResBody>(
+    shared: Arc<Shared>,
+    mut inner: S,
+    mut request: Request<ReqBody>,
+    checks: Vec<Check>,
+) -> Result<Response<RateLimitBody<ResBody>>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    if checks.is_empty() {
+        let response = inner.call(request).await?;
+        return Ok(response.map(|body| RateLimitBody::inner(body, None)));
+    }
+    let mut decision = match shared.store.check_and_consume(&checks, None).await {
+        Ok(decision) => decision,
+        Err(error) => match shared.on_store_error {
+            FailurePolicy::Open => {
+                tracing::warn!(%error, backend = shared.store.backend(), "rate limit store failed; letting the request through (on_store_error: open)");
+                Decision::unlimited(Timestamp::now(), DecisionSource::FailOpen)
+            }
+            FailurePolicy::Closed => {
+                tracing::warn!(%error, backend = shared.store.backend(), "rate limit store failed; refusing the request (on_store_error: closed)");
+                return Ok(unavailable_response().map(RateLimitBody::full));
+            }
+        },
+    };
+    if !decision.is_allowed() {
+        return Ok(shared.limited_response(&decision));
+    }
+    // Held from here: if the client goes away mid-request, dropping the future releases them.
+    let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
+    if !decision.delay().is_zero() {
+        tokio::time::sleep(decision.delay()).await;
+    }
+    let mut headers = HeaderMap::new();
+    write_rate_limit_headers(&mut headers, &decision, shared.responses.headers);
+    request.extensions_mut().insert(decision);
+    let response = inner.call(request).await?;
+    let (mut parts, body) = response.into_parts();
+    for (name, value) in headers
+        .into_iter()
+        .filter_map(|(name, value)| Some((name?, value)))
+    {
+        parts.headers.insert(name, value);
+    }
+    Ok(Response::from_parts(
+        parts,
+        RateLimitBody::inner(body, leases),
+    ))
+}

@@ -1,0 +1,774 @@
+//! The layer end to end through `oneshot`: statuses, headers, bodies, identity, shaping, leases.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use floodgate::key::DefaultIdentifier;
+use floodgate::store::BoxFuture;
+use floodgate::{
+    Algorithm, Check, Decision, Denial, FailurePolicy, FakeClock, HeaderStyle, Identity, Lease,
+    Limit, MemoryStore, PeerAddr, RateLimitLayer, RequestInfo, Store, StoreError, Timestamp,
+    UserId,
+};
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Either, Full};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+const START: Timestamp = Timestamp::from_secs(1_700_006_400);
+
+async fn ok_handler(request: Request<()>) -> Result<Response<Full<Bytes>>, Infallible> {
+    // Echo the binding limit's remaining count from the decision extension.
+    let remaining = request
+        .extensions()
+        .get::<Decision>()
+        .and_then(|decision| decision.binding_limit())
+        .map_or("none".to_owned(), |limit| limit.remaining.to_string());
+    Ok(Response::new(Full::new(Bytes::from(remaining))))
+}
+
+fn memory(clock: &FakeClock) -> MemoryStore {
+    MemoryStore::builder().clock(clock.clone()).build()
+}
+
+fn per_second(limit: u64) -> Limit {
+    Limit::token_bucket("per-second", limit, Duration::from_secs(1)).unwrap()
+}
+
+fn from_peer(peer: &str) -> http::request::Builder {
+    let addr: SocketAddr = peer.parse().unwrap();
+    Request::builder()
+        .uri("/v1/things")
+        .extension(PeerAddr(addr))
+}
+
+async fn send<S>(service: &S, request: http::request::Builder) -> Response<Bytes>
+where
+    S: Service<
+            Request<()>,
+            Response = Response<floodgate::RateLimitBody<Full<Bytes>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    let response = service
+        .clone()
+        .oneshot(request.body(()).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    Response::from_parts(parts, bytes)
+}
+
+fn header<'r>(response: &'r Response<Bytes>, name: &str) -> &'r str {
+    response
+        .headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("missing {name}"))
+        .to_str()
+        .unwrap()
+}
+
+fn json(response: &Response<Bytes>) -> serde_json::Value {
+    serde_json::from_slice(response.body()).unwrap()
+}
+
+#[tokio::test]
+async fn allowed_responses_carry_both_header_styles_by_default() {
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(10))
+        .limit(Limit::fixed_window("daily", 1000, Duration::from_secs(86_400)).unwrap())
+        .store(memory(&clock))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let response = send(&service, from_peer("203.0.113.1:4000")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.body(), "9", "the handler sees the decision");
+    assert_eq!(header(&response, "x-ratelimit-limit"), "10");
+    assert_eq!(header(&response, "x-ratelimit-remaining"), "9");
+    // One token refills in 100ms: the bucket is full again at START + 0.1s, rounded up.
+    assert_eq!(
+        header(&response, "x-ratelimit-reset"),
+        (START.as_secs_ceil() + 1).to_string()
+    );
+    assert_eq!(
+        header(&response, "ratelimit-policy"),
+        "\"per-second\";q=10;w=1, \"daily\";q=1000;w=86400"
+    );
+    assert_eq!(header(&response, "ratelimit"), "\"per-second\";r=9;t=1");
+}
+
+#[tokio::test]
+async fn header_styles_select_which_headers_are_sent() {
+    for (style, legacy, ietf) in [
+        (HeaderStyle::Legacy, true, false),
+        (HeaderStyle::Ietf, false, true),
+        (HeaderStyle::Both, true, true),
+        (HeaderStyle::None, false, false),
+    ] {
+        let layer = RateLimitLayer::builder()
+            .limit(per_second(1))
+            .headers(style)
+            .build()
+            .unwrap();
+        let service = layer.layer(service_fn(ok_handler));
+        let allowed = send(&service, from_peer("203.0.113.1:4000")).await;
+        let denied = send(&service, from_peer("203.0.113.1:4000")).await;
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        for response in [&allowed, &denied] {
+            assert_eq!(
+                response.headers().contains_key("x-ratelimit-remaining"),
+                legacy,
+                "{style:?}"
+            );
+            assert_eq!(
+                response.headers().contains_key("ratelimit"),
+                ietf,
+                "{style:?}"
+            );
+            assert_eq!(
+                response.headers().contains_key("ratelimit-policy"),
+                ietf,
+                "{style:?}"
+            );
+        }
+        assert!(
+            denied.headers().contains_key("retry-after"),
+            "{style:?}: always on a 429"
+        );
+    }
+}
+
+#[tokio::test]
+async fn denial_is_a_429_with_the_spec_body() {
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::token_bucket("per-minute", 2, Duration::from_secs(60)).unwrap())
+        .store(memory(&clock))
+        .retry_after_jitter(0.0)
+        .docs_url("https://example.com/docs/rate-limits")
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    for _ in 0..2 {
+        assert_eq!(
+            send(&service, from_peer("203.0.113.1:1")).await.status(),
+            StatusCode::OK
+        );
+    }
+    clock.advance(Duration::from_millis(500));
+    let denied = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "content-type"), "application/json");
+    assert_eq!(header(&denied, "cache-control"), "no-store");
+    // One token every 30s; 0.5s passed: the true wait is 29.5s, rounded up to 30.
+    assert_eq!(header(&denied, "retry-after"), "30");
+    assert_eq!(header(&denied, "x-ratelimit-remaining"), "0");
+    assert_eq!(
+        json(&denied),
+        serde_json::json!({
+            "error": "rate_limit_exceeded",
+            "retry_after": 30,
+            "policy": "per-minute",
+            "docs": "https://example.com/docs/rate-limits",
+        })
+    );
+}
+
+#[tokio::test]
+async fn retry_after_is_never_below_the_wait_and_jitter_is_bounded() {
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::gcra("slow", 1, Duration::from_secs(10)).unwrap())
+        .store(memory(&clock))
+        .retry_after_jitter(0.5)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    assert_eq!(
+        send(&service, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::OK
+    );
+    clock.advance(Duration::from_millis(100)); // true wait: 9.9s
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..300 {
+        let denied = send(&service, from_peer("203.0.113.1:1")).await;
+        let secs: u64 = header(&denied, "retry-after").parse().unwrap();
+        assert_eq!(json(&denied)["retry_after"], secs, "body equals header");
+        // ≥ ceil(9.9) and ≤ ceil(9.9 × 1.5).
+        assert!((10..=15).contains(&secs), "{secs}");
+        seen.insert(secs);
+    }
+    assert!(seen.len() >= 3, "jitter spreads retries: {seen:?}");
+    // A client that waits Retry-After and retries alone is admitted.
+    clock.advance(Duration::from_secs(*seen.first().unwrap()));
+    assert_eq!(
+        send(&service, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn problem_json_is_rfc_9457() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .problem_json(true)
+        .docs_url("https://example.com/docs")
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    send(&service, from_peer("203.0.113.1:1")).await;
+    let denied = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(header(&denied, "content-type"), "application/problem+json");
+    let body = json(&denied);
+    assert_eq!(body["type"], "https://example.com/docs#quota-exceeded");
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["violated-policies"], serde_json::json!(["per-second"]));
+    assert_eq!(
+        body["retry_after"].as_u64().unwrap().to_string(),
+        header(&denied, "retry-after")
+    );
+}
+
+#[tokio::test]
+async fn forged_forwarded_for_from_an_untrusted_peer_changes_nothing() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(3))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let mut statuses = Vec::new();
+    for forged in 0..6 {
+        let request = from_peer("203.0.113.66:5000")
+            .header("x-forwarded-for", format!("198.51.100.{forged}"))
+            .header("forwarded", format!("for=192.0.2.{forged}"));
+        statuses.push(send(&service, request).await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429]);
+}
+
+#[tokio::test]
+async fn a_trusted_proxy_chain_is_walked_to_the_client() {
+    let identify = DefaultIdentifier::new()
+        .trusted_proxies(["10.0.0.0/8"])
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .identify(identify)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let via_proxies = |client: &str| {
+        from_peer("10.0.0.1:80").header("x-forwarded-for", format!("6.6.6.6, {client}, 10.0.0.2"))
+    };
+    assert_eq!(
+        send(&service, via_proxies("198.51.100.7")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, via_proxies("198.51.100.8")).await.status(),
+        StatusCode::OK,
+        "another client"
+    );
+    assert_eq!(
+        send(&service, via_proxies("198.51.100.7")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "same client behind the same proxies"
+    );
+}
+
+#[tokio::test]
+async fn ipv6_clients_are_grouped_by_prefix() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    assert_eq!(
+        send(&service, from_peer("[2001:db8:1:2::1]:1"))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, from_peer("[2001:db8:1:2:ffff::9]:1"))
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "same /64"
+    );
+    assert_eq!(
+        send(&service, from_peer("[2001:db8:1:3::1]:1"))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn api_keys_and_bearer_tokens_identify_clients() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let peer = "203.0.113.1:1";
+    assert_eq!(
+        send(&service, from_peer(peer).header("x-api-key", "key-a"))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    // Same key by bearer token: the same client.
+    let bearer = from_peer(peer).header("authorization", "Bearer key-a");
+    assert_eq!(
+        send(&service, bearer).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&service, from_peer(peer).header("x-api-key", "key-b"))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    // Keys are not IPs: the IP itself still has its own budget.
+    assert_eq!(
+        send(&service, from_peer(peer)).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn oversized_or_malformed_keys_are_treated_as_absent() {
+    let identify = Arc::new(DefaultIdentifier::new());
+    let counting = identify.clone();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .identify(move |request: &RequestInfo<'_>| {
+            use floodgate::key::IdentifyClient;
+            counting.identify(request)
+        })
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let peer = "203.0.113.1:1";
+    let oversized = "k".repeat(300);
+    // Each falls back to the peer IP: one budget for all of them.
+    assert_eq!(
+        send(
+            &service,
+            from_peer(peer).header("x-api-key", oversized.as_str())
+        )
+        .await
+        .status(),
+        StatusCode::OK
+    );
+    let with_space = from_peer(peer).header("x-api-key", "two words");
+    assert_eq!(
+        send(&service, with_space).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let non_ascii = from_peer(peer).header(
+        "x-api-key",
+        http::HeaderValue::from_bytes(b"caf\xe9").unwrap(),
+    );
+    assert_eq!(
+        send(&service, non_ascii).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let empty_bearer = from_peer(peer).header("authorization", "Bearer ");
+    assert_eq!(
+        send(&service, empty_bearer).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(identify.malformed_count(), 4);
+    // 256 visible ASCII bytes is still a key.
+    let longest = "k".repeat(256);
+    assert_eq!(
+        send(
+            &service,
+            from_peer(peer).header("x-api-key", longest.as_str())
+        )
+        .await
+        .status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn user_ids_come_from_the_extension_or_a_trusted_header() {
+    let identify = DefaultIdentifier::new()
+        .user_header(Some("x-user-id"))
+        .unwrap()
+        .trusted_proxies(["10.0.0.1"])
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .identify(identify)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let user = |peer: &str, id: &str| from_peer(peer).header("x-user-id", id.to_owned());
+    assert_eq!(
+        send(&service, user("10.0.0.1:1", "alice")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, user("10.0.0.1:1", "bob")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, user("10.0.0.1:1", "alice")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // From an untrusted peer the header is ignored: identified by IP.
+    assert_eq!(
+        send(&service, user("203.0.113.5:1", "carol"))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, user("203.0.113.5:1", "dave")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // The typed extension from the app's auth layer is always trusted.
+    let authenticated = from_peer("203.0.113.5:1").extension(UserId("erin".into()));
+    assert_eq!(send(&service, authenticated).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn custom_identity_and_cost_functions() {
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("units", 10, Duration::from_secs(60)).unwrap())
+        .identify(|request: &RequestInfo<'_>| Identity::Custom {
+            scope: "tenant".into(),
+            value: request
+                .headers
+                .get("x-tenant")
+                .map_or("none", |v| v.to_str().unwrap_or("bad"))
+                .to_owned(),
+        })
+        .cost(|request: &RequestInfo<'_>| {
+            if request.method == http::Method::POST {
+                4
+            } else {
+                1
+            }
+        })
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let post = || {
+        Request::builder()
+            .method("POST")
+            .uri("/")
+            .header("x-tenant", "acme")
+    };
+    assert_eq!(send(&service, post()).await.body(), "6");
+    assert_eq!(send(&service, post()).await.body(), "2");
+    assert_eq!(
+        send(&service, post()).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let get = Request::builder().uri("/").header("x-tenant", "acme");
+    assert_eq!(
+        send(&service, get).await.body(),
+        "1",
+        "a cheaper request still fits"
+    );
+    let other = Request::builder()
+        .method("POST")
+        .uri("/")
+        .header("x-tenant", "globex");
+    assert_eq!(send(&service, other).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_cost_above_capacity_is_denied_without_a_retry_promise() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(5))
+        .cost(|_: &RequestInfo<'_>| 6)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let denied = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(!denied.headers().contains_key("retry-after"));
+    let body = json(&denied);
+    assert_eq!(body["error"], "cost_exceeds_limit");
+    assert_eq!(body["capacity"], 5);
+}
+
+#[tokio::test]
+async fn the_429_can_be_replaced() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .limited_response(|denial: &Denial<'_>| {
+            let mut response = Response::new(Bytes::from(format!(
+                "slow down, {}s",
+                denial.retry_after_secs.unwrap_or(0)
+            )));
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            response
+        })
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    send(&service, from_peer("203.0.113.1:1")).await;
+    let denied = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(denied.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let retry = header(&denied, "retry-after").to_owned();
+    assert_eq!(denied.body(), &format!("slow down, {retry}s"));
+    assert!(
+        denied.headers().contains_key("x-ratelimit-limit"),
+        "rate limit headers still added"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn leaky_bucket_delays_requests_instead_of_rejecting() {
+    let limit = Limit::builder("shaped")
+        .algorithm(Algorithm::LeakyBucket)
+        .limit(10)
+        .window(Duration::from_secs(1))
+        .burst(2)
+        .build()
+        .unwrap();
+    let store = MemoryStore::builder()
+        .clock(TokioClock(tokio::time::Instant::now()))
+        .build();
+    let layer = RateLimitLayer::builder()
+        .limit(limit)
+        .store(store)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let started = tokio::time::Instant::now();
+    let (a, b, c) = tokio::join!(
+        send(&service, from_peer("203.0.113.1:1")),
+        send(&service, from_peer("203.0.113.1:1")),
+        send(&service, from_peer("203.0.113.1:1")),
+    );
+    assert!(
+        [&a, &b, &c]
+            .iter()
+            .all(|response| response.status() == StatusCode::OK)
+    );
+    // The third waited two emission intervals (with paused time, exactly the sleeps taken).
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(199) && elapsed < Duration::from_millis(300),
+        "{elapsed:?}"
+    );
+    let fourth = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(
+        fourth.status(),
+        StatusCode::OK,
+        "time has moved on: the queue drained by 200ms"
+    );
+}
+
+#[tokio::test]
+async fn concurrency_lease_is_held_until_the_body_ends() {
+    let limit = Limit::builder("in-flight")
+        .algorithm(Algorithm::Concurrency)
+        .limit(1)
+        .build()
+        .unwrap();
+    let store = MemoryStore::new();
+    let layer = RateLimitLayer::builder()
+        .limit(limit)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (sender, receiver) = tokio::sync::mpsc::channel::<Bytes>(1);
+    let receiver = Arc::new(std::sync::Mutex::new(Some(receiver)));
+    let streaming = service_fn(move |_request: Request<()>| {
+        let receiver = receiver.lock().unwrap().take();
+        async move {
+            let body = match receiver {
+                Some(receiver) => Either::Left(ChannelBody(receiver)),
+                None => Either::Right(Full::new(Bytes::from_static(b"quick"))),
+            };
+            Ok::<_, Infallible>(Response::new(body))
+        }
+    });
+    let service = layer.layer(streaming);
+    let request = || from_peer("203.0.113.1:1").body(()).unwrap();
+
+    let first = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // The first response's body is still streaming: the client is at its limit.
+    let second = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+
+    sender.send(Bytes::from_static(b"chunk")).await.unwrap();
+    drop(sender);
+    let body = first.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "chunk");
+    // Body finished: lease released.
+    let third = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    // A response dropped before its end releases too.
+    drop(third);
+    let fourth = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(fourth.status(), StatusCode::OK);
+    drop(fourth);
+    assert!(store.is_empty(), "no lease left behind");
+}
+
+/// The store's clock following Tokio's (paused) time, so sleeps and decisions agree.
+struct TokioClock(tokio::time::Instant);
+
+impl floodgate::Clock for TokioClock {
+    fn now(&self) -> Timestamp {
+        START.saturating_add(self.0.elapsed())
+    }
+}
+
+/// A response body fed chunk by chunk from a channel; it ends when the sender is dropped.
+struct ChannelBody(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|data| Ok(Frame::data(data))))
+    }
+}
+
+/// A store whose backend is down: every call fails the way a dead Redis does.
+struct DownStore;
+
+impl Store for DownStore {
+    fn check_and_consume<'a>(
+        &'a self,
+        _checks: &'a [Check],
+        _now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
+    }
+
+    fn release(&self, _leases: Vec<Lease>) {}
+
+    fn backend(&self) -> &'static str {
+        "down"
+    }
+}
+
+#[tokio::test]
+async fn store_failure_fails_open_by_default() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .store(DownStore)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    for _ in 0..3 {
+        let response = send(&service, from_peer("203.0.113.1:1")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(
+            !response.headers().contains_key("x-ratelimit-remaining"),
+            "no made-up numbers"
+        );
+    }
+}
+
+#[tokio::test]
+async fn store_failure_fails_closed_when_configured() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .store(DownStore)
+        .on_store_error(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let response = send(&service, from_peer("203.0.113.1:1")).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(header(&response, "retry-after"), "1");
+    assert_eq!(
+        json(&response),
+        serde_json::json!({"error": "rate_limiter_unavailable"})
+    );
+    assert!(
+        !String::from_utf8_lossy(response.body()).contains("timed out"),
+        "no internal detail"
+    );
+}
+
+#[tokio::test]
+async fn clones_of_layer_and_service_share_one_limit() {
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(2))
+        .build()
+        .unwrap();
+    let first = layer.clone().layer(service_fn(ok_handler));
+    let second = layer.layer(service_fn(ok_handler));
+    let third = second.clone();
+    assert_eq!(
+        send(&first, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&second, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&third, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[test]
+fn the_builder_rejects_bad_configuration_with_the_field_named() {
+    let cases = [
+        (RateLimitLayer::builder(), "limits:"),
+        (
+            RateLimitLayer::builder()
+                .limit(per_second(1))
+                .limit(per_second(2)),
+            "limits[1].name",
+        ),
+        (
+            RateLimitLayer::builder()
+                .limit(per_second(1))
+                .rule("a rule"),
+            "rule:",
+        ),
+        (
+            RateLimitLayer::builder()
+                .limit(per_second(1))
+                .key_prefix("{fg}"),
+            "prefix:",
+        ),
+        (
+            RateLimitLayer::builder()
+                .limit(per_second(1))
+                .retry_after_jitter(-0.1),
+            "retry_after_jitter:",
+        ),
+        (
+            RateLimitLayer::builder()
+                .limit(per_second(1))
+                .retry_after_jitter(f64::NAN),
+            "retry_after_jitter:",
+        ),
+    ];
+    for (builder, field) in cases {
+        let error = builder.build().expect_err(field);
+        assert!(error.to_string().starts_with(field), "{error}");
+    }
+    assert!("sometimes".parse::<FailurePolicy>().is_err());
+}
