@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, and every test of the workspace.
+# Installs what the tests need when it is missing (as root, from Debian's packages),
+# or stops with a clear message.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_package() { # command package
+    command -v "$1" >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test.sh: installing $2 (needed by the tests)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$2" >/dev/null \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$2" >/dev/null; }
+    fi
+    command -v "$1" >/dev/null 2>&1 || {
+        echo "test.sh: '$1' is missing and could not be installed; install Debian's '$2' package (apt-get install $2) and rerun." >&2
+        exit 1
+    }
+}
+
+need_package cargo cargo
+need_package redis-server redis-server
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
