@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_main};
-use floodgate::{Algorithm, Check, Limit, MemoryStore, Store};
+use floodgate::{Algorithm, Check, Lease, Limit, MemoryStore, Store};
 use governor::{Quota, RateLimiter};
 
 /// High enough that nothing is denied during a run: the admitted path is what is measured.
@@ -81,17 +81,37 @@ fn algorithms(c: &mut Criterion) {
                             let mut index = thread * 7919;
                             for _ in 0..count {
                                 index = (index + 1) % keys;
-                                let decision = store.check_and_consume_now(&checks[index], None);
-                                black_box(decision.is_allowed());
+                                let (outcome, lease) = store.check_one(&checks[index][0], None);
+                                black_box(outcome.allowed);
                                 // Concurrency leases are released as a finished response would.
-                                if !decision.leases().is_empty() {
-                                    Store::release(&store, decision.leases().to_vec());
+                                if let Some(id) = lease {
+                                    let key = checks[index][0].key.clone();
+                                    Store::release(&store, vec![Lease { key, id }]);
                                 }
                             }
                         })
                     })
                 });
             }
+
+            // The full `Decision` (binding limit, statuses) the layer works with.
+            let store = MemoryStore::new();
+            let checks = checks_for(Algorithm::TokenBucket, keys);
+            group.bench_function(BenchmarkId::from_parameter("token_bucket-decision"), |b| {
+                b.iter_custom(|iterations| {
+                    on_threads(threads, iterations, |thread, count| {
+                        let mut index = thread * 7919;
+                        for _ in 0..count {
+                            index = (index + 1) % keys;
+                            black_box(
+                                store
+                                    .check_and_consume_now(&checks[index], None)
+                                    .is_allowed(),
+                            );
+                        }
+                    })
+                })
+            });
 
             // The same token bucket through the async `Store` trait the layer uses.
             let store = MemoryStore::new();

@@ -33,8 +33,16 @@ async fn quota(Extension(decision): Extension<Decision>) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layer = RateLimitLayer::builder()
         // 5 per second per client, and no more than 100 a minute.
-        .limit(Limit::token_bucket("per-second", 5, Duration::from_secs(1))?)
-        .limit(Limit::fixed_window("per-minute", 100, Duration::from_secs(60))?)
+        .limit(Limit::token_bucket(
+            "per-second",
+            5,
+            Duration::from_secs(1),
+        )?)
+        .limit(Limit::fixed_window(
+            "per-minute",
+            100,
+            Duration::from_secs(60),
+        )?)
         .docs_url("https://example.com/docs/rate-limits")
         .build()?;
     let app = Router::new()

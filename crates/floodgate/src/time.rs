@@ -72,13 +72,57 @@ pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> Timestamp;
 }
 
-/// The system's wall clock.
+/// The system's wall clock, read cheaply.
+///
+/// Reading `SystemTime` costs a system call's worth of time (30+ ns on virtual machines), more
+/// than the rest of a memory-store decision. This clock reads the CPU's invariant time-stamp
+/// counter through `quanta` (a few ns) and adds an offset to the wall clock that is re-taken
+/// every second, so it follows NTP adjustments within a second; where no usable TSC exists,
+/// `quanta` falls back to the OS clock.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SystemClock;
 
+struct Anchor {
+    counter: quanta::Clock,
+    start: quanta::Instant,
+    /// Wall-clock micros minus counter micros since `start`.
+    offset_micros: std::sync::atomic::AtomicI64,
+    /// Counter micros at which the offset is re-taken.
+    next_anchor_micros: AtomicU64,
+}
+
+const REANCHOR_EVERY_MICROS: u64 = 1_000_000;
+
+fn anchor() -> &'static Anchor {
+    static ANCHOR: std::sync::OnceLock<Anchor> = std::sync::OnceLock::new();
+    ANCHOR.get_or_init(|| {
+        let counter = quanta::Clock::new();
+        let start = counter.now();
+        Anchor {
+            counter,
+            start,
+            offset_micros: std::sync::atomic::AtomicI64::new(Timestamp::now().as_micros() as i64),
+            next_anchor_micros: AtomicU64::new(REANCHOR_EVERY_MICROS),
+        }
+    })
+}
+
 impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
-        Timestamp::now()
+        let anchor = anchor();
+        let elapsed = duration_to_micros(anchor.counter.now().duration_since(anchor.start));
+        if elapsed >= anchor.next_anchor_micros.load(Ordering::Relaxed) {
+            // Racing threads compute the same offset to within microseconds; either wins.
+            let wall = Timestamp::now().as_micros() as i64;
+            anchor
+                .offset_micros
+                .store(wall - elapsed as i64, Ordering::Relaxed);
+            anchor
+                .next_anchor_micros
+                .store(elapsed + REANCHOR_EVERY_MICROS, Ordering::Relaxed);
+        }
+        let offset = anchor.offset_micros.load(Ordering::Relaxed);
+        Timestamp((elapsed as i64 + offset).max(0) as u64)
     }
 }
 
@@ -112,6 +156,21 @@ impl FakeClock {
 impl Clock for FakeClock {
     fn now(&self) -> Timestamp {
         Timestamp(self.micros.load(Ordering::SeqCst))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn system_clock_tracks_the_wall_clock() {
+        for _ in 0..1000 {
+            let fast = SystemClock.now().as_micros();
+            let wall = Timestamp::now().as_micros();
+            // Generous: the two reads are not simultaneous and the offset is refreshed each second.
+            assert!(fast.abs_diff(wall) < 50_000, "fast {fast} vs wall {wall}");
+        }
     }
 }
 

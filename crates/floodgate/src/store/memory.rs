@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
+use smallvec::SmallVec;
 
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::{self, LimitOutcome, State};
@@ -164,6 +165,14 @@ impl MemoryStore {
         self.inner.check_and_consume(checks, now)
     }
 
+    /// Decides a single limit for a single key and returns just its outcome (and the lease id
+    /// of a `concurrency` admission): the allocation-free path, the memory store's equivalent
+    /// of a keyed limiter's `check_key`.
+    pub fn check_one(&self, check: &Check, now: Option<Timestamp>) -> (LimitOutcome, Option<u64>) {
+        let now = now.unwrap_or_else(|| self.inner.clock.now());
+        self.inner.check_one(check, now.as_micros())
+    }
+
     /// Drops every entry that is idle at the clock's current time; returns how many went.
     pub fn evict_expired(&self) -> usize {
         self.inner.evict_expired()
@@ -197,17 +206,76 @@ impl Inner {
         (hash >> 32) as usize & (self.shards.len() - 1)
     }
 
+    /// One limit, one key: a single lock, no allocation unless the key is new.
+    fn check_one(&self, check: &Check, now: u64) -> (LimitOutcome, Option<u64>) {
+        let hash = self.hasher.hash_one(&*check.key);
+        let mut shard = lock(&self.shards[self.shard_of(hash)]);
+        let state = shard
+            .entries
+            .find(hash, |entry| *entry.key == *check.key)
+            .and_then(|entry| entry.state.as_ref());
+        let outcome = algorithm::evaluate(&check.limit, state, now, check.cost);
+        let lease = outcome
+            .allowed
+            .then(|| self.consume(&mut shard, check, hash, now))
+            .flatten();
+        self.sweep_if_due(&mut shard, now);
+        (outcome, lease)
+    }
+
+    /// Applies an admission to `check`'s entry; returns the lease id if it took one.
+    fn consume(&self, shard: &mut Shard, check: &Check, hash: u64, now: u64) -> Option<u64> {
+        let lease_id = match check.limit.algorithm() {
+            crate::Algorithm::Concurrency => self.next_lease_id.fetch_add(1, Ordering::Relaxed),
+            _ => 0,
+        };
+        let entry = shard
+            .entries
+            .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
+            .or_insert_with(|| Entry {
+                key: check.key.clone(),
+                hash,
+                state: None,
+                idle_at: 0,
+            })
+            .into_mut();
+        algorithm::consume(&check.limit, &mut entry.state, now, check.cost, lease_id);
+        if let Some(state) = &entry.state {
+            entry.idle_at = algorithm::idle_at(&check.limit, state);
+        }
+        (lease_id != 0).then_some(lease_id)
+    }
+
+    fn sweep_if_due(&self, shard: &mut Shard, now: u64) {
+        if now >= shard.next_sweep_at {
+            shard.sweep(now);
+            shard.next_sweep_at = now + self.sweep_interval_micros;
+        }
+    }
+
     fn check_and_consume(&self, checks: &[Check], now: Timestamp) -> Decision {
         let now_micros = now.as_micros();
-        let hashes: Vec<u64> = checks
+        if let [check] = checks {
+            let (outcome, lease) = self.check_one(check, now_micros);
+            let leases = lease
+                .map(|id| Lease {
+                    key: check.key.clone(),
+                    id,
+                })
+                .into_iter()
+                .collect();
+            return Decision::from_outcomes(now, checks, &[outcome], leases);
+        }
+        let hashes: SmallVec<[u64; 8]> = checks
             .iter()
             .map(|check| self.hasher.hash_one(&*check.key))
             .collect();
-        let mut shard_ids: Vec<usize> = hashes.iter().map(|&hash| self.shard_of(hash)).collect();
+        let mut shard_ids: SmallVec<[usize; 8]> =
+            hashes.iter().map(|&hash| self.shard_of(hash)).collect();
         shard_ids.sort_unstable();
         shard_ids.dedup();
         // Ascending order: every request locks shards in the same global order.
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = shard_ids
+        let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 8]> = shard_ids
             .iter()
             .map(|&id| (id, lock(&self.shards[id])))
             .collect();
@@ -220,7 +288,7 @@ impl Inner {
                 .and_then(|entry| entry.state.as_ref());
             algorithm::evaluate(&check.limit, state, now_micros, cost)
         };
-        let mut outcomes: Vec<LimitOutcome> = checks
+        let mut outcomes: SmallVec<[LimitOutcome; 8]> = checks
             .iter()
             .zip(&hashes)
             .map(|(check, &hash)| evaluate(check, hash, check.cost))
@@ -238,42 +306,17 @@ impl Inner {
         let mut leases = Vec::new();
         if admitted {
             for (check, &hash) in checks.iter().zip(&hashes) {
-                let lease_id = self.next_lease_id.fetch_add(1, Ordering::Relaxed);
                 let shard = locked_shard(&mut guards, self.shard_of(hash));
-                let entry = shard
-                    .entries
-                    .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
-                    .or_insert_with(|| Entry {
-                        key: check.key.clone(),
-                        hash,
-                        state: None,
-                        idle_at: 0,
-                    })
-                    .into_mut();
-                algorithm::consume(
-                    &check.limit,
-                    &mut entry.state,
-                    now_micros,
-                    check.cost,
-                    lease_id,
-                );
-                if let Some(state) = &entry.state {
-                    entry.idle_at = algorithm::idle_at(&check.limit, state);
-                }
-                if matches!(entry.state, Some(State::Concurrency(_))) {
+                if let Some(id) = self.consume(shard, check, hash, now_micros) {
                     leases.push(Lease {
                         key: check.key.clone(),
-                        id: lease_id,
+                        id,
                     });
                 }
             }
         }
-
         for (_, shard) in &mut guards {
-            if now_micros >= shard.next_sweep_at {
-                shard.sweep(now_micros);
-                shard.next_sweep_at = now_micros + self.sweep_interval_micros;
-            }
+            self.sweep_if_due(shard, now_micros);
         }
         Decision::from_outcomes(now, checks, &outcomes, leases)
     }
