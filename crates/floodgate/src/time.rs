@@ -159,6 +159,12 @@ impl Clock for FakeClock {
     }
 }
 
+impl<C: Clock + ?Sized> Clock for Arc<C> {
+    fn now(&self) -> Timestamp {
+        (**self).now()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,11 +177,5 @@ mod tests {
             // Generous: the two reads are not simultaneous and the offset is refreshed each second.
             assert!(fast.abs_diff(wall) < 50_000, "fast {fast} vs wall {wall}");
         }
-    }
-}
-
-impl<C: Clock + ?Sized> Clock for Arc<C> {
-    fn now(&self) -> Timestamp {
-        (**self).now()
     }
 }
