@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::LimitOutcome;
+use crate::limit::Limit;
 use crate::store::{Check, Lease};
 use crate::time::Timestamp;
 
@@ -35,9 +36,15 @@ pub struct LimitStatus {
     pub reset_after: Duration,
     /// When this limit denied: the exact wait until it would admit the request.
     pub retry_after: Option<Duration>,
+    definition: Arc<Limit>,
 }
 
 impl LimitStatus {
+    /// The limit this status is about.
+    pub fn definition(&self) -> &Arc<Limit> {
+        &self.definition
+    }
+
     /// Remaining as a fraction of capacity, compared without rounding: `a < b` as
     /// `a.remaining / a.capacity < b.remaining / b.capacity`.
     fn has_less_room_than(&self, other: &LimitStatus) -> bool {
@@ -84,6 +91,7 @@ impl Decision {
                 remaining: outcome.remaining,
                 reset_after: Duration::from_micros(outcome.reset_after_micros),
                 retry_after: outcome.retry_after_micros.map(Duration::from_micros),
+                definition: check.limit.clone(),
             })
             .collect();
         let (binding, retry_after) = if allowed {

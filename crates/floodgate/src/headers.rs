@@ -1,12 +1,12 @@
 //! Rate limit response headers: legacy `X-RateLimit-*` and the IETF `RateLimit` /
 //! `RateLimit-Policy` fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields).
 
-use std::fmt::Write as _;
 use std::str::FromStr;
 use std::time::Duration;
 
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
+use smallvec::SmallVec;
 
 use crate::decision::Decision;
 
@@ -82,51 +82,76 @@ pub fn retry_after_secs(wait: Duration, jitter: f64, unit: f64) -> u64 {
     ceil_secs(wait.saturating_add(extra)).max(1)
 }
 
+/// The rate limit headers of one decision, computed before the decision moves into the
+/// request's extensions and added to the response once the service has answered.
+#[derive(Debug, Default)]
+pub struct RateLimitHeaders {
+    values: SmallVec<[(&'static HeaderName, HeaderValue); 5]>,
+}
+
+impl RateLimitHeaders {
+    /// The headers for `decision` in `style` (none when no limit applied).
+    pub fn new(decision: &Decision, style: HeaderStyle) -> Self {
+        let mut values = SmallVec::new();
+        let Some(binding) = decision.binding_limit() else {
+            return RateLimitHeaders { values };
+        };
+        if style.legacy() {
+            let reset_at = decision.decided_at().saturating_add(binding.reset_after);
+            values.push((
+                &X_RATELIMIT_LIMIT,
+                binding.definition().limit_header().clone(),
+            ));
+            values.push((&X_RATELIMIT_REMAINING, HeaderValue::from(binding.remaining)));
+            values.push((
+                &X_RATELIMIT_RESET,
+                HeaderValue::from(reset_at.as_secs_ceil()),
+            ));
+        }
+        if style.ietf() {
+            values.push((&RATELIMIT_POLICY, policy(decision)));
+            let current = format!(
+                "\"{}\";r={};t={}",
+                binding.name,
+                binding.remaining,
+                ceil_secs(binding.reset_after)
+            );
+            if let Ok(value) = HeaderValue::try_from(current) {
+                values.push((&RATELIMIT, value));
+            }
+        }
+        RateLimitHeaders { values }
+    }
+
+    /// Sets the headers on `headers`, replacing any of the same name.
+    pub fn apply(self, headers: &mut HeaderMap) {
+        for (name, value) in self.values {
+            headers.insert(name, value);
+        }
+    }
+}
+
+/// `RateLimit-Policy`: every applied limit. A single limit's item is shared, not rebuilt.
+fn policy(decision: &Decision) -> HeaderValue {
+    match decision.limits() {
+        [only] => only.definition().policy_item().clone(),
+        limits => {
+            let mut joined = Vec::with_capacity(limits.len() * 32);
+            for (index, limit) in limits.iter().enumerate() {
+                if index > 0 {
+                    joined.extend_from_slice(b", ");
+                }
+                joined.extend_from_slice(limit.definition().policy_item().as_bytes());
+            }
+            // Joining valid header values with ", " yields a valid header value.
+            HeaderValue::from_bytes(&joined).unwrap_or_else(|_| HeaderValue::from_static(""))
+        }
+    }
+}
+
 /// Adds the rate limit headers for `decision` in `style` to `headers`.
 pub fn write_rate_limit_headers(headers: &mut HeaderMap, decision: &Decision, style: HeaderStyle) {
-    let Some(binding) = decision.binding_limit() else {
-        return;
-    };
-    if style.legacy() {
-        let reset_at = decision.decided_at().saturating_add(binding.reset_after);
-        headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(binding.limit));
-        headers.insert(
-            X_RATELIMIT_REMAINING.clone(),
-            HeaderValue::from(binding.remaining),
-        );
-        headers.insert(
-            X_RATELIMIT_RESET.clone(),
-            HeaderValue::from(reset_at.as_secs_ceil()),
-        );
-    }
-    if style.ietf() {
-        let mut policy = String::new();
-        for (index, limit) in decision.limits().iter().enumerate() {
-            if index > 0 {
-                policy.push_str(", ");
-            }
-            // Limit names are restricted to A-Z a-z 0-9 - _ . so they need no escaping.
-            let _ = write!(
-                policy,
-                "\"{}\";q={};w={}",
-                limit.name,
-                limit.limit,
-                ceil_secs(limit.window).max(1)
-            );
-        }
-        let current = format!(
-            "\"{}\";r={};t={}",
-            binding.name,
-            binding.remaining,
-            ceil_secs(binding.reset_after)
-        );
-        if let Ok(value) = HeaderValue::try_from(policy) {
-            headers.insert(RATELIMIT_POLICY.clone(), value);
-        }
-        if let Ok(value) = HeaderValue::try_from(current) {
-            headers.insert(RATELIMIT.clone(), value);
-        }
-    }
+    RateLimitHeaders::new(decision, style).apply(headers);
 }
 
 /// Sets `Retry-After: <seconds>`.

@@ -6,6 +6,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderValue;
+
 use crate::time::duration_to_micros;
 
 /// The longest window a limit may have. Bounding it keeps every intermediate value of the
@@ -167,6 +169,11 @@ pub struct Limit {
     /// Microseconds per unit at `limit / window`, rounded up so that quantisation can only make
     /// the limiter stricter, never looser.
     emission_micros: u64,
+    /// This limit's item of the IETF `RateLimit-Policy` field, `"name";q=10;w=1`, built once
+    /// so that responses do not format it per request.
+    policy_item: HeaderValue,
+    /// `limit` as a header value, for `X-RateLimit-Limit`.
+    limit_header: HeaderValue,
 }
 
 impl Limit {
@@ -250,6 +257,16 @@ impl Limit {
     /// Microseconds per unit at `limit / window`, rounded up.
     pub fn emission_micros(&self) -> u64 {
         self.emission_micros
+    }
+
+    /// This limit's item of the `RateLimit-Policy` header: `"name";q=<limit>;w=<seconds>`.
+    pub fn policy_item(&self) -> &HeaderValue {
+        &self.policy_item
+    }
+
+    /// `limit` as a header value.
+    pub(crate) fn limit_header(&self) -> &HeaderValue {
+        &self.limit_header
     }
 }
 
@@ -350,7 +367,14 @@ impl LimitBuilder {
         if fill_micros > u128::from(duration_to_micros(MAX_WINDOW)) {
             return Err(LimitError::BurstTooLarge);
         }
+        let window_secs = window_micros.div_ceil(1_000_000).max(1);
+        // The name's characters are all valid in a header value and need no escaping.
+        let policy_item =
+            HeaderValue::try_from(format!("\"{}\";q={limit};w={window_secs}", self.name))
+                .map_err(|_| LimitError::InvalidName(self.name.clone()))?;
         Ok(Limit {
+            policy_item,
+            limit_header: HeaderValue::from(limit),
             name: self.name.into(),
             algorithm,
             limit,

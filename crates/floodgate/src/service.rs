@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
@@ -12,7 +12,7 @@ use crate::FailurePolicy;
 use crate::body::{LeaseGuard, RateLimitBody};
 use crate::decision::{Decision, DecisionSource};
 use crate::future::ResponseFuture;
-use crate::headers::{retry_after_secs, write_rate_limit_headers};
+use crate::headers::{RateLimitHeaders, retry_after_secs};
 use crate::key::{IdentifyClient, RequestInfo};
 use crate::plan::LimitPlan;
 use crate::response::{
@@ -168,19 +168,9 @@ where
     if !decision.delay().is_zero() {
         tokio::time::sleep(decision.delay()).await;
     }
-    let mut headers = HeaderMap::new();
-    write_rate_limit_headers(&mut headers, &decision, shared.responses.headers);
+    let headers = RateLimitHeaders::new(&decision, shared.responses.headers);
     request.extensions_mut().insert(decision);
-    let response = inner.call(request).await?;
-    let (mut parts, body) = response.into_parts();
-    for (name, value) in headers
-        .into_iter()
-        .filter_map(|(name, value)| Some((name?, value)))
-    {
-        parts.headers.insert(name, value);
-    }
-    Ok(Response::from_parts(
-        parts,
-        RateLimitBody::inner(body, leases),
-    ))
+    let mut response = inner.call(request).await?;
+    headers.apply(response.headers_mut());
+    Ok(response.map(|body| RateLimitBody::inner(body, leases)))
 }

@@ -9,7 +9,7 @@ mod client_ip;
 
 pub use client_ip::ClientIpResolver;
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -114,7 +114,11 @@ impl Identity {
             Identity::ApiKey(value) | Identity::User(value) | Identity::Custom { value, .. } => {
                 hasher.update(value.as_bytes())
             }
-            Identity::Ip(ip) => hasher.update(ip.to_string().as_bytes()),
+            Identity::Ip(ip) => {
+                let mut text = StackText::<64>::new();
+                let _ = write!(text, "{ip}");
+                hasher.update(text.as_bytes())
+            }
             Identity::Unknown => {}
         }
         let digest = hasher.finalize();
@@ -128,12 +132,24 @@ impl Identity {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdentityHash(pub [u8; 16]);
 
+impl IdentityHash {
+    /// The 32 lowercase hex digits.
+    pub fn to_hex(&self) -> [u8; 32] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut hex = [0u8; 32];
+        for (index, byte) in self.0.iter().enumerate() {
+            hex[2 * index] = DIGITS[usize::from(byte >> 4)];
+            hex[2 * index + 1] = DIGITS[usize::from(byte & 0x0f)];
+        }
+        hex
+    }
+}
+
 impl fmt::Display for IdentityHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for byte in self.0 {
-            write!(f, "{byte:02x}")?;
-        }
-        Ok(())
+        let hex = self.to_hex();
+        // Hex digits are ASCII.
+        f.write_str(std::str::from_utf8(&hex).unwrap_or_default())
     }
 }
 
@@ -152,8 +168,48 @@ pub fn storage_key(
     hash: &IdentityHash,
     rule: &str,
     limit: &str,
-) -> String {
-    format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")
+) -> Arc<str> {
+    // Formatted on the stack, then copied once into the shared string: one allocation per key
+    // on the request path instead of two.
+    let mut text = StackText::<256>::new();
+    match write!(text, "{prefix}:{{{scope}:{hash}}}:{rule}:{limit}") {
+        Ok(()) => Arc::from(text.as_str()),
+        Err(_) => Arc::from(format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")),
+    }
+}
+
+/// A fixed-capacity text buffer on the stack; writing past its end fails instead of growing.
+struct StackText<const N: usize> {
+    bytes: [u8; N],
+    len: usize,
+}
+
+impl<const N: usize> StackText<N> {
+    fn new() -> Self {
+        StackText {
+            bytes: [0; N],
+            len: 0,
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    fn as_str(&self) -> &str {
+        // Only whole `&str`s are ever written, so the bytes are valid UTF-8.
+        std::str::from_utf8(self.as_bytes()).unwrap_or_default()
+    }
+}
+
+impl<const N: usize> fmt::Write for StackText<N> {
+    fn write_str(&mut self, text: &str) -> fmt::Result {
+        let end = self.len + text.len();
+        let slot = self.bytes.get_mut(self.len..end).ok_or(fmt::Error)?;
+        slot.copy_from_slice(text.as_bytes());
+        self.len = end;
+        Ok(())
+    }
 }
 
 /// Decides who a request counts against. Closures `Fn(&RequestInfo) -> Identity` implement it.
@@ -400,7 +456,14 @@ mod tests {
     fn storage_key_layout_keeps_identity_in_a_hash_tag() {
         let hash = Identity::ApiKey("secret-key".into()).hash();
         let key = storage_key("fg", "key", &hash, "api", "per-second");
-        assert_eq!(key, format!("fg:{{key:{hash}}}:api:per-second"));
+        assert_eq!(&*key, format!("fg:{{key:{hash}}}:api:per-second"));
+        let long_rule = "r".repeat(300);
+        let long = storage_key("fg", "key", &hash, &long_rule, "x");
+        assert_eq!(
+            &*long,
+            format!("fg:{{key:{hash}}}:{long_rule}:x"),
+            "falls back to the heap"
+        );
         assert!(!key.contains("secret-key"));
         assert_eq!(hash.to_string().len(), 32);
     }
