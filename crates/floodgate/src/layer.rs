@@ -9,7 +9,7 @@ use tower_layer::Layer;
 
 use crate::headers::HeaderStyle;
 use crate::key::{DefaultIdentifier, IdentifyClient};
-use crate::limit::Limit;
+use crate::limit::{Limit, is_valid_name};
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::response::{MakeLimitedResponse, ResponseSettings};
 use crate::service::{RateLimit, RequestCost, Shared};
@@ -64,14 +64,6 @@ pub enum BuildError {
     /// No such failure policy.
     #[error("on_store_error: unknown policy `{0}`; expected open or closed")]
     UnknownFailurePolicy(String),
-}
-
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Applies rate limiting to a service. Clones (and the services they make) share one state.
@@ -247,7 +239,7 @@ impl RateLimitLayerBuilder {
 
     /// Validates the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer, BuildError> {
-        if !valid_name(&self.rule) {
+        if !is_valid_name(&self.rule) {
             return Err(BuildError::InvalidRule(self.rule));
         }
         let prefix_ok = !self.prefix.is_empty()

@@ -23,6 +23,16 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 /// The longest limit name; names travel in storage keys, metric labels and headers.
 pub const MAX_NAME_LEN: usize = 64;
 
+/// Whether `name` may name a limit or a rule: 1 to 64 characters among `A-Z a-z 0-9 - _ .`,
+/// so that it is safe in storage keys, metric labels and structured header strings.
+pub(crate) fn is_valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
 /// The rate limiting algorithms; see SPEC §1 for their exact semantics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -321,13 +331,7 @@ impl LimitBuilder {
 
     /// Validates and builds the limit.
     pub fn build(self) -> Result<Limit, LimitError> {
-        let valid_name = !self.name.is_empty()
-            && self.name.len() <= MAX_NAME_LEN
-            && self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !valid_name {
+        if !is_valid_name(&self.name) {
             return Err(LimitError::InvalidName(self.name));
         }
         let algorithm = self.algorithm?;
