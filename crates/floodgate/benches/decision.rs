@@ -86,7 +86,8 @@ fn algorithms(c: &mut Criterion) {
                                 // Concurrency leases are released as a finished response would.
                                 if let Some(id) = lease {
                                     let key = checks[index][0].key.clone();
-                                    Store::release(&store, vec![Lease { key, id }]);
+                                    let _ =
+                                        Store::release(&store, vec![Lease { key, id, cost: 1 }]);
                                 }
                             }
                         })

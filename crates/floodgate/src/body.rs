@@ -1,6 +1,7 @@
 //! The response body: the inner service's body, holding the request's concurrency leases until
 //! it ends or is dropped, or a complete body the limiter wrote itself (429, 503).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -25,7 +26,20 @@ impl LeaseGuard {
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
-        self.store.release(std::mem::take(&mut self.leases));
+        let leases = std::mem::take(&mut self.leases);
+        let store = self.store.clone();
+        let mut release = Box::pin(async move {
+            if let Err(error) = store.release(leases).await {
+                tracing::debug!(%error, "lease release failed; the leases expire with their window");
+            }
+        });
+        // The memory store releases at once; a networked store finishes in the background.
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        if release.as_mut().poll(&mut context).is_pending() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(release);
+            }
+        }
     }
 }
 

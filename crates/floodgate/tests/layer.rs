@@ -661,7 +661,9 @@ impl Store for DownStore {
         Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
     }
 
-    fn release(&self, _leases: Vec<Lease>) {}
+    fn release<'a>(&'a self, _leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
+    }
 
     fn backend(&self) -> &'static str {
         "down"

@@ -261,6 +261,7 @@ impl Inner {
                 .map(|id| Lease {
                     key: check.key.clone(),
                     id,
+                    cost: check.cost,
                 })
                 .into_iter()
                 .collect();
@@ -311,6 +312,7 @@ impl Inner {
                     leases.push(Lease {
                         key: check.key.clone(),
                         id,
+                        cost: check.cost,
                     });
                 }
             }
@@ -389,8 +391,9 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(decision)))
     }
 
-    fn release(&self, leases: Vec<Lease>) {
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
         self.inner.release(&leases);
+        Box::pin(std::future::ready(Ok(())))
     }
 
     fn backend(&self) -> &'static str {

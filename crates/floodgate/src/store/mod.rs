@@ -5,8 +5,13 @@
 //! default; the Redis store shares this trait and the conformance suite in `tests/`.
 
 mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
+pub mod resilience;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "redis")]
+pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder};
 
 use std::future::Future;
 use std::pin::Pin;
@@ -51,6 +56,8 @@ pub struct Lease {
     pub key: Arc<str>,
     /// The lease's identifier within that key.
     pub id: u64,
+    /// Units the lease holds.
+    pub cost: u64,
 }
 
 /// Why a store could not decide.
@@ -92,9 +99,9 @@ pub trait Store: Send + Sync + 'static {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>>;
 
-    /// Releases concurrency leases. Never blocks: a store that needs I/O does it in the
-    /// background, and a lease that cannot be released expires with its window.
-    fn release(&self, leases: Vec<Lease>);
+    /// Releases concurrency leases. A lease that cannot be released (the store is down)
+    /// expires with its window, so a failure here loses nothing for good.
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>>;
 
     /// A short name for logs and metrics (`memory`, `redis`).
     fn backend(&self) -> &'static str;
@@ -109,7 +116,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         (**self).check_and_consume(checks, now)
     }
 
-    fn release(&self, leases: Vec<Lease>) {
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
         (**self).release(leases)
     }
 

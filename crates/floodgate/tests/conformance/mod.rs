@@ -269,7 +269,10 @@ pub async fn concurrency_leases_release_and_expire(store: impl Store) {
         "until the first lease expires"
     );
 
-    store.release(first.leases().to_vec());
+    store
+        .release(first.leases().to_vec())
+        .await
+        .expect("released");
     let third = hit(&store, &limit, 1, at(ms(30))).await;
     assert!(third.is_allowed(), "a released lease frees its slot");
     assert!(!hit(&store, &limit, 1, at(ms(40))).await.is_allowed());

@@ -1,0 +1,383 @@
+//! The Redis store: one atomic Lua call per decision, every algorithm, shared by any number of
+//! servers.
+//!
+//! All limits of a request whose keys share a hash slot (one identity's limits do, through the
+//! `{…}` tag of their keys) are checked and consumed by one script call, atomically. On a single
+//! Redis node every key can go into one call; [`RedisStoreBuilder::cluster_compatible`] instead
+//! calls once per slot, in the order of the checks (global → per IP → per client → per
+//! endpoint), and refunds what earlier calls took when a later one denies.
+//!
+//! Time comes from the Redis server (`TIME` in the script), so that gateways with skewed clocks
+//! agree. Every call has a deadline and goes through a circuit breaker ([`Guard`]).
+
+mod script;
+mod slot;
+
+pub use slot::hash_slot;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_redis::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use deadpool_redis::redis::{self, Client, RedisError, Value};
+
+use super::resilience::{Guard, GuardConfig, LogObserver, StoreObserver};
+use super::{BoxFuture, Check, Lease, Store, StoreError};
+use crate::algorithm::LimitOutcome;
+use crate::decision::Decision;
+use crate::limit::Algorithm;
+use crate::time::Timestamp;
+use script::{Mode, Reply};
+
+/// How the store talks to Redis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectionMode {
+    /// One multiplexed connection shared by all callers (pipelined, reconnects by itself).
+    /// The default: it measured faster (see BENCHMARKS.md).
+    Multiplexed,
+    /// A deadpool-redis pool of this many connections, one call per connection at a time.
+    Pool(usize),
+}
+
+/// Configures a [`RedisStore`].
+#[must_use]
+pub struct RedisStoreBuilder {
+    url: String,
+    mode: ConnectionMode,
+    guard: GuardConfig,
+    observer: Arc<dyn StoreObserver>,
+    cluster_compatible: bool,
+}
+
+impl RedisStoreBuilder {
+    /// Multiplexed connection or pool (default multiplexed).
+    pub fn connection_mode(mut self, mode: ConnectionMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Deadline of every store call (default 50ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.guard.timeout = timeout;
+        self
+    }
+
+    /// Consecutive failures that open the breaker, and how long it stays open (default 5, 2s).
+    pub fn breaker(mut self, failures: u32, open_for: Duration) -> Self {
+        self.guard.failures = failures;
+        self.guard.open_for = open_for;
+        self
+    }
+
+    /// Who hears about breaker transitions and failures (default: logs).
+    pub fn observer(mut self, observer: Arc<dyn StoreObserver>) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    /// One script call per hash slot, with refunds, as Redis Cluster requires (default false:
+    /// one call for all keys, atomic across slots).
+    pub fn cluster_compatible(mut self, enabled: bool) -> Self {
+        self.cluster_compatible = enabled;
+        self
+    }
+
+    /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
+    /// the first calls (handled by the failure policy), not a start-up failure.
+    pub fn build(self) -> Result<RedisStore, StoreError> {
+        let connection = match self.mode {
+            ConnectionMode::Multiplexed => {
+                let client = Client::open(self.url.as_str()).map_err(invalid_url)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(
+                        self.guard.timeout.max(Duration::from_millis(100)),
+                    ))
+                    .set_response_timeout(None)
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(200));
+                let manager =
+                    ConnectionManager::new_lazy_with_config(client, config).map_err(invalid_url)?;
+                Connection::Multiplexed(manager)
+            }
+            ConnectionMode::Pool(size) => {
+                let pool = deadpool_redis::Config::from_url(self.url.as_str())
+                    .builder()
+                    .map_err(|error| StoreError::Unavailable(error.into()))?
+                    .max_size(size.max(1))
+                    .runtime(deadpool_redis::Runtime::Tokio1)
+                    .wait_timeout(Some(self.guard.timeout))
+                    .create_timeout(Some(self.guard.timeout.max(Duration::from_millis(100))))
+                    .recycle_timeout(Some(self.guard.timeout))
+                    .build()
+                    .map_err(|error| StoreError::Unavailable(error.into()))?;
+                Connection::Pool(pool)
+            }
+        };
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                connection,
+                guard: Guard::new("redis", self.guard, self.observer),
+                cluster_compatible: self.cluster_compatible,
+            }),
+        })
+    }
+}
+
+fn invalid_url(error: RedisError) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
+}
+
+enum Connection {
+    Multiplexed(ConnectionManager),
+    Pool(deadpool_redis::Pool),
+}
+
+struct Inner {
+    connection: Connection,
+    guard: Guard,
+    cluster_compatible: bool,
+}
+
+/// The Redis store. Clones share connections and breaker.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("guard", &self.inner.guard)
+            .finish_non_exhaustive()
+    }
+}
+
+fn classify(error: RedisError) -> StoreError {
+    if error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || !error.is_unrecoverable_error()
+    {
+        StoreError::Unavailable(Box::new(error))
+    } else {
+        StoreError::Protocol(error.to_string())
+    }
+}
+
+impl RedisStore {
+    /// Configures a store for `url` (`redis://host:port/db`).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            mode: ConnectionMode::Multiplexed,
+            guard: GuardConfig::default(),
+            observer: Arc::new(LogObserver),
+            cluster_compatible: false,
+        }
+    }
+
+    /// The deadline and circuit breaker of this store.
+    pub fn guard(&self) -> &Guard {
+        &self.inner.guard
+    }
+
+    /// Runs one script invocation on a connection.
+    async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
+        match &self.inner.connection {
+            Connection::Multiplexed(manager) => {
+                let mut connection = manager.clone();
+                invoke_on(&mut connection, invocation).await
+            }
+            Connection::Pool(pool) => {
+                let mut connection = pool
+                    .get()
+                    .await
+                    .map_err(|error| StoreError::Unavailable(error.into()))?;
+                invoke_on(&mut *connection, invocation).await
+            }
+        }
+    }
+
+    async fn call(
+        &self,
+        mode: Mode,
+        checks: &[&Check],
+        tokens: &[String],
+        now: Option<Timestamp>,
+    ) -> Result<Reply, StoreError> {
+        let invocation = script::invocation(mode, checks, tokens, now);
+        let value = self.invoke(&invocation).await?;
+        script::decode(value, checks.len())
+    }
+
+    async fn decide(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Result<Decision, StoreError> {
+        if checks.is_empty() {
+            return Ok(Decision::from_outcomes(
+                now.unwrap_or_else(Timestamp::now),
+                checks,
+                &[],
+                Vec::new(),
+            ));
+        }
+        let groups = self.groups(checks);
+        let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+        let mut tokens: Vec<String> = vec![String::new(); checks.len()];
+        // Later calls use the first call's server time, so every group decides at one instant.
+        let mut decided_at = now;
+        let mut denied_group = None;
+        for (position, group) in groups.iter().enumerate() {
+            let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+            // Concurrency limits take a lease under a fresh random id.
+            let lease_ids: Vec<String> = group_checks
+                .iter()
+                .map(|check| match check.limit.algorithm() {
+                    Algorithm::Concurrency => fastrand::u64(1..).to_string(),
+                    _ => String::new(),
+                })
+                .collect();
+            let reply = self
+                .call(Mode::Check, &group_checks, &lease_ids, decided_at)
+                .await?;
+            decided_at.get_or_insert(reply.now);
+            for ((&index, outcome), token) in group.iter().zip(reply.outcomes).zip(reply.tokens) {
+                outcomes[index] = Some(outcome);
+                tokens[index] = token;
+            }
+            if !reply.admitted {
+                denied_group = Some(position);
+                break;
+            }
+        }
+        if let Some(denied) = denied_group {
+            // Give back what earlier groups took, then report them (and the groups never
+            // reached) as they stand.
+            for group in groups[..denied].iter().chain(&groups[denied + 1..]) {
+                let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+                let was_charged = outcomes[group[0]].is_some();
+                let group_tokens: Vec<String> =
+                    group.iter().map(|&index| tokens[index].clone()).collect();
+                let reply = if was_charged {
+                    self.call(Mode::Refund, &group_checks, &group_tokens, decided_at)
+                        .await?
+                } else {
+                    let peek: Vec<Check> = group_checks
+                        .iter()
+                        .map(|check| Check {
+                            cost: 0,
+                            ..(*check).clone()
+                        })
+                        .collect();
+                    let peek_refs: Vec<&Check> = peek.iter().collect();
+                    // A zero-cost refund takes nothing back and evaluates without charge.
+                    self.call(
+                        Mode::Refund,
+                        &peek_refs,
+                        &vec![String::new(); peek.len()],
+                        decided_at,
+                    )
+                    .await?
+                };
+                for (&index, outcome) in group.iter().zip(reply.outcomes) {
+                    outcomes[index] = Some(LimitOutcome {
+                        allowed: true,
+                        ..outcome
+                    });
+                }
+            }
+        }
+        let outcomes: Vec<LimitOutcome> = outcomes
+            .into_iter()
+            .map(|outcome| {
+                outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
+            })
+            .collect::<Result<_, _>>()?;
+        let admitted = denied_group.is_none();
+        let leases = if admitted {
+            checks
+                .iter()
+                .zip(&tokens)
+                .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
+                .filter_map(|(check, token)| {
+                    let (id, _) = token.split_once(':')?;
+                    Some(Lease {
+                        key: check.key.clone(),
+                        id: id.parse().ok()?,
+                        cost: check.cost,
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let decided_at = decided_at.unwrap_or_else(Timestamp::now);
+        Ok(Decision::from_outcomes(
+            decided_at, checks, &outcomes, leases,
+        ))
+    }
+
+    /// Indices of `checks` grouped into script calls, in order of first appearance.
+    fn groups(&self, checks: &[Check]) -> Vec<Vec<usize>> {
+        if !self.inner.cluster_compatible {
+            return vec![(0..checks.len()).collect()];
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (index, check) in checks.iter().enumerate() {
+            let slot = hash_slot(&check.key);
+            match groups
+                .iter_mut()
+                .find(|(group_slot, _)| *group_slot == slot)
+            {
+                Some((_, members)) => members.push(index),
+                None => groups.push((slot, vec![index])),
+            }
+        }
+        groups.into_iter().map(|(_, members)| members).collect()
+    }
+}
+
+async fn invoke_on<C: ConnectionLike + Send>(
+    connection: &mut C,
+    invocation: &redis::ScriptInvocation<'_>,
+) -> Result<Value, StoreError> {
+    invocation.invoke_async(connection).await.map_err(classify)
+}
+
+impl Store for RedisStore {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(self.inner.guard.call(self.decide(checks, now)))
+    }
+
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            if leases.is_empty() {
+                return Ok(());
+            }
+            let mut invocation = script::RELEASE.prepare_invoke();
+            for lease in &leases {
+                invocation
+                    .key(&*lease.key)
+                    .arg(format!("{}:{}", lease.id, lease.cost));
+            }
+            // Not through the breaker: a release is not a decision, and a failed one only
+            // leaves a lease to expire.
+            match tokio::time::timeout(script::RELEASE_TIMEOUT, self.invoke(&invocation)).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(error)) => Err(error),
+                Err(_) => Err(StoreError::Timeout(script::RELEASE_TIMEOUT)),
+            }
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        "redis"
+    }
+}

@@ -1,0 +1,327 @@
+//! Surviving a failing store: a deadline on every call and a circuit breaker (SPEC §4).
+//!
+//! The breaker opens after `failures` consecutive failed calls, stays open for `open_for`
+//! (every call fails at once with [`StoreError::BreakerOpen`], without touching the network),
+//! then lets exactly one probe through: its success closes the breaker, its failure reopens it.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::StoreError;
+
+/// The breaker's state, as reported to observers and metrics (0 closed, 1 open, 2 half-open).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Calls go to the store.
+    Closed = 0,
+    /// Calls fail at once.
+    Open = 1,
+    /// One probe call is going to the store; the others fail at once.
+    HalfOpen = 2,
+}
+
+/// Told about what the failure machinery does, so that none of it is silent. The default
+/// methods log; the gateway adds metrics.
+pub trait StoreObserver: Send + Sync + 'static {
+    /// The breaker of `backend` moved from `from` to `to`.
+    fn breaker_changed(&self, backend: &'static str, from: BreakerState, to: BreakerState) {
+        match to {
+            BreakerState::Open => {
+                tracing::warn!(
+                    backend,
+                    ?from,
+                    "store circuit breaker opened: not calling the store"
+                )
+            }
+            BreakerState::HalfOpen => {
+                tracing::info!(
+                    backend,
+                    "store circuit breaker half-open: probing the store"
+                )
+            }
+            BreakerState::Closed => {
+                tracing::info!(
+                    backend,
+                    ?from,
+                    "store circuit breaker closed: store is back"
+                )
+            }
+        }
+    }
+
+    /// A store call failed (after the deadline, or at once if the breaker is open).
+    fn store_failed(&self, backend: &'static str, error: &StoreError) {
+        tracing::debug!(backend, %error, "store call failed");
+    }
+}
+
+/// The observer that only logs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LogObserver;
+
+impl StoreObserver for LogObserver {}
+
+/// Deadline and breaker settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuardConfig {
+    /// Deadline of every store call (default 50ms).
+    pub timeout: Duration,
+    /// Consecutive failures that open the breaker (default 5).
+    pub failures: u32,
+    /// How long the breaker stays open before a probe (default 2s).
+    pub open_for: Duration,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            timeout: Duration::from_millis(50),
+            failures: 5,
+            open_for: Duration::from_secs(2),
+        }
+    }
+}
+
+struct BreakerInner {
+    state: BreakerState,
+    consecutive_failures: u32,
+    opened_at: Instant,
+}
+
+/// Wraps store calls with a deadline and a circuit breaker.
+pub struct Guard {
+    backend: &'static str,
+    config: GuardConfig,
+    breaker: Mutex<BreakerInner>,
+    observer: Arc<dyn StoreObserver>,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("backend", &self.backend)
+            .field("config", &self.config)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+/// Whether a call may go to the store.
+enum Admission {
+    Call,
+    Probe,
+    Reject,
+}
+
+impl Guard {
+    /// A guard for `backend` with `config`, reporting to `observer`.
+    pub fn new(
+        backend: &'static str,
+        config: GuardConfig,
+        observer: Arc<dyn StoreObserver>,
+    ) -> Self {
+        Guard {
+            backend,
+            config: GuardConfig {
+                failures: config.failures.max(1),
+                ..config
+            },
+            breaker: Mutex::new(BreakerInner {
+                state: BreakerState::Closed,
+                consecutive_failures: 0,
+                opened_at: Instant::now(),
+            }),
+            observer,
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &GuardConfig {
+        &self.config
+    }
+
+    /// The breaker's current state.
+    pub fn state(&self) -> BreakerState {
+        self.breaker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .state
+    }
+
+    /// Runs `call` under the deadline, unless the breaker rejects it.
+    pub async fn call<T, F>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        let probe = match self.admit() {
+            Admission::Reject => {
+                let error = StoreError::BreakerOpen;
+                self.observer.store_failed(self.backend, &error);
+                return Err(error);
+            }
+            Admission::Call => false,
+            Admission::Probe => true,
+        };
+        // Recorded as a failure if the caller drops the call midway, so that an abandoned
+        // probe cannot leave the breaker half-open forever.
+        let mut pending = PendingCall {
+            guard: self,
+            probe,
+            done: false,
+        };
+        let result = match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.config.timeout)),
+        };
+        pending.done = true;
+        self.record(result.is_ok());
+        if let Err(error) = &result {
+            self.observer.store_failed(self.backend, error);
+        }
+        result
+    }
+
+    fn admit(&self) -> Admission {
+        let mut breaker = self.breaker.lock().unwrap_or_else(PoisonError::into_inner);
+        match breaker.state {
+            BreakerState::Closed => Admission::Call,
+            BreakerState::Open if breaker.opened_at.elapsed() >= self.config.open_for => {
+                breaker.state = BreakerState::HalfOpen;
+                drop(breaker);
+                self.observer.breaker_changed(
+                    self.backend,
+                    BreakerState::Open,
+                    BreakerState::HalfOpen,
+                );
+                Admission::Probe
+            }
+            BreakerState::Open | BreakerState::HalfOpen => Admission::Reject,
+        }
+    }
+
+    fn record(&self, success: bool) {
+        let mut breaker = self.breaker.lock().unwrap_or_else(PoisonError::into_inner);
+        let from = breaker.state;
+        if success {
+            breaker.consecutive_failures = 0;
+            breaker.state = BreakerState::Closed;
+        } else {
+            breaker.consecutive_failures = breaker.consecutive_failures.saturating_add(1);
+            let trips = match from {
+                BreakerState::HalfOpen => true,
+                BreakerState::Closed => breaker.consecutive_failures >= self.config.failures,
+                BreakerState::Open => false,
+            };
+            if trips {
+                breaker.state = BreakerState::Open;
+                breaker.opened_at = Instant::now();
+            }
+        }
+        let to = breaker.state;
+        drop(breaker);
+        if from != to {
+            self.observer.breaker_changed(self.backend, from, to);
+        }
+    }
+}
+
+struct PendingCall<'g> {
+    guard: &'g Guard,
+    probe: bool,
+    done: bool,
+}
+
+impl Drop for PendingCall<'_> {
+    fn drop(&mut self) {
+        if !self.done && self.probe {
+            self.guard.record(false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guard(failures: u32, open_for: Duration) -> Guard {
+        let config = GuardConfig {
+            timeout: Duration::from_millis(20),
+            failures,
+            open_for,
+        };
+        Guard::new("test", config, Arc::new(LogObserver))
+    }
+
+    async fn fail(guard: &Guard) -> Result<(), StoreError> {
+        guard
+            .call(async { Err::<(), _>(StoreError::Protocol("boom".into())) })
+            .await
+    }
+
+    async fn succeed(guard: &Guard) -> Result<(), StoreError> {
+        guard.call(async { Ok(()) }).await
+    }
+
+    #[tokio::test]
+    async fn opens_after_consecutive_failures_and_rejects_without_calling() {
+        let guard = guard(3, Duration::from_secs(60));
+        for _ in 0..2 {
+            assert!(fail(&guard).await.is_err());
+        }
+        assert!(succeed(&guard).await.is_ok(), "a success resets the count");
+        for _ in 0..3 {
+            assert!(fail(&guard).await.is_err());
+        }
+        assert_eq!(guard.state(), BreakerState::Open);
+        let called = std::sync::atomic::AtomicBool::new(false);
+        let result = guard
+            .call(async {
+                called.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok(())
+            })
+            .await;
+        assert!(matches!(result, Err(StoreError::BreakerOpen)));
+        assert!(!called.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn one_probe_after_open_for_closes_or_reopens() {
+        let guard = guard(1, Duration::from_millis(30));
+        assert!(fail(&guard).await.is_err());
+        assert_eq!(guard.state(), BreakerState::Open);
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(fail(&guard).await.is_err(), "the probe fails");
+        assert_eq!(guard.state(), BreakerState::Open, "and reopens");
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(succeed(&guard).await.is_ok());
+        assert_eq!(guard.state(), BreakerState::Closed);
+    }
+
+    #[tokio::test]
+    async fn the_deadline_fails_slow_calls() {
+        let guard = guard(5, Duration::from_secs(1));
+        let slow = guard
+            .call(async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok(())
+            })
+            .await;
+        assert!(matches!(slow, Err(StoreError::Timeout(_))));
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_probe_does_not_wedge_the_breaker() {
+        let guard = guard(1, Duration::from_millis(10));
+        assert!(fail(&guard).await.is_err());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        {
+            let probe = guard.call(std::future::pending::<Result<(), StoreError>>());
+            // Poll once so the probe is admitted, then drop it.
+            let _ = tokio::time::timeout(Duration::from_millis(1), probe).await;
+        }
+        assert_eq!(guard.state(), BreakerState::Open);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(succeed(&guard).await.is_ok());
+    }
+}

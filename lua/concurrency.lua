@@ -1,0 +1,56 @@
+-- concurrency: at most `limit` units in flight. Sorted set of leases: score = expiry,
+-- member = "<lease id>:<cost>". Released by ZREM when the response ends; expired otherwise.
+
+local function parse_lease(member, expires_at)
+  local cost = string.match(member, ':(%d+)$')
+  return { expires_at = tonumber(expires_at), cost = tonumber(cost) }
+end
+
+ALGORITHMS.concurrency = {
+  -- Only the live leases, earliest expiry first.
+  load = function(key, p, now)
+    local flat = redis.call('ZRANGEBYSCORE', key, '(' .. format_int(now), '+inf', 'WITHSCORES')
+    local leases = {}
+    for i = 1, #flat, 2 do
+      leases[#leases + 1] = parse_lease(flat[i], flat[i + 1])
+    end
+    return leases
+  end,
+
+  evaluate = function(leases, p, now, cost)
+    local in_flight = 0
+    local until_all_expired = 0
+    for i = 1, #leases do
+      in_flight = in_flight + leases[i].cost
+      until_all_expired = max(until_all_expired, leases[i].expires_at - now)
+    end
+    local remaining = max(0, p.limit - in_flight)
+    if cost > p.limit then
+      return never(remaining, until_all_expired)
+    end
+    if cost <= remaining then
+      return allowed(remaining - cost, p.window)
+    end
+    local freed = 0
+    for i = 1, #leases do
+      freed = freed + leases[i].cost
+      if in_flight - freed + cost <= p.limit then
+        return denied(remaining, until_all_expired, leases[i].expires_at - now)
+      end
+    end
+    return denied(remaining, until_all_expired, until_all_expired)
+  end,
+
+  consume = function(key, leases, p, now, cost)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', format_int(now))
+    local member = p.lease .. ':' .. format_int(cost)
+    redis.call('ZADD', key, format_int(now + p.window), member)
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    expire_after(key, tonumber(newest[2]) - now)
+    return member
+  end,
+
+  refund = function(key, p, now, cost, token)
+    redis.call('ZREM', key, token)
+  end,
+}

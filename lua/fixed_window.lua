@@ -1,0 +1,47 @@
+-- fixed_window: at most `limit` per window, windows aligned to multiples of `window` since the
+-- epoch. Hash: w (window start), c (count).
+
+local function fixed_window_current(state, p, now)
+  local window_start = now - now % p.window
+  local count = 0
+  if state and state.window_start == window_start then
+    count = state.count
+  end
+  return window_start, count
+end
+
+ALGORITHMS.fixed_window = {
+  load = function(key)
+    local values = redis.call('HMGET', key, 'w', 'c')
+    if not values[1] then
+      return nil
+    end
+    return { window_start = tonumber(values[1]), count = tonumber(values[2]) }
+  end,
+
+  evaluate = function(state, p, now, cost)
+    local window_start, count = fixed_window_current(state, p, now)
+    local until_next_window = window_start + p.window - now
+    local remaining = p.limit - min(count, p.limit)
+    if cost > p.limit then
+      return never(remaining, until_next_window)
+    end
+    if cost <= remaining then
+      return allowed(remaining - cost, until_next_window)
+    end
+    return denied(remaining, until_next_window, until_next_window)
+  end,
+
+  consume = function(key, state, p, now, cost)
+    local window_start, count = fixed_window_current(state, p, now)
+    redis.call('HSET', key, 'w', window_start, 'c', count + cost)
+    expire_after(key, window_start + p.window - now)
+  end,
+
+  refund = function(key, p, now, cost)
+    local state = ALGORITHMS.fixed_window.load(key)
+    if state and state.window_start == now - now % p.window then
+      redis.call('HSET', key, 'c', max(0, state.count - cost))
+    end
+  end,
+}

@@ -1,0 +1,65 @@
+-- sliding_window_log: at most `limit` units in any trailing window. Sorted set of admitted
+-- requests: score = admission time, member = "<at>:<cost>:<sequence>". An entry admitted at
+-- `at` counts while at + window > now.
+
+local function parse_log_entry(member)
+  local at, cost = string.match(member, '^(%d+):(%d+):')
+  return { at = tonumber(at), cost = tonumber(cost) }
+end
+
+ALGORITHMS.sliding_window_log = {
+  -- Only the live entries, oldest first.
+  load = function(key, p, now)
+    local members = redis.call('ZRANGEBYSCORE', key, '(' .. format_int(now - p.window), '+inf')
+    local entries = {}
+    for i = 1, #members do
+      entries[i] = parse_log_entry(members[i])
+    end
+    return entries
+  end,
+
+  evaluate = function(entries, p, now, cost)
+    local window = p.window
+    local used = 0
+    for i = 1, #entries do
+      used = used + entries[i].cost
+    end
+    local remaining = max(0, p.limit - used)
+    local until_empty = 0
+    if #entries > 0 then
+      until_empty = entries[#entries].at + window - now
+    end
+    if cost > p.limit then
+      return never(remaining, until_empty)
+    end
+    if cost <= remaining then
+      return allowed(remaining - cost, window)
+    end
+    local freed = 0
+    for i = 1, #entries do
+      freed = freed + entries[i].cost
+      if used - freed + cost <= p.limit then
+        return denied(remaining, until_empty, entries[i].at + window - now)
+      end
+    end
+    return denied(remaining, until_empty, until_empty)
+  end,
+
+  consume = function(key, entries, p, now, cost)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', format_int(now - p.window))
+    -- Keep the log sorted even if the clock stepped back.
+    local at = now
+    local newest = redis.call('ZRANGE', key, -1, -1)
+    if newest[1] then
+      at = max(parse_log_entry(newest[1]).at, now)
+    end
+    local member = format_int(at) .. ':' .. format_int(cost) .. ':' .. format_int(redis.call('ZCARD', key))
+    redis.call('ZADD', key, format_int(at), member)
+    expire_after(key, at + p.window - now)
+    return member
+  end,
+
+  refund = function(key, p, now, cost, token)
+    redis.call('ZREM', key, token)
+  end,
+}

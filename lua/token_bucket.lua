@@ -1,0 +1,53 @@
+-- token_bucket: capacity `burst`, refilled continuously at `limit / window`. The level is credit
+-- time (tokens x emission interval), so refill is plain elapsed time. Hash: l (level), u (updated).
+
+local function token_bucket_level(state, p, now)
+  local full = p.burst * p.emission
+  if not state then
+    return full
+  end
+  return min(full, state.level + max(0, now - state.updated))
+end
+
+ALGORITHMS.token_bucket = {
+  load = function(key)
+    local values = redis.call('HMGET', key, 'l', 'u')
+    if not values[1] then
+      return nil
+    end
+    return { level = tonumber(values[1]), updated = tonumber(values[2]) }
+  end,
+
+  evaluate = function(state, p, now, cost)
+    local emission = p.emission
+    local full = p.burst * emission
+    local level = token_bucket_level(state, p, now)
+    if cost > p.burst then
+      return never(floor(level / emission), full - level)
+    end
+    local needed = cost * emission
+    if needed <= level then
+      local after = level - needed
+      return allowed(floor(after / emission), full - after)
+    end
+    return denied(floor(level / emission), full - level, needed - level)
+  end,
+
+  consume = function(key, state, p, now, cost)
+    local level = token_bucket_level(state, p, now) - cost * p.emission
+    local updated = now
+    if state then
+      updated = max(state.updated, now)
+    end
+    redis.call('HSET', key, 'l', level, 'u', updated)
+    expire_after(key, updated + (p.burst * p.emission - level) - now)
+  end,
+
+  refund = function(key, p, now, cost)
+    local state = ALGORITHMS.token_bucket.load(key)
+    if state then
+      local level = min(p.burst * p.emission, state.level + cost * p.emission)
+      redis.call('HSET', key, 'l', level)
+    end
+  end,
+}
