@@ -35,10 +35,10 @@ impl Drop for LeaseGuard {
         });
         // The memory store releases at once; a networked store finishes in the background.
         let mut context = Context::from_waker(std::task::Waker::noop());
-        if release.as_mut().poll(&mut context).is_pending() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(release);
-            }
+        if release.as_mut().poll(&mut context).is_pending()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(release);
         }
     }
 }

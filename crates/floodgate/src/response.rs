@@ -133,10 +133,10 @@ pub(crate) fn finish_limited_response(
     settings: &ResponseSettings,
 ) {
     let headers = response.headers_mut();
-    if let Some(secs) = denial.retry_after_secs {
-        if !headers.contains_key(http::header::RETRY_AFTER) {
-            write_retry_after(headers, secs);
-        }
+    if let Some(secs) = denial.retry_after_secs
+        && !headers.contains_key(http::header::RETRY_AFTER)
+    {
+        write_retry_after(headers, secs);
     }
     if !headers.contains_key(CACHE_CONTROL) {
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));

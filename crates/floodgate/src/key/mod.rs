@@ -354,12 +354,12 @@ impl DefaultIdentifier {
 
     /// The API key of a request, if it carries a well-formed one.
     pub fn api_key<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
-        if let Some(name) = &self.api_key_header {
-            if let Some(value) = request.headers.get(name) {
-                match self.well_formed(value.as_bytes()) {
-                    Some(key) => return Some(key),
-                    None => self.count_malformed(),
-                }
+        if let Some(name) = &self.api_key_header
+            && let Some(value) = request.headers.get(name)
+        {
+            match self.well_formed(value.as_bytes()) {
+                Some(key) => return Some(key),
+                None => self.count_malformed(),
             }
         }
         if self.bearer {
