@@ -15,6 +15,8 @@ pub enum DecisionSource {
     Store,
     /// The store failed and the failure policy let the request through undecided.
     FailOpen,
+    /// The store failed and the per-node fallback limiter decided (`on_store_error: local`).
+    LocalFallback,
 }
 
 /// One applied limit as it stands after the decision.
@@ -198,5 +200,10 @@ impl Decision {
     /// Where the decision came from.
     pub fn source(&self) -> DecisionSource {
         self.source
+    }
+
+    /// The same decision, marked as coming from `source`.
+    pub fn with_source(self, source: DecisionSource) -> Decision {
+        Decision { source, ..self }
     }
 }

@@ -12,7 +12,8 @@ use crate::key::{DefaultIdentifier, IdentifyClient};
 use crate::limit::{Limit, is_valid_name};
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::response::{MakeLimitedResponse, ResponseSettings};
-use crate::service::{RateLimit, RequestCost, Shared};
+use crate::service::{LocalFallback, RateLimit, RequestCost, Shared};
+use crate::store::resilience::{LogObserver, StoreObserver};
 use crate::store::{MemoryStore, Store};
 
 /// What to do when the store cannot decide (`on_store_error`, SPEC §4).
@@ -23,6 +24,20 @@ pub enum FailurePolicy {
     Open,
     /// Refuse with 503 `{"error":"rate_limiter_unavailable"}` and `Retry-After: 1`.
     Closed,
+    /// Decide with a per-node in-memory limiter whose limits are the configured ones ×
+    /// `fallback_share` (see [`RateLimitLayerBuilder::fallback_share`]).
+    Local,
+}
+
+impl FailurePolicy {
+    /// The configuration name (`open`, `closed`, `local`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Open => "open",
+            FailurePolicy::Closed => "closed",
+            FailurePolicy::Local => "local",
+        }
+    }
 }
 
 impl FromStr for FailurePolicy {
@@ -32,6 +47,7 @@ impl FromStr for FailurePolicy {
         match name {
             "open" => Ok(FailurePolicy::Open),
             "closed" => Ok(FailurePolicy::Closed),
+            "local" => Ok(FailurePolicy::Local),
             other => Err(BuildError::UnknownFailurePolicy(other.to_owned())),
         }
     }
@@ -61,8 +77,11 @@ pub enum BuildError {
     /// The jitter is negative, not finite, or above 10.
     #[error("retry_after_jitter: must be between 0 and 10, got {0}")]
     InvalidJitter(f64),
+    /// The fallback share is not in (0, 1].
+    #[error("fallback_share: must be greater than 0 and at most 1, got {0}")]
+    InvalidFallbackShare(f64),
     /// No such failure policy.
-    #[error("on_store_error: unknown policy `{0}`; expected open or closed")]
+    #[error("on_store_error: unknown policy `{0}`; expected open, closed or local")]
     UnknownFailurePolicy(String),
 }
 
@@ -123,6 +142,8 @@ pub struct RateLimitLayerBuilder {
     identify: Option<Arc<dyn IdentifyClient>>,
     cost: Option<Arc<dyn RequestCost>>,
     on_store_error: FailurePolicy,
+    fallback_share: f64,
+    observer: Arc<dyn StoreObserver>,
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
@@ -138,6 +159,8 @@ impl Default for RateLimitLayerBuilder {
             identify: None,
             cost: None,
             on_store_error: FailurePolicy::Open,
+            fallback_share: 1.0,
+            observer: Arc::new(LogObserver),
             responses: ResponseSettings::default(),
             limited_response: None,
         }
@@ -207,6 +230,20 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// Under [`FailurePolicy::Local`], the share of each limit one node enforces alone
+    /// (default 1.0; with N nodes behind a load balancer, 1/N keeps the total near the limit).
+    pub fn fallback_share(mut self, share: f64) -> Self {
+        self.fallback_share = share;
+        self
+    }
+
+    /// Who hears about store failures and fallback decisions (default: logs). Pass the same
+    /// observer to the store to see its breaker transitions too.
+    pub fn observer(mut self, observer: Arc<dyn StoreObserver>) -> Self {
+        self.observer = observer;
+        self
+    }
+
     /// Which rate limit headers to send (default [`HeaderStyle::Both`]).
     pub fn headers(mut self, style: HeaderStyle) -> Self {
         self.responses.headers = style;
@@ -252,6 +289,9 @@ impl RateLimitLayerBuilder {
         if !(0.0..=10.0).contains(&jitter) {
             return Err(BuildError::InvalidJitter(jitter));
         }
+        if !(self.fallback_share > 0.0 && self.fallback_share <= 1.0) {
+            return Err(BuildError::InvalidFallbackShare(self.fallback_share));
+        }
         let plan = match self.plan {
             Some(plan) => plan,
             None => {
@@ -287,6 +327,9 @@ impl RateLimitLayerBuilder {
                     .unwrap_or_else(|| Arc::new(DefaultIdentifier::new())),
                 cost: self.cost,
                 on_store_error: self.on_store_error,
+                fallback: (self.on_store_error == FailurePolicy::Local)
+                    .then(|| LocalFallback::new(self.fallback_share)),
+                observer: self.observer,
                 responses: self.responses,
                 limited_response: self.limited_response,
             }),

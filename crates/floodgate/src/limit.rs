@@ -264,6 +264,30 @@ impl Limit {
         self.cost.unwrap_or(request_cost)
     }
 
+    /// This limit with `limit` and `burst` multiplied by `share` (rounded down, at least 1):
+    /// what one node enforces on its own when the shared store is down and the failure
+    /// policy is `local`. `share` outside (0, 1] is clamped into it.
+    pub fn scaled(&self, share: f64) -> Limit {
+        let share = if share.is_finite() {
+            share.clamp(f64::MIN_POSITIVE, 1.0)
+        } else {
+            1.0
+        };
+        let scale = |value: u64| ((value as f64 * share).floor() as u64).max(1);
+        let mut builder = Limit::builder(self.name())
+            .algorithm(self.algorithm)
+            .limit(scale(self.limit))
+            .window(self.window());
+        if self.algorithm.uses_burst() {
+            builder = builder.burst(scale(self.burst));
+        }
+        if let Some(cost) = self.cost {
+            builder = builder.cost(cost);
+        }
+        // Scaling down keeps every bound that the original satisfied.
+        builder.build().unwrap_or_else(|_| self.clone())
+    }
+
     /// Microseconds per unit at `limit / window`, rounded up.
     pub fn emission_micros(&self) -> u64 {
         self.emission_micros
@@ -499,6 +523,25 @@ mod tests {
     fn emission_interval_rounds_up_so_the_rate_never_exceeds_the_limit() {
         let limit = Limit::gcra("odd", 3, Duration::from_secs(1)).unwrap();
         assert_eq!(limit.emission_micros(), 333_334);
+    }
+
+    #[test]
+    fn scaling_keeps_at_least_one() {
+        let limit = Limit::builder("x")
+            .limit(10)
+            .window(Duration::from_secs(1))
+            .burst(20)
+            .build()
+            .unwrap();
+        let half = limit.scaled(0.5);
+        assert_eq!(
+            (half.limit(), half.burst(), half.window()),
+            (5, 10, limit.window())
+        );
+        assert_eq!(limit.scaled(0.001).limit(), 1);
+        assert_eq!(limit.scaled(7.0).limit(), 10, "never above the original");
+        let window = Limit::fixed_window("w", 3, Duration::from_secs(60)).unwrap();
+        assert_eq!(window.scaled(0.5).limit(), 1);
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The [`RateLimit`] service: decides in `call`, then answers 429 or calls the inner service.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -14,12 +16,14 @@ use crate::decision::{Decision, DecisionSource};
 use crate::future::ResponseFuture;
 use crate::headers::{RateLimitHeaders, retry_after_secs};
 use crate::key::{IdentifyClient, RequestInfo};
+use crate::limit::Limit;
 use crate::plan::LimitPlan;
 use crate::response::{
     Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
 };
-use crate::store::{Check, Store};
+use crate::store::resilience::StoreObserver;
+use crate::store::{Check, MemoryStore, Store};
 use crate::time::Timestamp;
 
 /// How much a request costs; closures `Fn(&RequestInfo) -> u64` implement it.
@@ -44,6 +48,8 @@ pub(crate) struct Shared {
     pub(crate) identify: Arc<dyn IdentifyClient>,
     pub(crate) cost: Option<Arc<dyn RequestCost>>,
     pub(crate) on_store_error: FailurePolicy,
+    pub(crate) fallback: Option<LocalFallback>,
+    pub(crate) observer: Arc<dyn StoreObserver>,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
@@ -69,6 +75,48 @@ impl Shared {
         };
         finish_limited_response(&mut response, &denial, &self.responses);
         response.map(RateLimitBody::full)
+    }
+}
+
+/// The per-node limiter of [`FailurePolicy::Local`]: the same checks, on a memory store, with
+/// every limit scaled by the fallback share.
+pub(crate) struct LocalFallback {
+    store: MemoryStore,
+    share: f64,
+    /// Scaled limits by the address of the original, so that each is scaled once.
+    scaled: Mutex<HashMap<usize, Arc<Limit>>>,
+}
+
+impl LocalFallback {
+    pub(crate) fn new(share: f64) -> Self {
+        LocalFallback {
+            store: MemoryStore::builder()
+                .evict_every(Duration::from_secs(10))
+                .build(),
+            share,
+            scaled: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn decide(&self, checks: &[Check]) -> Decision {
+        let scaled_checks: Vec<Check> = {
+            let mut scaled = self.scaled.lock().unwrap_or_else(PoisonError::into_inner);
+            checks
+                .iter()
+                .map(|check| {
+                    let limit = scaled
+                        .entry(Arc::as_ptr(&check.limit) as usize)
+                        .or_insert_with(|| Arc::new(check.limit.scaled(self.share)))
+                        .clone();
+                    Check {
+                        key: check.key.clone(),
+                        limit,
+                        cost: check.cost,
+                    }
+                })
+                .collect()
+        };
+        self.store.check_and_consume_now(&scaled_checks, None)
     }
 }
 
@@ -149,16 +197,32 @@ where
     }
     let mut decision = match shared.store.check_and_consume(&checks, None).await {
         Ok(decision) => decision,
-        Err(error) => match shared.on_store_error {
-            FailurePolicy::Open => {
-                tracing::warn!(%error, backend = shared.store.backend(), "rate limit store failed; letting the request through (on_store_error: open)");
-                Decision::unlimited(Timestamp::now(), DecisionSource::FailOpen)
+        Err(error) => {
+            let backend = shared.store.backend();
+            let policy = shared.on_store_error;
+            let decision = match (&shared.fallback, policy) {
+                (Some(fallback), FailurePolicy::Local) => Some(
+                    fallback
+                        .decide(&checks)
+                        .with_source(DecisionSource::LocalFallback),
+                ),
+                (_, FailurePolicy::Closed) => None,
+                _ => Some(Decision::unlimited(
+                    Timestamp::now(),
+                    DecisionSource::FailOpen,
+                )),
+            };
+            shared.observer.fallback_decision(
+                backend,
+                policy,
+                &error,
+                decision.as_ref().is_none_or(Decision::is_allowed),
+            );
+            match decision {
+                Some(decision) => decision,
+                None => return Ok(unavailable_response().map(RateLimitBody::full)),
             }
-            FailurePolicy::Closed => {
-                tracing::warn!(%error, backend = shared.store.backend(), "rate limit store failed; refusing the request (on_store_error: closed)");
-                return Ok(unavailable_response().map(RateLimitBody::full));
-            }
-        },
+        }
     };
     if !decision.is_allowed() {
         return Ok(shared.limited_response(&decision));

@@ -50,6 +50,18 @@ pub trait StoreObserver: Send + Sync + 'static {
         }
     }
 
+    /// The store failed and `policy` decided instead: `allowed` says whether the request went
+    /// through (`closed` refuses; `open` admits; `local` asks the per-node limiter).
+    fn fallback_decision(
+        &self,
+        backend: &'static str,
+        policy: crate::FailurePolicy,
+        error: &StoreError,
+        allowed: bool,
+    ) {
+        tracing::debug!(backend, policy = policy.as_str(), %error, allowed, "store failed; failure policy decided");
+    }
+
     /// A store call failed (after the deadline, or at once if the breaker is open).
     fn store_failed(&self, backend: &'static str, error: &StoreError) {
         tracing::debug!(backend, %error, "store call failed");

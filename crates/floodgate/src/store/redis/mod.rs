@@ -95,9 +95,11 @@ impl RedisStoreBuilder {
                     .set_response_timeout(None)
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200));
-                let manager =
-                    ConnectionManager::new_lazy_with_config(client, config).map_err(invalid_url)?;
-                Connection::Multiplexed(manager)
+                Connection::Multiplexed {
+                    client,
+                    config,
+                    manager: tokio::sync::OnceCell::new(),
+                }
             }
             ConnectionMode::Pool(size) => {
                 let pool = deadpool_redis::Config::from_url(self.url.as_str())
@@ -128,7 +130,12 @@ fn invalid_url(error: RedisError) -> StoreError {
 }
 
 enum Connection {
-    Multiplexed(ConnectionManager),
+    /// Created on first use, inside the runtime that will drive it.
+    Multiplexed {
+        client: Client,
+        config: ConnectionManagerConfig,
+        manager: tokio::sync::OnceCell<ConnectionManager>,
+    },
     Pool(deadpool_redis::Pool),
 }
 
@@ -185,7 +192,17 @@ impl RedisStore {
     /// Runs one script invocation on a connection.
     async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
         match &self.inner.connection {
-            Connection::Multiplexed(manager) => {
+            Connection::Multiplexed {
+                client,
+                config,
+                manager,
+            } => {
+                let manager = manager
+                    .get_or_try_init(|| async {
+                        ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                    })
+                    .await
+                    .map_err(classify)?;
                 let mut connection = manager.clone();
                 invoke_on(&mut connection, invocation).await
             }
