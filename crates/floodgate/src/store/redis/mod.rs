@@ -95,11 +95,11 @@ impl RedisStoreBuilder {
                     .set_response_timeout(None)
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200));
-                Connection::Multiplexed {
+                Connection::Multiplexed(Box::new(LazyManager {
                     client,
                     config,
                     manager: tokio::sync::OnceCell::new(),
-                }
+                }))
             }
             ConnectionMode::Pool(size) => {
                 let pool = deadpool_redis::Config::from_url(self.url.as_str())
@@ -130,13 +130,15 @@ fn invalid_url(error: RedisError) -> StoreError {
 }
 
 enum Connection {
-    /// Created on first use, inside the runtime that will drive it.
-    Multiplexed {
-        client: Client,
-        config: ConnectionManagerConfig,
-        manager: tokio::sync::OnceCell<ConnectionManager>,
-    },
+    Multiplexed(Box<LazyManager>),
     Pool(deadpool_redis::Pool),
+}
+
+/// A multiplexed connection created on first use, inside the runtime that will drive it.
+struct LazyManager {
+    client: Client,
+    config: ConnectionManagerConfig,
+    manager: tokio::sync::OnceCell<ConnectionManager>,
 }
 
 struct Inner {
@@ -192,14 +194,14 @@ impl RedisStore {
     /// Runs one script invocation on a connection.
     async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
         match &self.inner.connection {
-            Connection::Multiplexed {
-                client,
-                config,
-                manager,
-            } => {
-                let manager = manager
+            Connection::Multiplexed(lazy) => {
+                let manager = lazy
+                    .manager
                     .get_or_try_init(|| async {
-                        ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                        ConnectionManager::new_lazy_with_config(
+                            lazy.client.clone(),
+                            lazy.config.clone(),
+                        )
                     })
                     .await
                     .map_err(classify)?;
