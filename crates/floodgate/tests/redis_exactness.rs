@@ -1,0 +1,167 @@
+//! The seeds' race, reproduced: a naive GET-then-SET limiter overshoots under concurrency,
+//! the script does not. And distributed exactness: 4 separate connection pools × 32 tasks on
+//! one key admit exactly the capacity, for every algorithm.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_redis::redis::AsyncCommands;
+use floodgate::store::{ConnectionMode, RedisStore};
+use floodgate::{Algorithm, Check, Limit, Store, Timestamp};
+use support::RedisServer;
+use tokio::sync::Barrier;
+
+const NOW: Timestamp = Timestamp::from_secs(1_700_006_400);
+const CAPACITY: u64 = 10;
+const NODES: usize = 4;
+const TASKS_PER_NODE: usize = 32;
+
+fn node(server: &RedisServer, mode: ConnectionMode) -> RedisStore {
+    RedisStore::builder(server.url())
+        .connection_mode(mode)
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
+/// The naive limiter of the seeds: read the counter, decide, write it back. Every task reads
+/// before any writes (the barrier makes the interleaving certain instead of likely).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn naive_get_then_set_overshoots() {
+    let server = RedisServer::start();
+    let barrier = Arc::new(Barrier::new(NODES * TASKS_PER_NODE));
+    let mut tasks = Vec::new();
+    for _ in 0..NODES {
+        let client = deadpool_redis::redis::Client::open(server.url()).unwrap();
+        let connection = client.get_multiplexed_async_connection().await.unwrap();
+        for _ in 0..TASKS_PER_NODE {
+            let (mut connection, barrier) = (connection.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                let count: Option<u64> = connection.get("naive").await.unwrap();
+                let count = count.unwrap_or(0);
+                barrier.wait().await;
+                if count < CAPACITY {
+                    let _: () = connection.set("naive", count + 1).await.unwrap();
+                    true
+                } else {
+                    false
+                }
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += u64::from(task.await.unwrap());
+    }
+    assert!(admitted > CAPACITY, "the race should let more than {CAPACITY} through, got {admitted}");
+    assert_eq!(admitted, (NODES * TASKS_PER_NODE) as u64, "every reader saw an empty counter");
+}
+
+/// `NODES` stores (each its own connection), `TASKS_PER_NODE` tasks each, all released at once
+/// on one key; every task keeps asking until denied. Returns how many were admitted.
+async fn hammer(server: &RedisServer, mode: ConnectionMode, limit: Arc<Limit>) -> u64 {
+    let barrier = Arc::new(Barrier::new(NODES * TASKS_PER_NODE));
+    let key = format!("fg:{{ip:hot}}:r:{}", limit.name());
+    let mut tasks = Vec::new();
+    for _ in 0..NODES {
+        let store = node(server, mode);
+        for _ in 0..TASKS_PER_NODE {
+            let (store, barrier, limit, key) = (store.clone(), barrier.clone(), limit.clone(), key.clone());
+            tasks.push(tokio::spawn(async move {
+                let checks = [Check::new(key, limit, 1)];
+                barrier.wait().await;
+                let mut admitted = 0u64;
+                // Same instant for everyone: nothing refills, so the capacity is exact.
+                while store.check_and_consume(&checks, Some(NOW)).await.unwrap().is_allowed() {
+                    admitted += 1;
+                }
+                admitted
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.unwrap();
+    }
+    admitted
+}
+
+fn capacity_of(algorithm: Algorithm) -> u64 {
+    // A leaky bucket admits one request to leave now plus a queue of `burst`.
+    if algorithm == Algorithm::LeakyBucket { CAPACITY + 1 } else { CAPACITY }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_times_32_tasks_admit_exactly_the_capacity() {
+    let server = RedisServer::start();
+    for mode in [ConnectionMode::Multiplexed, ConnectionMode::Pool(8)] {
+        for algorithm in Algorithm::ALL {
+            let name = format!("{}-{}", algorithm.as_str(), matches!(mode, ConnectionMode::Pool(_)));
+            let limit = Arc::new(Limit::new(name, algorithm, CAPACITY, Duration::from_secs(3600)).unwrap());
+            let admitted = hammer(&server, mode, limit).await;
+            assert_eq!(admitted, capacity_of(algorithm), "{algorithm} over {mode:?}");
+        }
+    }
+}
+
+/// The script's check-and-consume under the same barrier as the naive limiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_script_does_not_overshoot_under_the_same_race() {
+    let server = RedisServer::start();
+    let limit = Arc::new(Limit::fixed_window("race", CAPACITY, Duration::from_secs(60)).unwrap());
+    let barrier = Arc::new(Barrier::new(NODES * TASKS_PER_NODE));
+    let mut tasks = Vec::new();
+    for _ in 0..NODES {
+        let store = node(&server, ConnectionMode::Multiplexed);
+        for _ in 0..TASKS_PER_NODE {
+            let (store, barrier, limit) = (store.clone(), barrier.clone(), limit.clone());
+            tasks.push(tokio::spawn(async move {
+                let checks = [Check::new("fg:{ip:race}:r:race", limit, 1)];
+                barrier.wait().await;
+                store.check_and_consume(&checks, None).await.unwrap().is_allowed()
+            }));
+        }
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += u64::from(task.await.unwrap());
+    }
+    assert_eq!(admitted, CAPACITY);
+}
+
+/// Keys carry a hash of the identity, never the raw value, and expire when idle.
+#[tokio::test]
+async fn keys_have_ttls_and_no_raw_identity() {
+    use floodgate::RateLimitLayer;
+    use tower::{Layer, ServiceExt, service_fn};
+    let server = RedisServer::start();
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::token_bucket("per-second", 5, Duration::from_secs(1)).unwrap())
+        .limit(Limit::fixed_window("daily", 100, Duration::from_secs(86_400)).unwrap())
+        .rule("api")
+        .store(node(&server, ConnectionMode::Multiplexed))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(|_request: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+    }));
+    let request = http::Request::builder()
+        .header("x-api-key", "secret-partner-key")
+        .body(())
+        .unwrap();
+    let response = service.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let keys: Vec<String> = server.command(&["KEYS", "*"]);
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    for key in &keys {
+        assert!(!key.contains("secret-partner-key"), "{key}");
+        assert!(key.starts_with("fg:{key:"), "{key}");
+        let ttl: i64 = server.command(&["PTTL", key]);
+        assert!(ttl > 0, "{key} has no TTL");
+        assert!(ttl <= 86_400_000, "{key}: {ttl}");
+    }
+    let slot = floodgate::store::redis::hash_slot;
+    assert_eq!(slot(&keys[0]), slot(&keys[1]), "one identity, one slot");
+}
