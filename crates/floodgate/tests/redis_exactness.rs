@@ -55,8 +55,15 @@ async fn naive_get_then_set_overshoots() {
     for task in tasks {
         admitted += u64::from(task.await.unwrap());
     }
-    assert!(admitted > CAPACITY, "the race should let more than {CAPACITY} through, got {admitted}");
-    assert_eq!(admitted, (NODES * TASKS_PER_NODE) as u64, "every reader saw an empty counter");
+    assert!(
+        admitted > CAPACITY,
+        "the race should let more than {CAPACITY} through, got {admitted}"
+    );
+    assert_eq!(
+        admitted,
+        (NODES * TASKS_PER_NODE) as u64,
+        "every reader saw an empty counter"
+    );
 }
 
 /// `NODES` stores (each its own connection), `TASKS_PER_NODE` tasks each, all released at once
@@ -68,13 +75,19 @@ async fn hammer(server: &RedisServer, mode: ConnectionMode, limit: Arc<Limit>) -
     for _ in 0..NODES {
         let store = node(server, mode);
         for _ in 0..TASKS_PER_NODE {
-            let (store, barrier, limit, key) = (store.clone(), barrier.clone(), limit.clone(), key.clone());
+            let (store, barrier, limit, key) =
+                (store.clone(), barrier.clone(), limit.clone(), key.clone());
             tasks.push(tokio::spawn(async move {
                 let checks = [Check::new(key, limit, 1)];
                 barrier.wait().await;
                 let mut admitted = 0u64;
                 // Same instant for everyone: nothing refills, so the capacity is exact.
-                while store.check_and_consume(&checks, Some(NOW)).await.unwrap().is_allowed() {
+                while store
+                    .check_and_consume(&checks, Some(NOW))
+                    .await
+                    .unwrap()
+                    .is_allowed()
+                {
                     admitted += 1;
                 }
                 admitted
@@ -90,7 +103,11 @@ async fn hammer(server: &RedisServer, mode: ConnectionMode, limit: Arc<Limit>) -
 
 fn capacity_of(algorithm: Algorithm) -> u64 {
     // A leaky bucket admits one request to leave now plus a queue of `burst`.
-    if algorithm == Algorithm::LeakyBucket { CAPACITY + 1 } else { CAPACITY }
+    if algorithm == Algorithm::LeakyBucket {
+        CAPACITY + 1
+    } else {
+        CAPACITY
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,10 +115,19 @@ async fn four_nodes_times_32_tasks_admit_exactly_the_capacity() {
     let server = RedisServer::start();
     for mode in [ConnectionMode::Multiplexed, ConnectionMode::Pool(8)] {
         for algorithm in Algorithm::ALL {
-            let name = format!("{}-{}", algorithm.as_str(), matches!(mode, ConnectionMode::Pool(_)));
-            let limit = Arc::new(Limit::new(name, algorithm, CAPACITY, Duration::from_secs(3600)).unwrap());
+            let name = format!(
+                "{}-{}",
+                algorithm.as_str(),
+                matches!(mode, ConnectionMode::Pool(_))
+            );
+            let limit =
+                Arc::new(Limit::new(name, algorithm, CAPACITY, Duration::from_secs(3600)).unwrap());
             let admitted = hammer(&server, mode, limit).await;
-            assert_eq!(admitted, capacity_of(algorithm), "{algorithm} over {mode:?}");
+            assert_eq!(
+                admitted,
+                capacity_of(algorithm),
+                "{algorithm} over {mode:?}"
+            );
         }
     }
 }
@@ -120,7 +146,11 @@ async fn the_script_does_not_overshoot_under_the_same_race() {
             tasks.push(tokio::spawn(async move {
                 let checks = [Check::new("fg:{ip:race}:r:race", limit, 1)];
                 barrier.wait().await;
-                store.check_and_consume(&checks, None).await.unwrap().is_allowed()
+                store
+                    .check_and_consume(&checks, None)
+                    .await
+                    .unwrap()
+                    .is_allowed()
             }));
         }
     }
@@ -145,7 +175,9 @@ async fn keys_have_ttls_and_no_raw_identity() {
         .build()
         .unwrap();
     let service = layer.layer(service_fn(|_request: http::Request<()>| async {
-        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+        Ok::<_, std::convert::Infallible>(http::Response::new(
+            http_body_util::Empty::<bytes::Bytes>::new(),
+        ))
     }));
     let request = http::Request::builder()
         .header("x-api-key", "secret-partner-key")

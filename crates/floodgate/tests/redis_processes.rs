@@ -21,7 +21,15 @@ const CAPACITY: u64 = 10;
 const NOW: Timestamp = Timestamp::from_secs(1_700_006_400);
 
 fn limit(algorithm: Algorithm) -> Arc<Limit> {
-    Arc::new(Limit::new(algorithm.as_str(), algorithm, CAPACITY, Duration::from_secs(3600)).unwrap())
+    Arc::new(
+        Limit::new(
+            algorithm.as_str(),
+            algorithm,
+            CAPACITY,
+            Duration::from_secs(3600),
+        )
+        .unwrap(),
+    )
 }
 
 /// One process: `TASKS` tasks ask until denied; prints how many were admitted.
@@ -32,7 +40,10 @@ fn child(url: String, algorithm: Algorithm) {
         .build()
         .unwrap();
     let admitted: u64 = runtime.block_on(async move {
-        let store = RedisStore::builder(url).timeout(Duration::from_secs(5)).build().unwrap();
+        let store = RedisStore::builder(url)
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
         let limit = limit(algorithm);
         let tasks: Vec<_> = (0..TASKS)
             .map(|_| {
@@ -40,7 +51,12 @@ fn child(url: String, algorithm: Algorithm) {
                 tokio::spawn(async move {
                     let checks = [Check::new("fg:{ip:hot}:r:processes", limit, 1)];
                     let mut admitted = 0u64;
-                    while store.check_and_consume(&checks, Some(NOW)).await.unwrap().is_allowed() {
+                    while store
+                        .check_and_consume(&checks, Some(NOW))
+                        .await
+                        .unwrap()
+                        .is_allowed()
+                    {
                         admitted += 1;
                     }
                     admitted
@@ -77,17 +93,30 @@ fn main() {
         let admitted: u64 = children
             .iter()
             .map(|output| {
-                assert!(output.status.success(), "child failed: {}", String::from_utf8_lossy(&output.stderr));
-                String::from_utf8_lossy(&output.stdout).trim().parse::<u64>().expect("a count")
+                assert!(
+                    output.status.success(),
+                    "child failed: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                String::from_utf8_lossy(&output.stdout)
+                    .trim()
+                    .parse::<u64>()
+                    .expect("a count")
             })
             .sum();
-        let expected = if algorithm == Algorithm::LeakyBucket { CAPACITY + 1 } else { CAPACITY };
+        let expected = if algorithm == Algorithm::LeakyBucket {
+            CAPACITY + 1
+        } else {
+            CAPACITY
+        };
         if admitted == expected {
             passed += 1;
             println!("test {algorithm} across {PROCESSES} processes ... ok ({admitted} admitted)");
         } else {
             failed += 1;
-            println!("test {algorithm} across {PROCESSES} processes ... FAILED: {admitted} admitted, capacity {expected}");
+            println!(
+                "test {algorithm} across {PROCESSES} processes ... FAILED: {admitted} admitted, capacity {expected}"
+            );
         }
         let _: () = server.command(&["FLUSHALL"]);
     }
