@@ -197,3 +197,103 @@ async fn keys_have_ttls_and_no_raw_identity() {
     let slot = floodgate::store::redis::hash_slot;
     assert_eq!(slot(&keys[0]), slot(&keys[1]), "one identity, one slot");
 }
+
+/// The script is called by EVALSHA; after `SCRIPT FLUSH` (a restart, a failover) the first call
+/// gets NOSCRIPT, loads the script and succeeds.
+#[tokio::test]
+async fn noscript_after_a_script_flush_is_handled() {
+    let server = RedisServer::start();
+    let store = node(&server, ConnectionMode::Multiplexed);
+    let limit = Arc::new(Limit::gcra("flush", 2, Duration::from_secs(60)).unwrap());
+    let checks = [Check::new("fg:{ip:flush}:r:flush", limit, 1)];
+    assert!(
+        store
+            .check_and_consume(&checks, Some(NOW))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let _: () = server.command(&["SCRIPT", "FLUSH"]);
+    let sha = deadpool_redis::redis::Script::new(&floodgate::store::redis::check_script_source())
+        .get_hash()
+        .to_owned();
+    let exists: Vec<i64> = server.command(&["SCRIPT", "EXISTS", &sha]);
+    assert_eq!(exists, [0]);
+    assert!(
+        store
+            .check_and_consume(&checks, Some(NOW))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        !store
+            .check_and_consume(&checks, Some(NOW))
+            .await
+            .unwrap()
+            .is_allowed(),
+        "state kept"
+    );
+    let exists: Vec<i64> = server.command(&["SCRIPT", "EXISTS", &sha]);
+    assert_eq!(exists, [1], "reloaded");
+}
+
+/// Through the layer on Redis: a concurrency lease is held while the response body streams and
+/// released (in Redis) when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_leases_in_redis_follow_the_response_body() {
+    use floodgate::{PeerAddr, RateLimitLayer};
+    use http_body_util::BodyExt;
+    use tower::{Layer, ServiceExt, service_fn};
+    let server = RedisServer::start();
+    let limit = Limit::builder("in-flight")
+        .algorithm(Algorithm::Concurrency)
+        .limit(1)
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(limit)
+        .store(node(&server, ConnectionMode::Multiplexed))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(|_request: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+            bytes::Bytes::from_static(b"body"),
+        )))
+    }));
+    let request = || {
+        http::Request::builder()
+            .extension(PeerAddr("203.0.113.7:1".parse().unwrap()))
+            .body(())
+            .unwrap()
+    };
+    let first = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        service.clone().oneshot(request()).await.unwrap().status(),
+        429,
+        "lease held"
+    );
+    let keys: Vec<String> = server.command(&["KEYS", "*"]);
+    let in_flight: i64 = server.command(&["ZCARD", &keys[0]]);
+    assert_eq!(in_flight, 1);
+    // Reading the body to its end releases the lease; the release is a Redis call in the
+    // background, so wait for it to be visible (bounded).
+    first.into_body().collect().await.unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        let in_flight: i64 = server.command(&["ZCARD", &keys[0]]);
+        if in_flight == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "lease never released"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        service.clone().oneshot(request()).await.unwrap().status(),
+        200
+    );
+}

@@ -15,6 +15,12 @@ mod slot;
 
 pub use slot::hash_slot;
 
+/// The source of the check script that the store calls by EVALSHA (the files of `lua/`,
+/// joined), for tooling such as benchmarks that must run the very same script.
+pub fn check_script_source() -> String {
+    script::check_source()
+}
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -10,23 +10,24 @@ use crate::algorithm::LimitOutcome;
 use crate::store::{Check, StoreError};
 use crate::time::Timestamp;
 
-/// The check script: helpers, one file per algorithm, then the entry point.
-pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        &[
-            include_str!("../../../../../lua/common.lua"),
-            include_str!("../../../../../lua/token_bucket.lua"),
-            include_str!("../../../../../lua/gcra.lua"),
-            include_str!("../../../../../lua/fixed_window.lua"),
-            include_str!("../../../../../lua/sliding_window_log.lua"),
-            include_str!("../../../../../lua/sliding_window_counter.lua"),
-            include_str!("../../../../../lua/leaky_bucket.lua"),
-            include_str!("../../../../../lua/concurrency.lua"),
-            include_str!("../../../../../lua/check.lua"),
-        ]
-        .join("\n"),
-    )
-});
+/// The check script's source: helpers, one file per algorithm, then the entry point.
+pub(crate) fn check_source() -> String {
+    [
+        include_str!("../../../../../lua/common.lua"),
+        include_str!("../../../../../lua/token_bucket.lua"),
+        include_str!("../../../../../lua/gcra.lua"),
+        include_str!("../../../../../lua/fixed_window.lua"),
+        include_str!("../../../../../lua/sliding_window_log.lua"),
+        include_str!("../../../../../lua/sliding_window_counter.lua"),
+        include_str!("../../../../../lua/leaky_bucket.lua"),
+        include_str!("../../../../../lua/concurrency.lua"),
+        include_str!("../../../../../lua/check.lua"),
+    ]
+    .join("\n")
+}
+
+/// The check script, hashed once.
+pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| Script::new(&check_source()));
 
 /// Releases concurrency leases.
 pub(crate) static RELEASE: LazyLock<Script> =
