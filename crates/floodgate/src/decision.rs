@@ -22,6 +22,8 @@ pub enum DecisionSource {
 /// One applied limit as it stands after the decision.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LimitStatus {
+    /// The rule the limit belongs to.
+    pub rule: Arc<str>,
     /// The limit's name.
     pub name: Arc<str>,
     /// Requests (or units) per window.
@@ -85,6 +87,7 @@ impl Decision {
             .iter()
             .zip(outcomes)
             .map(|(check, outcome)| LimitStatus {
+                rule: check.rule.clone(),
                 name: check.limit.shared_name().clone(),
                 limit: check.limit.limit(),
                 window: check.limit.window(),

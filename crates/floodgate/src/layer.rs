@@ -12,6 +12,7 @@ use crate::key::{DefaultIdentifier, IdentifyClient};
 use crate::limit::{Limit, is_valid_name};
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::response::{MakeLimitedResponse, ResponseSettings};
+use crate::rollout::Rollout;
 use crate::service::{LocalFallback, RateLimit, RequestCost, Shared};
 use crate::store::resilience::{LogObserver, StoreObserver};
 use crate::store::{MemoryStore, Store};
@@ -117,6 +118,11 @@ impl RateLimitLayer {
         RateLimitLayerBuilder::default()
     }
 
+    /// The rollout controls (shadow, canary, kill switch), live.
+    pub fn rollout(&self) -> &Rollout {
+        &self.shared.rollout
+    }
+
     /// The store the layer decides against.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.shared.store
@@ -144,6 +150,7 @@ pub struct RateLimitLayerBuilder {
     on_store_error: FailurePolicy,
     fallback_share: f64,
     observer: Arc<dyn StoreObserver>,
+    rollout: Rollout,
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
@@ -161,6 +168,7 @@ impl Default for RateLimitLayerBuilder {
             on_store_error: FailurePolicy::Open,
             fallback_share: 1.0,
             observer: Arc::new(LogObserver),
+            rollout: Rollout::default(),
             responses: ResponseSettings::default(),
             limited_response: None,
         }
@@ -241,6 +249,13 @@ impl RateLimitLayerBuilder {
     /// observer to the store to see its breaker transitions too.
     pub fn observer(mut self, observer: Arc<dyn StoreObserver>) -> Self {
         self.observer = observer;
+        self
+    }
+
+    /// Rollout controls: shadow mode, canary share, kill switch (default: enforce all). Keep a
+    /// clone to switch them while the service runs.
+    pub fn rollout(mut self, rollout: Rollout) -> Self {
+        self.rollout = rollout;
         self
     }
 
@@ -330,6 +345,7 @@ impl RateLimitLayerBuilder {
                 fallback: (self.on_store_error == FailurePolicy::Local)
                     .then(|| LocalFallback::new(self.fallback_share)),
                 observer: self.observer,
+                rollout: self.rollout,
                 responses: self.responses,
                 limited_response: self.limited_response,
             }),

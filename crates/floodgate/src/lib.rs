@@ -10,8 +10,10 @@ mod layer;
 mod limit;
 mod plan;
 mod response;
+mod rollout;
 mod service;
 pub mod store;
+pub mod telemetry;
 mod time;
 
 pub use body::RateLimitBody;
@@ -26,6 +28,7 @@ pub use limit::{
 };
 pub use plan::{LimitPlan, StaticPlan};
 pub use response::{Denial, MakeLimitedResponse, forbidden_response, unavailable_response};
+pub use rollout::{Mode, Rollout};
 pub use service::{RateLimit, RequestCost};
 pub use store::{Check, Lease, MemoryStore, Store, StoreError};
 pub use time::{Clock, FakeClock, SystemClock, Timestamp};

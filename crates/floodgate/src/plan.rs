@@ -54,7 +54,7 @@ impl LimitPlan for StaticPlan {
                     &self.rule,
                     limit.name(),
                 );
-                Check::new(key, limit.clone(), cost)
+                Check::new(key, limit.clone(), cost).with_rule(self.rule.clone())
             })
             .collect()
     }

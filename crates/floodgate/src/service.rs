@@ -22,8 +22,10 @@ use crate::response::{
     Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
 };
+use crate::rollout::{Mode, Rollout};
 use crate::store::resilience::StoreObserver;
 use crate::store::{Check, MemoryStore, Store};
+use crate::telemetry::{self, DecisionLabel};
 use crate::time::Timestamp;
 
 /// How much a request costs; closures `Fn(&RequestInfo) -> u64` implement it.
@@ -50,16 +52,21 @@ pub(crate) struct Shared {
     pub(crate) on_store_error: FailurePolicy,
     pub(crate) fallback: Option<LocalFallback>,
     pub(crate) observer: Arc<dyn StoreObserver>,
+    pub(crate) rollout: Rollout,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
 
 impl Shared {
-    fn checks<B>(&self, request: &Request<B>) -> Vec<Check> {
+    /// The checks for a request, and whether it is shadowed (counted, never blocked).
+    fn checks<B>(&self, request: &Request<B>) -> (Vec<Check>, bool) {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
         let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
-        self.plan.checks(&info, &identity, cost)
+        let checks = self.plan.checks(&info, &identity, cost);
+        let shadowed = !checks.is_empty()
+            && (self.rollout.mode() == Mode::Shadow || !self.rollout.enforces(&identity.hash()));
+        (checks, shadowed)
     }
 
     fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
@@ -110,6 +117,7 @@ impl LocalFallback {
                         .clone();
                     Check {
                         key: check.key.clone(),
+                        rule: check.rule.clone(),
                         limit,
                         cost: check.cost,
                     }
@@ -175,10 +183,20 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         // The ready service goes into the future; a fresh clone waits for the next poll_ready.
         let fresh = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, fresh);
+        let mut inner = std::mem::replace(&mut self.inner, fresh);
         let shared = self.shared.clone();
-        let checks = shared.checks(&request);
-        ResponseFuture::new(Box::pin(decide_then_call(shared, inner, request, checks)))
+        if shared.rollout.mode() == Mode::Off {
+            // Kill switch: not even a store call.
+            telemetry::record_decision("rollout", "off", DecisionLabel::Bypassed);
+            let response = inner.call(request);
+            return ResponseFuture::new(Box::pin(async move {
+                Ok(response.await?.map(|body| RateLimitBody::inner(body, None)))
+            }));
+        }
+        let (checks, shadowed) = shared.checks(&request);
+        ResponseFuture::new(Box::pin(decide_then_call(
+            shared, inner, request, checks, shadowed,
+        )))
     }
 }
 
@@ -187,6 +205,7 @@ async fn decide_then_call<S, ReqBody, ResBody>(
     mut inner: S,
     mut request: Request<ReqBody>,
     checks: Vec<Check>,
+    shadowed: bool,
 ) -> Result<Response<RateLimitBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -195,8 +214,29 @@ where
         let response = inner.call(request).await?;
         return Ok(response.map(|body| RateLimitBody::inner(body, None)));
     }
-    let mut decision = match shared.store.check_and_consume(&checks, None).await {
-        Ok(decision) => decision,
+    let started = std::time::Instant::now();
+    let result = shared.store.check_and_consume(&checks, None).await;
+    telemetry::record_check_duration(shared.store.backend(), started.elapsed());
+    let mut decision = match result {
+        Ok(decision) => {
+            if let Some(binding) = decision.binding_limit() {
+                let label = match (decision.is_allowed(), shadowed) {
+                    (true, _) => DecisionLabel::Allowed,
+                    (false, false) => DecisionLabel::Limited,
+                    (false, true) => DecisionLabel::ShadowLimited,
+                };
+                telemetry::record_decision(&binding.rule, &binding.name, label);
+                if label == DecisionLabel::ShadowLimited && shared.rollout.may_log_shadow() {
+                    tracing::info!(
+                        rule = %binding.rule,
+                        limit = %binding.name,
+                        retry_after = ?decision.retry_after(),
+                        "shadow: this request would have been limited"
+                    );
+                }
+            }
+            decision
+        }
         Err(error) => {
             let backend = shared.store.backend();
             let policy = shared.on_store_error;
@@ -212,18 +252,29 @@ where
                     DecisionSource::FailOpen,
                 )),
             };
-            shared.observer.fallback_decision(
-                backend,
-                policy,
-                &error,
-                decision.as_ref().is_none_or(Decision::is_allowed),
-            );
+            let allowed = decision.as_ref().is_some_and(Decision::is_allowed);
+            shared
+                .observer
+                .fallback_decision(backend, policy, &error, allowed);
+            let label = if allowed {
+                DecisionLabel::FallbackAllowed
+            } else {
+                DecisionLabel::FallbackLimited
+            };
+            telemetry::record_decision(&checks[0].rule, checks[0].limit.name(), label);
             match decision {
                 Some(decision) => decision,
                 None => return Ok(unavailable_response().map(RateLimitBody::full)),
             }
         }
     };
+    if shadowed {
+        // Invisible to the client: no denial, no delay, no rate limit headers.
+        let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
+        request.extensions_mut().insert(decision);
+        let response = inner.call(request).await?;
+        return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
+    }
     if !decision.is_allowed() {
         return Ok(shared.limited_response(&decision));
     }

@@ -28,8 +28,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// One limit to check for one request: which counter, under which limit, at what cost.
 #[derive(Clone, Debug)]
 pub struct Check {
-    /// The storage key, as laid out by [`crate::key::StorageKey`].
+    /// The storage key, as laid out by [`crate::key::storage_key`].
     pub key: Arc<str>,
+    /// The rule the limit belongs to (metrics and logs label decisions with it).
+    pub rule: Arc<str>,
     /// The limit.
     pub limit: Arc<Limit>,
     /// Units this request costs against this limit.
@@ -43,9 +45,17 @@ impl Check {
         let cost = limit.cost_for(request_cost);
         Check {
             key: key.into(),
+            rule: Arc::from("default"),
             limit,
             cost,
         }
+    }
+}
+
+impl Check {
+    /// The same check, labelled with `rule`.
+    pub fn with_rule(self, rule: Arc<str>) -> Check {
+        Check { rule, ..self }
     }
 }
 
@@ -105,6 +115,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics (`memory`, `redis`).
     fn backend(&self) -> &'static str;
+
+    /// The circuit breaker's state, for stores that have one (readiness checks).
+    fn breaker_state(&self) -> Option<resilience::BreakerState> {
+        None
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -122,5 +137,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn backend(&self) -> &'static str {
         (**self).backend()
+    }
+
+    fn breaker_state(&self) -> Option<resilience::BreakerState> {
+        (**self).breaker_state()
     }
 }

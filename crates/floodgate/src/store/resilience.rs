@@ -26,6 +26,7 @@ pub enum BreakerState {
 pub trait StoreObserver: Send + Sync + 'static {
     /// The breaker of `backend` moved from `from` to `to`.
     fn breaker_changed(&self, backend: &'static str, from: BreakerState, to: BreakerState) {
+        crate::telemetry::record_breaker_state(backend, to);
         match to {
             BreakerState::Open => {
                 tracing::warn!(
@@ -64,11 +65,12 @@ pub trait StoreObserver: Send + Sync + 'static {
 
     /// A store call failed (after the deadline, or at once if the breaker is open).
     fn store_failed(&self, backend: &'static str, error: &StoreError) {
+        crate::telemetry::record_store_error(error);
         tracing::debug!(backend, %error, "store call failed");
     }
 }
 
-/// The observer that only logs.
+/// The default observer: logs, and records the metrics of [`crate::telemetry`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LogObserver;
 

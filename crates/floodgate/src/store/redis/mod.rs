@@ -405,4 +405,8 @@ impl Store for RedisStore {
     fn backend(&self) -> &'static str {
         "redis"
     }
+
+    fn breaker_state(&self) -> Option<super::resilience::BreakerState> {
+        Some(self.inner.guard.state())
+    }
 }

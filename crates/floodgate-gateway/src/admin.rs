@@ -1,0 +1,140 @@
+//! The admin API (SPEC §7): health, readiness, metrics, reload, active configuration.
+
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use floodgate::FailurePolicy;
+use floodgate::store::resilience::BreakerState;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::json;
+
+use crate::runtime::{Gateway, ReloadError};
+
+/// What the admin handlers share.
+#[derive(Clone)]
+pub struct AdminState {
+    /// The gateway.
+    pub gateway: Arc<Gateway>,
+    /// The Prometheus recorder's handle.
+    pub metrics: PrometheusHandle,
+    /// `FLOODGATE_ADMIN_TOKEN`, if set.
+    pub token: Option<Arc<str>>,
+}
+
+/// The admin router.
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/admin/reload", post(reload))
+        .route("/admin/config", get(active_config))
+        .route("/admin/top", get(top))
+        .with_state(state)
+}
+
+fn authorized(state: &AdminState, headers: &HeaderMap) -> bool {
+    let Some(token) = &state.token else {
+        return true;
+    };
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn readyz(State(state): State<AdminState>) -> Response {
+    let runtime = state.gateway.current();
+    let store_ok = match state.gateway.store().breaker_state() {
+        None | Some(BreakerState::Closed) => true,
+        Some(BreakerState::Open | BreakerState::HalfOpen) => false,
+    };
+    // A failure policy that serves (open, local) keeps the gateway ready without its store.
+    let serves_anyway = runtime.config.on_store_error != FailurePolicy::Closed;
+    if store_ok || serves_anyway {
+        (
+            StatusCode::OK,
+            Json(
+                json!({"status": "ready", "version": runtime.version, "store_reachable": store_ok}),
+            ),
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "store_unavailable"})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn reload(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    if !authorized(&state, &headers) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "unauthorized"})),
+        )
+            .into_response();
+    }
+    let gateway = state.gateway.clone();
+    match tokio::task::spawn_blocking(move || gateway.reload(false)).await {
+        Ok(Ok(version)) => Json(json!({"status": "applied", "version": version})).into_response(),
+        Ok(Err(ReloadError::Invalid(errors))) => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": errors.to_string()})),
+        )
+            .into_response(),
+        Ok(Err(ReloadError::Failed(message))) => {
+            (StatusCode::BAD_REQUEST, Json(json!({"error": message}))).into_response()
+        }
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": "reload failed"})),
+        )
+            .into_response(),
+    }
+}
+
+async fn active_config(State(state): State<AdminState>) -> Response {
+    let runtime = state.gateway.current();
+    let loaded_at = runtime
+        .loaded_at
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    Json(json!({
+        "version": runtime.version,
+        "loaded_at": loaded_at,
+        "config": runtime.config.redacted,
+    }))
+    .into_response()
+}
+
+async fn top() -> Response {
+    (
+        StatusCode::NOT_IMPLEMENTED,
+        Json(json!({"error": "top-N is not available in this version"})),
+    )
+        .into_response()
+}

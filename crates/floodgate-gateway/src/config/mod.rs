@@ -1,0 +1,769 @@
+//! The gateway configuration (SPEC §5): parsed from YAML, then validated into library types.
+//! Every error carries its field path (`plans.free.limits[1].window: must be greater than 0`);
+//! `load` returns all of them, never a partial configuration, and never panics.
+
+mod duration;
+mod endpoints;
+mod raw;
+
+pub use duration::{format_duration, parse_duration};
+pub use endpoints::{Endpoint, EndpointTable};
+pub use raw::RawConfig;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate::key::DefaultIdentifier;
+use floodgate::{FailurePolicy, HeaderStyle, Limit};
+use http::Uri;
+use http::header::HeaderName;
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+
+use raw::{RawLimit, RawLists};
+
+/// One problem in a configuration file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where: `plans.free.limits[1].window`, or empty for the file as a whole.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Every problem found in a configuration file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (index, error) in self.0.iter().enumerate() {
+            if index > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// Where requests go upstream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upstream {
+    /// `http`.
+    pub scheme: http::uri::Scheme,
+    /// `host:port`.
+    pub authority: http::uri::Authority,
+}
+
+/// What a route sets for matching requests.
+#[derive(Clone, Debug)]
+pub struct RouteTarget {
+    /// The upstream, if not the default.
+    pub upstream: Option<Upstream>,
+    /// The request cost, if not 1.
+    pub cost: Option<u64>,
+}
+
+/// Which store backs the limits.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Backend {
+    /// In-process memory (one node).
+    Memory,
+    /// One Redis server shared by all gateways.
+    Redis {
+        /// `redis://host:port/db`.
+        url: String,
+        /// `None`: one multiplexed connection; `Some(n)`: a pool of n connections.
+        pool_size: Option<usize>,
+    },
+}
+
+/// `store.*`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoreSettings {
+    /// The backend.
+    pub backend: Backend,
+    /// Deadline of every store call.
+    pub timeout: Duration,
+    /// Storage key prefix.
+    pub prefix: String,
+    /// Failures that open the breaker.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open.
+    pub breaker_open_for: Duration,
+    /// Share of each limit a node enforces alone under `on_store_error: local`.
+    pub fallback_share: f64,
+}
+
+/// `rollout.mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RolloutMode {
+    /// Limits are enforced (for `enforce_percent` of identities).
+    Enforce,
+    /// Counted and reported, never enforced.
+    Shadow,
+    /// Kill switch: no limiting and no store calls at all.
+    Off,
+}
+
+/// `rollout`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rollout {
+    /// The mode.
+    pub mode: RolloutMode,
+    /// Share of identities enforced, by stable hash; the rest are shadowed.
+    pub enforce_percent: f64,
+}
+
+/// `allowlist` / `denylist`.
+#[derive(Clone, Debug, Default)]
+pub struct ClientList {
+    /// Client addresses and networks.
+    pub ips: Vec<IpNet>,
+    /// SHA-256 of API keys.
+    pub api_keys: HashSet<[u8; 32]>,
+    /// User ids.
+    pub users: HashSet<String>,
+}
+
+impl ClientList {
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.ips.is_empty() && self.api_keys.is_empty() && self.users.is_empty()
+    }
+}
+
+/// One plan's limits.
+#[derive(Debug, Default)]
+pub struct PlanLimits {
+    /// Limits on every request of the plan's clients.
+    pub limits: Vec<Arc<Limit>>,
+    /// Limits on particular endpoints.
+    pub endpoints: EndpointTable<Vec<Arc<Limit>>>,
+    /// The plan's own failure policy, if it overrides the global one.
+    pub on_store_error: Option<FailurePolicy>,
+}
+
+/// `response.*`.
+#[derive(Clone, Debug)]
+pub struct ResponseSettings {
+    /// Header style.
+    pub headers: HeaderStyle,
+    /// Retry-After jitter.
+    pub retry_after_jitter: f64,
+    /// Docs link in 429 bodies.
+    pub docs_url: Option<String>,
+    /// RFC 9457 bodies.
+    pub problem_json: bool,
+}
+
+/// `identity.*` beyond what the identifier holds.
+#[derive(Debug)]
+pub struct IdentitySettings {
+    /// The identifier (API key, user header, trusted proxies, IPv6 grouping).
+    pub identifier: Arc<DefaultIdentifier>,
+    /// The header a trusted proxy uses to name the client's plan.
+    pub plan_header: Option<HeaderName>,
+}
+
+/// A validated configuration.
+#[derive(Debug)]
+pub struct Config {
+    /// Proxy listen address.
+    pub listen: SocketAddr,
+    /// Admin listen address.
+    pub admin_listen: SocketAddr,
+    /// Default upstream.
+    pub upstream: Upstream,
+    /// Time allowed for the upstream's response head.
+    pub upstream_timeout: Duration,
+    /// Per-endpoint upstream and cost.
+    pub routes: EndpointTable<RouteTarget>,
+    /// The store.
+    pub store: StoreSettings,
+    /// The failure policy.
+    pub on_store_error: FailurePolicy,
+    /// Identity settings.
+    pub identity: IdentitySettings,
+    /// Plan of clients identified by key or user id without a plan of their own.
+    pub default_plan: String,
+    /// Plan of clients identified by IP only.
+    pub anonymous_plan: String,
+    /// Plan by SHA-256 of the API key.
+    pub api_keys: HashMap<[u8; 32], String>,
+    /// Plans by name.
+    pub plans: HashMap<String, PlanLimits>,
+    /// Limits on every request, by client IP.
+    pub per_ip: Vec<Arc<Limit>>,
+    /// Ceilings across all clients, per endpoint.
+    pub global: EndpointTable<Vec<Arc<Limit>>>,
+    /// Rollout.
+    pub rollout: Rollout,
+    /// Clients that bypass all limits.
+    pub allowlist: ClientList,
+    /// Clients refused with 403.
+    pub denylist: ClientList,
+    /// Responses.
+    pub response: ResponseSettings,
+    /// The configuration as JSON with API keys replaced by their hashes, for `/admin/config`.
+    pub redacted: serde_json::Value,
+}
+
+/// SHA-256 of an API key.
+pub fn key_digest(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// Parses `sha256:<64 hex>`, or hashes a raw key.
+fn key_entry(text: &str) -> Result<[u8; 32], String> {
+    let Some(hex) = text.strip_prefix("sha256:") else {
+        return Ok(key_digest(text));
+    };
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("`sha256:` must be followed by 64 hex digits".to_owned());
+    }
+    let mut digest = [0u8; 32];
+    for (index, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * index..2 * index + 2], 16)
+            .map_err(|_| "bad hex".to_owned())?;
+    }
+    Ok(digest)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// Collects errors with their paths.
+#[derive(Default)]
+struct Errors(Vec<ConfigError>);
+
+impl Errors {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn ok<T>(&mut self, path: impl Into<String>, result: Result<T, String>) -> Option<T> {
+        match result {
+            Ok(value) => Some(value),
+            Err(message) => {
+                self.push(path, message);
+                None
+            }
+        }
+    }
+}
+
+/// Parses and validates a configuration file's text.
+pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
+    let raw = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
+        Ok(serde_path_to_error::deserialize::<_, RawConfig>(
+            deserializer,
+        ))
+    });
+    let raw = match raw {
+        Ok(Ok(raw)) => raw,
+        Ok(Err(error)) => {
+            let path = error.path().to_string();
+            let path = if path == "." { String::new() } else { path };
+            return Err(ConfigErrors(vec![ConfigError {
+                path,
+                message: error.into_inner().to_string(),
+            }]));
+        }
+        Err(error) => {
+            return Err(ConfigErrors(vec![ConfigError {
+                path: String::new(),
+                message: error.to_string(),
+            }]));
+        }
+    };
+    validate(raw)
+}
+
+/// Reads, parses and validates a configuration file.
+pub fn load(path: &std::path::Path) -> Result<Config, ConfigErrors> {
+    let text = std::fs::read_to_string(path).map_err(|error| {
+        ConfigErrors(vec![ConfigError {
+            path: String::new(),
+            message: format!("cannot read {}: {error}", path.display()),
+        }])
+    })?;
+    parse(&text)
+}
+
+fn socket_addr(text: &str) -> Result<SocketAddr, String> {
+    text.parse()
+        .map_err(|_| format!("`{text}` is not an address such as 0.0.0.0:8080"))
+}
+
+fn upstream(text: &str) -> Result<Upstream, String> {
+    let uri: Uri = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a URL such as http://127.0.0.1:3000"))?;
+    let scheme = uri
+        .scheme()
+        .cloned()
+        .ok_or_else(|| format!("`{text}` has no scheme; write http://..."))?;
+    if scheme != http::uri::Scheme::HTTP {
+        return Err(format!("`{text}`: only http:// upstreams are supported"));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| format!("`{text}` has no host"))?;
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err(format!(
+            "`{text}`: an upstream is scheme://host:port, without a path"
+        ));
+    }
+    Ok(Upstream { scheme, authority })
+}
+
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    let value = parse_duration(text)?;
+    if value.is_zero() {
+        return Err("must be greater than 0".to_owned());
+    }
+    Ok(value)
+}
+
+fn policy(text: &str) -> Result<FailurePolicy, String> {
+    text.parse::<FailurePolicy>()
+        .map_err(|_| format!("unknown policy `{text}`; expected open, closed or local"))
+}
+
+fn limit(
+    errors: &mut Errors,
+    path: &str,
+    raw: &RawLimit,
+    names: &mut HashSet<String>,
+) -> Option<Arc<Limit>> {
+    let mut builder = Limit::builder(raw.name.clone())
+        .algorithm_name(&raw.algorithm)
+        .limit(raw.limit);
+    if let Some(window) = &raw.window {
+        match positive_duration(window) {
+            Ok(window) => builder = builder.window(window),
+            Err(message) => {
+                errors.push(format!("{path}.window"), message);
+                return None;
+            }
+        }
+    }
+    if let Some(burst) = raw.burst {
+        builder = builder.burst(burst);
+    }
+    if let Some(cost) = raw.cost {
+        builder = builder.cost(cost);
+    }
+    if !names.insert(raw.name.clone()) {
+        errors.push(
+            format!("{path}.name"),
+            format!("`{}` is used twice in this list", raw.name),
+        );
+        return None;
+    }
+    match builder.build() {
+        Ok(limit) => Some(Arc::new(limit)),
+        Err(error) => {
+            errors.push(
+                format!("{path}.{}", error.field()),
+                error
+                    .to_string()
+                    .split_once(": ")
+                    .map_or(error.to_string(), |(_, message)| message.to_owned()),
+            );
+            None
+        }
+    }
+}
+
+fn limits(errors: &mut Errors, path: &str, raws: &[RawLimit]) -> Vec<Arc<Limit>> {
+    let mut names = HashSet::new();
+    raws.iter()
+        .enumerate()
+        .filter_map(|(index, raw)| limit(errors, &format!("{path}[{index}]"), raw, &mut names))
+        .collect()
+}
+
+fn endpoint_limits(
+    errors: &mut Errors,
+    path: &str,
+    raw: &std::collections::BTreeMap<String, Vec<RawLimit>>,
+) -> EndpointTable<Vec<Arc<Limit>>> {
+    let mut table = EndpointTable::default();
+    for (pattern, raws) in raw {
+        let entry_path = format!("{path}.\"{pattern}\"");
+        let parsed = limits(errors, &entry_path, raws);
+        if let Some(endpoint) = errors.ok(entry_path.clone(), Endpoint::parse(pattern)) {
+            errors.ok(entry_path, table.insert(endpoint, parsed));
+        }
+    }
+    table
+}
+
+fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
+    let mut list = ClientList::default();
+    for (index, text) in raw.ips.iter().enumerate() {
+        let parsed = text
+            .parse::<IpNet>()
+            .ok()
+            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
+        match parsed {
+            Some(net) => list.ips.push(net),
+            None => errors.push(
+                format!("{path}.ips[{index}]"),
+                format!("`{text}` is not an IP address or CIDR"),
+            ),
+        }
+    }
+    for (index, key) in raw.api_keys.iter().enumerate() {
+        if let Some(digest) = errors.ok(format!("{path}.api_keys[{index}]"), key_entry(key)) {
+            list.api_keys.insert(digest);
+        }
+    }
+    list.users = raw.users.iter().cloned().collect();
+    list
+}
+
+fn redact(raw: &RawConfig) -> serde_json::Value {
+    let mut redacted = raw.clone();
+    redacted.clients.api_keys = raw
+        .clients
+        .api_keys
+        .iter()
+        .map(|(key, plan)| {
+            let digest = key_entry(key).unwrap_or_else(|_| key_digest(key));
+            (format!("sha256:{}", hex(&digest)), plan.clone())
+        })
+        .collect();
+    let redact_list = |keys: &[String]| -> Vec<String> {
+        keys.iter()
+            .map(|key| {
+                format!(
+                    "sha256:{}",
+                    hex(&key_entry(key).unwrap_or_else(|_| key_digest(key)))
+                )
+            })
+            .collect()
+    };
+    redacted.allowlist.api_keys = redact_list(&raw.allowlist.api_keys);
+    redacted.denylist.api_keys = redact_list(&raw.denylist.api_keys);
+    serde_json::to_value(&redacted).unwrap_or(serde_json::Value::Null)
+}
+
+/// Validates a parsed file into a [`Config`], collecting every error.
+pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
+    let mut errors = Errors::default();
+    let listen = errors.ok("listen", socket_addr(&raw.listen));
+    let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));
+    let default_upstream = errors.ok("upstream", upstream(&raw.upstream));
+    let upstream_timeout = errors.ok("upstream_timeout", positive_duration(&raw.upstream_timeout));
+
+    let mut routes = EndpointTable::default();
+    for (index, route) in raw.routes.iter().enumerate() {
+        let path = format!("routes[{index}]");
+        let target_upstream = match &route.upstream {
+            Some(text) => errors
+                .ok(format!("{path}.upstream"), upstream(text))
+                .map(Some),
+            None => Some(None),
+        };
+        if route.cost == Some(0) {
+            errors.push(format!("{path}.cost"), "must be at least 1");
+        }
+        let endpoint = errors.ok(format!("{path}.match"), Endpoint::parse(&route.pattern));
+        if let (Some(endpoint), Some(target_upstream)) = (endpoint, target_upstream) {
+            let target = RouteTarget {
+                upstream: target_upstream,
+                cost: route.cost,
+            };
+            errors.ok(format!("{path}.match"), routes.insert(endpoint, target));
+        }
+    }
+
+    let store = &raw.store;
+    let backend = match store.backend.as_str() {
+        "memory" => Some(Backend::Memory),
+        "redis" => {
+            if !store.url.starts_with("redis://") && !store.url.starts_with("rediss://") {
+                errors.push(
+                    "store.url",
+                    format!("`{}` is not a redis:// URL", store.url),
+                );
+            }
+            let pool_size = match store.connection.as_str() {
+                "multiplexed" => Some(None),
+                "pool" if store.pool_size >= 1 => Some(Some(store.pool_size)),
+                "pool" => {
+                    errors.push("store.pool_size", "must be at least 1");
+                    None
+                }
+                other => {
+                    errors.push(
+                        "store.connection",
+                        format!("unknown connection `{other}`; expected multiplexed or pool"),
+                    );
+                    None
+                }
+            };
+            pool_size.map(|pool_size| Backend::Redis {
+                url: store.url.clone(),
+                pool_size,
+            })
+        }
+        "redis_cluster" | "redis_sharded" => {
+            errors.push(
+                "store.backend",
+                format!(
+                    "`{}` is not available in this version; use memory or redis",
+                    store.backend
+                ),
+            );
+            None
+        }
+        other => {
+            errors.push("store.backend", format!("unknown backend `{other}`; expected memory, redis, redis_cluster or redis_sharded"));
+            None
+        }
+    };
+    if store.sync_interval.is_some() {
+        errors.push(
+            "store.sync_interval",
+            "batched sync is not available in this version; remove it (exact mode)",
+        );
+    }
+    let store_timeout = errors.ok("store.timeout", positive_duration(&store.timeout));
+    let open_for = errors.ok(
+        "store.breaker.open_for",
+        positive_duration(&store.breaker.open_for),
+    );
+    if store.breaker.failures == 0 {
+        errors.push("store.breaker.failures", "must be at least 1");
+    }
+    if store.prefix.is_empty() || store.prefix.contains(['{', '}', ':']) {
+        errors.push(
+            "store.prefix",
+            "must be non-empty, without braces or colons",
+        );
+    }
+    if !(store.fallback_share > 0.0 && store.fallback_share <= 1.0) {
+        errors.push(
+            "store.fallback_share",
+            "must be greater than 0 and at most 1",
+        );
+    }
+    let on_store_error = errors.ok("on_store_error", policy(&raw.on_store_error));
+
+    let identity = &raw.identity;
+    let identifier = match DefaultIdentifier::new()
+        .bearer(identity.api_key.bearer)
+        .api_key_header(Some(&identity.api_key.header))
+        .and_then(|next| next.user_header(identity.user_header.as_deref()))
+        .and_then(|next| next.trusted_proxies(&identity.trusted_proxies))
+        .and_then(|next| next.ipv6_prefix(identity.ipv6_prefix))
+    {
+        Ok(built) => Some(built),
+        Err(error) => {
+            let message = error.to_string();
+            let (field, problem) = message.split_once(": ").unwrap_or(("", &message));
+            errors.push(
+                format!("identity.{}", field.trim_start_matches("identity.")),
+                problem.to_owned(),
+            );
+            None
+        }
+    };
+    let plan_header = match &identity.plan_header {
+        Some(name) => errors
+            .ok(
+                "identity.plan_header",
+                HeaderName::try_from(name.as_str())
+                    .map_err(|_| format!("`{name}` is not a header name")),
+            )
+            .map(Some),
+        None => Some(None),
+    };
+
+    let mut plans = HashMap::new();
+    for (name, raw_plan) in &raw.plans {
+        let path = format!("plans.{name}");
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            || name.is_empty()
+        {
+            errors.push(path.clone(), "plan names are made of A-Z a-z 0-9 - _ .");
+        }
+        let plan = PlanLimits {
+            limits: limits(&mut errors, &format!("{path}.limits"), &raw_plan.limits),
+            endpoints: endpoint_limits(
+                &mut errors,
+                &format!("{path}.endpoints"),
+                &raw_plan.endpoints,
+            ),
+            on_store_error: raw_plan
+                .on_store_error
+                .as_deref()
+                .and_then(|text| errors.ok(format!("{path}.on_store_error"), policy(text))),
+        };
+        plans.insert(name.clone(), plan);
+    }
+    if !raw.plans.is_empty() {
+        for (field, plan) in [
+            ("clients.default_plan", &raw.clients.default_plan),
+            ("clients.anonymous_plan", &raw.clients.anonymous_plan),
+        ] {
+            if !raw.plans.contains_key(plan) {
+                errors.push(field, format!("plan `{plan}` is not defined under plans"));
+            }
+        }
+    }
+    let mut api_keys = HashMap::new();
+    for (key, plan) in &raw.clients.api_keys {
+        // The path names the key by its hash: error messages must not print secrets.
+        let shown = if key.starts_with("sha256:") {
+            key.clone()
+        } else {
+            format!("sha256:{}…", &hex(&key_digest(key))[..12])
+        };
+        let path = format!("clients.api_keys[{shown}]");
+        if let Some(digest) = errors.ok(path.clone(), key_entry(key)) {
+            api_keys.insert(digest, plan.clone());
+        }
+        if !raw.plans.contains_key(plan) {
+            errors.push(path, format!("plan `{plan}` is not defined under plans"));
+        }
+    }
+
+    let per_ip = limits(&mut errors, "per_ip", &raw.per_ip);
+    let global = endpoint_limits(&mut errors, "global", &raw.global);
+
+    let mode = match raw.rollout.mode.as_str() {
+        "enforce" => Some(RolloutMode::Enforce),
+        "shadow" => Some(RolloutMode::Shadow),
+        "off" => Some(RolloutMode::Off),
+        other => {
+            errors.push(
+                "rollout.mode",
+                format!("unknown mode `{other}`; expected enforce, shadow or off"),
+            );
+            None
+        }
+    };
+    let percent = raw.rollout.enforce_percent;
+    if !(0.0..=100.0).contains(&percent) {
+        errors.push("rollout.enforce_percent", "must be between 0 and 100");
+    }
+    let allowlist = client_list(&mut errors, "allowlist", &raw.allowlist);
+    let denylist = client_list(&mut errors, "denylist", &raw.denylist);
+
+    let headers = errors.ok(
+        "response.headers",
+        raw.response
+            .headers
+            .parse::<HeaderStyle>()
+            .map_err(|error| error.to_string()),
+    );
+    if !(0.0..=10.0).contains(&raw.response.retry_after_jitter) {
+        errors.push("response.retry_after_jitter", "must be between 0 and 10");
+    }
+
+    if !errors.0.is_empty() {
+        return Err(ConfigErrors(errors.0));
+    }
+    // Every value below was checked above: an error there returned before this point.
+    let (
+        Some(listen),
+        Some(admin_listen),
+        Some(upstream),
+        Some(upstream_timeout),
+        Some(backend),
+        Some(timeout),
+        Some(open_for),
+        Some(on_store_error),
+        Some(identifier),
+        Some(plan_header),
+        Some(mode),
+        Some(headers),
+    ) = (
+        listen,
+        admin_listen,
+        default_upstream,
+        upstream_timeout,
+        backend,
+        store_timeout,
+        open_for,
+        on_store_error,
+        identifier,
+        plan_header,
+        mode,
+        headers,
+    )
+    else {
+        return Err(ConfigErrors(vec![ConfigError {
+            path: String::new(),
+            message: "invalid configuration".to_owned(),
+        }]));
+    };
+    let redacted = redact(&raw);
+    Ok(Config {
+        listen,
+        admin_listen,
+        upstream,
+        upstream_timeout,
+        routes,
+        store: StoreSettings {
+            backend,
+            timeout,
+            prefix: raw.store.prefix,
+            breaker_failures: raw.store.breaker.failures,
+            breaker_open_for: open_for,
+            fallback_share: raw.store.fallback_share,
+        },
+        on_store_error,
+        identity: IdentitySettings {
+            identifier: Arc::new(identifier),
+            plan_header,
+        },
+        default_plan: raw.clients.default_plan,
+        anonymous_plan: raw.clients.anonymous_plan,
+        api_keys,
+        plans,
+        per_ip,
+        global,
+        rollout: Rollout {
+            mode,
+            enforce_percent: percent,
+        },
+        allowlist,
+        denylist,
+        response: ResponseSettings {
+            headers,
+            retry_after_jitter: raw.response.retry_after_jitter,
+            docs_url: raw.response.docs_url,
+            problem_json: raw.response.problem_json,
+        },
+        redacted,
+    })
+}

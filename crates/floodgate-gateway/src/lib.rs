@@ -1,0 +1,11 @@
+//! The floodgate gateway: a reverse proxy that applies floodgate's rate limits from a YAML
+//! configuration (SPEC §5), hot-reloaded, with an admin API (SPEC §7).
+
+pub mod admin;
+pub mod client;
+pub mod config;
+pub mod plan;
+pub mod proxy;
+pub mod runtime;
+pub mod server;
+pub mod watch;

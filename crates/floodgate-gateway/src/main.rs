@@ -1,0 +1,193 @@
+//! `floodgate`: the rate limiting gateway (SPEC §6).
+//!
+//! `floodgate serve --config FILE` runs it; `floodgate check --config FILE` validates a file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use floodgate_gateway::admin::{self, AdminState};
+use floodgate_gateway::config::{self, Backend};
+use floodgate_gateway::runtime::{Gateway, ReloadError};
+use floodgate_gateway::{server, watch};
+
+/// floodgate: a distributed HTTP rate limiter in front of your API.
+#[derive(Parser)]
+#[command(name = "floodgate", version, about)]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway (reverse proxy + admin API). SIGHUP reloads; SIGTERM/SIGINT drain and exit.
+    Serve {
+        /// The YAML configuration file (watched for changes).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a configuration file: exit 0 with a summary, or 2 with every error.
+    Check {
+        /// The YAML configuration file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn check(path: &std::path::Path) -> ExitCode {
+    match config::load(path) {
+        Ok(config) => {
+            let limits: usize = config.per_ip.len()
+                + config
+                    .plans
+                    .values()
+                    .map(|plan| plan.limits.len())
+                    .sum::<usize>();
+            let store = match &config.store.backend {
+                Backend::Memory => "memory".to_owned(),
+                Backend::Redis { url, .. } => format!("redis ({url})"),
+            };
+            println!(
+                "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
+                path.display(),
+                config.listen,
+                config.admin_listen,
+                config.upstream.scheme,
+                config.upstream.authority,
+                config.plans.len(),
+                config.redacted["routes"].as_array().map_or(0, Vec::len),
+            );
+            ExitCode::SUCCESS
+        }
+        Err(errors) => {
+            eprintln!(
+                "{}: invalid configuration ({} errors):",
+                path.display(),
+                errors.0.len()
+            );
+            for error in &errors.0 {
+                eprintln!("  {error}");
+            }
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::error!(%error, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}
+
+async fn serve(path: PathBuf) -> Result<(), String> {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|error| format!("metrics: {error}"))?;
+    let gateway = Gateway::start(&path).map_err(|error| match error {
+        ReloadError::Invalid(errors) => {
+            format!("{}: invalid configuration:\n{errors}", path.display())
+        }
+        ReloadError::Failed(message) => message,
+    })?;
+    let config = gateway.current().config.clone();
+    let token = std::env::var("FLOODGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|token| !token.is_empty());
+    if !config.admin_listen.ip().is_loopback() && token.is_none() {
+        return Err(format!(
+            "admin.listen {} is not a loopback address: set FLOODGATE_ADMIN_TOKEN to protect the admin API",
+            config.admin_listen
+        ));
+    }
+    let listener = bind(config.listen).await?;
+    let admin_listener = bind(config.admin_listen).await?;
+    tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
+
+    let _watcher = watch::watch_config(gateway.clone(), &path)
+        .map_err(|error| format!("cannot watch {}: {error}", path.display()))?;
+    watch::reload_on_sighup(gateway.clone()).map_err(|error| format!("SIGHUP: {error}"))?;
+
+    let admin_router = admin::router(AdminState {
+        gateway: gateway.clone(),
+        metrics,
+        token: token.map(Arc::from),
+    });
+    let admin = tokio::spawn(async move {
+        if let Err(error) = axum::serve(admin_listener, admin_router).await {
+            tracing::error!(%error, "admin server failed");
+        }
+    });
+    server::serve(listener, gateway, shutdown_signal()).await;
+    admin.abort();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|error| format!("cannot listen on {addr}: {error}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => check(&config),
+        Command::Serve { config } => {
+            init_logging(cli.log_format);
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(error) => {
+                    eprintln!("floodgate: cannot start the runtime: {error}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(serve(config)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(message) => {
+                    eprintln!("floodgate: {message}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

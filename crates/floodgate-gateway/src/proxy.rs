@@ -1,0 +1,265 @@
+//! The reverse proxy: forwards a request to its upstream and streams both bodies.
+//!
+//! Hop-by-hop headers are removed both ways (RFC 9110 §7.6.1), `X-Forwarded-For` is appended,
+//! `X-Forwarded-Proto` / `X-Forwarded-Host` are set, `Host` is kept, WebSocket upgrades are
+//! spliced through, and an unreachable or slow upstream yields 502 / 504 with no internal
+//! detail in the body.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use floodgate::PeerAddr;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tower_service::Service;
+
+use crate::config::{Config, Upstream};
+
+/// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
+pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+
+/// The upstream HTTP client: pooled connections, shared across configuration versions.
+pub type UpstreamClient = Client<HttpConnector, Incoming>;
+
+/// A pooled client for upstreams.
+pub fn upstream_client() -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+/// Forwards requests under one configuration version.
+#[derive(Clone)]
+pub struct Proxy {
+    client: UpstreamClient,
+    config: Arc<Config>,
+}
+
+impl Proxy {
+    /// A proxy for `config`.
+    pub fn new(client: UpstreamClient, config: Arc<Config>) -> Self {
+        Proxy { client, config }
+    }
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Removes hop-by-hop headers, including those the `Connection` header names.
+fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in [
+        &header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &header::PROXY_AUTHENTICATE,
+        &header::PROXY_AUTHORIZATION,
+        &header::TE,
+        &header::TRAILER,
+        &header::TRANSFER_ENCODING,
+        &header::UPGRADE,
+    ] {
+        headers.remove(name);
+    }
+}
+
+/// The protocol a request asks to upgrade to (`Connection: upgrade` + `Upgrade: x`).
+fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| headers.get(header::UPGRADE).cloned())
+        .flatten()
+}
+
+fn error_response(status: StatusCode, error: &'static str) -> Response<ProxyBody> {
+    let body = serde_json::json!({ "error": error }).to_string();
+    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn target_uri(upstream: &Upstream, uri: &Uri) -> Option<Uri> {
+    Uri::builder()
+        .scheme(upstream.scheme.clone())
+        .authority(upstream.authority.clone())
+        .path_and_query(uri.path_and_query().map_or("/", |pq| pq.as_str()))
+        .build()
+        .ok()
+}
+
+async fn forward(
+    client: UpstreamClient,
+    config: Arc<Config>,
+    mut request: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let upstream = config
+        .routes
+        .find(request.method(), request.uri().path())
+        .and_then(|(_, route)| route.upstream.as_ref())
+        .unwrap_or(&config.upstream);
+    let Some(uri) = target_uri(upstream, request.uri()) else {
+        return error_response(StatusCode::BAD_REQUEST, "bad_request");
+    };
+    let peer = request
+        .extensions()
+        .get::<PeerAddr>()
+        .map(|PeerAddr(addr)| addr.ip());
+    let upgrade = upgrade_protocol(request.headers());
+    let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut request));
+
+    let (mut parts, body) = request.into_parts();
+    let original_host = parts.headers.get(header::HOST).cloned();
+    remove_hop_by_hop(&mut parts.headers);
+    if let Some(protocol) = &upgrade {
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        parts.headers.insert(header::UPGRADE, protocol.clone());
+    }
+    if let Some(peer) = peer {
+        let forwarded = match parts
+            .headers
+            .get(&X_FORWARDED_FOR)
+            .and_then(|value| value.to_str().ok())
+        {
+            Some(chain) => format!("{chain}, {peer}"),
+            None => peer.to_string(),
+        };
+        if let Ok(value) = HeaderValue::try_from(forwarded) {
+            parts.headers.insert(X_FORWARDED_FOR.clone(), value);
+        }
+    }
+    parts
+        .headers
+        .insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    if let Some(host) = original_host {
+        parts.headers.insert(X_FORWARDED_HOST.clone(), host);
+    }
+    parts.uri = uri;
+    // HTTP/2 from the client is forwarded as HTTP/1.1 to the upstream.
+    parts.version = http::Version::HTTP_11;
+    let outgoing = Request::from_parts(parts, body);
+
+    let started = Instant::now();
+    let result = tokio::time::timeout(config.upstream_timeout, client.request(outgoing)).await;
+    metrics::histogram!("floodgate_upstream_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
+    let mut response = match result {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            tracing::warn!(upstream = %upstream.authority, %error, "upstream request failed");
+            metrics::counter!("floodgate_upstream_requests_total", "status" => "502").increment(1);
+            return error_response(StatusCode::BAD_GATEWAY, "bad_gateway");
+        }
+        Err(_) => {
+            tracing::warn!(upstream = %upstream.authority, timeout = ?config.upstream_timeout, "upstream timed out");
+            metrics::counter!("floodgate_upstream_requests_total", "status" => "504").increment(1);
+            return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout");
+        }
+    };
+    metrics::counter!("floodgate_upstream_requests_total", "status" => response.status().as_str().to_owned()).increment(1);
+
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS
+        && let Some(client_upgrade) = client_upgrade
+    {
+        let upstream_upgrade = hyper::upgrade::on(&mut response);
+        tokio::spawn(async move {
+            match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                Ok((client_io, upstream_io)) => {
+                    let mut client_io = TokioIo::new(client_io);
+                    let mut upstream_io = TokioIo::new(upstream_io);
+                    let _ = tokio::io::copy_bidirectional(&mut client_io, &mut upstream_io).await;
+                }
+                Err(error) => tracing::debug!(%error, "upgrade failed"),
+            }
+        });
+        let (parts, body) = response.into_parts();
+        return Response::from_parts(parts, Either::Left(body));
+    }
+    remove_hop_by_hop(response.headers_mut());
+    response.map(Either::Left)
+}
+
+impl Service<Request<Incoming>> for Proxy {
+    type Response = Response<ProxyBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<ProxyBody>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+        let (client, config) = (self.client.clone(), self.config.clone());
+        Box::pin(async move { Ok(forward(client, config, request).await) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_those_named_by_connection_are_removed() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
+        headers.insert("x-private", HeaderValue::from_static("1"));
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        headers.insert("x-kept", HeaderValue::from_static("1"));
+        remove_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn upgrade_requests_are_recognised() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        assert_eq!(
+            upgrade_protocol(&headers),
+            Some(HeaderValue::from_static("websocket"))
+        );
+        headers.remove(header::CONNECTION);
+        assert_eq!(upgrade_protocol(&headers), None);
+    }
+}

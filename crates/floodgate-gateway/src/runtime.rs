@@ -1,0 +1,293 @@
+//! One configuration version in service, and the swap to the next (SPEC §5 hot reload).
+//!
+//! Each version owns its limit plan and one rate limit service per plan (a plan may override
+//! the failure policy). The store outlives versions as long as its settings do not change, so
+//! counters survive a reload; requests in flight keep the version they started with, since
+//! they hold an `Arc` to it while the next one is swapped in through `arc-swap`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use floodgate::store::{ConnectionMode, RedisStore};
+use floodgate::{
+    FailurePolicy, MemoryStore, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo,
+    Rollout, Store,
+};
+use http::{Request, Response};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use tower::{Layer, ServiceExt};
+
+use crate::client::{Resolution, ResolvedClient, resolve};
+use crate::config::{self, Backend, Config, ConfigErrors, StoreSettings};
+use crate::plan::GatewayPlan;
+use crate::proxy::{Proxy, ProxyBody, UpstreamClient, upstream_client};
+
+/// The body of every gateway response.
+pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
+
+/// One configuration version, ready to serve.
+pub struct Runtime {
+    /// Increments with every applied configuration.
+    pub version: u64,
+    /// When it was applied.
+    pub loaded_at: SystemTime,
+    /// The configuration.
+    pub config: Arc<Config>,
+    services: HashMap<String, RateLimit<Proxy>>,
+    fallback_service: RateLimit<Proxy>,
+}
+
+impl Runtime {
+    fn build(
+        version: u64,
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        client: UpstreamClient,
+    ) -> Result<Runtime, String> {
+        let proxy = Proxy::new(client, config.clone());
+        let mode = match config.rollout.mode {
+            config::RolloutMode::Enforce => Mode::Enforce,
+            config::RolloutMode::Shadow => Mode::Shadow,
+            config::RolloutMode::Off => Mode::Off,
+        };
+        let rollout = Rollout::new(mode, config.rollout.enforce_percent);
+        let make = |policy: FailurePolicy| -> Result<RateLimit<Proxy>, String> {
+            let routes = config.clone();
+            let layer = RateLimitLayer::builder()
+                .plan(GatewayPlan::new(config.clone()))
+                .shared_store(store.clone())
+                .identify(|request: &RequestInfo<'_>| {
+                    request
+                        .extensions
+                        .get::<ResolvedClient>()
+                        .map_or(floodgate::Identity::Unknown, |client| {
+                            client.identity.clone()
+                        })
+                })
+                .cost(move |request: &RequestInfo<'_>| {
+                    routes
+                        .routes
+                        .find(request.method, request.uri.path())
+                        .and_then(|(_, route)| route.cost)
+                        .unwrap_or(1)
+                })
+                .on_store_error(policy)
+                .rollout(rollout.clone())
+                .fallback_share(config.store.fallback_share)
+                .headers(config.response.headers)
+                .retry_after_jitter(config.response.retry_after_jitter)
+                .problem_json(config.response.problem_json);
+            let layer = match &config.response.docs_url {
+                Some(url) => layer.docs_url(url.clone()),
+                None => layer,
+            };
+            Ok(layer
+                .build()
+                .map_err(|error| error.to_string())?
+                .layer(proxy.clone()))
+        };
+        let mut services = HashMap::new();
+        for (name, plan) in &config.plans {
+            services.insert(
+                name.clone(),
+                make(plan.on_store_error.unwrap_or(config.on_store_error))?,
+            );
+        }
+        Ok(Runtime {
+            version,
+            loaded_at: SystemTime::now(),
+            fallback_service: make(config.on_store_error)?,
+            services,
+            config,
+        })
+    }
+
+    /// Serves one request under this version.
+    pub async fn handle(&self, mut request: Request<Incoming>) -> Response<GatewayBody> {
+        let resolution = resolve(&self.config, &RequestInfo::new(&request));
+        let client = match resolution {
+            Resolution::Denied => {
+                floodgate::telemetry::record_decision(
+                    "denylist",
+                    "denylist",
+                    floodgate::telemetry::DecisionLabel::Denylisted,
+                );
+                return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
+            }
+            Resolution::Client(client) => client,
+        };
+        if client.bypass {
+            floodgate::telemetry::record_decision(
+                "bypass",
+                "bypass",
+                floodgate::telemetry::DecisionLabel::Bypassed,
+            );
+        }
+        let service = self
+            .services
+            .get(&*client.plan)
+            .unwrap_or(&self.fallback_service)
+            .clone();
+        request.extensions_mut().insert(client);
+        match service.oneshot(request).await {
+            Ok(response) => response.map(Either::Left),
+            Err(never) => match never {},
+        }
+    }
+}
+
+/// The running gateway: the current version and how to replace it.
+pub struct Gateway {
+    current: ArcSwap<Runtime>,
+    config_path: PathBuf,
+    store: Mutex<(StoreSettings, Arc<dyn Store>)>,
+    client: UpstreamClient,
+    last_text: Mutex<String>,
+}
+
+/// Why a reload was not applied.
+#[derive(Debug)]
+pub enum ReloadError {
+    /// The file is invalid; the previous rules stay active.
+    Invalid(ConfigErrors),
+    /// The file is valid but could not be put in service.
+    Failed(String),
+}
+
+impl std::fmt::Display for ReloadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReloadError::Invalid(errors) => write!(f, "{errors}"),
+            ReloadError::Failed(message) => f.write_str(message),
+        }
+    }
+}
+
+fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
+    match &settings.backend {
+        Backend::Memory => Ok(Arc::new(
+            MemoryStore::builder()
+                .evict_every(Duration::from_secs(10))
+                .build(),
+        )),
+        Backend::Redis { url, pool_size } => {
+            let mode = pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool);
+            let store = RedisStore::builder(url.clone())
+                .connection_mode(mode)
+                .timeout(settings.timeout)
+                .breaker(settings.breaker_failures, settings.breaker_open_for)
+                .build()
+                .map_err(|error| format!("store: {error}"))?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+impl Gateway {
+    /// Loads `config_path` and builds the first version.
+    pub fn start(config_path: &Path) -> Result<Arc<Gateway>, ReloadError> {
+        let text = std::fs::read_to_string(config_path).map_err(|error| {
+            ReloadError::Failed(format!("cannot read {}: {error}", config_path.display()))
+        })?;
+        let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
+        let store = build_store(&config.store).map_err(ReloadError::Failed)?;
+        let client = upstream_client();
+        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone())
+            .map_err(ReloadError::Failed)?;
+        metrics::gauge!("floodgate_config_version").set(1.0);
+        Ok(Arc::new(Gateway {
+            current: ArcSwap::from_pointee(runtime),
+            config_path: config_path.to_owned(),
+            store: Mutex::new((config.store.clone(), store)),
+            client,
+            last_text: Mutex::new(text),
+        }))
+    }
+
+    /// The version in service.
+    pub fn current(&self) -> Arc<Runtime> {
+        self.current.load_full()
+    }
+
+    /// The store in service.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.store
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+            .clone()
+    }
+
+    /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed`, an
+    /// unchanged file is left alone (the directory watcher sees unrelated events too).
+    pub fn reload(&self, only_if_changed: bool) -> Result<u64, ReloadError> {
+        let result = self.try_reload(only_if_changed);
+        let label = if result.is_ok() { "success" } else { "failure" };
+        match &result {
+            Ok(version) => {
+                tracing::info!(version, path = %self.config_path.display(), "configuration applied")
+            }
+            Err(error) => {
+                tracing::error!(path = %self.config_path.display(), error = %error, "configuration rejected; previous rules stay active")
+            }
+        }
+        metrics::counter!("floodgate_config_reloads_total", "result" => label).increment(1);
+        result
+    }
+
+    fn try_reload(&self, only_if_changed: bool) -> Result<u64, ReloadError> {
+        let text = std::fs::read_to_string(&self.config_path).map_err(|error| {
+            ReloadError::Failed(format!(
+                "cannot read {}: {error}",
+                self.config_path.display()
+            ))
+        })?;
+        let mut last_text = self
+            .last_text
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if only_if_changed && *last_text == text {
+            return Ok(self.current().version);
+        }
+        let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
+        let current = self.current();
+        if config.listen != current.config.listen
+            || config.admin_listen != current.config.admin_listen
+        {
+            tracing::warn!("listen and admin.listen changes take effect on restart only");
+        }
+        let store = {
+            let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+            if store.0 != config.store {
+                // New store settings: a new store (counters start afresh only then).
+                *store = (
+                    config.store.clone(),
+                    build_store(&config.store).map_err(ReloadError::Failed)?,
+                );
+            }
+            store.1.clone()
+        };
+        let version = current.version + 1;
+        let runtime = Runtime::build(version, config, store, self.client.clone())
+            .map_err(ReloadError::Failed)?;
+        self.current.store(Arc::new(runtime));
+        *last_text = text;
+        metrics::gauge!("floodgate_config_version").set(version as f64);
+        Ok(version)
+    }
+}
+
+/// Serves a request under the version in service when it arrives.
+pub async fn handle(
+    gateway: Arc<Gateway>,
+    request: Request<Incoming>,
+) -> Result<Response<GatewayBody>, Infallible> {
+    let runtime = gateway.current();
+    Ok(runtime.handle(request).await)
+}
