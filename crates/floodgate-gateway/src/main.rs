@@ -116,7 +116,14 @@ async fn shutdown_signal() {
 }
 
 async fn serve(path: PathBuf) -> Result<(), String> {
+    // Buckets make the latencies Prometheus histograms (the exporter's default is a summary).
+    let latency_buckets = [
+        0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+        2.5, 5.0, 10.0,
+    ];
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets(&latency_buckets)
+        .map_err(|error| format!("metrics: {error}"))?
         .install_recorder()
         .map_err(|error| format!("metrics: {error}"))?;
     let gateway = Gateway::start(&path).map_err(|error| match error {
@@ -137,11 +144,13 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     }
     let listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
-    tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
-
     let _watcher = watch::watch_config(gateway.clone(), &path)
         .map_err(|error| format!("cannot watch {}: {error}", path.display()))?;
     watch::reload_on_sighup(gateway.clone()).map_err(|error| format!("SIGHUP: {error}"))?;
+    // A change written between the first read and the watch would otherwise go unseen.
+    let catch_up = gateway.clone();
+    let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
+    tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
 
     let admin_router = admin::router(AdminState {
         gateway: gateway.clone(),

@@ -1,0 +1,322 @@
+//! Black-box test support: the real `floodgate` binary, a real upstream, real sockets.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::convert::Infallible;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let path = std::env::temp_dir().join(format!(
+            "floodgate-test-{name}-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Writes `text` to `path` by atomic rename, as editors and ConfigMaps do.
+pub fn write_atomically(path: &Path, text: &str) {
+    let temporary = path.with_extension(format!("tmp{}", free_port()));
+    std::fs::write(&temporary, text).unwrap();
+    std::fs::rename(&temporary, path).unwrap();
+}
+
+/// A running `floodgate serve`.
+pub struct Gateway {
+    pub child: Child,
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Gateway {
+    /// Starts the gateway on `config` (which must use `listen` and `admin`), and returns once it
+    /// logs that it is serving.
+    pub fn start(config: &Path, listen: SocketAddr, admin: SocketAddr) -> Gateway {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["--log-format", "json", "serve", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the floodgate binary runs");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("floodgate serving") {
+                    let _ = ready_tx.send(());
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        if ready_rx.recv_timeout(Duration::from_secs(20)).is_err() {
+            let _ = child.kill();
+            panic!("gateway did not start:\n{}", log.lock().unwrap().join("\n"));
+        }
+        Gateway {
+            child,
+            listen,
+            admin,
+            log,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.listen)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Peak resident memory of the gateway process, in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// Sends a GET with `headers`; returns status, headers and body.
+pub async fn get(client: &TestClient, url: &str, headers: &[(&str, &str)]) -> Response<Bytes> {
+    let mut request = Request::builder().uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = client
+        .request(request.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .expect("gateway answers");
+    let (parts, body) = response.into_parts();
+    Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
+}
+
+/// The upstream: echoes what it received, streams large bodies, sleeps, upgrades.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    /// Notified whenever a `/slow` request arrives.
+    pub slow_arrived: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn query_number(request: &Request<Incoming>, name: &str) -> u64 {
+    request
+        .uri()
+        .query()
+        .and_then(|query| {
+            query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix(&format!("{name}=")))
+        })
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
+
+type UpstreamBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+async fn upstream_handler(
+    mut request: Request<Incoming>,
+    slow_arrived: Arc<tokio::sync::Notify>,
+) -> Result<Response<UpstreamBody>, Infallible> {
+    let full = |text: String| Full::new(Bytes::from(text)).boxed();
+    match request.uri().path() {
+        "/download" => {
+            let total = query_number(&request, "bytes");
+            let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
+            Ok(Response::new(
+                ChunkBody {
+                    chunk,
+                    remaining: total,
+                }
+                .boxed(),
+            ))
+        }
+        "/upload" => {
+            let mut received = 0u64;
+            let mut body = request.into_body();
+            while let Some(frame) = body.frame().await {
+                if let Ok(data) = frame.map(|frame| frame.into_data()) {
+                    received += data.map_or(0, |data| data.len() as u64);
+                }
+            }
+            Ok(Response::new(full(received.to_string())))
+        }
+        "/slow" => {
+            slow_arrived.notify_one();
+            tokio::time::sleep(Duration::from_millis(query_number(&request, "ms"))).await;
+            Ok(Response::new(full("slow done".to_owned())))
+        }
+        "/ws" => {
+            let upgrade = hyper::upgrade::on(&mut request);
+            tokio::spawn(async move {
+                if let Ok(upgraded) = upgrade.await {
+                    let mut io = TokioIo::new(upgraded);
+                    let (mut reader, mut writer) = tokio::io::split(&mut io);
+                    let _ = tokio::io::copy(&mut reader, &mut writer).await;
+                }
+            });
+            let mut response = Response::new(full(String::new()));
+            *response.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            response
+                .headers_mut()
+                .insert("connection", "upgrade".parse().unwrap());
+            response
+                .headers_mut()
+                .insert("upgrade", "websocket".parse().unwrap());
+            Ok(response)
+        }
+        _ => {
+            let headers: serde_json::Map<String, serde_json::Value> = request
+                .headers()
+                .iter()
+                .map(|(name, value)| (name.to_string(), value.to_str().unwrap_or("").into()))
+                .collect();
+            let echo = serde_json::json!({
+                "method": request.method().as_str(),
+                "path": request.uri().path(),
+                "headers": headers,
+            });
+            let mut response = Response::new(full(echo.to_string()));
+            // Hop-by-hop headers the gateway must strip on the way back.
+            response
+                .headers_mut()
+                .insert("keep-alive", "timeout=5".parse().unwrap());
+            response
+                .headers_mut()
+                .insert("x-upstream-private", "1".parse().unwrap());
+            response
+                .headers_mut()
+                .insert("connection", "x-upstream-private".parse().unwrap());
+            Ok(response)
+        }
+    }
+}
+
+/// A body of `remaining` bytes sent in 64 KiB frames, generated as it is read.
+pub struct ChunkBody {
+    pub chunk: Bytes,
+    pub remaining: u64,
+}
+
+impl http_body::Body for ChunkBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.remaining == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        let size = self.remaining.min(self.chunk.len() as u64) as usize;
+        self.remaining -= size as u64;
+        std::task::Poll::Ready(Some(Ok(Frame::data(self.chunk.slice(..size)))))
+    }
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let slow_arrived = Arc::new(tokio::sync::Notify::new());
+        let notify = slow_arrived.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let notify = notify.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        upstream_handler(request, notify.clone())
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .with_upgrades()
+                        .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            slow_arrived,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
