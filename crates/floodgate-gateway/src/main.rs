@@ -126,6 +126,16 @@ async fn serve(path: PathBuf) -> Result<(), String> {
         .map_err(|error| format!("metrics: {error}"))?
         .install_recorder()
         .map_err(|error| format!("metrics: {error}"))?;
+    // The recorder keeps histogram samples until upkeep folds them in: without it, memory and
+    // the cost of every record grow with the traffic.
+    let upkeep = metrics.clone();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            ticks.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
     let gateway = Gateway::start(&path).map_err(|error| match error {
         ReloadError::Invalid(errors) => {
             format!("{}: invalid configuration:\n{errors}", path.display())

@@ -9,16 +9,23 @@ use floodgate::{Check, Identity, LimitPlan, RequestInfo};
 use crate::client::ResolvedClient;
 use crate::config::Config;
 
+/// The rule of `per_ip` limits.
+const PER_IP_RULE: &str = "per_ip";
+
 /// The gateway's limit plan for one configuration version.
 #[derive(Debug)]
 pub struct GatewayPlan {
     config: Arc<Config>,
+    per_ip_rule: Arc<str>,
 }
 
 impl GatewayPlan {
     /// The plan of `config`.
     pub fn new(config: Arc<Config>) -> Self {
-        GatewayPlan { config }
+        GatewayPlan {
+            config,
+            per_ip_rule: Arc::from(PER_IP_RULE),
+        }
     }
 }
 
@@ -35,42 +42,45 @@ impl LimitPlan for GatewayPlan {
         let path = request.uri.path();
         let mut checks = Vec::new();
 
-        if let Some((endpoint, limits)) = config.global.find(request.method, path) {
-            let id = endpoint.key_id();
+        if let Some((endpoint, global)) = config.global.find(request.method, path) {
+            // One counter for all clients: the endpoint is the identity.
             let hash = Identity::Custom {
                 scope: Arc::from("global"),
-                value: id.clone(),
+                value: endpoint.key_id(),
             }
             .hash();
-            let rule: Arc<str> = Arc::from(format!("global.{id}"));
-            for limit in limits {
-                let key = storage_key(prefix, "global", &hash, &rule, limit.name());
-                checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+            for limit in &global.limits {
+                let key = storage_key(prefix, "global", &hash, &global.rule, limit.name());
+                checks.push(Check::new(key, limit.clone(), cost).with_rule(global.rule.clone()));
             }
         }
-        if let Some(ip) = client.client_ip {
-            let ip_identity = Identity::Ip(ip);
-            let hash = ip_identity.hash();
-            let rule: Arc<str> = Arc::from("per_ip");
+        if let Some(ip) = client.client_ip
+            && !config.per_ip.is_empty()
+        {
+            let hash = Identity::Ip(ip).hash();
             for limit in &config.per_ip {
-                let key = storage_key(prefix, "ip", &hash, &rule, limit.name());
-                checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+                let key = storage_key(prefix, "ip", &hash, PER_IP_RULE, limit.name());
+                checks
+                    .push(Check::new(key, limit.clone(), cost).with_rule(self.per_ip_rule.clone()));
             }
         }
         if let Some(plan) = config.plans.get(&*client.plan) {
+            let endpoint = plan.endpoints.find(request.method, path);
+            if plan.limits.is_empty() && endpoint.is_none() {
+                return checks;
+            }
             let hash = identity.hash();
             let scope = identity.scope();
-            let rule: Arc<str> = Arc::from(format!("plan.{}", client.plan));
             for limit in &plan.limits {
-                let key = storage_key(prefix, scope, &hash, &rule, limit.name());
-                checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+                let key = storage_key(prefix, scope, &hash, &plan.rule, limit.name());
+                checks.push(Check::new(key, limit.clone(), cost).with_rule(plan.rule.clone()));
             }
-            if let Some((endpoint, limits)) = plan.endpoints.find(request.method, path) {
-                let rule: Arc<str> =
-                    Arc::from(format!("plan.{}.{}", client.plan, endpoint.key_id()));
-                for limit in limits {
-                    let key = storage_key(prefix, scope, &hash, &rule, limit.name());
-                    checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+            if let Some((_, endpoint)) = endpoint {
+                for limit in &endpoint.limits {
+                    let key = storage_key(prefix, scope, &hash, &endpoint.rule, limit.name());
+                    checks.push(
+                        Check::new(key, limit.clone(), cost).with_rule(endpoint.rule.clone()),
+                    );
                 }
             }
         }

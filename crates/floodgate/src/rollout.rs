@@ -97,6 +97,11 @@ impl Rollout {
             .store(basis_points, Ordering::Relaxed);
     }
 
+    /// Whether every identity is enforced (no canary), so no identity needs hashing.
+    pub fn enforces_everyone(&self) -> bool {
+        self.inner.enforce_basis_points.load(Ordering::Relaxed) >= 10_000
+    }
+
     /// Whether `identity` is enforced (rather than shadowed) under the canary share. The same
     /// identity gets the same answer on every request and across restarts.
     pub fn enforces(&self, identity: &IdentityHash) -> bool {

@@ -65,7 +65,8 @@ impl Shared {
         let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
         let checks = self.plan.checks(&info, &identity, cost);
         let shadowed = !checks.is_empty()
-            && (self.rollout.mode() == Mode::Shadow || !self.rollout.enforces(&identity.hash()));
+            && (self.rollout.mode() == Mode::Shadow
+                || (!self.rollout.enforces_everyone() && !self.rollout.enforces(&identity.hash())));
         (checks, shadowed)
     }
 

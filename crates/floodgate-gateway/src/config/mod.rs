@@ -149,13 +149,24 @@ impl ClientList {
     }
 }
 
+/// Limits on one endpoint, with the rule name their counters are kept under.
+#[derive(Debug)]
+pub struct EndpointLimits {
+    /// `plan.<plan>.<endpoint>` or `global.<endpoint>`.
+    pub rule: Arc<str>,
+    /// The limits.
+    pub limits: Vec<Arc<Limit>>,
+}
+
 /// One plan's limits.
 #[derive(Debug, Default)]
 pub struct PlanLimits {
+    /// `plan.<name>`: the rule of the plan's limits in keys, metrics and logs.
+    pub rule: Arc<str>,
     /// Limits on every request of the plan's clients.
     pub limits: Vec<Arc<Limit>>,
     /// Limits on particular endpoints.
-    pub endpoints: EndpointTable<Vec<Arc<Limit>>>,
+    pub endpoints: EndpointTable<EndpointLimits>,
     /// The plan's own failure policy, if it overrides the global one.
     pub on_store_error: Option<FailurePolicy>,
 }
@@ -212,7 +223,7 @@ pub struct Config {
     /// Limits on every request, by client IP.
     pub per_ip: Vec<Arc<Limit>>,
     /// Ceilings across all clients, per endpoint.
-    pub global: EndpointTable<Vec<Arc<Limit>>>,
+    pub global: EndpointTable<EndpointLimits>,
     /// Rollout.
     pub rollout: Rollout,
     /// Clients that bypass all limits.
@@ -409,14 +420,19 @@ fn limits(errors: &mut Errors, path: &str, raws: &[RawLimit]) -> Vec<Arc<Limit>>
 fn endpoint_limits(
     errors: &mut Errors,
     path: &str,
+    rule_prefix: &str,
     raw: &std::collections::BTreeMap<String, Vec<RawLimit>>,
-) -> EndpointTable<Vec<Arc<Limit>>> {
+) -> EndpointTable<EndpointLimits> {
     let mut table = EndpointTable::default();
     for (pattern, raws) in raw {
         let entry_path = format!("{path}.\"{pattern}\"");
         let parsed = limits(errors, &entry_path, raws);
         if let Some(endpoint) = errors.ok(entry_path.clone(), Endpoint::parse(pattern)) {
-            errors.ok(entry_path, table.insert(endpoint, parsed));
+            let entry = EndpointLimits {
+                rule: Arc::from(format!("{rule_prefix}.{}", endpoint.key_id())),
+                limits: parsed,
+            };
+            errors.ok(entry_path, table.insert(endpoint, entry));
         }
     }
     table
@@ -615,13 +631,16 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         {
             errors.push(path.clone(), "plan names are made of A-Z a-z 0-9 - _ .");
         }
+        let rule = format!("plan.{name}");
         let plan = PlanLimits {
             limits: limits(&mut errors, &format!("{path}.limits"), &raw_plan.limits),
             endpoints: endpoint_limits(
                 &mut errors,
                 &format!("{path}.endpoints"),
+                &rule,
                 &raw_plan.endpoints,
             ),
+            rule: Arc::from(rule),
             on_store_error: raw_plan
                 .on_store_error
                 .as_deref()
@@ -657,7 +676,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     }
 
     let per_ip = limits(&mut errors, "per_ip", &raw.per_ip);
-    let global = endpoint_limits(&mut errors, "global", &raw.global);
+    let global = endpoint_limits(&mut errors, "global", "global", &raw.global);
 
     let mode = match raw.rollout.mode.as_str() {
         "enforce" => Some(RolloutMode::Enforce),

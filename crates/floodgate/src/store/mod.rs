@@ -25,6 +25,10 @@ use crate::time::Timestamp;
 /// A boxed future, as returned by [`Store`] methods so that stores can be trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// The rule of checks that were not given one.
+static DEFAULT_RULE: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| Arc::from("default"));
+
 /// One limit to check for one request: which counter, under which limit, at what cost.
 #[derive(Clone, Debug)]
 pub struct Check {
@@ -45,7 +49,7 @@ impl Check {
         let cost = limit.cost_for(request_cost);
         Check {
             key: key.into(),
-            rule: Arc::from("default"),
+            rule: DEFAULT_RULE.clone(),
             limit,
             cost,
         }

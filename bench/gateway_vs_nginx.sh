@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# nginx (proxy_pass + a limit_req zone set too high to reject) and floodgate (memory store, then
+# Redis store) in front of the same upstream, under the same wrk load, in one session.
+#
+#   bash bench/gateway_vs_nginx.sh [seconds] [connections]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-10}
+connections=${2:-64}
+for tool in wrk nginx redis-server; do
+    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install wrk nginx redis-server)" >&2; exit 1; }
+done
+cargo build --release -p floodgate-gateway -p floodgate --example overhead --bin floodgate >/dev/null 2>&1
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+work=$(mktemp -d)
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+wait_for() { for _ in $(seq 100); do curl -fs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
+
+upstream_port=$(free_port)
+target/release/examples/overhead plain "$upstream_port" & pids+=($!)
+wait_for "http://127.0.0.1:$upstream_port/"
+
+redis_port=$(free_port)
+redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null & pids+=($!)
+
+nginx_port=$(free_port)
+mkdir -p "$work/nginx"
+cat > "$work/nginx/nginx.conf" <<NGINX
+worker_processes auto;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $work/nginx; proxy_temp_path $work/nginx;
+    fastcgi_temp_path $work/nginx; uwsgi_temp_path $work/nginx; scgi_temp_path $work/nginx;
+    limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
+    upstream backend { server 127.0.0.1:$upstream_port; keepalive 256; }
+    server {
+        listen 127.0.0.1:$nginx_port;
+        location / {
+            limit_req zone=perip burst=100000000 nodelay;
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+}
+NGINX
+nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
+wait_for "http://127.0.0.1:$nginx_port/"
+
+start_floodgate() { # store-yaml
+    local port admin; port=$(free_port); admin=$(free_port)
+    cat > "$work/floodgate-$port.yaml" <<YAML
+listen: "127.0.0.1:$port"
+admin: { listen: "127.0.0.1:$admin" }
+upstream: "http://127.0.0.1:$upstream_port"
+$1
+plans:
+  anonymous:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+  free:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+YAML
+    RUST_LOG=warn target/release/floodgate serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
+    pids+=($!)
+    wait_for "http://127.0.0.1:$port/"
+    started_port=$port
+}
+
+start_floodgate "store: { backend: memory }"
+memory_port=$started_port
+start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }"
+redis_gateway_port=$started_port
+
+load() { # name port
+    wrk -t1 -c"$connections" -d"${seconds}s" --latency "http://127.0.0.1:$2/" > "$work/wrk.txt"
+    local rps p50 p99
+    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
+    p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
+    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    printf '%-20s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
+}
+
+echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstream (axum hello, examples/overhead.rs)"
+for round in 1 2 3; do
+    load nginx "$nginx_port"
+    load floodgate-memory "$memory_port"
+    load floodgate-redis "$redis_gateway_port"
+done
