@@ -453,3 +453,178 @@ async fn sigterm_finishes_in_flight_requests_then_exits_zero() {
     .0;
     assert_eq!(status.code(), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_ip_endpoint_global_limits_and_route_costs_apply_in_order() {
+    let upstream = Upstream::start().await;
+    let rest = r#"
+identity:
+  trusted_proxies: ["127.0.0.1/32"]
+routes:
+  - { match: "POST /v1/completions", cost: 4 }
+plans:
+  anonymous: {}
+  free:
+    limits: [ { name: units, algorithm: fixed_window, limit: 10, window: 60s } ]
+    endpoints:
+      "POST /export": [ { name: export, algorithm: fixed_window, limit: 1, window: 60s } ]
+per_ip:
+  - { name: ip, algorithm: fixed_window, limit: 12, window: 60s }
+global:
+  "GET /search/{*rest}": [ { name: search, algorithm: fixed_window, limit: 3, window: 60s } ]
+"#;
+    let (gateway, _directory) = gateway(&upstream, rest);
+    let client = client();
+    let post = |path: &str, key: &str, ip: &str| {
+        http::Request::post(gateway.url(path))
+            .header("x-api-key", key)
+            .header("x-forwarded-for", ip)
+            .body(Default::default())
+            .unwrap()
+    };
+    // A cost-4 route: 10 units allow two calls (the cost counts against every limit: 8 of the
+    // address's 12 too).
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(
+            client
+                .request(post("/v1/completions", "key-a", "198.51.100.1"))
+                .await
+                .unwrap()
+                .status()
+                .as_u16(),
+        );
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+    // The endpoint limit: one export per client.
+    let first = client
+        .request(post("/export", "key-b", "198.51.100.2"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let second = client
+        .request(post("/export", "key-b", "198.51.100.2"))
+        .await
+        .unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        second.headers()["x-ratelimit-limit"],
+        "1",
+        "the endpoint limit binds"
+    );
+    // Global: three searches in all, whoever sends them.
+    let mut searches = 0;
+    for (index, key) in ["k1", "k2", "k3", "k4", "k5"].iter().enumerate() {
+        let ip = format!("198.51.100.{}", 10 + index);
+        let response = get(
+            &client,
+            &gateway.url("/search/books"),
+            &[("x-api-key", key), ("x-forwarded-for", &ip)],
+        )
+        .await;
+        searches += usize::from(response.status() == StatusCode::OK);
+    }
+    assert_eq!(searches, 3);
+    // Per IP, across API keys: twelve requests from one address, whatever the key.
+    let mut from_one_ip = 0;
+    for index in 0..14 {
+        let key = format!("rotating-{index}");
+        let response = get(
+            &client,
+            &gateway.url("/other"),
+            &[("x-api-key", &key), ("x-forwarded-for", "198.51.100.99")],
+        )
+        .await;
+        from_one_ip += usize::from(response.status() == StatusCode::OK);
+    }
+    assert_eq!(from_one_ip, 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_style_symlink_swap_is_seen() {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("symlink");
+    let (listen, admin) = addresses();
+    let text = |limit: u64| {
+        config(
+            listen,
+            admin,
+            &upstream.url(),
+            &format!(
+                "plans:\n  free: {{}}\n  anonymous:\n    limits: [ {{ name: m, algorithm: fixed_window, limit: {limit}, window: 60s }} ]\n"
+            ),
+        )
+    };
+    // Kubernetes mounts ConfigMaps as file -> ..data/file, and swaps ..data atomically.
+    std::fs::create_dir(directory.file("v1")).unwrap();
+    std::fs::write(directory.file("v1/floodgate.yaml"), text(7)).unwrap();
+    std::os::unix::fs::symlink("v1", directory.file("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/floodgate.yaml", directory.file("floodgate.yaml")).unwrap();
+    let gateway = Gateway::start(&directory.file("floodgate.yaml"), listen, admin);
+    let client = client();
+    assert_eq!(
+        get(&client, &gateway.url("/"), &[]).await.headers()["x-ratelimit-limit"],
+        "7"
+    );
+
+    std::fs::create_dir(directory.file("v2")).unwrap();
+    std::fs::write(directory.file("v2/floodgate.yaml"), text(9)).unwrap();
+    std::os::unix::fs::symlink("v2", directory.file("..data_tmp")).unwrap();
+    std::fs::rename(directory.file("..data_tmp"), directory.file("..data")).unwrap();
+    let swapped = Instant::now();
+    loop {
+        let response = get(&client, &gateway.url("/"), &[]).await;
+        if response.headers()["x-ratelimit-limit"] == "9" {
+            break;
+        }
+        assert!(
+            swapped.elapsed() < Duration::from_secs(1),
+            "symlink swap not seen within 1s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_readiness() {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = gateway(&upstream, "");
+    let client = client();
+    assert_eq!(
+        get(&client, &gateway.admin_url("/healthz"), &[])
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    let ready = get(&client, &gateway.admin_url("/readyz"), &[]).await;
+    assert_eq!(ready.status(), StatusCode::OK);
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    assert!(String::from_utf8_lossy(metrics.body()).contains("floodgate_config_version 1"));
+}
+
+#[test]
+fn the_shipped_configurations_pass_check() {
+    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&directory).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .extension()
+            .is_some_and(|extension| extension == "yaml")
+        {
+            let output = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+                .args(["check", "--config"])
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(
+                output.status.success(),
+                "{}: {}",
+                path.display(),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "quickstart, example and redis configurations");
+}

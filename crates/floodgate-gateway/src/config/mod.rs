@@ -286,24 +286,20 @@ impl Errors {
 
 /// Parses and validates a configuration file's text.
 pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
+    // The field path of a type error, kept aside: the YAML layer only passes its own error up.
+    let mut path = None;
     let raw = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
-        Ok(serde_path_to_error::deserialize::<_, RawConfig>(
-            deserializer,
-        ))
+        serde_path_to_error::deserialize::<_, RawConfig>(deserializer).map_err(|error| {
+            let at = error.path().to_string();
+            path = Some(if at == "." { String::new() } else { at });
+            error.into_inner()
+        })
     });
     let raw = match raw {
-        Ok(Ok(raw)) => raw,
-        Ok(Err(error)) => {
-            let path = error.path().to_string();
-            let path = if path == "." { String::new() } else { path };
-            return Err(ConfigErrors(vec![ConfigError {
-                path,
-                message: error.into_inner().to_string(),
-            }]));
-        }
+        Ok(raw) => raw,
         Err(error) => {
             return Err(ConfigErrors(vec![ConfigError {
-                path: String::new(),
+                path: path.unwrap_or_default(),
                 message: error.to_string(),
             }]));
         }
@@ -785,4 +781,145 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         },
         redacted,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors_of(text: &str) -> Vec<String> {
+        match parse(text) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn a_minimal_file_is_a_few_lines() {
+        let config = parse("upstream: \"http://127.0.0.1:3000\"\n").unwrap();
+        assert_eq!(config.listen, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(config.store.backend, Backend::Memory);
+        assert_eq!(config.store.timeout, Duration::from_millis(50));
+        assert!(config.plans.is_empty());
+        assert!(parse("").is_ok(), "every field has a default");
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_with_their_path() {
+        let errors = errors_of("store:\n  backend: memory\n  colour: blue\n");
+        assert_eq!(errors.len(), 1);
+        assert!(errors[0].starts_with("store.colour: "), "{errors:?}");
+        assert!(errors[0].contains("unknown field `colour`"), "{errors:?}");
+        assert!(
+            errors[0].contains("line 3"),
+            "the YAML position too: {errors:?}"
+        );
+        let errors = errors_of(
+            "plans:\n  free:\n    limits:\n      - { name: a, algorithm: gcra, limit: 1, window: 1s, brust: 2 }\n",
+        );
+        assert!(
+            errors[0].starts_with("plans.free.limits[0].brust: "),
+            "{errors:?}"
+        );
+        assert!(errors[0].contains("unknown field `brust`"), "{errors:?}");
+    }
+
+    #[test]
+    fn every_semantic_error_is_reported_with_its_path() {
+        let errors = errors_of(
+            r#"
+listen: "nowhere"
+upstream_timeout: 0s
+store: { backend: etcd, timeout: soon }
+on_store_error: maybe
+plans:
+  free:
+    limits:
+      - { name: per-second, algorithm: token_bucket, limit: 10, window: 1s }
+      - { name: daily, algorithm: fixed_window, limit: 10000, window: 0s }
+      - { name: burst, algorithm: leaky, limit: 1, window: 1s }
+      - { name: per-second, algorithm: gcra, limit: 0, window: 1s }
+  anonymous: {}
+clients:
+  api_keys: { "k1": gold, "sha256:abc": free }
+per_ip:
+  - { name: ip, algorithm: token_bucket, limit: 5, window: 1s, burst: 0 }
+global:
+  "GET search": [ { name: g, algorithm: gcra, limit: 1, window: 1s } ]
+rollout: { mode: maybe, enforce_percent: 150 }
+allowlist: { ips: ["10.0.0.300"] }
+response: { headers: all }
+"#,
+        );
+        let expected = [
+            "listen: ",
+            "upstream_timeout: must be greater than 0",
+            "store.backend: unknown backend `etcd`",
+            "store.timeout: ",
+            "on_store_error: unknown policy `maybe`",
+            "plans.free.limits[1].window: must be greater than 0",
+            "plans.free.limits[2].algorithm: unknown algorithm `leaky`",
+            "plans.free.limits[3].name: `per-second` is used twice",
+            "clients.api_keys[sha256:abc]: `sha256:` must be followed by 64 hex digits",
+            "plan `gold` is not defined under plans",
+            "per_ip[0].burst: must be at least 1",
+            "global.\"GET search\": ",
+            "rollout.mode: unknown mode `maybe`",
+            "rollout.enforce_percent: must be between 0 and 100",
+            "allowlist.ips[0]: ",
+            "response.headers: unknown header style `all`",
+        ];
+        for prefix in expected {
+            assert!(
+                errors.iter().any(|error| error.contains(prefix)),
+                "missing `{prefix}` in {errors:#?}"
+            );
+        }
+        assert!(
+            !errors
+                .iter()
+                .any(|error| error.contains("\"k1\"") || error.contains(": k1")),
+            "no raw key in errors: {errors:#?}"
+        );
+    }
+
+    #[test]
+    fn keys_may_be_given_as_hashes_and_are_redacted() {
+        let config = parse(
+            "plans: { free: {}, anonymous: {}, gold: {} }\nclients:\n  api_keys:\n    \"secret-1\": gold\n    \"sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\": gold\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config
+                .api_keys
+                .get(&key_digest("secret-1"))
+                .map(String::as_str),
+            Some("gold")
+        );
+        assert_eq!(
+            config.api_keys.get(&key_digest("test")).map(String::as_str),
+            Some("gold"),
+            "sha256 of `test`"
+        );
+        let redacted = config.redacted.to_string();
+        assert!(!redacted.contains("secret-1"), "{redacted}");
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        for text in [
+            "{",
+            "- - -",
+            "plans: 3",
+            "plans: { free: { limits: [ 1, 2 ] } }",
+            "\u{0}\u{1}",
+            "listen: [1, 2]",
+            "routes: { a: b }",
+            "store: { pool_size: -1 }",
+            "&a [*a, *a]",
+            "per_ip: [ { name: x, algorithm: gcra, limit: 99999999999999999999999 } ]",
+        ] {
+            assert!(parse(text).is_err(), "{text}");
+        }
+    }
 }
