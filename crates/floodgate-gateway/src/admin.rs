@@ -5,7 +5,7 @@ use std::time::UNIX_EPOCH;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -131,10 +131,33 @@ async fn active_config(State(state): State<AdminState>) -> Response {
     .into_response()
 }
 
-async fn top() -> Response {
-    (
-        StatusCode::NOT_IMPLEMENTED,
-        Json(json!({"error": "top-N is not available in this version"})),
-    )
-        .into_response()
+#[derive(serde::Deserialize)]
+struct TopQuery {
+    n: Option<usize>,
+}
+
+async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> Response {
+    let n = query.n.unwrap_or(10).clamp(1, 1000);
+    let now = std::time::SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let (by_denials, by_closeness) = state.gateway.observers.top.top(n, now);
+    let render = |entries: Vec<floodgate::TopEntry>| -> Vec<serde_json::Value> {
+        entries
+            .into_iter()
+            .map(|entry| {
+                json!({
+                    "identity": entry.identity.to_string(),
+                    "denials": entry.denials,
+                    "closeness": (entry.closeness * 1000.0).round() / 1000.0,
+                })
+            })
+            .collect()
+    };
+    Json(json!({
+        "window_seconds": 300,
+        "by_denials": render(by_denials),
+        "by_closeness": render(by_closeness),
+    }))
+    .into_response()
 }

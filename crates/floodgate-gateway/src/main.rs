@@ -162,6 +162,22 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
     tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
 
+    // The 429-rate baseline: one interval every 10 s.
+    let baseline = gateway.observers.baseline.clone();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_secs(10));
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            let (ratio, anomaly) = baseline.tick();
+            if anomaly {
+                tracing::warn!(
+                    limited_ratio = ratio,
+                    "429 rate is more than 2σ from its trailing baseline"
+                );
+            }
+        }
+    });
     let admin_router = admin::router(AdminState {
         gateway: gateway.clone(),
         metrics,

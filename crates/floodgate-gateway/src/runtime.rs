@@ -14,9 +14,10 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use floodgate::store::{ConnectionMode, RedisStore};
+use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
     FailurePolicy, MemoryStore, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo,
-    Rollout, Store,
+    Rollout, Store, TopClients,
 };
 use http::{Request, Response};
 use http_body_util::{Either, Full};
@@ -49,15 +50,17 @@ impl Runtime {
         config: Arc<Config>,
         store: Arc<dyn Store>,
         client: UpstreamClient,
+        observers: &Observers,
     ) -> Result<Runtime, String> {
         let proxy = Proxy::new(client, config.clone());
-        let mode = match config.rollout.mode {
-            config::RolloutMode::Enforce => Mode::Enforce,
-            config::RolloutMode::Shadow => Mode::Shadow,
-            config::RolloutMode::Off => Mode::Off,
-        };
-        let rollout = Rollout::new(mode, config.rollout.enforce_percent);
-        let make = |policy: FailurePolicy| -> Result<RateLimit<Proxy>, String> {
+        let make = |policy: FailurePolicy,
+                    settings: &config::Rollout|
+         -> Result<RateLimit<Proxy>, String> {
+            let mode = match settings.mode {
+                config::RolloutMode::Enforce => Mode::Enforce,
+                config::RolloutMode::Shadow => Mode::Shadow,
+                config::RolloutMode::Off => Mode::Off,
+            };
             let routes = config.clone();
             let layer = RateLimitLayer::builder()
                 .plan(GatewayPlan::new(config.clone()))
@@ -78,7 +81,9 @@ impl Runtime {
                         .unwrap_or(1)
                 })
                 .on_store_error(policy)
-                .rollout(rollout.clone())
+                .rollout(Rollout::new(mode, settings.enforce_percent))
+                .top_clients(observers.top.clone())
+                .limited_rate_baseline(observers.baseline.clone())
                 .fallback_share(config.store.fallback_share)
                 .headers(config.response.headers)
                 .retry_after_jitter(config.response.retry_after_jitter)
@@ -94,15 +99,14 @@ impl Runtime {
         };
         let mut services = HashMap::new();
         for (name, plan) in &config.plans {
-            services.insert(
-                name.clone(),
-                make(plan.on_store_error.unwrap_or(config.on_store_error))?,
-            );
+            let policy = plan.on_store_error.unwrap_or(config.on_store_error);
+            let rollout = plan.rollout.as_ref().unwrap_or(&config.rollout);
+            services.insert(name.clone(), make(policy, rollout)?);
         }
         Ok(Runtime {
             version,
             loaded_at: SystemTime::now(),
-            fallback_service: make(config.on_store_error)?,
+            fallback_service: make(config.on_store_error, &config.rollout)?,
             services,
             config,
         })
@@ -142,8 +146,19 @@ impl Runtime {
     }
 }
 
+/// What every configuration version reports into: kept across reloads.
+#[derive(Default)]
+pub struct Observers {
+    /// The top clients of the last five minutes.
+    pub top: Arc<TopClients>,
+    /// The 429-rate baseline.
+    pub baseline: Arc<LimitedRateBaseline>,
+}
+
 /// The running gateway: the current version and how to replace it.
 pub struct Gateway {
+    /// Top clients and the 429 baseline.
+    pub observers: Observers,
     current: ArcSwap<Runtime>,
     config_path: PathBuf,
     store: Mutex<(StoreSettings, Arc<dyn Store>)>,
@@ -198,10 +213,12 @@ impl Gateway {
         let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
         let store = build_store(&config.store).map_err(ReloadError::Failed)?;
         let client = upstream_client();
-        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone())
+        let observers = Observers::default();
+        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone(), &observers)
             .map_err(ReloadError::Failed)?;
         metrics::gauge!("floodgate_config_version").set(1.0);
         Ok(Arc::new(Gateway {
+            observers,
             current: ArcSwap::from_pointee(runtime),
             config_path: config_path.to_owned(),
             store: Mutex::new((config.store.clone(), store)),
@@ -274,7 +291,7 @@ impl Gateway {
             store.1.clone()
         };
         let version = current.version + 1;
-        let runtime = Runtime::build(version, config, store, self.client.clone())
+        let runtime = Runtime::build(version, config, store, self.client.clone(), &self.observers)
             .map_err(ReloadError::Failed)?;
         self.current.store(Arc::new(runtime));
         *last_text = text;

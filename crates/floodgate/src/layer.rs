@@ -16,6 +16,8 @@ use crate::rollout::Rollout;
 use crate::service::{LocalFallback, RateLimit, RequestCost, Shared};
 use crate::store::resilience::{LogObserver, StoreObserver};
 use crate::store::{MemoryStore, Store};
+use crate::telemetry::LimitedRateBaseline;
+use crate::top::TopClients;
 
 /// What to do when the store cannot decide (`on_store_error`, SPEC §4).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -151,6 +153,8 @@ pub struct RateLimitLayerBuilder {
     fallback_share: f64,
     observer: Arc<dyn StoreObserver>,
     rollout: Rollout,
+    top: Option<Arc<TopClients>>,
+    baseline: Option<Arc<LimitedRateBaseline>>,
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
@@ -169,6 +173,8 @@ impl Default for RateLimitLayerBuilder {
             fallback_share: 1.0,
             observer: Arc::new(LogObserver),
             rollout: Rollout::default(),
+            top: None,
+            baseline: None,
             responses: ResponseSettings::default(),
             limited_response: None,
         }
@@ -259,6 +265,18 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// Track the top clients (by denials and closeness to their limit) in `top`.
+    pub fn top_clients(mut self, top: Arc<TopClients>) -> Self {
+        self.top = Some(top);
+        self
+    }
+
+    /// Count decisions into a 429-rate baseline (someone must call its `tick` periodically).
+    pub fn limited_rate_baseline(mut self, baseline: Arc<LimitedRateBaseline>) -> Self {
+        self.baseline = Some(baseline);
+        self
+    }
+
     /// Which rate limit headers to send (default [`HeaderStyle::Both`]).
     pub fn headers(mut self, style: HeaderStyle) -> Self {
         self.responses.headers = style;
@@ -346,6 +364,8 @@ impl RateLimitLayerBuilder {
                     .then(|| LocalFallback::new(self.fallback_share)),
                 observer: self.observer,
                 rollout: self.rollout,
+                top: self.top,
+                baseline: self.baseline,
                 responses: self.responses,
                 limited_response: self.limited_response,
             }),

@@ -15,6 +15,7 @@ mod service;
 pub mod store;
 pub mod telemetry;
 mod time;
+mod top;
 
 pub use body::RateLimitBody;
 pub use decision::{Decision, DecisionSource, LimitStatus};
@@ -32,3 +33,4 @@ pub use rollout::{Mode, Rollout};
 pub use service::{RateLimit, RequestCost};
 pub use store::{Check, Lease, MemoryStore, Store, StoreError};
 pub use time::{Clock, FakeClock, SystemClock, Timestamp};
+pub use top::{TopClients, TopEntry};

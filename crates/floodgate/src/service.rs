@@ -15,6 +15,7 @@ use crate::body::{LeaseGuard, RateLimitBody};
 use crate::decision::{Decision, DecisionSource};
 use crate::future::ResponseFuture;
 use crate::headers::{RateLimitHeaders, retry_after_secs};
+use crate::key::Identity;
 use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
 use crate::plan::LimitPlan;
@@ -25,8 +26,9 @@ use crate::response::{
 use crate::rollout::{Mode, Rollout};
 use crate::store::resilience::StoreObserver;
 use crate::store::{Check, MemoryStore, Store};
-use crate::telemetry::{self, DecisionLabel};
+use crate::telemetry::{self, DecisionLabel, LimitedRateBaseline};
 use crate::time::Timestamp;
+use crate::top::TopClients;
 
 /// How much a request costs; closures `Fn(&RequestInfo) -> u64` implement it.
 pub trait RequestCost: Send + Sync + 'static {
@@ -53,13 +55,15 @@ pub(crate) struct Shared {
     pub(crate) fallback: Option<LocalFallback>,
     pub(crate) observer: Arc<dyn StoreObserver>,
     pub(crate) rollout: Rollout,
+    pub(crate) top: Option<Arc<TopClients>>,
+    pub(crate) baseline: Option<Arc<LimitedRateBaseline>>,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
 
 impl Shared {
-    /// The checks for a request, and whether it is shadowed (counted, never blocked).
-    fn checks<B>(&self, request: &Request<B>) -> (Vec<Check>, bool) {
+    /// The checks for a request, whether it is shadowed (counted, never blocked), and who it is.
+    fn checks<B>(&self, request: &Request<B>) -> (Vec<Check>, bool, Identity) {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
         let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
@@ -67,7 +71,33 @@ impl Shared {
         let shadowed = !checks.is_empty()
             && (self.rollout.mode() == Mode::Shadow
                 || (!self.rollout.enforces_everyone() && !self.rollout.enforces(&identity.hash())));
-        (checks, shadowed)
+        (checks, shadowed, identity)
+    }
+
+    /// Near-limit metric, top clients and the 429 baseline, for a decision of the store.
+    fn observe(&self, identity: &Identity, decision: &Decision, shadowed: bool) {
+        let Some(binding) = decision.binding_limit() else {
+            return;
+        };
+        let denied = !decision.is_allowed();
+        if !denied && binding.remaining * 5 < binding.capacity {
+            telemetry::record_near_limit(&binding.rule, &binding.name);
+        }
+        if let Some(baseline) = &self.baseline {
+            baseline.record(denied && !shadowed);
+        }
+        if let Some(top) = &self.top {
+            let used = 1.0 - binding.remaining as f64 / binding.capacity.max(1) as f64;
+            let closeness = if denied { 1.0 } else { used };
+            if TopClients::interesting(denied, closeness) {
+                top.record(
+                    identity.hash(),
+                    denied,
+                    closeness,
+                    decision.decided_at().as_micros() / 1_000_000,
+                );
+            }
+        }
     }
 
     fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
@@ -194,9 +224,9 @@ where
                 Ok(response.await?.map(|body| RateLimitBody::inner(body, None)))
             }));
         }
-        let (checks, shadowed) = shared.checks(&request);
+        let (checks, shadowed, identity) = shared.checks(&request);
         ResponseFuture::new(Box::pin(decide_then_call(
-            shared, inner, request, checks, shadowed,
+            shared, inner, request, checks, shadowed, identity,
         )))
     }
 }
@@ -207,6 +237,7 @@ async fn decide_then_call<S, ReqBody, ResBody>(
     mut request: Request<ReqBody>,
     checks: Vec<Check>,
     shadowed: bool,
+    identity: Identity,
 ) -> Result<Response<RateLimitBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -227,6 +258,7 @@ where
                     (false, true) => DecisionLabel::ShadowLimited,
                 };
                 telemetry::record_decision(&binding.rule, &binding.name, label);
+                shared.observe(&identity, &decision, shadowed);
                 if label == DecisionLabel::ShadowLimited && shared.rollout.may_log_shadow() {
                     tracing::info!(
                         rule = %binding.rule,

@@ -81,3 +81,117 @@ pub fn record_store_error(error: &StoreError) {
 pub fn record_breaker_state(store: &'static str, state: BreakerState) {
     metrics::gauge!(BREAKER_STATE, "store" => store).set(state as u8 as f64);
 }
+
+/// `floodgate_near_limit_total{rule,limit}`: admitted with less than 20% of the limit left.
+pub const NEAR_LIMIT_TOTAL: &str = "floodgate_near_limit_total";
+
+/// Counts an admission that left less than 20% of the binding limit.
+pub fn record_near_limit(rule: &str, limit: &str) {
+    metrics::counter!(NEAR_LIMIT_TOTAL, "rule" => rule.to_owned(), "limit" => limit.to_owned())
+        .increment(1);
+}
+
+/// `floodgate_limited_ratio`: share of decisions denied in the last baseline interval.
+pub const LIMITED_RATIO: &str = "floodgate_limited_ratio";
+/// `floodgate_limited_ratio_anomaly`: 1 while that share is more than 2σ from its trailing
+/// baseline (the seeds' early warning: a 429 spike on normal traffic is a limiter bug).
+pub const LIMITED_RATIO_ANOMALY: &str = "floodgate_limited_ratio_anomaly";
+
+/// The 429-rate baseline: decisions and denials are counted lock-free; every interval,
+/// [`LimitedRateBaseline::tick`] turns them into a ratio and compares it with the mean and
+/// standard deviation of the trailing intervals.
+#[derive(Debug)]
+pub struct LimitedRateBaseline {
+    decisions: std::sync::atomic::AtomicU64,
+    limited: std::sync::atomic::AtomicU64,
+    history: std::sync::Mutex<std::collections::VecDeque<f64>>,
+    window: usize,
+}
+
+impl Default for LimitedRateBaseline {
+    fn default() -> Self {
+        // 30 intervals of 10 s: a five-minute baseline.
+        LimitedRateBaseline::new(30)
+    }
+}
+
+impl LimitedRateBaseline {
+    /// A baseline over `window` trailing intervals.
+    pub fn new(window: usize) -> Self {
+        LimitedRateBaseline {
+            decisions: Default::default(),
+            limited: Default::default(),
+            history: Default::default(),
+            window: window.max(2),
+        }
+    }
+
+    /// Counts one decision.
+    pub fn record(&self, limited: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.decisions.fetch_add(1, Relaxed);
+        if limited {
+            self.limited.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Closes an interval: returns its limited ratio and whether it is an anomaly (more than
+    /// 2σ from the mean of the trailing intervals, with at least 5 of them), and sets the gauges.
+    pub fn tick(&self) -> (f64, bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let decisions = self.decisions.swap(0, Relaxed);
+        let limited = self.limited.swap(0, Relaxed);
+        let ratio = if decisions == 0 {
+            0.0
+        } else {
+            limited as f64 / decisions as f64
+        };
+        let mut history = self
+            .history
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let anomaly = if history.len() >= 5 {
+            let n = history.len() as f64;
+            let mean = history.iter().sum::<f64>() / n;
+            let variance = history
+                .iter()
+                .map(|value| (value - mean).powi(2))
+                .sum::<f64>()
+                / n;
+            // A floor on σ keeps a perfectly flat baseline from flagging noise.
+            (ratio - mean).abs() > 2.0 * variance.sqrt().max(0.005)
+        } else {
+            false
+        };
+        history.push_back(ratio);
+        while history.len() > self.window {
+            history.pop_front();
+        }
+        metrics::gauge!(LIMITED_RATIO).set(ratio);
+        metrics::gauge!(LIMITED_RATIO_ANOMALY).set(if anomaly { 1.0 } else { 0.0 });
+        (ratio, anomaly)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_429_spike_leaves_the_baseline() {
+        let baseline = LimitedRateBaseline::new(30);
+        for interval in 0..20 {
+            for request in 0..1000 {
+                // 1% to 2% limited, varying a little.
+                baseline.record(request % 100 < 1 + interval % 2);
+            }
+            assert!(!baseline.tick().1, "steady traffic is no anomaly");
+        }
+        for request in 0..1000 {
+            baseline.record(request % 100 < 30);
+        }
+        let (ratio, anomaly) = baseline.tick();
+        assert!((ratio - 0.30).abs() < 1e-9);
+        assert!(anomaly, "30% limited against a 1-2% baseline");
+    }
+}

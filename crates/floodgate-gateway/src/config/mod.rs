@@ -169,6 +169,8 @@ pub struct PlanLimits {
     pub endpoints: EndpointTable<EndpointLimits>,
     /// The plan's own failure policy, if it overrides the global one.
     pub on_store_error: Option<FailurePolicy>,
+    /// The plan's own rollout, if it overrides the global one.
+    pub rollout: Option<Rollout>,
 }
 
 /// `response.*`.
@@ -484,6 +486,32 @@ fn redact(raw: &RawConfig) -> serde_json::Value {
     serde_json::to_value(&redacted).unwrap_or(serde_json::Value::Null)
 }
 
+fn rollout(errors: &mut Errors, path: &str, raw: &raw::RawRollout) -> Option<Rollout> {
+    let mode = match raw.mode.as_str() {
+        "enforce" => Some(RolloutMode::Enforce),
+        "shadow" => Some(RolloutMode::Shadow),
+        "off" => Some(RolloutMode::Off),
+        other => {
+            errors.push(
+                format!("{path}.mode"),
+                format!("unknown mode `{other}`; expected enforce, shadow or off"),
+            );
+            None
+        }
+    };
+    if !(0.0..=100.0).contains(&raw.enforce_percent) {
+        errors.push(
+            format!("{path}.enforce_percent"),
+            "must be between 0 and 100",
+        );
+        return None;
+    }
+    mode.map(|mode| Rollout {
+        mode,
+        enforce_percent: raw.enforce_percent,
+    })
+}
+
 /// Validates a parsed file into a [`Config`], collecting every error.
 pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
@@ -641,6 +669,10 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
                 .on_store_error
                 .as_deref()
                 .and_then(|text| errors.ok(format!("{path}.on_store_error"), policy(text))),
+            rollout: raw_plan
+                .rollout
+                .as_ref()
+                .and_then(|raw| rollout(&mut errors, &format!("{path}.rollout"), raw)),
         };
         plans.insert(name.clone(), plan);
     }
@@ -674,22 +706,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let per_ip = limits(&mut errors, "per_ip", &raw.per_ip);
     let global = endpoint_limits(&mut errors, "global", "global", &raw.global);
 
-    let mode = match raw.rollout.mode.as_str() {
-        "enforce" => Some(RolloutMode::Enforce),
-        "shadow" => Some(RolloutMode::Shadow),
-        "off" => Some(RolloutMode::Off),
-        other => {
-            errors.push(
-                "rollout.mode",
-                format!("unknown mode `{other}`; expected enforce, shadow or off"),
-            );
-            None
-        }
-    };
-    let percent = raw.rollout.enforce_percent;
-    if !(0.0..=100.0).contains(&percent) {
-        errors.push("rollout.enforce_percent", "must be between 0 and 100");
-    }
+    let rollout_settings = rollout(&mut errors, "rollout", &raw.rollout);
     let allowlist = client_list(&mut errors, "allowlist", &raw.allowlist);
     let denylist = client_list(&mut errors, "denylist", &raw.denylist);
 
@@ -719,7 +736,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         Some(on_store_error),
         Some(identifier),
         Some(plan_header),
-        Some(mode),
+        Some(rollout_settings),
         Some(headers),
     ) = (
         listen,
@@ -732,7 +749,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         on_store_error,
         identifier,
         plan_header,
-        mode,
+        rollout_settings,
         headers,
     )
     else {
@@ -767,10 +784,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         plans,
         per_ip,
         global,
-        rollout: Rollout {
-            mode,
-            enforce_percent: percent,
-        },
+        rollout: rollout_settings,
         allowlist,
         denylist,
         response: ResponseSettings {

@@ -287,6 +287,9 @@ pub struct RawPlan {
     /// Overrides the top-level `on_store_error` for this plan's rules.
     #[serde(default)]
     pub on_store_error: Option<String>,
+    /// Overrides the top-level `rollout` for this plan (shadow one plan while enforcing others).
+    #[serde(default)]
+    pub rollout: Option<RawRollout>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
