@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use floodgate::{Identity, RequestInfo};
 
-use crate::config::{ClientList, Config, key_digest};
+use crate::config::{Config, key_digest};
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
@@ -29,17 +29,6 @@ pub enum Resolution {
     Client(ResolvedClient),
 }
 
-fn listed(
-    list: &ClientList,
-    ip: Option<IpAddr>,
-    key: Option<&[u8; 32]>,
-    user: Option<&str>,
-) -> bool {
-    ip.is_some_and(|ip| list.ips.iter().any(|net| net.contains(&ip)))
-        || key.is_some_and(|key| list.api_keys.contains(key))
-        || user.is_some_and(|user| list.users.contains(user))
-}
-
 /// Resolves the client of `request` under `config`.
 pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
     let identifier = &config.identity.identifier;
@@ -51,10 +40,15 @@ pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
         None
     };
     let client_ip = identifier.client_ip_of(request);
-    if listed(&config.denylist, client_ip, key_digest.as_ref(), user) {
+    if config
+        .denylist
+        .contains(client_ip, key_digest.as_ref(), user)
+    {
         return Resolution::Denied;
     }
-    let bypass = listed(&config.allowlist, client_ip, key_digest.as_ref(), user);
+    let bypass = config
+        .allowlist
+        .contains(client_ip, key_digest.as_ref(), user);
 
     // A plan named by a trusted proxy; honoured only from one.
     let trusted_peer = request

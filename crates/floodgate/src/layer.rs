@@ -10,6 +10,7 @@ use tower_layer::Layer;
 use crate::headers::HeaderStyle;
 use crate::key::{DefaultIdentifier, IdentifyClient};
 use crate::limit::{Limit, is_valid_name};
+use crate::lists::ClientList;
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::response::{MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
@@ -155,6 +156,8 @@ pub struct RateLimitLayerBuilder {
     rollout: Rollout,
     top: Option<Arc<TopClients>>,
     baseline: Option<Arc<LimitedRateBaseline>>,
+    allowlist: ClientList,
+    denylist: ClientList,
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
 }
@@ -175,6 +178,8 @@ impl Default for RateLimitLayerBuilder {
             rollout: Rollout::default(),
             top: None,
             baseline: None,
+            allowlist: ClientList::default(),
+            denylist: ClientList::default(),
             responses: ResponseSettings::default(),
             limited_response: None,
         }
@@ -262,6 +267,18 @@ impl RateLimitLayerBuilder {
     /// clone to switch them while the service runs.
     pub fn rollout(mut self, rollout: Rollout) -> Self {
         self.rollout = rollout;
+        self
+    }
+
+    /// Clients that bypass every limit, without a store call.
+    pub fn allowlist(mut self, list: ClientList) -> Self {
+        self.allowlist = list;
+        self
+    }
+
+    /// Clients refused with 403 `{"error":"forbidden"}`.
+    pub fn denylist(mut self, list: ClientList) -> Self {
+        self.denylist = list;
         self
     }
 
@@ -366,6 +383,8 @@ impl RateLimitLayerBuilder {
                 rollout: self.rollout,
                 top: self.top,
                 baseline: self.baseline,
+                allowlist: self.allowlist,
+                denylist: self.denylist,
                 responses: self.responses,
                 limited_response: self.limited_response,
             }),

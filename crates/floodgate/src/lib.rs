@@ -8,6 +8,7 @@ pub mod headers;
 pub mod key;
 mod layer;
 mod limit;
+mod lists;
 mod plan;
 mod response;
 mod rollout;
@@ -27,6 +28,7 @@ pub use limit::{
     Algorithm, DEFAULT_LEASE_TTL, Limit, LimitBuilder, LimitError, MAX_NAME_LEN, MAX_QUANTITY,
     MAX_WINDOW,
 };
+pub use lists::{ClientList, api_key_digest};
 pub use plan::{LimitPlan, StaticPlan};
 pub use response::{Denial, MakeLimitedResponse, forbidden_response, unavailable_response};
 pub use rollout::{Mode, Rollout};

@@ -18,7 +18,9 @@ use crate::headers::{RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
 use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
+use crate::lists::ClientList;
 use crate::plan::LimitPlan;
+use crate::response::forbidden_response;
 use crate::response::{
     Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
@@ -56,6 +58,8 @@ pub(crate) struct Shared {
     pub(crate) observer: Arc<dyn StoreObserver>,
     pub(crate) rollout: Rollout,
     pub(crate) top: Option<Arc<TopClients>>,
+    pub(crate) allowlist: ClientList,
+    pub(crate) denylist: ClientList,
     pub(crate) baseline: Option<Arc<LimitedRateBaseline>>,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
@@ -63,15 +67,27 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The checks for a request, whether it is shadowed (counted, never blocked), and who it is.
-    fn checks<B>(&self, request: &Request<B>) -> (Vec<Check>, bool, Identity) {
+    /// Denylisted clients get `None`; allowlisted ones no checks.
+    fn checks<B>(&self, request: &Request<B>) -> Option<(Vec<Check>, bool, Identity)> {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
+        if !self.denylist.is_empty() || !self.allowlist.is_empty() {
+            let peer = info.peer_addr().map(|peer| peer.ip());
+            if self.denylist.contains_identity(&identity, peer) {
+                telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+                return None;
+            }
+            if self.allowlist.contains_identity(&identity, peer) {
+                telemetry::record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
+                return Some((Vec::new(), false, identity));
+            }
+        }
         let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
         let checks = self.plan.checks(&info, &identity, cost);
         let shadowed = !checks.is_empty()
             && (self.rollout.mode() == Mode::Shadow
                 || (!self.rollout.enforces_everyone() && !self.rollout.enforces(&identity.hash())));
-        (checks, shadowed, identity)
+        Some((checks, shadowed, identity))
     }
 
     /// Near-limit metric, top clients and the 429 baseline, for a decision of the store.
@@ -224,7 +240,10 @@ where
                 Ok(response.await?.map(|body| RateLimitBody::inner(body, None)))
             }));
         }
-        let (checks, shadowed, identity) = shared.checks(&request);
+        let Some((checks, shadowed, identity)) = shared.checks(&request) else {
+            let forbidden = forbidden_response().map(RateLimitBody::full);
+            return ResponseFuture::new(Box::pin(async move { Ok(forbidden) }));
+        };
         ResponseFuture::new(Box::pin(decide_then_call(
             shared, inner, request, checks, shadowed, identity,
         )))

@@ -774,3 +774,93 @@ fn the_builder_rejects_bad_configuration_with_the_field_named() {
     }
     assert!("sometimes".parse::<FailurePolicy>().is_err());
 }
+
+#[tokio::test]
+async fn allowlisted_clients_skip_the_store_and_denylisted_get_403() {
+    use floodgate::ClientList;
+    let store = MemoryStore::new();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .store(store.clone())
+        .allowlist(
+            ClientList::new()
+                .api_key("partner")
+                .ip("192.0.2.0/24".parse().unwrap()),
+        )
+        .denylist(
+            ClientList::new()
+                .ip("203.0.113.66/32".parse().unwrap())
+                .user("mallory"),
+        )
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    for _ in 0..5 {
+        let partner = send(
+            &service,
+            from_peer("198.51.100.1:1").header("x-api-key", "partner"),
+        )
+        .await;
+        assert_eq!(partner.status(), StatusCode::OK);
+        assert!(
+            !partner.headers().contains_key("x-ratelimit-limit"),
+            "no limit applies"
+        );
+        assert_eq!(
+            send(&service, from_peer("192.0.2.44:1")).await.status(),
+            StatusCode::OK
+        );
+    }
+    assert!(store.is_empty(), "allowlisted traffic made no store call");
+    let denied = send(&service, from_peer("203.0.113.66:1")).await;
+    assert_eq!(denied.status(), StatusCode::FORBIDDEN);
+    assert_eq!(json(&denied), serde_json::json!({"error": "forbidden"}));
+    let user = send(
+        &service,
+        from_peer("198.51.100.2:1").extension(UserId("mallory".into())),
+    )
+    .await;
+    assert_eq!(user.status(), StatusCode::FORBIDDEN);
+    assert!(store.is_empty(), "denied before any store call");
+    assert_eq!(
+        send(&service, from_peer("198.51.100.3:1")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(store.len(), 1, "others are limited as usual");
+}
+
+#[tokio::test]
+async fn shadow_mode_and_the_kill_switch_switch_at_runtime() {
+    use floodgate::{Mode, Rollout};
+    let store = MemoryStore::new();
+    let rollout = Rollout::new(Mode::Shadow, 100.0);
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .store(store.clone())
+        .rollout(rollout.clone())
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    for _ in 0..3 {
+        assert_eq!(
+            send(&service, from_peer("198.51.100.1:1")).await.status(),
+            StatusCode::OK,
+            "shadow"
+        );
+    }
+    rollout.set_mode(Mode::Enforce);
+    assert_eq!(
+        send(&service, from_peer("198.51.100.1:1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    rollout.set_mode(Mode::Off);
+    let entries = store.len();
+    for _ in 0..3 {
+        assert_eq!(
+            send(&service, from_peer("198.51.100.9:1")).await.status(),
+            StatusCode::OK,
+            "kill switch"
+        );
+    }
+    assert_eq!(store.len(), entries, "no store call while off");
+}

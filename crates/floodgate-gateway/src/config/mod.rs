@@ -17,11 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::key::DefaultIdentifier;
-use floodgate::{FailurePolicy, HeaderStyle, Limit};
+use floodgate::{ClientList, FailurePolicy, HeaderStyle, Limit};
 use http::Uri;
 use http::header::HeaderName;
 use ipnet::IpNet;
-use sha2::{Digest, Sha256};
 
 use raw::{RawLimit, RawLists};
 
@@ -131,24 +130,6 @@ pub struct Rollout {
     pub enforce_percent: f64,
 }
 
-/// `allowlist` / `denylist`.
-#[derive(Clone, Debug, Default)]
-pub struct ClientList {
-    /// Client addresses and networks.
-    pub ips: Vec<IpNet>,
-    /// SHA-256 of API keys.
-    pub api_keys: HashSet<[u8; 32]>,
-    /// User ids.
-    pub users: HashSet<String>,
-}
-
-impl ClientList {
-    /// Whether the list is empty.
-    pub fn is_empty(&self) -> bool {
-        self.ips.is_empty() && self.api_keys.is_empty() && self.users.is_empty()
-    }
-}
-
 /// Limits on one endpoint, with the rule name their counters are kept under.
 #[derive(Debug)]
 pub struct EndpointLimits {
@@ -238,10 +219,7 @@ pub struct Config {
     pub redacted: serde_json::Value,
 }
 
-/// SHA-256 of an API key.
-pub fn key_digest(key: &str) -> [u8; 32] {
-    Sha256::digest(key.as_bytes()).into()
-}
+pub use floodgate::api_key_digest as key_digest;
 
 /// Parses `sha256:<64 hex>`, or hashes a raw key.
 fn key_entry(text: &str) -> Result<[u8; 32], String> {
@@ -437,14 +415,14 @@ fn endpoint_limits(
 }
 
 fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
-    let mut list = ClientList::default();
+    let mut list = ClientList::new();
     for (index, text) in raw.ips.iter().enumerate() {
         let parsed = text
             .parse::<IpNet>()
             .ok()
             .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
         match parsed {
-            Some(net) => list.ips.push(net),
+            Some(net) => list = list.ip(net),
             None => errors.push(
                 format!("{path}.ips[{index}]"),
                 format!("`{text}` is not an IP address or CIDR"),
@@ -453,11 +431,12 @@ fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
     }
     for (index, key) in raw.api_keys.iter().enumerate() {
         if let Some(digest) = errors.ok(format!("{path}.api_keys[{index}]"), key_entry(key)) {
-            list.api_keys.insert(digest);
+            list = list.api_key_digest(digest);
         }
     }
-    list.users = raw.users.iter().cloned().collect();
-    list
+    raw.users
+        .iter()
+        .fold(list, |list, user| list.user(user.clone()))
 }
 
 fn redact(raw: &RawConfig) -> serde_json::Value {
