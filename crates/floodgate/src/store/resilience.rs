@@ -135,6 +135,8 @@ impl Guard {
         config: GuardConfig,
         observer: Arc<dyn StoreObserver>,
     ) -> Self {
+        // The gauge exists from the start, so dashboards and alerts see "closed", not nothing.
+        crate::telemetry::record_breaker_state(backend, BreakerState::Closed);
         Guard {
             backend,
             config: GuardConfig {
