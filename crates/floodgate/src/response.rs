@@ -58,12 +58,28 @@ impl Default for ResponseSettings {
     }
 }
 
+/// A JSON object with its fields in the given order (the order SPEC §2 shows; `serde_json`'s
+/// map would sort them).
+fn ordered_json(fields: &[(&str, serde_json::Value)]) -> String {
+    let mut text = String::from("{");
+    for (index, (name, value)) in fields.iter().enumerate() {
+        if index > 0 {
+            text.push(',');
+        }
+        text.push_str(&serde_json::Value::from(*name).to_string());
+        text.push(':');
+        text.push_str(&value.to_string());
+    }
+    text.push('}');
+    text
+}
+
 fn json_response(
     status: StatusCode,
     content_type: &'static str,
-    body: serde_json::Value,
+    fields: &[(&str, serde_json::Value)],
 ) -> Response<Bytes> {
-    let mut response = Response::new(Bytes::from(body.to_string()));
+    let mut response = Response::new(Bytes::from(ordered_json(fields)));
     *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -90,40 +106,50 @@ pub(crate) fn default_limited_response(
             Some(secs) => format!("Rate limit exceeded; retry in {secs} seconds."),
             None => "The request costs more than the limit can ever allow.".to_owned(),
         };
-        let mut body = json!({
-            "type": format!("{}#quota-exceeded", docs.unwrap_or("about:blank")),
-            "title": "Too Many Requests",
-            "status": 429,
-            "detail": detail,
-            "violated-policies": violated,
-        });
+        let mut fields = vec![
+            (
+                "type",
+                json!(format!("{}#quota-exceeded", docs.unwrap_or("about:blank"))),
+            ),
+            ("title", json!("Too Many Requests")),
+            ("status", json!(429)),
+            ("detail", json!(detail)),
+            ("violated-policies", json!(violated)),
+        ];
         if let Some(secs) = denial.retry_after_secs {
-            body["retry_after"] = json!(secs);
+            fields.push(("retry_after", json!(secs)));
         }
         return json_response(
             StatusCode::TOO_MANY_REQUESTS,
             "application/problem+json",
-            body,
+            &fields,
         );
     }
-    let mut body = match denial.retry_after_secs {
-        Some(secs) => {
-            json!({ "error": "rate_limit_exceeded", "retry_after": secs, "policy": policy })
-        }
-        None => {
-            let capacity = decision.binding_limit().map(|limit| limit.capacity);
-            json!({
-                "error": "cost_exceeds_limit",
-                "message": "the request costs more than this limit can ever admit; it will never succeed as is",
-                "policy": policy,
-                "capacity": capacity,
-            })
-        }
+    let mut fields = match denial.retry_after_secs {
+        Some(secs) => vec![
+            ("error", json!("rate_limit_exceeded")),
+            ("retry_after", json!(secs)),
+            ("policy", json!(policy)),
+        ],
+        None => vec![
+            ("error", json!("cost_exceeds_limit")),
+            (
+                "message",
+                json!(
+                    "the request costs more than this limit can ever admit; it will never succeed as is"
+                ),
+            ),
+            ("policy", json!(policy)),
+            (
+                "capacity",
+                json!(decision.binding_limit().map(|limit| limit.capacity)),
+            ),
+        ],
     };
     if let Some(docs) = docs {
-        body["docs"] = json!(docs);
+        fields.push(("docs", json!(docs)));
     }
-    json_response(StatusCode::TOO_MANY_REQUESTS, "application/json", body)
+    json_response(StatusCode::TOO_MANY_REQUESTS, "application/json", &fields)
 }
 
 /// Adds what every denial carries, unless a custom response already set it.
@@ -149,7 +175,7 @@ pub fn unavailable_response() -> Response<Bytes> {
     let mut response = json_response(
         StatusCode::SERVICE_UNAVAILABLE,
         "application/json",
-        json!({ "error": "rate_limiter_unavailable" }),
+        &[("error", json!("rate_limiter_unavailable"))],
     );
     write_retry_after(response.headers_mut(), 1);
     response
@@ -160,6 +186,6 @@ pub fn forbidden_response() -> Response<Bytes> {
     json_response(
         StatusCode::FORBIDDEN,
         "application/json",
-        json!({ "error": "forbidden" }),
+        &[("error", json!("forbidden"))],
     )
 }

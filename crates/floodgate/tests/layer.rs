@@ -170,6 +170,11 @@ async fn denial_is_a_429_with_the_spec_body() {
     assert_eq!(header(&denied, "retry-after"), "30");
     assert_eq!(header(&denied, "x-ratelimit-remaining"), "0");
     assert_eq!(
+        denied.body(),
+        r#"{"error":"rate_limit_exceeded","retry_after":30,"policy":"per-minute","docs":"https://example.com/docs/rate-limits"}"#,
+        "the fields in SPEC §2's order"
+    );
+    assert_eq!(
         json(&denied),
         serde_json::json!({
             "error": "rate_limit_exceeded",
