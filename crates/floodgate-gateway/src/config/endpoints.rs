@@ -98,6 +98,19 @@ impl<T> EndpointTable<T> {
         self.entries.get(*found.value)
     }
 
+    /// The same table with every value transformed.
+    pub fn map<U>(self, mut transform: impl FnMut(T) -> U) -> EndpointTable<U> {
+        EndpointTable {
+            by_method: self.by_method,
+            any: self.any,
+            entries: self
+                .entries
+                .into_iter()
+                .map(|(endpoint, value)| (endpoint, transform(value)))
+                .collect(),
+        }
+    }
+
     /// Whether the table is empty.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

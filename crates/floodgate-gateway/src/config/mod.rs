@@ -592,6 +592,9 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             "must be greater than 0 and at most 1",
         );
     }
+    if !(store.share > 0.0 && store.share <= 1.0) {
+        errors.push("store.share", "must be greater than 0 and at most 1");
+    }
     let on_store_error = errors.ok("on_store_error", policy(&raw.on_store_error));
 
     let identity = &raw.identity;
@@ -738,6 +741,38 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         }]));
     };
     let redacted = redact(&raw);
+    let share = raw.store.share;
+    let scale = |limits: Vec<Arc<Limit>>| -> Vec<Arc<Limit>> {
+        if share >= 1.0 {
+            return limits;
+        }
+        limits
+            .into_iter()
+            .map(|limit| Arc::new(limit.scaled(share)))
+            .collect()
+    };
+    let per_ip = scale(per_ip);
+    let plans = plans
+        .into_iter()
+        .map(|(name, plan)| {
+            let endpoints = plan.endpoints.map(|entry| EndpointLimits {
+                rule: entry.rule,
+                limits: scale(entry.limits),
+            });
+            (
+                name,
+                PlanLimits {
+                    limits: scale(plan.limits),
+                    endpoints,
+                    ..plan
+                },
+            )
+        })
+        .collect();
+    let global = global.map(|entry| EndpointLimits {
+        rule: entry.rule,
+        limits: scale(entry.limits),
+    });
     Ok(Config {
         listen,
         admin_listen,
@@ -896,6 +931,35 @@ response: { headers: all }
         );
         let redacted = config.redacted.to_string();
         assert!(!redacted.contains("secret-1"), "{redacted}");
+    }
+
+    #[test]
+    fn a_regional_share_scales_every_limit() {
+        let config = parse(
+            r#"
+store: { share: 0.25 }
+plans:
+  free:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100, window: 1s, burst: 200 } ]
+    endpoints: { "POST /x": [ { name: x, algorithm: fixed_window, limit: 8, window: 60s } ] }
+  anonymous: {}
+per_ip: [ { name: ip, algorithm: gcra, limit: 40, window: 1s } ]
+global: { "/search": [ { name: g, algorithm: sliding_window_counter, limit: 1000, window: 1s } ] }
+"#,
+        )
+        .unwrap();
+        let free = &config.plans["free"];
+        assert_eq!((free.limits[0].limit(), free.limits[0].burst()), (25, 50));
+        let (_, endpoint) = free.endpoints.find(&http::Method::POST, "/x").unwrap();
+        assert_eq!(endpoint.limits[0].limit(), 2);
+        assert_eq!(config.per_ip[0].limit(), 10);
+        let (_, global) = config.global.find(&http::Method::GET, "/search").unwrap();
+        assert_eq!(global.limits[0].limit(), 250);
+        assert!(
+            errors_of("store: { share: 0 }")
+                .iter()
+                .any(|error| error.starts_with("store.share:"))
+        );
     }
 
     #[test]

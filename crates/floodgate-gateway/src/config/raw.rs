@@ -174,6 +174,9 @@ pub struct RawStore {
     pub sync_interval: Option<String>,
     #[serde(default = "default_share")]
     pub fallback_share: f64,
+    /// This deployment's share of every limit (a region's fixed share of a global limit).
+    #[serde(default = "default_share")]
+    pub share: f64,
 }
 
 impl Default for RawStore {
@@ -189,6 +192,7 @@ impl Default for RawStore {
             breaker: RawBreaker::default(),
             sync_interval: None,
             fallback_share: default_share(),
+            share: default_share(),
         }
     }
 }
