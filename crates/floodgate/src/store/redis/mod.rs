@@ -224,6 +224,17 @@ impl RedisStore {
         }
     }
 
+    /// One script call under this store's deadline and breaker.
+    async fn guarded_call(
+        &self,
+        mode: Mode,
+        checks: &[&Check],
+        tokens: &[String],
+        now: Option<Timestamp>,
+    ) -> Result<Reply, StoreError> {
+        self.inner.guard.call(self.call(mode, checks, tokens, now)).await
+    }
+
     async fn call(
         &self,
         mode: Mode,
@@ -234,115 +245,6 @@ impl RedisStore {
         let invocation = script::invocation(mode, checks, tokens, now);
         let value = self.invoke(&invocation).await?;
         script::decode(value, checks.len())
-    }
-
-    async fn decide(
-        &self,
-        checks: &[Check],
-        now: Option<Timestamp>,
-    ) -> Result<Decision, StoreError> {
-        if checks.is_empty() {
-            return Ok(Decision::from_outcomes(
-                now.unwrap_or_else(Timestamp::now),
-                checks,
-                &[],
-                Vec::new(),
-            ));
-        }
-        let groups = self.groups(checks);
-        let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
-        let mut tokens: Vec<String> = vec![String::new(); checks.len()];
-        // Later calls use the first call's server time, so every group decides at one instant.
-        let mut decided_at = now;
-        let mut denied_group = None;
-        for (position, group) in groups.iter().enumerate() {
-            let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-            // Concurrency limits take a lease under a fresh random id.
-            let lease_ids: Vec<String> = group_checks
-                .iter()
-                .map(|check| match check.limit.algorithm() {
-                    Algorithm::Concurrency => fastrand::u64(1..).to_string(),
-                    _ => String::new(),
-                })
-                .collect();
-            let reply = self
-                .call(Mode::Check, &group_checks, &lease_ids, decided_at)
-                .await?;
-            decided_at.get_or_insert(reply.now);
-            for ((&index, outcome), token) in group.iter().zip(reply.outcomes).zip(reply.tokens) {
-                outcomes[index] = Some(outcome);
-                tokens[index] = token;
-            }
-            if !reply.admitted {
-                denied_group = Some(position);
-                break;
-            }
-        }
-        if let Some(denied) = denied_group {
-            // Give back what earlier groups took, then report them (and the groups never
-            // reached) as they stand.
-            for group in groups[..denied].iter().chain(&groups[denied + 1..]) {
-                let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-                let was_charged = outcomes[group[0]].is_some();
-                let group_tokens: Vec<String> =
-                    group.iter().map(|&index| tokens[index].clone()).collect();
-                let reply = if was_charged {
-                    self.call(Mode::Refund, &group_checks, &group_tokens, decided_at)
-                        .await?
-                } else {
-                    let peek: Vec<Check> = group_checks
-                        .iter()
-                        .map(|check| Check {
-                            cost: 0,
-                            ..(*check).clone()
-                        })
-                        .collect();
-                    let peek_refs: Vec<&Check> = peek.iter().collect();
-                    // A zero-cost refund takes nothing back and evaluates without charge.
-                    self.call(
-                        Mode::Refund,
-                        &peek_refs,
-                        &vec![String::new(); peek.len()],
-                        decided_at,
-                    )
-                    .await?
-                };
-                for (&index, outcome) in group.iter().zip(reply.outcomes) {
-                    outcomes[index] = Some(LimitOutcome {
-                        allowed: true,
-                        ..outcome
-                    });
-                }
-            }
-        }
-        let outcomes: Vec<LimitOutcome> = outcomes
-            .into_iter()
-            .map(|outcome| {
-                outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
-            })
-            .collect::<Result<_, _>>()?;
-        let admitted = denied_group.is_none();
-        let leases = if admitted {
-            checks
-                .iter()
-                .zip(&tokens)
-                .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
-                .filter_map(|(check, token)| {
-                    let (id, _) = token.split_once(':')?;
-                    Some(Lease {
-                        key: check.key.clone(),
-                        id: id.parse().ok()?,
-                        cost: check.cost,
-                    })
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let decided_at = decided_at.unwrap_or_else(Timestamp::now);
-        Ok(Decision::from_outcomes(
-            decided_at, checks, &outcomes, leases,
-        ))
     }
 
     /// Indices of `checks` grouped into script calls, in order of first appearance.
@@ -365,6 +267,124 @@ impl RedisStore {
     }
 }
 
+/// Decides `checks` by one script call per group, in group order; a group's node is the store
+/// that runs its call. When a group denies, what earlier groups took is refunded, and every
+/// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
+async fn decide_groups(
+groups: &[Group<'_>],
+checks: &[Check],
+now: Option<Timestamp>,
+) -> Result<Decision, StoreError> {
+    if checks.is_empty() {
+        return Ok(Decision::from_outcomes(
+            now.unwrap_or_else(Timestamp::now),
+            checks,
+            &[],
+            Vec::new(),
+        ));
+    }
+    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+    let mut tokens: Vec<String> = vec![String::new(); checks.len()];
+    // Later calls use the first call's server time, so every group decides at one instant.
+    let mut decided_at = now;
+    let mut denied_group = None;
+    for (position, Group { node, members: group }) in groups.iter().enumerate() {
+        let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+        // Concurrency limits take a lease under a fresh random id.
+        let lease_ids: Vec<String> = group_checks
+            .iter()
+            .map(|check| match check.limit.algorithm() {
+                Algorithm::Concurrency => fastrand::u64(1..).to_string(),
+                _ => String::new(),
+            })
+            .collect();
+        let reply = node
+            .guarded_call(Mode::Check, &group_checks, &lease_ids, decided_at)
+            .await?;
+        decided_at.get_or_insert(reply.now);
+        for ((&index, outcome), token) in group.iter().zip(reply.outcomes).zip(reply.tokens) {
+            outcomes[index] = Some(outcome);
+            tokens[index] = token;
+        }
+        if !reply.admitted {
+            denied_group = Some(position);
+            break;
+        }
+    }
+    if let Some(denied) = denied_group {
+        // Give back what earlier groups took, then report them (and the groups never
+        // reached) as they stand.
+        for Group { node, members: group } in groups[..denied].iter().chain(&groups[denied + 1..]) {
+            let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+            let was_charged = outcomes[group[0]].is_some();
+            let group_tokens: Vec<String> =
+                group.iter().map(|&index| tokens[index].clone()).collect();
+            let reply = if was_charged {
+                node.guarded_call(Mode::Refund, &group_checks, &group_tokens, decided_at)
+                    .await?
+            } else {
+                let peek: Vec<Check> = group_checks
+                    .iter()
+                    .map(|check| Check {
+                        cost: 0,
+                        ..(*check).clone()
+                    })
+                    .collect();
+                let peek_refs: Vec<&Check> = peek.iter().collect();
+                // A zero-cost refund takes nothing back and evaluates without charge.
+                node.guarded_call(
+                    Mode::Refund,
+                    &peek_refs,
+                    &vec![String::new(); peek.len()],
+                    decided_at,
+                )
+                .await?
+            };
+            for (&index, outcome) in group.iter().zip(reply.outcomes) {
+                outcomes[index] = Some(LimitOutcome {
+                    allowed: true,
+                    ..outcome
+                });
+            }
+        }
+    }
+    let outcomes: Vec<LimitOutcome> = outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
+        })
+        .collect::<Result<_, _>>()?;
+    let admitted = denied_group.is_none();
+    let leases = if admitted {
+        checks
+            .iter()
+            .zip(&tokens)
+            .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
+            .filter_map(|(check, token)| {
+                let (id, _) = token.split_once(':')?;
+                Some(Lease {
+                    key: check.key.clone(),
+                    id: id.parse().ok()?,
+                    cost: check.cost,
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let decided_at = decided_at.unwrap_or_else(Timestamp::now);
+    Ok(Decision::from_outcomes(
+        decided_at, checks, &outcomes, leases,
+    ))
+}
+
+
+/// Checks decided together by one script call on `node`.
+struct Group<'s> {
+    node: &'s RedisStore,
+    members: Vec<usize>,
+}
+
 async fn invoke_on<C: ConnectionLike + Send>(
     connection: &mut C,
     invocation: &redis::ScriptInvocation<'_>,
@@ -378,7 +398,14 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(self.inner.guard.call(self.decide(checks, now)))
+        Box::pin(async move {
+            let groups: Vec<Group<'_>> = self
+                .groups(checks)
+                .into_iter()
+                .map(|members| Group { node: self, members })
+                .collect();
+            decide_groups(&groups, checks, now).await
+        })
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
