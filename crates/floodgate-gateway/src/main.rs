@@ -72,6 +72,9 @@ fn check(path: &std::path::Path) -> ExitCode {
             let store = match &config.store.backend {
                 Backend::Memory => "memory".to_owned(),
                 Backend::Redis { url, .. } => format!("redis ({url})"),
+                Backend::RedisSharded { nodes, .. } => {
+                    format!("redis_sharded ({} nodes)", nodes.len())
+                }
             };
             println!(
                 "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",

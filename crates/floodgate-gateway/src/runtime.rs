@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use floodgate::store::{ConnectionMode, RedisStore};
+use floodgate::store::{ConnectionMode, RedisStore, ShardedRedisStore};
 use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
     FailurePolicy, MemoryStore, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo,
@@ -184,6 +184,21 @@ impl std::fmt::Display for ReloadError {
     }
 }
 
+/// One Redis node with the store settings' deadline and breaker.
+fn redis_node(
+    settings: &StoreSettings,
+    url: &str,
+    pool_size: Option<usize>,
+) -> Result<RedisStore, String> {
+    let mode = pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool);
+    RedisStore::builder(url.to_owned())
+        .connection_mode(mode)
+        .timeout(settings.timeout)
+        .breaker(settings.breaker_failures, settings.breaker_open_for)
+        .build()
+        .map_err(|error| format!("store: {error}"))
+}
+
 fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
     match &settings.backend {
         Backend::Memory => Ok(Arc::new(
@@ -191,14 +206,13 @@ fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
                 .evict_every(Duration::from_secs(10))
                 .build(),
         )),
-        Backend::Redis { url, pool_size } => {
-            let mode = pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool);
-            let store = RedisStore::builder(url.clone())
-                .connection_mode(mode)
-                .timeout(settings.timeout)
-                .breaker(settings.breaker_failures, settings.breaker_open_for)
-                .build()
-                .map_err(|error| format!("store: {error}"))?;
+        Backend::Redis { url, pool_size } => Ok(Arc::new(redis_node(settings, url, *pool_size)?)),
+        Backend::RedisSharded { nodes, pool_size } => {
+            let nodes = nodes
+                .iter()
+                .map(|url| Ok((url.clone(), redis_node(settings, url, *pool_size)?)))
+                .collect::<Result<Vec<_>, String>>()?;
+            let store = ShardedRedisStore::new(nodes).map_err(|error| format!("store: {error}"))?;
             Ok(Arc::new(store))
         }
     }

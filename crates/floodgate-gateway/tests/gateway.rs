@@ -628,3 +628,41 @@ fn the_shipped_configurations_pass_check() {
     }
     assert!(checked >= 3, "quickstart, example and redis configurations");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_on_redis_sharded_share_each_identity_exactly() {
+    let servers: Vec<redis_support::RedisServer> = (0..3)
+        .map(|_| redis_support::RedisServer::start())
+        .collect();
+    let upstream = Upstream::start().await;
+    let nodes: Vec<String> = servers
+        .iter()
+        .map(|server| format!("\"{}\"", server.url()))
+        .collect();
+    let rest = format!(
+        "store:\n  backend: redis_sharded\n  nodes: [{}]\n  timeout: 2s\nplans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 5, window: 1h }} ]\n  anonymous: {{}}\n",
+        nodes.join(", ")
+    );
+    let gateways: Vec<(Gateway, TempDir)> = (0..2).map(|_| gateway(&upstream, &rest)).collect();
+    let client = client();
+    for key in ["alpha", "beta", "gamma", "delta"] {
+        let mut admitted_for_key = 0;
+        for round in 0..12 {
+            let (gateway, _) = &gateways[round % 2];
+            admitted_for_key +=
+                admitted(&client, &gateway.url("/"), &[("x-api-key", key)], 1).await;
+        }
+        assert_eq!(
+            admitted_for_key, 5,
+            "{key}: one limit across gateways and shards"
+        );
+    }
+    let used: usize = servers
+        .iter()
+        .map(|server| usize::from(!server.command::<Vec<String>>(&["KEYS", "*"]).is_empty()))
+        .sum();
+    assert!(
+        used >= 2,
+        "four identities spread over several nodes ({used} used)"
+    );
+}

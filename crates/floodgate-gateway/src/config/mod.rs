@@ -91,6 +91,13 @@ pub enum Backend {
         /// `None`: one multiplexed connection; `Some(n)`: a pool of n connections.
         pool_size: Option<usize>,
     },
+    /// Independent Redis nodes, identities placed by rendezvous hashing.
+    RedisSharded {
+        /// `redis://` URLs; every gateway must list the same ones.
+        nodes: Vec<String>,
+        /// As for `Redis`, per node.
+        pool_size: Option<usize>,
+    },
 }
 
 /// `store.*`.
@@ -524,12 +531,24 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let store = &raw.store;
     let backend = match store.backend.as_str() {
         "memory" => Some(Backend::Memory),
-        "redis" => {
-            if !store.url.starts_with("redis://") && !store.url.starts_with("rediss://") {
-                errors.push(
-                    "store.url",
-                    format!("`{}` is not a redis:// URL", store.url),
-                );
+        "redis" | "redis_sharded" => {
+            let urls: Vec<(String, String)> = if store.backend == "redis" {
+                vec![("store.url".to_owned(), store.url.clone())]
+            } else if store.nodes.is_empty() {
+                errors.push("store.nodes", "redis_sharded needs at least one node");
+                Vec::new()
+            } else {
+                store
+                    .nodes
+                    .iter()
+                    .enumerate()
+                    .map(|(index, url)| (format!("store.nodes[{index}]"), url.clone()))
+                    .collect()
+            };
+            for (path, url) in &urls {
+                if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+                    errors.push(path.clone(), format!("`{url}` is not a redis:// URL"));
+                }
             }
             let pool_size = match store.connection.as_str() {
                 "multiplexed" => Some(None),
@@ -546,12 +565,21 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
                     None
                 }
             };
-            pool_size.map(|pool_size| Backend::Redis {
-                url: store.url.clone(),
-                pool_size,
+            pool_size.map(|pool_size| {
+                if store.backend == "redis" {
+                    Backend::Redis {
+                        url: store.url.clone(),
+                        pool_size,
+                    }
+                } else {
+                    Backend::RedisSharded {
+                        nodes: store.nodes.clone(),
+                        pool_size,
+                    }
+                }
             })
         }
-        "redis_cluster" | "redis_sharded" => {
+        "redis_cluster" => {
             errors.push(
                 "store.backend",
                 format!(

@@ -11,7 +11,7 @@ pub mod resilience;
 
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
-pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder};
+pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore};
 
 use std::future::Future;
 use std::pin::Pin;

@@ -11,8 +11,10 @@
 //! agree. Every call has a deadline and goes through a circuit breaker ([`Guard`]).
 
 mod script;
+mod sharded;
 mod slot;
 
+pub use sharded::{ShardedRedisStore, rendezvous};
 pub use slot::hash_slot;
 
 /// The source of the check script that the store calls by EVALSHA (the files of `lua/`,
@@ -232,7 +234,10 @@ impl RedisStore {
         tokens: &[String],
         now: Option<Timestamp>,
     ) -> Result<Reply, StoreError> {
-        self.inner.guard.call(self.call(mode, checks, tokens, now)).await
+        self.inner
+            .guard
+            .call(self.call(mode, checks, tokens, now))
+            .await
     }
 
     async fn call(
@@ -271,9 +276,9 @@ impl RedisStore {
 /// that runs its call. When a group denies, what earlier groups took is refunded, and every
 /// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
 async fn decide_groups(
-groups: &[Group<'_>],
-checks: &[Check],
-now: Option<Timestamp>,
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
 ) -> Result<Decision, StoreError> {
     if checks.is_empty() {
         return Ok(Decision::from_outcomes(
@@ -288,7 +293,14 @@ now: Option<Timestamp>,
     // Later calls use the first call's server time, so every group decides at one instant.
     let mut decided_at = now;
     let mut denied_group = None;
-    for (position, Group { node, members: group }) in groups.iter().enumerate() {
+    for (
+        position,
+        Group {
+            node,
+            members: group,
+        },
+    ) in groups.iter().enumerate()
+    {
         let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
         // Concurrency limits take a lease under a fresh random id.
         let lease_ids: Vec<String> = group_checks
@@ -314,7 +326,11 @@ now: Option<Timestamp>,
     if let Some(denied) = denied_group {
         // Give back what earlier groups took, then report them (and the groups never
         // reached) as they stand.
-        for Group { node, members: group } in groups[..denied].iter().chain(&groups[denied + 1..]) {
+        for Group {
+            node,
+            members: group,
+        } in groups[..denied].iter().chain(&groups[denied + 1..])
+        {
             let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
             let was_charged = outcomes[group[0]].is_some();
             let group_tokens: Vec<String> =
@@ -378,7 +394,6 @@ now: Option<Timestamp>,
     ))
 }
 
-
 /// Checks decided together by one script call on `node`.
 struct Group<'s> {
     node: &'s RedisStore,
@@ -402,7 +417,10 @@ impl Store for RedisStore {
             let groups: Vec<Group<'_>> = self
                 .groups(checks)
                 .into_iter()
-                .map(|members| Group { node: self, members })
+                .map(|members| Group {
+                    node: self,
+                    members,
+                })
                 .collect();
             decide_groups(&groups, checks, now).await
         })
