@@ -24,7 +24,10 @@ mod cluster_compatible {
             .cluster_compatible(true)
             .build()
             .expect("store");
-        ServedStore { server, store }
+        ServedStore {
+            servers: vec![server],
+            store,
+        }
     }
 
     crate::conformance_suite!(fresh_store());
@@ -35,36 +38,13 @@ mod cluster_compatible {
 mod sharded {
     use std::time::Duration;
 
-    use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore};
-    use floodgate::{Check, Decision, Lease, Store, StoreError, Timestamp};
+    use floodgate::store::{RedisStore, ShardedRedisStore};
+    use floodgate::{Check, Store};
 
     use super::conformance;
-    use super::support::RedisServer;
+    use super::support::{RedisServer, ServedStore};
 
-    struct ShardedServers {
-        _servers: Vec<RedisServer>,
-        store: ShardedRedisStore,
-    }
-
-    impl Store for ShardedServers {
-        fn check_and_consume<'a>(
-            &'a self,
-            checks: &'a [Check],
-            now: Option<Timestamp>,
-        ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-            self.store.check_and_consume(checks, now)
-        }
-
-        fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.store.release(leases)
-        }
-
-        fn backend(&self) -> &'static str {
-            self.store.backend()
-        }
-    }
-
-    async fn fresh_store() -> ShardedServers {
+    async fn fresh_store() -> ServedStore<ShardedRedisStore> {
         let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
         let nodes = servers
             .iter()
@@ -76,8 +56,8 @@ mod sharded {
                 (server.url(), store)
             })
             .collect();
-        ShardedServers {
-            _servers: servers,
+        ServedStore {
+            servers,
             store: ShardedRedisStore::new(nodes).expect("nodes"),
         }
     }
@@ -96,7 +76,7 @@ mod sharded {
             .map(|client| format!("fg:{{ip:{client}}}:r:m"))
             .collect();
         let victim = 1;
-        sharded._servers[victim].kill();
+        sharded.servers[victim].kill();
         let (mut enforced, mut failed) = (0, 0);
         for key in &keys {
             let checks = [Check::new(key.clone(), limit.clone(), 1)];

@@ -146,11 +146,11 @@ impl Drop for RedisServer {
     }
 }
 
-/// A Redis store together with the server it talks to, so the server lives as long as the
-/// store: what the conformance suite gets.
-pub struct ServedStore {
-    pub server: RedisServer,
-    pub store: RedisStore,
+/// A store together with the servers it talks to, so the servers live as long as the store:
+/// what the conformance suite gets.
+pub struct ServedStore<S = RedisStore> {
+    pub servers: Vec<RedisServer>,
+    pub store: S,
 }
 
 impl ServedStore {
@@ -162,11 +162,14 @@ impl ServedStore {
             .timeout(Duration::from_secs(5))
             .build()
             .expect("store");
-        ServedStore { server, store }
+        ServedStore {
+            servers: vec![server],
+            store,
+        }
     }
 }
 
-impl Store for ServedStore {
+impl<S: Store> Store for ServedStore<S> {
     fn check_and_consume<'a>(
         &'a self,
         checks: &'a [Check],
