@@ -645,7 +645,28 @@ async fn gateways_on_redis_sharded_share_each_identity_exactly() {
     );
     let gateways: Vec<(Gateway, TempDir)> = (0..2).map(|_| gateway(&upstream, &rest)).collect();
     let client = client();
-    for key in ["alpha", "beta", "gamma", "delta"] {
+    // Pick API keys the placement puts on at least two different nodes (ports, hence node
+    // names, change from run to run).
+    let node_names: Vec<String> = servers
+        .iter()
+        .map(redis_support::RedisServer::url)
+        .collect();
+    let node_of = |key: &str| {
+        let tagged = format!(
+            "fg:{{key:{}}}:x:y",
+            floodgate::Identity::ApiKey(key.to_owned()).hash()
+        );
+        floodgate::store::redis::rendezvous(&tagged, &node_names)
+    };
+    let mut keys: Vec<String> = (0..3).map(|index| format!("client-{index}")).collect();
+    let first_node = node_of(&keys[0]);
+    let other = (3..)
+        .map(|index| format!("client-{index}"))
+        .find(|key| node_of(key) != first_node)
+        .unwrap();
+    keys.push(other);
+    for key in &keys {
+        let key = key.as_str();
         let mut admitted_for_key = 0;
         for round in 0..12 {
             let (gateway, _) = &gateways[round % 2];
