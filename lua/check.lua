@@ -1,7 +1,9 @@
 -- The entry point: checks, and consumes from, every limit of one call atomically.
 --
 -- KEYS: one per limit (all on one hash slot in Redis Cluster).
--- ARGV[1]: mode: 'check' (all-or-nothing) or 'refund' (give back what a 'check' took).
+-- ARGV[1]: mode: 'check' (all-or-nothing), 'refund' (give back what a 'check' took), or 'sync'
+--          (batched mode: add what a node admitted locally, unconditionally, and read back the
+--          state every node contributed to).
 -- ARGV[2]: now in microseconds, or '' to use the server's clock (TIME), so that gateways with
 --          skewed clocks agree.
 -- Then 7 values per limit: algorithm, limit, window, burst, emission, cost, and a token: the
@@ -9,7 +11,8 @@
 --
 -- Reply to 'check': { now, admitted, then per limit: allowed, remaining, reset_after,
 -- retry_after (-1: none), delay, token }. Reply to 'refund': { now, then per limit the same
--- five outcome fields as evaluated after the refund, without charge, and '' }.
+-- five outcome fields as evaluated after the refund, without charge, and '' }. Reply to 'sync'
+-- (cost: the units to add): { now, then per limit: present (0/1) and three state fields }.
 
 local PER_LIMIT = 7
 local mode = ARGV[1]
@@ -43,6 +46,34 @@ local function append(reply, outcome, token)
     reply[#reply + 1] = outcome[j]
   end
   reply[#reply + 1] = token
+end
+
+if mode == 'sync' then
+  local reply = { now }
+  for i = 1, #KEYS do
+    local p = params[i]
+    local algorithm = ALGORITHMS[p.algorithm]
+    if not algorithm.export then
+      return redis.error_reply('floodgate: ' .. p.algorithm .. ' cannot run batched')
+    end
+    local state = algorithm.load(KEYS[i], p, now)
+    if p.cost > 0 then
+      algorithm.consume(KEYS[i], state, p, now, p.cost)
+      state = algorithm.load(KEYS[i], p, now)
+    end
+    if state then
+      local fields = algorithm.export(state)
+      reply[#reply + 1] = 1
+      for j = 1, 3 do
+        reply[#reply + 1] = fields[j]
+      end
+    else
+      for _ = 1, 4 do
+        reply[#reply + 1] = 0
+      end
+    end
+  end
+  return reply
 end
 
 if mode == 'refund' then

@@ -44,4 +44,8 @@ ALGORITHMS.fixed_window = {
       redis.call('HSET', key, 'c', max(0, state.count - cost))
     end
   end,
+
+  export = function(state)
+    return { state.window_start, state.count, 0 }
+  end,
 }

@@ -18,14 +18,16 @@ ALGORITHMS.gcra = {
       tat = max(state.tat, now)
     end
     local backlog = tat - now
+    -- A batched sync can leave the TAT beyond the tolerance (a debt): nothing remains then.
+    local spare = max(0, tolerance - backlog)
     if cost > p.burst then
-      return never(floor((tolerance - backlog) / emission), backlog)
+      return never(floor(spare / emission), backlog)
     end
     local backlog_after = backlog + cost * emission
     if backlog_after <= tolerance then
       return allowed(floor((tolerance - backlog_after) / emission), backlog_after)
     end
-    return denied(floor((tolerance - backlog) / emission), backlog, backlog_after - tolerance)
+    return denied(floor(spare / emission), backlog, backlog_after - tolerance)
   end,
 
   consume = function(key, state, p, now, cost)
@@ -43,5 +45,9 @@ ALGORITHMS.gcra = {
     if state then
       redis.call('SET', key, format_int(state.tat - cost * p.emission), 'KEEPTTL')
     end
+  end,
+
+  export = function(state)
+    return { state.tat, 0, 0 }
   end,
 }

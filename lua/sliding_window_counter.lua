@@ -109,4 +109,8 @@ ALGORITHMS.sliding_window_counter = {
       redis.call('HSET', key, 'c', max(0, state.current - cost))
     end
   end,
+
+  export = function(state)
+    return { state.window_start, state.current, state.previous }
+  end,
 }

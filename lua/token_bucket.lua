@@ -39,6 +39,12 @@ ALGORITHMS.token_bucket = {
     if state then
       updated = max(state.updated, now)
     end
+    if level < 0 then
+      -- Only a batched sync charges more than the level (units other nodes already admitted):
+      -- the debt is kept as refill time still to come, so the bucket stays empty until paid.
+      updated = updated - level
+      level = 0
+    end
     redis.call('HSET', key, 'l', level, 'u', updated)
     expire_after(key, updated + (p.burst * p.emission - level) - now)
   end,
@@ -49,5 +55,9 @@ ALGORITHMS.token_bucket = {
       local level = min(p.burst * p.emission, state.level + cost * p.emission)
       redis.call('HSET', key, 'l', level)
     end
+  end,
+
+  export = function(state)
+    return { state.level, state.updated, 0 }
   end,
 }

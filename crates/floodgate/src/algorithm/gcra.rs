@@ -26,18 +26,16 @@ pub(super) fn evaluate(
     let tolerance = tolerance(limit);
     let tat = state.map_or(now, |state| state.tat.max(now));
     let backlog = tat - now;
+    // A batched sync can leave the TAT beyond the tolerance (a debt): nothing remains then.
+    let spare = tolerance.saturating_sub(backlog);
     if cost > limit.capacity() {
-        return LimitOutcome::never((tolerance - backlog) / emission, backlog);
+        return LimitOutcome::never(spare / emission, backlog);
     }
     let backlog_after = backlog + cost * emission;
     if backlog_after <= tolerance {
         LimitOutcome::allowed((tolerance - backlog_after) / emission, backlog_after)
     } else {
-        LimitOutcome::denied(
-            (tolerance - backlog) / emission,
-            backlog,
-            backlog_after - tolerance,
-        )
+        LimitOutcome::denied(spare / emission, backlog, backlog_after - tolerance)
     }
 }
 

@@ -57,10 +57,18 @@ pub(super) fn consume(
     cost: u64,
 ) -> TokenBucketState {
     let level = level_at(limit, state, now);
-    TokenBucketState {
-        level: level - cost * limit.emission_micros(),
-        // A clock that stepped back must not refill the same interval twice.
-        updated_at: state.map_or(now, |state| state.updated_at.max(now)),
+    let needed = cost * limit.emission_micros();
+    // A clock that stepped back must not refill the same interval twice.
+    let updated_at = state.map_or(now, |state| state.updated_at.max(now));
+    match level.checked_sub(needed) {
+        Some(level) => TokenBucketState { level, updated_at },
+        // Only a batched sync charges more than the level (units other nodes already
+        // admitted): the debt is kept as refill time still to come, so the bucket stays empty
+        // until it is paid.
+        None => TokenBucketState {
+            level: 0,
+            updated_at: updated_at + (needed - level),
+        },
     }
 }
 

@@ -4,11 +4,15 @@
 //! consumes from all of them, in one atomic step. The memory store ([`MemoryStore`]) is the
 //! default; the Redis store shares this trait and the conformance suite in `tests/`.
 
+#[cfg(feature = "redis")]
+pub mod batched;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod resilience;
 
+#[cfg(feature = "redis")]
+pub use batched::{BatchedStore, BatchedStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore};

@@ -29,6 +29,7 @@ use std::time::Duration;
 use deadpool_redis::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use deadpool_redis::redis::{self, Client, RedisError, Value};
 
+use super::batched::{SyncTarget, Synced};
 use super::resilience::{Guard, GuardConfig, LogObserver, StoreObserver};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::LimitOutcome;
@@ -240,6 +241,22 @@ impl RedisStore {
             .await
     }
 
+    /// One batched-sync call under this store's deadline and breaker.
+    async fn guarded_sync(
+        &self,
+        checks: &[&Check],
+        now: Option<Timestamp>,
+    ) -> Result<Synced, StoreError> {
+        self.inner
+            .guard
+            .call(async {
+                let invocation = script::invocation(Mode::Sync, checks, &[], now);
+                let value = self.invoke(&invocation).await?;
+                script::decode_sync(value, checks)
+            })
+            .await
+    }
+
     async fn call(
         &self,
         mode: Mode,
@@ -394,6 +411,32 @@ async fn decide_groups(
     ))
 }
 
+/// Syncs `checks` by one call per group, concurrently (pipelined on a multiplexed
+/// connection), and puts the states back in the order of `checks`.
+async fn sync_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Synced, StoreError> {
+    let calls = groups.iter().map(|group| async move {
+        let members: Vec<&Check> = group.members.iter().map(|&index| &checks[index]).collect();
+        group.node.guarded_sync(&members, now).await
+    });
+    let replies = futures_util::future::try_join_all(calls).await?;
+    let mut states = vec![None; checks.len()];
+    let mut latest = now.unwrap_or(Timestamp::EPOCH);
+    for (group, reply) in groups.iter().zip(replies) {
+        latest = latest.max(reply.now);
+        for (&index, state) in group.members.iter().zip(reply.states) {
+            states[index] = state;
+        }
+    }
+    Ok(Synced {
+        now: latest,
+        states,
+    })
+}
+
 /// Checks decided together by one script call on `node`.
 struct Group<'s> {
     node: &'s RedisStore,
@@ -407,23 +450,43 @@ async fn invoke_on<C: ConnectionLike + Send>(
     invocation.invoke_async(connection).await.map_err(classify)
 }
 
+impl RedisStore {
+    fn node_groups(&self, checks: &[Check]) -> Vec<Group<'_>> {
+        self.groups(checks)
+            .into_iter()
+            .map(|members| Group {
+                node: self,
+                members,
+            })
+            .collect()
+    }
+}
+
+impl SyncTarget for RedisStore {
+    fn sync<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Synced, StoreError>> {
+        Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn backend(&self) -> &'static str {
+        Store::backend(self)
+    }
+
+    fn breaker_state(&self) -> Option<super::resilience::BreakerState> {
+        Store::breaker_state(self)
+    }
+}
+
 impl Store for RedisStore {
     fn check_and_consume<'a>(
         &'a self,
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move {
-            let groups: Vec<Group<'_>> = self
-                .groups(checks)
-                .into_iter()
-                .map(|members| Group {
-                    node: self,
-                    members,
-                })
-                .collect();
-            decide_groups(&groups, checks, now).await
-        })
+        Box::pin(async move { decide_groups(&self.node_groups(checks), checks, now).await })
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use deadpool_redis::redis::{Script, Value};
 
 use crate::algorithm::LimitOutcome;
+use crate::store::batched::{self, Synced};
 use crate::store::{Check, StoreError};
 use crate::time::Timestamp;
 
@@ -40,6 +41,8 @@ pub(crate) enum Mode {
     Check,
     /// Give back what an earlier `Check` consumed.
     Refund,
+    /// Batched mode: add each cost unconditionally and return the resulting states.
+    Sync,
 }
 
 /// The reply of one script call.
@@ -63,6 +66,7 @@ pub(crate) fn invocation<'s>(
     invocation.arg(match mode {
         Mode::Check => "check",
         Mode::Refund => "refund",
+        Mode::Sync => "sync",
     });
     invocation.arg(now.map_or_else(String::new, |now| now.as_micros().to_string()));
     for (index, check) in checks.iter().enumerate() {
@@ -133,6 +137,44 @@ pub(crate) fn decode(value: Value, limits: usize) -> Result<Reply, StoreError> {
         outcomes,
         tokens,
     })
+}
+
+/// Decodes a sync reply, `{ now, (present, field, field, field)* }`, into the states of
+/// `checks`.
+pub(crate) fn decode_sync(value: Value, checks: &[&Check]) -> Result<Synced, StoreError> {
+    const PER_LIMIT: usize = 4;
+    let Value::Array(items) = value else {
+        return Err(StoreError::Protocol(format!(
+            "expected an array, got {value:?}"
+        )));
+    };
+    if items.len() != 1 + PER_LIMIT * checks.len() {
+        return Err(StoreError::Protocol(format!(
+            "expected {} values for {} limits, got {}",
+            1 + PER_LIMIT * checks.len(),
+            checks.len(),
+            items.len()
+        )));
+    }
+    let now = Timestamp::from_micros(non_negative(&items[0])?);
+    let states = items[1..]
+        .chunks_exact(PER_LIMIT)
+        .zip(checks)
+        .map(|(fields, check)| {
+            if integer(&fields[0])? == 0 {
+                return Ok(None);
+            }
+            let fields = [
+                non_negative(&fields[1])?,
+                non_negative(&fields[2])?,
+                non_negative(&fields[3])?,
+            ];
+            batched::state_from_fields(check.limit.algorithm(), fields)
+                .map(Some)
+                .ok_or_else(|| StoreError::Protocol("state of an unbatchable limit".into()))
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok(Synced { now, states })
 }
 
 /// The deadline below which a lease release is abandoned (it then expires with its window).

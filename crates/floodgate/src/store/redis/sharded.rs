@@ -3,8 +3,9 @@
 //! losing a node affects only its share of identities, under the failure policy, and adding or
 //! removing a node moves only the identities that land on or came from it.
 
-use super::{Group, RedisStore, decide_groups};
+use super::{Group, RedisStore, decide_groups, sync_groups};
 use crate::decision::Decision;
+use crate::store::batched::{SyncTarget, Synced};
 use crate::store::resilience::BreakerState;
 use crate::store::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::time::Timestamp;
@@ -71,30 +72,52 @@ impl ShardedRedisStore {
     }
 }
 
+impl ShardedRedisStore {
+    /// `checks` grouped by owning node, in order of first appearance.
+    fn node_groups(&self, checks: &[Check]) -> Vec<Group<'_>> {
+        let mut groups: Vec<(usize, Group<'_>)> = Vec::new();
+        for (index, check) in checks.iter().enumerate() {
+            let node = self.node_of(&check.key);
+            match groups.iter_mut().find(|(owner, _)| *owner == node) {
+                Some((_, group)) => group.members.push(index),
+                None => groups.push((
+                    node,
+                    Group {
+                        node: &self.nodes[node],
+                        members: vec![index],
+                    },
+                )),
+            }
+        }
+        groups.into_iter().map(|(_, group)| group).collect()
+    }
+}
+
+impl SyncTarget for ShardedRedisStore {
+    fn sync<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Synced, StoreError>> {
+        Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn backend(&self) -> &'static str {
+        Store::backend(self)
+    }
+
+    fn breaker_state(&self) -> Option<BreakerState> {
+        Store::breaker_state(self)
+    }
+}
+
 impl Store for ShardedRedisStore {
     fn check_and_consume<'a>(
         &'a self,
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move {
-            let mut groups: Vec<(usize, Group<'_>)> = Vec::new();
-            for (index, check) in checks.iter().enumerate() {
-                let node = self.node_of(&check.key);
-                match groups.iter_mut().find(|(owner, _)| *owner == node) {
-                    Some((_, group)) => group.members.push(index),
-                    None => groups.push((
-                        node,
-                        Group {
-                            node: &self.nodes[node],
-                            members: vec![index],
-                        },
-                    )),
-                }
-            }
-            let groups: Vec<Group<'_>> = groups.into_iter().map(|(_, group)| group).collect();
-            decide_groups(&groups, checks, now).await
-        })
+        Box::pin(async move { decide_groups(&self.node_groups(checks), checks, now).await })
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {

@@ -1,0 +1,682 @@
+//! Batched mode: local counters, synchronised with a shared store once per interval.
+//!
+//! Every node decides from its own copy of each limit's state, with no round trip on the hot
+//! path, and counts what it admitted. Once per `sync_interval` it sends those counts to the
+//! shared store in one script call per node (or slot), which adds them unconditionally (they
+//! were already admitted) and answers with the resulting state: the sum of what every node
+//! sent. The node adopts that state and re-applies what it admitted while the call was out.
+//!
+//! The first request of an identity on a node waits for one fetch of its state (without it, a
+//! new key would start full on every node at once); afterwards the identity is decided locally
+//! as long as it stays active, and is dropped after `idle_after` without traffic.
+//!
+//! **Accuracy.** Between two syncs each node sees the others' admissions late. With `N` nodes,
+//! interval `T` and a limit refilling at rate `r` (units per second; `limit / window`), a node
+//! can admit at most what its stale copy shows plus what refills locally during `T`, and the
+//! debt it creates is charged to everyone at the next sync. The overshoot of any window is
+//! therefore bounded by
+//!
+//! ```text
+//! overshoot ≤ (N − 1) × (r × 2T + c)
+//! ```
+//!
+//! where `c` is the most one node can admit from a state that the others have already used up
+//! (the capacity `burst` for the buckets, the whole `limit` at a fixed or sliding window's
+//! boundary). Overshoot is not carried over: debt recorded in the shared store is paid back by
+//! every node before it admits again, so over several windows the average converges to the
+//! limit. `BENCHMARKS.md` and the README give the measured figures.
+//!
+//! **When the shared store is unreachable** the breaker of the target opens after its usual
+//! number of failures and decisions return [`StoreError::BreakerOpen`], so the layer's failure
+//! policy applies exactly as in exact mode. Unsent counts stay in their entry (one integer per
+//! key, so the buffer is bounded by the number of keys, itself capped by `max_keys`) and are
+//! replayed at the next successful sync, except counts older than their limit's window, which
+//! are dropped: they no longer belong to any window the limit looks at.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+use tokio::sync::watch;
+
+use super::resilience::BreakerState;
+use super::{BoxFuture, Check, Lease, Store, StoreError};
+use crate::algorithm::{
+    self, FixedWindowState, GcraState, LimitOutcome, SlidingWindowCounterState, State,
+    TokenBucketState,
+};
+use crate::decision::Decision;
+use crate::limit::{Algorithm, Limit};
+use crate::time::{Clock, SystemClock, Timestamp};
+
+/// What the shared store answers to a sync: its time, and the state of each synced limit
+/// (`None`: the key had expired and nothing was added).
+#[derive(Debug)]
+pub struct Synced {
+    /// The shared store's clock when it answered.
+    pub now: Timestamp,
+    /// The state of each limit, in the order of the request.
+    pub states: Vec<Option<State>>,
+}
+
+/// A shared store that batched nodes synchronise with.
+pub trait SyncTarget: Send + Sync + 'static {
+    /// Adds each check's `cost` to its limit unconditionally (the units were admitted already)
+    /// and returns the resulting states. A cost of 0 only reads.
+    fn sync<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Synced, StoreError>>;
+
+    /// A short name for logs and metrics.
+    fn backend(&self) -> &'static str;
+
+    /// The circuit breaker's state: while open, batched decisions follow the failure policy.
+    fn breaker_state(&self) -> Option<BreakerState>;
+}
+
+/// Whether `algorithm` can be decided from batched counters. The logs, the leaky bucket's
+/// queue and concurrency leases need every request at the shared store, so they cannot.
+pub fn supports(algorithm: Algorithm) -> bool {
+    matches!(
+        algorithm,
+        Algorithm::TokenBucket
+            | Algorithm::Gcra
+            | Algorithm::FixedWindow
+            | Algorithm::SlidingWindowCounter
+    )
+}
+
+/// A state from the three integer fields the sync script exports for `algorithm`.
+pub fn state_from_fields(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
+    let [a, b, c] = fields;
+    Some(match algorithm {
+        Algorithm::TokenBucket => State::TokenBucket(TokenBucketState {
+            level: a,
+            updated_at: b,
+        }),
+        Algorithm::Gcra => State::Gcra(GcraState { tat: a }),
+        Algorithm::FixedWindow => State::FixedWindow(FixedWindowState {
+            window_start: a,
+            count: b,
+        }),
+        Algorithm::SlidingWindowCounter => State::SlidingWindowCounter(SlidingWindowCounterState {
+            window_start: a,
+            current: b,
+            previous: c,
+        }),
+        _ => return None,
+    })
+}
+
+/// Configures a [`BatchedStore`].
+#[must_use]
+pub struct BatchedStoreBuilder<T> {
+    target: T,
+    interval: Duration,
+    idle_after: Duration,
+    max_keys: usize,
+    clock: Arc<dyn Clock>,
+}
+
+impl<T: SyncTarget> BatchedStoreBuilder<T> {
+    /// How often counts are sent to the shared store (default 100ms).
+    pub fn sync_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long an identity stays cached (and synced every interval) without traffic
+    /// (default 2s). After that its next request fetches its state again.
+    pub fn idle_after(mut self, idle_after: Duration) -> Self {
+        self.idle_after = idle_after;
+        self
+    }
+
+    /// Most keys held at once (default 1,000,000). A new key beyond it is a store error, so the
+    /// failure policy decides it rather than memory growing without bound.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// The local clock (default: the system clock). Decisions use it plus the measured offset
+    /// to the shared store's clock.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Builds the store and, inside a Tokio runtime, starts its sync task, which ends when the
+    /// last clone of the store is dropped. Without a runtime, call [`BatchedStore::sync_now`].
+    pub fn build(self) -> BatchedStore<T> {
+        let idle_rounds = (self.idle_after.as_micros() / self.interval.as_micros().max(1)).max(1);
+        let shared = Arc::new(Shared {
+            target: self.target,
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: std::collections::hash_map::RandomState::new(),
+            clock: self.clock,
+            offset_micros: AtomicI64::new(0),
+            floor_micros: AtomicU64::new(0),
+            keys: AtomicU64::new(0),
+            max_keys: self.max_keys as u64,
+            idle_rounds: u32::try_from(idle_rounds).unwrap_or(u32::MAX),
+            sync_lock: tokio::sync::Mutex::new(()),
+            stats: Stats::default(),
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(sync_periodically(Arc::downgrade(&shared), self.interval));
+        }
+        BatchedStore { shared }
+    }
+}
+
+const SHARDS: usize = 64;
+/// Most limits sent in one script call, so that one call never holds Redis for long.
+const SYNC_CHUNK: usize = 512;
+
+/// Local counters synchronised with a shared store; see the [module docs](self).
+pub struct BatchedStore<T> {
+    shared: Arc<Shared<T>>,
+}
+
+impl<T> Clone for BatchedStore<T> {
+    fn clone(&self) -> Self {
+        BatchedStore {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for BatchedStore<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchedStore")
+            .field("keys", &self.shared.keys.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared<T> {
+    target: T,
+    shards: Box<[Mutex<Shard>]>,
+    hasher: std::collections::hash_map::RandomState,
+    clock: Arc<dyn Clock>,
+    /// Shared-store clock minus local clock, as measured at the last sync.
+    offset_micros: AtomicI64,
+    /// The latest shared-store time seen: local time never runs behind it, so that a state
+    /// stamped by the shared store is never "in the future" of a decision.
+    floor_micros: AtomicU64,
+    keys: AtomicU64,
+    max_keys: u64,
+    idle_rounds: u32,
+    /// One sync round at a time (the periodic task and [`BatchedStore::sync_now`]).
+    sync_lock: tokio::sync::Mutex<()>,
+    stats: Stats,
+}
+
+/// Counters of what the sync machinery did, for tests, benchmarks and metrics.
+#[derive(Debug, Default)]
+struct Stats {
+    rounds: AtomicU64,
+    calls_failed: AtomicU64,
+    fetches: AtomicU64,
+    dropped_units: AtomicU64,
+}
+
+/// A snapshot of a batched store's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchedStats {
+    /// Sync rounds that sent something and succeeded.
+    pub rounds: u64,
+    /// Sync rounds that failed (their counts were kept for the next one).
+    pub failed_rounds: u64,
+    /// First-sight fetches (one per identity and node while it stays active).
+    pub fetches: u64,
+    /// Units dropped because they could not be delivered within their limit's window.
+    pub dropped_units: u64,
+    /// Keys held now.
+    pub keys: u64,
+}
+
+enum Slot {
+    /// The state is being fetched; wait for the sender to finish.
+    Fetching(watch::Receiver<bool>),
+    Ready(Entry),
+}
+
+#[derive(Debug)]
+struct Entry {
+    limit: Arc<Limit>,
+    /// This node's copy: the shared state at the last sync plus what was admitted here since.
+    state: Option<State>,
+    /// Units admitted here and not yet sent.
+    pending: u64,
+    /// Local time of the oldest unsent unit.
+    pending_since: u64,
+    /// Units of the sync call now in flight.
+    in_flight: u64,
+    /// Sync rounds since the last request touched this key.
+    idle_rounds: u32,
+}
+
+type Shard = HashMap<Arc<str>, Slot>;
+
+impl<T: SyncTarget> BatchedStore<T> {
+    /// Configures a batched store over `target`.
+    pub fn builder(target: T) -> BatchedStoreBuilder<T> {
+        BatchedStoreBuilder {
+            target,
+            interval: Duration::from_millis(100),
+            idle_after: Duration::from_secs(2),
+            max_keys: 1_000_000,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// The shared store.
+    pub fn target(&self) -> &T {
+        &self.shared.target
+    }
+
+    /// What the sync machinery has done so far.
+    pub fn stats(&self) -> BatchedStats {
+        let stats = &self.shared.stats;
+        BatchedStats {
+            rounds: stats.rounds.load(Ordering::Relaxed),
+            failed_rounds: stats.calls_failed.load(Ordering::Relaxed),
+            fetches: stats.fetches.load(Ordering::Relaxed),
+            dropped_units: stats.dropped_units.load(Ordering::Relaxed),
+            keys: self.shared.keys.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Runs one sync round now (tests, shutdown); `now` overrides both clocks.
+    pub async fn sync_now(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
+        self.shared.sync_round(now).await
+    }
+
+    /// Gives back what an admitted `checks` took here (a later store denied the request).
+    /// Units already sent stay charged: the refund is local and best effort.
+    pub fn refund(&self, checks: &[Check], now: Option<Timestamp>) {
+        let now = self.shared.now(now);
+        for check in checks {
+            let mut shard = self.shared.lock_shard_of(&check.key);
+            if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
+                let units = check.cost.min(entry.pending);
+                entry.pending -= units;
+                if let Some(state) = &mut entry.state {
+                    unconsume(&check.limit, state, now, units);
+                }
+            }
+        }
+    }
+}
+
+impl<T: SyncTarget> Shared<T> {
+    fn shard_index(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) >> 40) as usize % SHARDS
+    }
+
+    fn lock_shard_of(&self, key: &str) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[self.shard_index(key)])
+    }
+
+    /// The decision time: local clock plus offset, never behind the shared store's last time.
+    fn now(&self, now: Option<Timestamp>) -> u64 {
+        if let Some(now) = now {
+            return now.as_micros();
+        }
+        let local = self.clock.now().as_micros() as i64;
+        let shared = (local + self.offset_micros.load(Ordering::Relaxed)).max(0) as u64;
+        shared.max(self.floor_micros.load(Ordering::Relaxed))
+    }
+
+    fn observe_shared_time(&self, shared_now: Timestamp, local_at_send: u64) {
+        let local_now = self.clock.now().as_micros();
+        // The answer was stamped about half-way through the round trip.
+        let local_mid = local_at_send + local_now.saturating_sub(local_at_send) / 2;
+        self.offset_micros.store(
+            shared_now.as_micros() as i64 - local_mid as i64,
+            Ordering::Relaxed,
+        );
+        self.floor_micros
+            .fetch_max(shared_now.as_micros(), Ordering::Relaxed);
+    }
+
+    /// Decides `checks` from local state, or says which keys must be fetched first.
+    fn decide_locally(&self, checks: &[Check], now: u64) -> Result<Attempt, StoreError> {
+        let check_shards: SmallVec<[usize; 8]> = checks
+            .iter()
+            .map(|check| self.shard_index(&check.key))
+            .collect();
+        let mut shard_ids = check_shards.clone();
+        shard_ids.sort_unstable();
+        shard_ids.dedup();
+        // Ascending order: every request locks shards in the same global order.
+        let mut guards: Guards<'_> = shard_ids
+            .iter()
+            .map(|&id| (id, lock(&self.shards[id])))
+            .collect();
+
+        let mut fetch = Vec::new();
+        let mut wait = Vec::new();
+        for (index, check) in checks.iter().enumerate() {
+            if !supports(check.limit.algorithm()) {
+                return Err(StoreError::Protocol(format!(
+                    "{} limit {:?} cannot run batched",
+                    check.limit.algorithm().as_str(),
+                    check.limit.name()
+                )));
+            }
+            let shard = locked(&mut guards, check_shards[index]);
+            let slot = shard.get(&*check.key);
+            match slot {
+                Some(Slot::Ready(_)) => continue,
+                // A fetch whose requester went away (its future was dropped) is taken over.
+                Some(Slot::Fetching(receiver)) if receiver.has_changed().is_ok() => {
+                    wait.push(receiver.clone());
+                    continue;
+                }
+                Some(Slot::Fetching(_)) => {}
+                None => {
+                    if self.keys.load(Ordering::Relaxed) >= self.max_keys {
+                        return Err(StoreError::Unavailable(
+                            format!("batched store holds its maximum of {} keys", self.max_keys)
+                                .into(),
+                        ));
+                    }
+                    self.keys.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            let (sender, receiver) = watch::channel(false);
+            shard.insert(check.key.clone(), Slot::Fetching(receiver));
+            fetch.push((index, sender));
+        }
+        if !fetch.is_empty() || !wait.is_empty() {
+            return Ok(Attempt::Wait { fetch, wait });
+        }
+
+        let mut outcomes: SmallVec<[LimitOutcome; 8]> = checks
+            .iter()
+            .zip(&check_shards)
+            .map(|(check, &shard)| {
+                let entry = ready(locked(&mut guards, shard), &check.key);
+                algorithm::evaluate(&check.limit, entry.state.as_ref(), now, check.cost)
+            })
+            .collect();
+        let admitted = outcomes.iter().all(|outcome| outcome.allowed);
+        let local_now = self.clock.now().as_micros();
+        for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
+            let entry = ready(locked(&mut guards, shard), &check.key);
+            entry.idle_rounds = 0;
+            entry.limit = check.limit.clone();
+            if admitted {
+                algorithm::consume(&check.limit, &mut entry.state, now, check.cost, 0);
+                if entry.pending == 0 {
+                    entry.pending_since = local_now;
+                }
+                entry.pending += check.cost;
+            } else if outcome.allowed {
+                // Not charged, since another limit denied: report it as it stands.
+                *outcome = algorithm::evaluate(&check.limit, entry.state.as_ref(), now, 0);
+            }
+        }
+        Ok(Attempt::Decided(Decision::from_outcomes(
+            Timestamp::from_micros(now),
+            checks,
+            &outcomes,
+            Vec::new(),
+        )))
+    }
+
+    /// Fetches the state of the keys this request found missing and makes them ready.
+    async fn fetch(
+        &self,
+        checks: &[Check],
+        fetch: Vec<(usize, watch::Sender<bool>)>,
+        now: Option<Timestamp>,
+    ) -> Result<(), StoreError> {
+        self.stats.fetches.fetch_add(1, Ordering::Relaxed);
+        let reads: Vec<Check> = fetch
+            .iter()
+            .map(|&(index, _)| sync_check(&checks[index].key, &checks[index].limit, 0))
+            .collect();
+        let local_at_send = self.clock.now().as_micros();
+        let result = self.target.sync(&reads, now).await;
+        if let Ok(synced) = &result {
+            self.observe_shared_time(synced.now, local_at_send);
+        }
+        for (position, (index, sender)) in fetch.into_iter().enumerate() {
+            let check = &checks[index];
+            let mut shard = self.lock_shard_of(&check.key);
+            match &result {
+                Ok(synced) => {
+                    shard.insert(
+                        check.key.clone(),
+                        Slot::Ready(Entry {
+                            limit: check.limit.clone(),
+                            state: synced.states.get(position).cloned().flatten(),
+                            pending: 0,
+                            pending_since: 0,
+                            in_flight: 0,
+                            idle_rounds: 0,
+                        }),
+                    );
+                }
+                Err(_) => {
+                    if shard.remove(&*check.key).is_some() {
+                        self.keys.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            // Waiters retry either way: they find the key ready, or fetch it themselves.
+            let _ = sender.send(true);
+        }
+        result.map(drop)
+    }
+
+    /// Sends every active key's unsent units and adopts the states the shared store returns.
+    async fn sync_round(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
+        let _one_round_at_a_time = self.sync_lock.lock().await;
+        let local_now = self.clock.now().as_micros();
+        let mut batch = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            shard.retain(|key, slot| {
+                let Slot::Ready(entry) = slot else {
+                    return true;
+                };
+                if entry.pending == 0 && entry.idle_rounds >= self.idle_rounds {
+                    self.keys.fetch_sub(1, Ordering::Relaxed);
+                    return false;
+                }
+                entry.idle_rounds = entry.idle_rounds.saturating_add(1);
+                let mut units = entry.pending;
+                if units > 0
+                    && local_now.saturating_sub(entry.pending_since) > entry.limit.window_micros()
+                {
+                    // Too old to belong to any window the limit still looks at.
+                    self.stats.dropped_units.fetch_add(units, Ordering::Relaxed);
+                    units = 0;
+                }
+                entry.pending = 0;
+                entry.in_flight = units;
+                batch.push(sync_check(key, &entry.limit, units));
+                true
+            });
+        }
+        let mut outcome = Ok(());
+        for chunk in batch.chunks(SYNC_CHUNK) {
+            let local_at_send = self.clock.now().as_micros();
+            match self.target.sync(chunk, now).await {
+                Ok(synced) => {
+                    self.observe_shared_time(synced.now, local_at_send);
+                    let decided_at = self.now(now);
+                    for (check, state) in chunk.iter().zip(synced.states) {
+                        self.adopt(check, state, decided_at);
+                    }
+                    self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(error) => {
+                    for check in chunk {
+                        self.keep_for_later(check);
+                    }
+                    self.stats.calls_failed.fetch_add(1, Ordering::Relaxed);
+                    outcome = Err(error);
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Replaces a key's local copy by the shared state, then re-applies what was admitted here
+    /// while the sync call was out.
+    fn adopt(&self, check: &Check, state: Option<State>, now: u64) {
+        let mut shard = self.lock_shard_of(&check.key);
+        if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
+            entry.state = state;
+            entry.in_flight = 0;
+            if entry.pending > 0 {
+                let limit = entry.limit.clone();
+                algorithm::consume(&limit, &mut entry.state, now, entry.pending, 0);
+            }
+        }
+    }
+
+    /// Puts a failed call's units back with the key's unsent ones.
+    fn keep_for_later(&self, check: &Check) {
+        let mut shard = self.lock_shard_of(&check.key);
+        if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
+            entry.pending += entry.in_flight;
+            entry.in_flight = 0;
+        }
+    }
+}
+
+enum Attempt {
+    Decided(Decision),
+    /// Keys this request must fetch (with the sender that wakes other waiters), and fetches by
+    /// other requests to wait for.
+    Wait {
+        fetch: Vec<(usize, watch::Sender<bool>)>,
+        wait: Vec<watch::Receiver<bool>>,
+    },
+}
+
+type Guards<'a> = SmallVec<[(usize, MutexGuard<'a, Shard>); 8]>;
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // Entries are replaced whole, so a shard poisoned by a panic is still consistent.
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The locked shard `id` among `guards` (which holds every shard the request touches).
+fn locked<'g>(guards: &'g mut Guards<'_>, id: usize) -> &'g mut Shard {
+    let position = guards
+        .iter()
+        .position(|(locked, _)| *locked == id)
+        .unwrap_or_default();
+    &mut guards[position].1
+}
+
+/// The ready entry of `key`, which the caller has seen ready under the same lock.
+fn ready<'s>(shard: &'s mut Shard, key: &str) -> &'s mut Entry {
+    match shard.get_mut(key) {
+        Some(Slot::Ready(entry)) => entry,
+        _ => unreachable!("every key was seen ready under the same locks"),
+    }
+}
+
+fn sync_check(key: &Arc<str>, limit: &Arc<Limit>, units: u64) -> Check {
+    Check {
+        key: key.clone(),
+        rule: limit.shared_name().clone(),
+        limit: limit.clone(),
+        cost: units,
+    }
+}
+
+/// Gives `units` back to a local state.
+fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
+    let credit = units * limit.emission_micros();
+    match state {
+        State::TokenBucket(bucket) => {
+            // Debt (refill still to come) is paid back first.
+            let debt = bucket.updated_at.saturating_sub(now).min(credit);
+            bucket.updated_at -= debt;
+            let full = limit.capacity() * limit.emission_micros();
+            bucket.level = (bucket.level + credit - debt).min(full);
+        }
+        State::Gcra(gcra) => gcra.tat = gcra.tat.saturating_sub(credit),
+        State::FixedWindow(window) if window.window_start == now - now % limit.window_micros() => {
+            window.count = window.count.saturating_sub(units);
+        }
+        State::SlidingWindowCounter(counters)
+            if counters.window_start == now - now % limit.window_micros() =>
+        {
+            counters.current = counters.current.saturating_sub(units);
+        }
+        _ => {}
+    }
+}
+
+async fn sync_periodically<T: SyncTarget>(shared: Weak<Shared<T>>, interval: Duration) {
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if let Err(error) = shared.sync_round(None).await {
+            tracing::debug!(%error, "batched sync failed; counts kept for the next round");
+        }
+    }
+}
+
+impl<T: SyncTarget> Store for BatchedStore<T> {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            loop {
+                if shared.target.breaker_state() == Some(BreakerState::Open) {
+                    return Err(StoreError::BreakerOpen);
+                }
+                match shared.decide_locally(checks, shared.now(now))? {
+                    Attempt::Decided(decision) => return Ok(decision),
+                    Attempt::Wait { fetch, wait } => {
+                        if !fetch.is_empty() {
+                            shared.fetch(checks, fetch, now).await?;
+                        }
+                        for mut receiver in wait {
+                            // A dropped sender (its request went away) is taken over on retry.
+                            let _ = receiver.wait_for(|done| *done).await;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, _leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        // Batched limits never take leases (concurrency cannot run batched).
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn backend(&self) -> &'static str {
+        "batched"
+    }
+
+    fn breaker_state(&self) -> Option<BreakerState> {
+        self.shared.target.breaker_state()
+    }
+}

@@ -1,0 +1,324 @@
+//! Batched mode against real redis-server processes: local decisions, one sync call per
+//! interval, debt carried by the shared state, replay after an outage.
+
+mod conformance;
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate::store::batched::{BatchedStats, BatchedStore};
+use floodgate::store::{BoxFuture, RedisStore};
+use floodgate::{
+    Algorithm, Check, Decision, FakeClock, Lease, Limit, Store, StoreError, Timestamp,
+};
+use support::RedisServer;
+
+use conformance::{T0, at, ms, secs};
+
+fn redis(server: &RedisServer) -> RedisStore {
+    RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("store")
+}
+
+/// A node whose sync task never fires on its own: tests drive syncs with explicit times.
+fn node(server: &RedisServer) -> BatchedStore<RedisStore> {
+    BatchedStore::builder(redis(server))
+        .sync_interval(Duration::from_secs(3600))
+        .idle_after(Duration::from_secs(36_000))
+        .build()
+}
+
+/// One node that syncs after every decision: a single node must stay exact, and every state
+/// must survive the trip through Redis (Rust state → Lua sync → exported fields → Rust).
+struct SyncedAfterEveryDecision {
+    _server: RedisServer,
+    node: BatchedStore<RedisStore>,
+}
+
+impl Store for SyncedAfterEveryDecision {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move {
+            let decision = self.node.check_and_consume(checks, now).await?;
+            self.node.sync_now(now).await?;
+            Ok(decision)
+        })
+    }
+
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.node.release(leases)
+    }
+
+    fn backend(&self) -> &'static str {
+        "batched"
+    }
+}
+
+async fn synced_node() -> SyncedAfterEveryDecision {
+    let server = RedisServer::start();
+    let node = node(&server);
+    SyncedAfterEveryDecision {
+        _server: server,
+        node,
+    }
+}
+
+batchable_conformance_suite!(synced_node());
+
+fn check(limit: &Arc<Limit>, identity: &str) -> Vec<Check> {
+    vec![Check::new(
+        format!("fgtest:{{key:{identity}}}:plan:{}", limit.name()),
+        limit.clone(),
+        1,
+    )]
+}
+
+async fn admitted(node: &BatchedStore<RedisStore>, checks: &[Check], now: Timestamp) -> u64 {
+    let mut admitted = 0;
+    while node
+        .check_and_consume(checks, Some(now))
+        .await
+        .expect("decision")
+        .is_allowed()
+    {
+        admitted += 1;
+    }
+    admitted
+}
+
+#[tokio::test]
+async fn a_sync_makes_every_node_see_the_sum_of_what_all_admitted() {
+    let server = RedisServer::start();
+    let (a, b) = (node(&server), node(&server));
+    let limit = Arc::new(Limit::fixed_window("m", 10, secs(60)).unwrap());
+    let checks = check(&limit, "alice");
+    let now = at(ms(0));
+    for _ in 0..4 {
+        assert!(
+            a.check_and_consume(&checks, Some(now))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    for _ in 0..3 {
+        assert!(
+            b.check_and_consume(&checks, Some(now))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    a.sync_now(Some(now)).await.unwrap();
+    b.sync_now(Some(now)).await.unwrap();
+    a.sync_now(Some(now)).await.unwrap();
+    // Both now hold 7 of 10: three more in all, wherever they land.
+    let decision = a.check_and_consume(&checks, Some(now)).await.unwrap();
+    assert_eq!(
+        decision.binding_limit().map(|limit| limit.remaining),
+        Some(2)
+    );
+    assert_eq!(admitted(&b, &checks, now).await, 3);
+    let stored: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
+    assert_eq!(stored, vec!["7".to_owned()], "b's three are not sent yet");
+    b.sync_now(Some(now)).await.unwrap();
+    let stored: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
+    assert_eq!(
+        stored,
+        vec!["10".to_owned()],
+        "a's last one is not sent yet"
+    );
+    a.sync_now(Some(now)).await.unwrap();
+    let stored: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
+    assert_eq!(
+        stored,
+        vec!["11".to_owned()],
+        "one over: what a admitted before it heard of b's three"
+    );
+    assert_eq!(admitted(&a, &checks, now).await, 0);
+}
+
+/// Two nodes each spend a full bucket before they hear of each other: the overshoot becomes a
+/// debt in the shared state that both pay back before admitting again.
+#[tokio::test]
+async fn overshoot_is_a_debt_paid_back_before_anyone_admits_again() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let server = RedisServer::start();
+        let (a, b) = (node(&server), node(&server));
+        let limit = Arc::new(Limit::new("s", algorithm, 10, secs(1)).unwrap());
+        let checks = check(&limit, "bob");
+        let now = at(ms(0));
+        // Both fetch a fresh (full) bucket and spend it locally: 20 where 10 were allowed.
+        assert_eq!(admitted(&a, &checks, now).await, 10);
+        assert_eq!(admitted(&b, &checks, now).await, 10);
+        a.sync_now(Some(now)).await.unwrap();
+        b.sync_now(Some(now)).await.unwrap();
+        a.sync_now(Some(now)).await.unwrap();
+        // The shared state owes 10 tokens: one second of refill goes to paying it.
+        for node in [&a, &b] {
+            assert_eq!(
+                admitted(node, &checks, at(ms(900))).await,
+                0,
+                "{algorithm:?}"
+            );
+        }
+        // Two seconds later the debt is paid and one second of refill (10) is available.
+        assert_eq!(
+            admitted(&a, &checks, at(secs(2))).await,
+            10,
+            "{algorithm:?}"
+        );
+    }
+}
+
+/// Many rounds of two nodes hammering one identity: what both admit in all stays within the
+/// documented bound of the allowance (burst + rate × time).
+#[tokio::test]
+async fn two_busy_nodes_stay_within_the_documented_bound() {
+    let server = RedisServer::start();
+    let nodes = [node(&server), node(&server)];
+    let limit = Arc::new(Limit::token_bucket("s", 100, secs(1)).unwrap());
+    let checks = check(&limit, "carol");
+    let interval = ms(100);
+    let rounds = 50u64; // 5 s
+    let mut total = 0;
+    for round in 0..rounds {
+        // Each node sees a request every millisecond of the interval; it admits what its copy
+        // allows.
+        for step in 0..100u64 {
+            let now = at(interval * round as u32 + Duration::from_micros(step * 1_000));
+            for node in &nodes {
+                if node
+                    .check_and_consume(&checks, Some(now))
+                    .await
+                    .unwrap()
+                    .is_allowed()
+                {
+                    total += 1;
+                }
+            }
+        }
+        let end = at(interval * (round as u32 + 1));
+        for node in &nodes {
+            node.sync_now(Some(end)).await.unwrap();
+        }
+    }
+    let allowance = 100 + 100 * 5;
+    // (N − 1) × (r × 2T + c): 1 × (100 × 0.2 + 100) = 120.
+    let bound = 120;
+    eprintln!("two busy nodes admitted {total}; allowance {allowance}");
+    assert!(
+        total >= allowance - 20 && total <= allowance + bound,
+        "admitted {total}, allowance {allowance}, bound +{bound}"
+    );
+}
+
+#[tokio::test]
+async fn counts_sent_during_an_outage_are_replayed_and_stale_ones_dropped() {
+    let mut server = RedisServer::start();
+    let clock = FakeClock::new(Timestamp::from_micros(T0));
+    let a = BatchedStore::builder(
+        RedisStore::builder(server.url())
+            .timeout(ms(500))
+            .breaker(1000, ms(1))
+            .build()
+            .unwrap(),
+    )
+    .sync_interval(Duration::from_secs(3600))
+    .clock(clock.clone())
+    .build();
+    let minute = Arc::new(Limit::fixed_window("m", 100, secs(60)).unwrap());
+    let second = Arc::new(Limit::fixed_window("s", 100, secs(1)).unwrap());
+    let now = at(ms(0));
+    let (minute_check, second_check) = (check(&minute, "dave"), check(&second, "dave"));
+    for _ in 0..5 {
+        assert!(
+            a.check_and_consume(&minute_check, Some(now))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+        assert!(
+            a.check_and_consume(&second_check, Some(now))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    server.kill();
+    assert!(a.sync_now(Some(now)).await.is_err(), "the server is down");
+    server.restart();
+    // 1.5 s later: the per-minute counts still belong to their window, the per-second ones
+    // do not.
+    clock.advance(ms(1500));
+    let later = at(ms(1500));
+    a.sync_now(Some(later)).await.unwrap();
+    let minute_count: Vec<String> = server.command(&["HMGET", &minute_check[0].key, "c"]);
+    assert_eq!(minute_count, vec!["5".to_owned()]);
+    let second_exists: i64 = server.command(&["EXISTS", &second_check[0].key]);
+    assert_eq!(second_exists, 0, "stale counts are dropped, not replayed");
+    let stats: BatchedStats = a.stats();
+    assert_eq!(stats.dropped_units, 5);
+    assert_eq!(stats.failed_rounds, 1);
+}
+
+/// The Redis work of batched mode follows the interval, not the traffic: thousands of decisions
+/// a second over four nodes cost one script call per node per interval (counted by the server),
+/// plus one first-sight fetch per node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_calls_follow_the_interval_not_the_traffic() {
+    let server = RedisServer::start();
+    let interval = ms(100);
+    let nodes: Vec<BatchedStore<RedisStore>> = (0..4)
+        .map(|_| {
+            BatchedStore::builder(redis(&server))
+                .sync_interval(interval)
+                .build()
+        })
+        .collect();
+    let limit = Arc::new(Limit::token_bucket("s", 1000, secs(1)).unwrap());
+    let checks = check(&limit, "hot");
+    let _: () = server.command(&["CONFIG", "RESETSTAT"]);
+    let started = std::time::Instant::now();
+    let mut decisions = 0u64;
+    while started.elapsed() < Duration::from_secs(1) {
+        for node in &nodes {
+            node.check_and_consume(&checks, None).await.unwrap();
+            decisions += 1;
+        }
+        if decisions.is_multiple_of(400) {
+            tokio::task::yield_now().await;
+        }
+    }
+    let elapsed = started.elapsed();
+    let info: String = server.command(&["INFO", "commandstats"]);
+    let calls: u64 = ["cmdstat_evalsha:", "cmdstat_eval:"]
+        .iter()
+        .filter_map(|stat| info.lines().find(|line| line.starts_with(stat)))
+        .filter_map(|line| {
+            line.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    let intervals = (elapsed.as_millis() / interval.as_millis()) as u64 + 1;
+    let allowed = 4 * intervals + 4;
+    assert!(
+        decisions >= 10_000,
+        "the load is real: {decisions} decisions"
+    );
+    assert!(
+        calls <= allowed,
+        "{calls} script calls for {decisions} decisions over {elapsed:?}; at most {allowed}"
+    );
+    assert!(calls >= 4, "every node synced: {calls}");
+}
