@@ -82,7 +82,6 @@ impl Decision {
         leases: Vec<Lease>,
     ) -> Decision {
         debug_assert_eq!(checks.len(), outcomes.len());
-        let allowed = outcomes.iter().all(|outcome| outcome.allowed);
         let limits: Vec<LimitStatus> = checks
             .iter()
             .zip(outcomes)
@@ -99,6 +98,35 @@ impl Decision {
                 definition: check.limit.clone(),
             })
             .collect();
+        let delay = outcomes
+            .iter()
+            .map(|outcome| outcome.delay_micros)
+            .max()
+            .map_or(Duration::ZERO, Duration::from_micros);
+        Decision::from_statuses(decided_at, limits, delay, leases)
+    }
+
+    /// Joins decisions on disjoint parts of one request's checks, in the order given (the
+    /// request's check order): admitted if every part admitted.
+    pub(crate) fn joined(decided_at: Timestamp, parts: Vec<Decision>) -> Decision {
+        let mut limits = Vec::new();
+        let mut leases = Vec::new();
+        let mut delay = Duration::ZERO;
+        for part in parts {
+            limits.extend(part.limits);
+            leases.extend(part.leases);
+            delay = delay.max(part.delay);
+        }
+        Decision::from_statuses(decided_at, limits, delay, leases)
+    }
+
+    fn from_statuses(
+        decided_at: Timestamp,
+        limits: Vec<LimitStatus>,
+        delay: Duration,
+        leases: Vec<Lease>,
+    ) -> Decision {
+        let allowed = limits.iter().all(|limit| limit.allowed);
         let (binding, retry_after) = if allowed {
             let tightest = (0..limits.len()).reduce(|best, index| {
                 if limits[index].has_less_room_than(&limits[best]) {
@@ -121,11 +149,6 @@ impl Decision {
                 .max_by_key(|&index| wait(index));
             (slowest, slowest.and_then(|index| limits[index].retry_after))
         };
-        let delay = outcomes
-            .iter()
-            .map(|outcome| outcome.delay_micros)
-            .max()
-            .map_or(Duration::ZERO, Duration::from_micros);
         Decision {
             allowed,
             decided_at,

@@ -103,3 +103,140 @@ mod sharded {
         );
     }
 }
+
+/// The same suite on a real 3-master Redis Cluster that the test creates
+/// (`--cluster-enabled yes`, `redis-cli --cluster create`): one call per slot, routed by the
+/// cluster client, MOVED / ASK followed by it.
+mod cluster {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use floodgate::store::RedisStore;
+    use floodgate::{Check, Limit, Store};
+
+    use super::conformance;
+    use super::support::RedisCluster;
+
+    struct ClusterStore {
+        cluster: RedisCluster,
+        store: RedisStore,
+    }
+
+    impl Store for ClusterStore {
+        fn check_and_consume<'a>(
+            &'a self,
+            checks: &'a [Check],
+            now: Option<floodgate::Timestamp>,
+        ) -> floodgate::store::BoxFuture<'a, Result<floodgate::Decision, floodgate::StoreError>>
+        {
+            self.store.check_and_consume(checks, now)
+        }
+
+        fn release<'a>(
+            &'a self,
+            leases: Vec<floodgate::Lease>,
+        ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
+            self.store.release(leases)
+        }
+
+        fn backend(&self) -> &'static str {
+            "redis_cluster"
+        }
+    }
+
+    fn on(cluster: RedisCluster) -> ClusterStore {
+        let store = RedisStore::cluster(cluster.urls())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("store");
+        ClusterStore { cluster, store }
+    }
+
+    /// One cluster for the whole suite would be faster, but every test wants fresh keys: the
+    /// suite's keys are fixed, so each test gets its own cluster.
+    async fn fresh_store() -> ClusterStore {
+        on(RedisCluster::start(3))
+    }
+
+    crate::conformance_suite!(fresh_store());
+
+    /// Identities land on all three masters, and a request's limits spanning two identities
+    /// (two slots) are still all-or-nothing.
+    #[tokio::test]
+    async fn identities_spread_over_the_masters() {
+        let store = fresh_store().await;
+        let keys: Vec<String> = (0..30)
+            .map(|client| format!("fg:{{ip:{client}}}:r:m"))
+            .collect();
+        let mut masters: Vec<usize> = keys
+            .iter()
+            .map(|key| store.cluster.master_of(key))
+            .collect();
+        masters.sort_unstable();
+        masters.dedup();
+        assert_eq!(masters, vec![0, 1, 2], "keys on every master");
+        let limit = Arc::new(Limit::fixed_window("m", 2, Duration::from_secs(60)).unwrap());
+        for key in &keys {
+            let checks = [Check::new(key.clone(), limit.clone(), 1)];
+            let admitted = futures_admitted(&store, &checks, 4).await;
+            assert_eq!(admitted, 2, "{key}");
+        }
+    }
+
+    async fn futures_admitted(store: &ClusterStore, checks: &[Check], tries: u32) -> u32 {
+        let mut admitted = 0;
+        for _ in 0..tries {
+            admitted += u32::from(
+                store
+                    .check_and_consume(checks, None)
+                    .await
+                    .expect("decision")
+                    .is_allowed(),
+            );
+        }
+        admitted
+    }
+
+    /// One master dies: identities on the other two keep being enforced; those on the dead
+    /// master get errors, for the failure policy.
+    #[tokio::test]
+    async fn losing_a_master_affects_only_its_identities() {
+        let mut store = fresh_store().await;
+        let limit = Arc::new(Limit::fixed_window("m", 2, Duration::from_secs(60)).unwrap());
+        let keys: Vec<String> = (0..30)
+            .map(|client| format!("fg:{{ip:{client}}}:r:m"))
+            .collect();
+        let owners: Vec<usize> = keys
+            .iter()
+            .map(|key| store.cluster.master_of(key))
+            .collect();
+        // Warm the client's slot map, then kill a master.
+        let warm = [Check::new(keys[0].clone(), limit.clone(), 0)];
+        store.check_and_consume(&warm, None).await.expect("warm");
+        let victim = 1;
+        store.cluster.masters[victim].kill();
+        let (mut enforced, mut failed) = (0, 0);
+        for (key, &owner) in keys.iter().zip(&owners) {
+            let checks = [Check::new(key.clone(), limit.clone(), 1)];
+            let mut admitted = 0;
+            let mut errors = 0;
+            for _ in 0..3 {
+                match store.check_and_consume(&checks, None).await {
+                    Ok(decision) => admitted += u32::from(decision.is_allowed()),
+                    Err(_) => errors += 1,
+                }
+            }
+            if owner == victim {
+                assert_eq!(errors, 3, "{key} lives on the dead master");
+                failed += 1;
+            } else {
+                assert_eq!((admitted, errors), (2, 0), "{key} is still enforced");
+                enforced += 1;
+            }
+        }
+        assert!(
+            enforced > 10 && failed > 3,
+            "{enforced} enforced, {failed} on the dead master"
+        );
+    }
+}

@@ -75,8 +75,16 @@ pub trait SyncTarget: Send + Sync + 'static {
     /// A short name for logs and metrics.
     fn backend(&self) -> &'static str;
 
-    /// The circuit breaker's state: while open, batched decisions follow the failure policy.
+    /// The circuit breaker's state, for readiness.
     fn breaker_state(&self) -> Option<BreakerState>;
+
+    /// Whether calls on `key` are refused by an open breaker: batched decisions on it then
+    /// follow the failure policy. Stores with one breaker per node or slot answer per key, so
+    /// that one lost node does not stop the others' identities.
+    fn is_refused(&self, key: &str) -> bool {
+        let _ = key;
+        self.breaker_state() == Some(BreakerState::Open)
+    }
 }
 
 /// Whether `algorithm` can be decided from batched counters. The logs, the leaky bucket's
@@ -648,7 +656,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         Box::pin(async move {
             let shared = &self.shared;
             loop {
-                if shared.target.breaker_state() == Some(BreakerState::Open) {
+                if checks
+                    .iter()
+                    .any(|check| shared.target.is_refused(&check.key))
+                {
                     return Err(StoreError::BreakerOpen);
                 }
                 match shared.decide_locally(checks, shared.now(now))? {

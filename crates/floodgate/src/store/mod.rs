@@ -10,12 +10,16 @@ mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod resilience;
+#[cfg(feature = "redis")]
+pub mod split;
 
 #[cfg(feature = "redis")]
 pub use batched::{BatchedStore, BatchedStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore};
+#[cfg(feature = "redis")]
+pub use split::SplitStore;
 
 use std::future::Future;
 use std::pin::Pin;

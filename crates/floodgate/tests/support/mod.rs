@@ -15,6 +15,7 @@ use floodgate::{Check, Decision, Lease, Store, StoreError, Timestamp};
 pub struct RedisServer {
     child: Option<Child>,
     port: u16,
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -39,10 +40,23 @@ impl RedisServer {
 
     /// Starts a server on `port`; returns once it accepts connections (it says so on stdout).
     pub fn start_on(port: u16) -> Result<RedisServer, String> {
+        RedisServer::spawn(port, &[])
+    }
+
+    /// Starts `redis-server` on `port` with `extra` arguments after the defaults (no
+    /// persistence, loopback only); returns once it accepts connections. As on redis-server's
+    /// own command line, a first `extra` argument not starting with `--` is a config file.
+    pub fn spawn(port: u16, extra: &[String]) -> Result<RedisServer, String> {
+        let (config_file, options) = match extra.split_first() {
+            Some((file, rest)) if !file.starts_with("--") => (Some(file), rest),
+            _ => (None, extra),
+        };
         let mut child = Command::new("redis-server")
+            .args(config_file)
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .args(["--protected-mode", "no", "--logfile", ""])
+            .args(options)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -57,7 +71,9 @@ impl RedisServer {
         let ready = loop {
             match lines.next() {
                 Some(Ok(line)) => {
-                    let ready = line.contains("Ready to accept connections");
+                    // Sentinels announce their id instead of readiness.
+                    let ready = line.contains("Ready to accept connections")
+                        || line.contains("Sentinel ID is");
                     log.push(line);
                     if ready {
                         break true;
@@ -79,7 +95,21 @@ impl RedisServer {
         Ok(RedisServer {
             child: Some(child),
             port,
+            extra: extra.to_vec(),
         })
+    }
+
+    /// Starts a server on a free port with `extra` arguments, retrying on port races.
+    pub fn start_with(extra: impl Fn(u16) -> Vec<String>) -> RedisServer {
+        let mut last_error = String::new();
+        for _ in 0..10 {
+            let port = free_port();
+            match RedisServer::spawn(port, &extra(port)) {
+                Ok(server) => return server,
+                Err(error) => last_error = error,
+            }
+        }
+        panic!("could not start redis-server: {last_error}");
     }
 
     /// `redis://127.0.0.1:<port>`.
@@ -105,7 +135,7 @@ impl RedisServer {
         self.kill();
         let mut last_error = String::new();
         for _ in 0..50 {
-            match RedisServer::start_on(self.port) {
+            match RedisServer::spawn(self.port, &self.extra) {
                 Ok(mut server) => {
                     self.child = server.child.take();
                     return;
@@ -130,13 +160,255 @@ impl RedisServer {
 
     /// Runs a command and returns its reply.
     pub fn command<T: deadpool_redis::redis::FromRedisValue>(&self, args: &[&str]) -> T {
+        self.try_command(args).expect("command succeeds")
+    }
+
+    /// Runs a command; the error if the server refuses it or is unreachable.
+    pub fn try_command<T: deadpool_redis::redis::FromRedisValue>(
+        &self,
+        args: &[&str],
+    ) -> Result<T, deadpool_redis::redis::RedisError> {
         let mut command = deadpool_redis::redis::cmd(args[0]);
         for arg in &args[1..] {
             command.arg(*arg);
         }
-        command
-            .query(&mut self.connection())
-            .expect("command succeeds")
+        let client = deadpool_redis::redis::Client::open(self.url())?;
+        let mut connection = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        command.query(&mut connection)
+    }
+
+    /// Script calls (EVALSHA and EVAL) this server has run since its last `CONFIG RESETSTAT`.
+    pub fn script_calls(&self) -> u64 {
+        let info: String = self.command(&["INFO", "commandstats"]);
+        ["cmdstat_evalsha:", "cmdstat_eval:"]
+            .iter()
+            .filter_map(|stat| info.lines().find(|line| line.starts_with(stat)))
+            .filter_map(|line| {
+                line.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+}
+
+/// Polls `condition` every 50 ms until it holds or `within` passes: for states that Redis only
+/// exposes by being asked (cluster and sentinel convergence), with no event to wait on.
+pub fn wait_until(within: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} did not happen within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A real Redis Cluster: `masters` servers with `--cluster-enabled yes`, joined by
+/// `redis-cli --cluster create`, no replicas. `cluster-require-full-coverage no` lets the
+/// surviving masters serve their slots when one dies.
+pub struct RedisCluster {
+    pub masters: Vec<RedisServer>,
+    config_dir: std::path::PathBuf,
+}
+
+impl RedisCluster {
+    pub fn start(masters: usize) -> RedisCluster {
+        let config_dir = std::env::temp_dir().join(format!(
+            "floodgate-cluster-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&config_dir).expect("cluster config dir");
+        let dir = config_dir.clone();
+        let servers: Vec<RedisServer> = (0..masters)
+            .map(|_| {
+                RedisServer::start_with(|port| {
+                    let file = dir.join(format!("nodes-{port}.conf"));
+                    let _ = std::fs::remove_file(&file);
+                    vec![
+                        "--cluster-enabled".into(),
+                        "yes".into(),
+                        "--cluster-config-file".into(),
+                        file.display().to_string(),
+                        "--cluster-node-timeout".into(),
+                        "1000".into(),
+                        "--cluster-require-full-coverage".into(),
+                        "no".into(),
+                    ]
+                })
+            })
+            .collect();
+        let addresses: Vec<String> = servers
+            .iter()
+            .map(|server| format!("127.0.0.1:{}", server.port()))
+            .collect();
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli is installed with redis-server");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        for server in &servers {
+            wait_until(Duration::from_secs(20), "cluster_state:ok", || {
+                server
+                    .try_command::<String>(&["CLUSTER", "INFO"])
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            });
+        }
+        RedisCluster {
+            masters: servers,
+            config_dir,
+        }
+    }
+
+    /// Seed URLs of every master.
+    pub fn urls(&self) -> Vec<String> {
+        self.masters.iter().map(RedisServer::url).collect()
+    }
+
+    /// The master serving `key`'s slot.
+    pub fn master_of(&self, key: &str) -> usize {
+        let slot = floodgate::store::redis::hash_slot(key);
+        let slots: Vec<Vec<deadpool_redis::redis::Value>> =
+            self.masters[0].command(&["CLUSTER", "SLOTS"]);
+        for range in slots {
+            let (Some(start), Some(end), Some(node)) = (range.first(), range.get(1), range.get(2))
+            else {
+                continue;
+            };
+            let number = |value: &deadpool_redis::redis::Value| match value {
+                deadpool_redis::redis::Value::Int(int) => *int,
+                _ => -1,
+            };
+            if (number(start)..=number(end)).contains(&i64::from(slot))
+                && let deadpool_redis::redis::Value::Array(node) = node
+                && let Some(port) = node.get(1)
+            {
+                let port = number(port);
+                return self
+                    .masters
+                    .iter()
+                    .position(|master| i64::from(master.port()) == port)
+                    .expect("a master of this cluster");
+            }
+        }
+        panic!("slot {slot} is not served");
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for master in &mut self.masters {
+            master.kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.config_dir);
+    }
+}
+
+/// A master, one replica and three sentinels (quorum 2) watching it as `fgmaster`, with
+/// failover tuned to seconds.
+pub struct SentinelGroup {
+    pub master: RedisServer,
+    pub replica: RedisServer,
+    pub sentinels: Vec<RedisServer>,
+    config_dir: std::path::PathBuf,
+}
+
+pub const SENTINEL_MASTER: &str = "fgmaster";
+
+impl SentinelGroup {
+    pub fn start() -> SentinelGroup {
+        let master = RedisServer::start();
+        let master_port = master.port();
+        let replica = RedisServer::start_with(|_| {
+            vec![
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                master_port.to_string(),
+            ]
+        });
+        wait_until(Duration::from_secs(20), "the replica to sync", || {
+            replica
+                .try_command::<String>(&["INFO", "replication"])
+                .is_ok_and(|info| info.contains("master_link_status:up"))
+        });
+        let config_dir = std::env::temp_dir().join(format!(
+            "floodgate-sentinel-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&config_dir).expect("sentinel config dir");
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                let dir = config_dir.clone();
+                RedisServer::start_with(move |port| {
+                    let file = dir.join(format!("sentinel-{port}.conf"));
+                    std::fs::write(
+                        &file,
+                        format!(
+                            "sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {master_port} 2\n\
+                             sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                             sentinel failover-timeout {SENTINEL_MASTER} 5000\n\
+                             sentinel parallel-syncs {SENTINEL_MASTER} 1\n"
+                        ),
+                    )
+                    .expect("sentinel config");
+                    vec![file.display().to_string(), "--sentinel".into()]
+                })
+            })
+            .collect();
+        let group = SentinelGroup {
+            master,
+            replica,
+            sentinels,
+            config_dir,
+        };
+        for sentinel in &group.sentinels {
+            wait_until(
+                Duration::from_secs(20),
+                "sentinels to see each other",
+                || {
+                    sentinel
+                        .try_command::<Vec<Vec<String>>>(&[
+                            "SENTINEL",
+                            "SENTINELS",
+                            SENTINEL_MASTER,
+                        ])
+                        .is_ok_and(|others| others.len() == 2)
+                },
+            );
+        }
+        group
+    }
+
+    pub fn sentinel_urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(RedisServer::url).collect()
+    }
+
+    /// The port of the master the sentinels currently name.
+    pub fn current_master_port(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|sentinel| {
+            let address: Vec<String> = sentinel
+                .try_command(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER])
+                .ok()?;
+            address.get(1)?.parse().ok()
+        })
+    }
+}
+
+impl Drop for SentinelGroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.config_dir);
     }
 }
 

@@ -23,14 +23,20 @@ pub fn check_script_source() -> String {
     script::check_source()
 }
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_redis::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use deadpool_redis::redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use deadpool_redis::redis::cluster::ClusterClient;
+use deadpool_redis::redis::cluster_async::ClusterConnection;
+use deadpool_redis::redis::sentinel::{SentinelClient, SentinelServerType};
 use deadpool_redis::redis::{self, Client, RedisError, Value};
 
 use super::batched::{SyncTarget, Synced};
-use super::resilience::{Guard, GuardConfig, LogObserver, StoreObserver};
+use super::resilience::{BreakerState, Guard, GuardConfig, LogObserver, StoreObserver};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::LimitOutcome;
 use crate::decision::Decision;
@@ -48,10 +54,24 @@ pub enum ConnectionMode {
     Pool(usize),
 }
 
+/// Which Redis deployment a store talks to.
+#[derive(Clone, Debug)]
+enum Deployment {
+    /// One server (or a proxy), by URL.
+    Single(String),
+    /// A Redis Cluster, reached through any of these seed nodes.
+    Cluster(Vec<String>),
+    /// The master that these sentinels elect for `master`.
+    Sentinel {
+        master: String,
+        sentinels: Vec<String>,
+    },
+}
+
 /// Configures a [`RedisStore`].
 #[must_use]
 pub struct RedisStoreBuilder {
-    url: String,
+    deployment: Deployment,
     mode: ConnectionMode,
     guard: GuardConfig,
     observer: Arc<dyn StoreObserver>,
@@ -59,7 +79,9 @@ pub struct RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
-    /// Multiplexed connection or pool (default multiplexed).
+    /// Multiplexed connection or pool (default multiplexed). Cluster and Sentinel stores always
+    /// use a pool, of one connection unless a pool size is given (their connections are
+    /// multiplexed too).
     pub fn connection_mode(mut self, mode: ConnectionMode) -> Self {
         self.mode = mode;
         self
@@ -94,13 +116,31 @@ impl RedisStoreBuilder {
     /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
-        let connection = match self.mode {
-            ConnectionMode::Multiplexed => {
-                let client = Client::open(self.url.as_str()).map_err(invalid_url)?;
+        let pool_size = match self.mode {
+            ConnectionMode::Multiplexed => 1,
+            ConnectionMode::Pool(size) => size.max(1),
+        };
+        let guard = &self.guard;
+        // The three pools share their tuning: waits and creation bounded by the deadline.
+        macro_rules! tuned {
+            ($builder:expr) => {
+                $builder
+                    .map_err(|error| StoreError::Unavailable(error.into()))?
+                    .max_size(pool_size)
+                    .runtime(deadpool_redis::Runtime::Tokio1)
+                    .wait_timeout(Some(guard.timeout))
+                    .create_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
+                    .recycle_timeout(Some(guard.timeout))
+                    .build()
+                    .map_err(|error| StoreError::Unavailable(error.into()))?
+            };
+        }
+        let mut cluster_compatible = self.cluster_compatible;
+        let connection = match (&self.deployment, self.mode) {
+            (Deployment::Single(url), ConnectionMode::Multiplexed) => {
+                let client = Client::open(url.as_str()).map_err(invalid_url)?;
                 let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(
-                        self.guard.timeout.max(Duration::from_millis(100)),
-                    ))
+                    .set_connection_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
                     .set_response_timeout(None)
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200));
@@ -110,28 +150,70 @@ impl RedisStoreBuilder {
                     manager: tokio::sync::OnceCell::new(),
                 }))
             }
-            ConnectionMode::Pool(size) => {
-                let pool = deadpool_redis::Config::from_url(self.url.as_str())
-                    .builder()
-                    .map_err(|error| StoreError::Unavailable(error.into()))?
-                    .max_size(size.max(1))
-                    .runtime(deadpool_redis::Runtime::Tokio1)
-                    .wait_timeout(Some(self.guard.timeout))
-                    .create_timeout(Some(self.guard.timeout.max(Duration::from_millis(100))))
-                    .recycle_timeout(Some(self.guard.timeout))
-                    .build()
-                    .map_err(|error| StoreError::Unavailable(error.into()))?;
-                Connection::Pool(pool)
+            (Deployment::Single(url), ConnectionMode::Pool(_)) => Connection::Pool(tuned!(
+                deadpool_redis::Config::from_url(url.as_str()).builder()
+            )),
+            (Deployment::Cluster(nodes), mode) => {
+                // Every call must stay on one slot.
+                cluster_compatible = true;
+                match mode {
+                    ConnectionMode::Multiplexed => {
+                        let client = ClusterClient::builder(nodes.clone())
+                            .connection_timeout(guard.timeout.max(Duration::from_millis(100)))
+                            .retries(1)
+                            .build()
+                            .map_err(invalid_url)?;
+                        Connection::Cluster(Box::new(LazyCluster {
+                            client,
+                            connection: tokio::sync::OnceCell::new(),
+                        }))
+                    }
+                    ConnectionMode::Pool(_) => Connection::ClusterPool(tuned!(
+                        deadpool_redis::cluster::Config::from_urls(nodes.clone()).builder()
+                    )),
+                }
             }
+            (Deployment::Sentinel { master, sentinels }, mode) => match mode {
+                ConnectionMode::Multiplexed => Connection::Sentinel(Box::new(SentinelMaster {
+                    client: tokio::sync::Mutex::new(
+                        SentinelClient::build(
+                            sentinels.clone(),
+                            master.clone(),
+                            None,
+                            SentinelServerType::Master,
+                        )
+                        .map_err(invalid_url)?,
+                    ),
+                    current: std::sync::Mutex::new(None),
+                })),
+                ConnectionMode::Pool(_) => Connection::SentinelPool(tuned!(
+                    deadpool_redis::sentinel::Config::from_urls(
+                        sentinels.clone(),
+                        master.clone(),
+                        deadpool_redis::sentinel::SentinelServerType::Master,
+                    )
+                    .builder()
+                )),
+            },
         };
+        let slot_guards = matches!(self.deployment, Deployment::Cluster(_)).then(|| SlotGuards {
+            config: self.guard,
+            observer: self.observer.clone(),
+            guards: std::sync::Mutex::new(HashMap::new()),
+        });
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
-                guard: Guard::new("redis", self.guard, self.observer),
-                cluster_compatible: self.cluster_compatible,
+                guard: Arc::new(Guard::new("redis", self.guard, self.observer)),
+                cluster_compatible,
+                slot_guards,
             }),
         })
     }
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
 }
 
 fn invalid_url(error: RedisError) -> StoreError {
@@ -141,6 +223,61 @@ fn invalid_url(error: RedisError) -> StoreError {
 enum Connection {
     Multiplexed(Box<LazyManager>),
     Pool(deadpool_redis::Pool),
+    /// One multiplexed cluster connection: routes each call by its first key's slot, follows
+    /// MOVED / ASK redirections and refreshes the slot map when nodes change.
+    Cluster(Box<LazyCluster>),
+    /// deadpool-redis's cluster pool: the same, n connections.
+    ClusterPool(deadpool_redis::cluster::Pool),
+    /// The master the sentinels name, re-asked after any connection failure.
+    Sentinel(Box<SentinelMaster>),
+    /// deadpool-redis's sentinel pool: new connections ask the sentinels for the master.
+    SentinelPool(deadpool_redis::sentinel::Pool),
+}
+
+/// A cluster connection created on first use.
+struct LazyCluster {
+    client: ClusterClient,
+    connection: tokio::sync::OnceCell<ClusterConnection>,
+}
+
+/// A multiplexed connection to the master the sentinels name. A failed call drops it, so the
+/// next call asks the sentinels again and, after a failover, reaches the promoted replica.
+struct SentinelMaster {
+    client: tokio::sync::Mutex<SentinelClient>,
+    current: std::sync::Mutex<Option<MultiplexedConnection>>,
+}
+
+impl SentinelMaster {
+    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        if let Some(connection) = self.current() {
+            return Ok(connection);
+        }
+        let mut client = self.client.lock().await;
+        // Another call may have connected while this one waited for the client.
+        if let Some(connection) = self.current() {
+            return Ok(connection);
+        }
+        let connection = client.get_async_connection().await.map_err(classify)?;
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(connection.clone());
+        Ok(connection)
+    }
+
+    fn current(&self) -> Option<MultiplexedConnection> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn forget(&self) {
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 /// A multiplexed connection created on first use, inside the runtime that will drive it.
@@ -152,8 +289,26 @@ struct LazyManager {
 
 struct Inner {
     connection: Connection,
-    guard: Guard,
+    guard: Arc<Guard>,
     cluster_compatible: bool,
+    /// On a cluster, one breaker per hash slot (created on first use), so that a dead master
+    /// trips only the breakers of its own slots and the other masters' identities are still
+    /// decided.
+    slot_guards: Option<SlotGuards>,
+}
+
+struct SlotGuards {
+    config: GuardConfig,
+    observer: Arc<dyn StoreObserver>,
+    guards: std::sync::Mutex<HashMap<u16, Arc<Guard>>>,
+}
+
+impl SlotGuards {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u16, Arc<Guard>>> {
+        self.guards
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The Redis store. Clones share connections and breaker.
@@ -186,8 +341,27 @@ fn classify(error: RedisError) -> StoreError {
 impl RedisStore {
     /// Configures a store for `url` (`redis://host:port/db`).
     pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStore::builder_for(Deployment::Single(url.into()))
+    }
+
+    /// Configures a store on a Redis Cluster reached through `nodes` (any subset of its
+    /// masters; the slot map is learned from them). Calls go one per hash slot.
+    pub fn cluster(nodes: Vec<String>) -> RedisStoreBuilder {
+        RedisStore::builder_for(Deployment::Cluster(nodes))
+    }
+
+    /// Configures a store on the master that `sentinels` (`redis://host:port` URLs) elect
+    /// under the name `master`; after a failover it follows the promoted replica.
+    pub fn sentinel(master: impl Into<String>, sentinels: Vec<String>) -> RedisStoreBuilder {
+        RedisStore::builder_for(Deployment::Sentinel {
+            master: master.into(),
+            sentinels,
+        })
+    }
+
+    fn builder_for(deployment: Deployment) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            url: url.into(),
+            deployment,
             mode: ConnectionMode::Multiplexed,
             guard: GuardConfig::default(),
             observer: Arc::new(LogObserver),
@@ -195,9 +369,33 @@ impl RedisStore {
         }
     }
 
-    /// The deadline and circuit breaker of this store.
+    /// The deadline and circuit breaker of this store (on a cluster, the template that each
+    /// slot's breaker is made from).
     pub fn guard(&self) -> &Guard {
         &self.inner.guard
+    }
+
+    /// The breaker that calls on `key` go through.
+    fn guard_for(&self, key: &str) -> Arc<Guard> {
+        match &self.inner.slot_guards {
+            None => self.inner.guard.clone(),
+            Some(slots) => slots
+                .lock()
+                .entry(hash_slot(key))
+                .or_insert_with(|| {
+                    Arc::new(Guard::new(
+                        "redis",
+                        slots.config,
+                        slots.observer.clone(),
+                    ))
+                })
+                .clone(),
+        }
+    }
+
+    /// Whether calls on `key` are being refused by an open breaker.
+    fn is_refused(&self, key: &str) -> bool {
+        self.guard_for(key).state() == BreakerState::Open
     }
 
     /// Runs one script invocation on a connection.
@@ -218,10 +416,32 @@ impl RedisStore {
                 invoke_on(&mut connection, invocation).await
             }
             Connection::Pool(pool) => {
-                let mut connection = pool
-                    .get()
+                let mut connection = pool.get().await.map_err(unavailable)?;
+                invoke_on(&mut *connection, invocation).await
+            }
+            Connection::Cluster(lazy) => {
+                let connection = lazy
+                    .connection
+                    .get_or_try_init(|| lazy.client.get_async_connection())
                     .await
-                    .map_err(|error| StoreError::Unavailable(error.into()))?;
+                    .map_err(classify)?;
+                invoke_on(&mut connection.clone(), invocation).await
+            }
+            Connection::ClusterPool(pool) => {
+                let mut connection = pool.get().await.map_err(unavailable)?;
+                invoke_on(&mut *connection, invocation).await
+            }
+            Connection::Sentinel(master) => {
+                let mut connection = master.connection().await?;
+                let result = invoke_on(&mut connection, invocation).await;
+                if result.is_err() {
+                    // Maybe a failover: ask the sentinels again next time.
+                    master.forget();
+                }
+                result
+            }
+            Connection::SentinelPool(pool) => {
+                let mut connection = pool.get().await.map_err(unavailable)?;
                 invoke_on(&mut *connection, invocation).await
             }
         }
@@ -235,8 +455,8 @@ impl RedisStore {
         tokens: &[String],
         now: Option<Timestamp>,
     ) -> Result<Reply, StoreError> {
-        self.inner
-            .guard
+        let key = checks.first().map_or("", |check| &*check.key);
+        self.guard_for(key)
             .call(self.call(mode, checks, tokens, now))
             .await
     }
@@ -247,8 +467,8 @@ impl RedisStore {
         checks: &[&Check],
         now: Option<Timestamp>,
     ) -> Result<Synced, StoreError> {
-        self.inner
-            .guard
+        let key = checks.first().map_or("", |check| &*check.key);
+        self.guard_for(key)
             .call(async {
                 let invocation = script::invocation(Mode::Sync, checks, &[], now);
                 let value = self.invoke(&invocation).await?;
@@ -475,8 +695,12 @@ impl SyncTarget for RedisStore {
         Store::backend(self)
     }
 
-    fn breaker_state(&self) -> Option<super::resilience::BreakerState> {
+    fn breaker_state(&self) -> Option<BreakerState> {
         Store::breaker_state(self)
+    }
+
+    fn is_refused(&self, key: &str) -> bool {
+        RedisStore::is_refused(self, key)
     }
 }
 
@@ -514,7 +738,19 @@ impl Store for RedisStore {
         "redis"
     }
 
-    fn breaker_state(&self) -> Option<super::resilience::BreakerState> {
-        Some(self.inner.guard.state())
+    /// On a cluster: open if any slot's breaker is not closed (its identities follow the
+    /// failure policy).
+    fn breaker_state(&self) -> Option<BreakerState> {
+        let Some(slots) = &self.inner.slot_guards else {
+            return Some(self.inner.guard.state());
+        };
+        Some(
+            slots
+                .lock()
+                .values()
+                .map(|guard| guard.state())
+                .find(|state| *state != BreakerState::Closed)
+                .unwrap_or(BreakerState::Closed),
+        )
     }
 }

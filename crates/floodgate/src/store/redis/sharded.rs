@@ -109,6 +109,10 @@ impl SyncTarget for ShardedRedisStore {
     fn breaker_state(&self) -> Option<BreakerState> {
         Store::breaker_state(self)
     }
+
+    fn is_refused(&self, key: &str) -> bool {
+        SyncTarget::is_refused(&self.nodes[self.node_of(key)], key)
+    }
 }
 
 impl Store for ShardedRedisStore {
