@@ -60,6 +60,14 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// `url` without its user and password, for printing.
+fn without_credentials(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, _)), Some(at)) => format!("{scheme}://***@{}", &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(config) => {
@@ -69,13 +77,35 @@ fn check(path: &std::path::Path) -> ExitCode {
                     .values()
                     .map(|plan| plan.limits.len())
                     .sum::<usize>();
-            let store = match &config.store.backend {
+            let backend = match &config.store.backend {
                 Backend::Memory => "memory".to_owned(),
-                Backend::Redis { url, .. } => format!("redis ({url})"),
+                Backend::Redis { url, .. } => format!("redis ({})", without_credentials(url)),
+                Backend::RedisSentinel {
+                    master, sentinels, ..
+                } => format!(
+                    "redis via sentinel ({master}, {} sentinels)",
+                    sentinels.len()
+                ),
+                Backend::RedisCluster { nodes, .. } => {
+                    format!("redis_cluster ({} seed nodes)", nodes.len())
+                }
                 Backend::RedisSharded { nodes, .. } => {
                     format!("redis_sharded ({} nodes)", nodes.len())
                 }
             };
+            let mode = match (
+                config.store.backend.is_shared(),
+                config.store.sync_interval,
+                config.store.global_sync_interval,
+            ) {
+                (false, _, _) => String::new(),
+                (true, Some(interval), _) => format!(", batched every {interval:?}"),
+                (true, None, Some(interval)) => {
+                    format!(", exact (global ceilings batched every {interval:?})")
+                }
+                (true, None, None) => ", exact".to_owned(),
+            };
+            let store = format!("{backend}{mode}");
             println!(
                 "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
                 path.display(),

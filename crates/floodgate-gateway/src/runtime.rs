@@ -13,7 +13,11 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use floodgate::store::{ConnectionMode, RedisStore, ShardedRedisStore};
+use floodgate::Check;
+use floodgate::store::batched::SyncTarget;
+use floodgate::store::{
+    BatchedStore, ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore, SplitStore,
+};
 use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
     FailurePolicy, MemoryStore, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo,
@@ -184,38 +188,96 @@ impl std::fmt::Display for ReloadError {
     }
 }
 
-/// One Redis node with the store settings' deadline and breaker.
-fn redis_node(
+/// A Redis store with the settings' deadline and breaker, before its deployment is chosen.
+fn tuned(
     settings: &StoreSettings,
-    url: &str,
+    builder: RedisStoreBuilder,
     pool_size: Option<usize>,
 ) -> Result<RedisStore, String> {
-    let mode = pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool);
-    RedisStore::builder(url.to_owned())
-        .connection_mode(mode)
+    builder
+        .connection_mode(pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool))
         .timeout(settings.timeout)
         .breaker(settings.breaker_failures, settings.breaker_open_for)
         .build()
         .map_err(|error| format!("store: {error}"))
 }
 
-fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
-    match &settings.backend {
-        Backend::Memory => Ok(Arc::new(
-            MemoryStore::builder()
-                .evict_every(Duration::from_secs(10))
-                .build(),
-        )),
-        Backend::Redis { url, pool_size } => Ok(Arc::new(redis_node(settings, url, *pool_size)?)),
+/// The shared store, as both an exact store and a target for batched sync.
+fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SharedStore>>, String> {
+    Ok(Some(match &settings.backend {
+        Backend::Memory => return Ok(None),
+        Backend::Redis { url, pool_size } => Arc::new(tuned(
+            settings,
+            RedisStore::builder(url.clone()),
+            *pool_size,
+        )?),
+        Backend::RedisCluster { nodes, pool_size } => Arc::new(tuned(
+            settings,
+            RedisStore::cluster(nodes.clone()),
+            *pool_size,
+        )?),
+        Backend::RedisSentinel {
+            master,
+            sentinels,
+            pool_size,
+        } => Arc::new(tuned(
+            settings,
+            RedisStore::sentinel(master.clone(), sentinels.clone()),
+            *pool_size,
+        )?),
         Backend::RedisSharded { nodes, pool_size } => {
             let nodes = nodes
                 .iter()
-                .map(|url| Ok((url.clone(), redis_node(settings, url, *pool_size)?)))
+                .map(|url| {
+                    let node = tuned(settings, RedisStore::builder(url.clone()), *pool_size)?;
+                    Ok((url.clone(), node))
+                })
                 .collect::<Result<Vec<_>, String>>()?;
-            let store = ShardedRedisStore::new(nodes).map_err(|error| format!("store: {error}"))?;
-            Ok(Arc::new(store))
+            Arc::new(ShardedRedisStore::new(nodes).map_err(|error| format!("store: {error}"))?)
         }
+    }))
+}
+
+/// A store that can decide exactly and serve as a batched-sync target.
+trait SharedStore: Store + SyncTarget {
+    fn as_store(self: Arc<Self>) -> Arc<dyn Store>;
+}
+
+impl<T: Store + SyncTarget> SharedStore for T {
+    fn as_store(self: Arc<Self>) -> Arc<dyn Store> {
+        self
     }
+}
+
+/// Storage keys of `global` ceilings: one counter that every client writes.
+fn is_global_ceiling(check: &Check) -> bool {
+    check.key.contains(":{global:")
+}
+
+fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
+    let Some(shared) = shared_store(settings)? else {
+        return Ok(Arc::new(
+            MemoryStore::builder()
+                .evict_every(Duration::from_secs(10))
+                .build(),
+        ));
+    };
+    let batched = |interval: Duration| {
+        BatchedStore::builder(shared.clone() as Arc<dyn SyncTarget>)
+            .sync_interval(interval)
+            .build()
+    };
+    Ok(
+        match (settings.sync_interval, settings.global_sync_interval) {
+            (Some(interval), _) => Arc::new(batched(interval)),
+            (None, Some(interval)) => Arc::new(SplitStore::new(
+                batched(interval),
+                shared.clone().as_store(),
+                is_global_ceiling,
+            )),
+            (None, None) => shared.as_store(),
+        },
+    )
 }
 
 impl Gateway {

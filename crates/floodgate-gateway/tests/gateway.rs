@@ -5,25 +5,16 @@
 mod redis_support;
 mod support;
 
-use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use http_body_util::BodyExt;
-use support::{Gateway, TempDir, Upstream, client, free_port, get, write_atomically};
+use support::{
+    Gateway, TempDir, Upstream, addresses, client, config_text, free_port, get, start_gateway,
+    write_atomically,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn addresses() -> (SocketAddr, SocketAddr) {
-    (
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-    )
-}
-
-fn config(listen: SocketAddr, admin: SocketAddr, upstream: &str, rest: &str) -> String {
-    format!("listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nupstream: \"{upstream}\"\n{rest}")
-}
 
 const PLANS: &str = r#"
 plans:
@@ -40,11 +31,7 @@ clients:
 
 /// Starts a gateway on a fresh config; returns it with its directory.
 fn gateway(upstream: &Upstream, rest: &str) -> (Gateway, TempDir) {
-    let directory = TempDir::new("gw");
-    let (listen, admin) = addresses();
-    let path = directory.file("floodgate.yaml");
-    std::fs::write(&path, config(listen, admin, &upstream.url(), rest)).unwrap();
-    (Gateway::start(&path, listen, admin), directory)
+    start_gateway(&upstream.url(), rest)
 }
 
 async fn admitted(
@@ -261,7 +248,7 @@ async fn reload_under_load_applies_within_a_second_and_drops_nothing() {
     let (listen, admin) = addresses();
     let path = directory.file("floodgate.yaml");
     let version = |limit: u64| {
-        config(
+        config_text(
             listen,
             admin,
             &upstream.url(),
@@ -369,7 +356,7 @@ async fn counters_survive_a_reload_and_sighup_reloads() {
     let directory = TempDir::new("survive");
     let (listen, admin) = addresses();
     let path = directory.file("floodgate.yaml");
-    let text = config(listen, admin, &upstream.url(), PLANS);
+    let text = config_text(listen, admin, &upstream.url(), PLANS);
     std::fs::write(&path, &text).unwrap();
     let gateway = Gateway::start(&path, listen, admin);
     let client = client();
@@ -546,7 +533,7 @@ async fn a_configmap_style_symlink_swap_is_seen() {
     let directory = TempDir::new("symlink");
     let (listen, admin) = addresses();
     let text = |limit: u64| {
-        config(
+        config_text(
             listen,
             admin,
             &upstream.url(),

@@ -10,14 +10,7 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use redis_support::RedisServer;
-use support::{Gateway, TempDir, Upstream, client, free_port, get, write_atomically};
-
-fn addresses() -> (SocketAddr, SocketAddr) {
-    (
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-    )
-}
+use support::{Gateway, TempDir, Upstream, addresses, client, get, write_atomically};
 
 fn text(listen: SocketAddr, admin: SocketAddr, upstream: &Upstream, rest: &str) -> String {
     format!(
@@ -27,22 +20,6 @@ fn text(listen: SocketAddr, admin: SocketAddr, upstream: &Upstream, rest: &str) 
 }
 
 const PLANS: &str = "plans:\n  free:\n    limits: [ { name: per-minute, algorithm: fixed_window, limit: 3, window: 60s } ]\n  anonymous:\n    limits: [ { name: per-minute, algorithm: fixed_window, limit: 3, window: 60s } ]\n";
-
-/// Script calls the Redis server has executed (EVAL and EVALSHA).
-fn script_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis.command(&["INFO", "commandstats"]);
-    info.lines()
-        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
-        .filter_map(|line| {
-            line.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
 
 /// `metric{labels} value` lines of a Prometheus text body, checked for well-formedness.
 fn parse_prometheus(body: &str) -> Vec<(String, f64)> {
@@ -170,14 +147,14 @@ async fn the_kill_switch_stops_429s_and_store_calls_within_a_second() {
     write_atomically(&path, &config("off"));
     let written = Instant::now();
     loop {
-        let before = script_calls(&redis);
+        let before = redis.script_calls();
         let response = get(
             &client,
             &gateway.url("/"),
             &[("x-forwarded-for", "198.51.100.6")],
         )
         .await;
-        if response.status() == StatusCode::OK && script_calls(&redis) == before {
+        if response.status() == StatusCode::OK && redis.script_calls() == before {
             break;
         }
         assert!(
@@ -187,7 +164,7 @@ async fn the_kill_switch_stops_429s_and_store_calls_within_a_second() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let took = written.elapsed();
-    let calls = script_calls(&redis);
+    let calls = redis.script_calls();
     for _ in 0..20 {
         assert_eq!(
             get(
@@ -200,7 +177,7 @@ async fn the_kill_switch_stops_429s_and_store_calls_within_a_second() {
             StatusCode::OK
         );
     }
-    assert_eq!(script_calls(&redis), calls, "no store call while off");
+    assert_eq!(redis.script_calls(), calls, "no store call while off");
     eprintln!("kill switch: limiting and store calls stopped {took:?} after the write");
 }
 
@@ -218,7 +195,7 @@ async fn allowlisted_clients_make_no_store_call_and_denylisted_get_403() {
     std::fs::write(&path, text(listen, admin, &upstream, &rest)).unwrap();
     let gateway = Gateway::start(&path, listen, admin);
     let client = client();
-    let before = script_calls(&redis);
+    let before = redis.script_calls();
     for _ in 0..10 {
         assert_eq!(
             get(&client, &gateway.url("/"), &[("x-api-key", "partner")])
@@ -238,7 +215,7 @@ async fn allowlisted_clients_make_no_store_call_and_denylisted_get_403() {
         );
     }
     assert_eq!(
-        script_calls(&redis),
+        redis.script_calls(),
         before,
         "allowlisted traffic never reaches the store"
     );
@@ -267,7 +244,7 @@ async fn allowlisted_clients_make_no_store_call_and_denylisted_get_403() {
         .status(),
         StatusCode::OK
     );
-    assert!(script_calls(&redis) > before);
+    assert!(redis.script_calls() > before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

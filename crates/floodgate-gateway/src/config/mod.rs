@@ -98,6 +98,29 @@ pub enum Backend {
         /// As for `Redis`, per node.
         pool_size: Option<usize>,
     },
+    /// A Redis Cluster, reached through these seed nodes.
+    RedisCluster {
+        /// `redis://` URLs of some of its masters.
+        nodes: Vec<String>,
+        /// `None`: one multiplexed cluster connection; `Some(n)`: deadpool's cluster pool.
+        pool_size: Option<usize>,
+    },
+    /// The master that Redis Sentinel elects (`store.sentinel`).
+    RedisSentinel {
+        /// The monitored master's name.
+        master: String,
+        /// `redis://` URLs of the sentinels.
+        sentinels: Vec<String>,
+        /// As for `Redis`.
+        pool_size: Option<usize>,
+    },
+}
+
+impl Backend {
+    /// Whether the state is shared between gateways (everything but `memory`).
+    pub fn is_shared(&self) -> bool {
+        !matches!(self, Backend::Memory)
+    }
 }
 
 /// `store.*`.
@@ -115,6 +138,11 @@ pub struct StoreSettings {
     pub breaker_open_for: Duration,
     /// Share of each limit a node enforces alone under `on_store_error: local`.
     pub fallback_share: f64,
+    /// Batched mode: every limit decided from local counters synced on this interval.
+    pub sync_interval: Option<Duration>,
+    /// In exact mode on a shared store: the interval on which `global` ceilings (hot keys)
+    /// run batched; `None` keeps them exact.
+    pub global_sync_interval: Option<Duration>,
 }
 
 /// `rollout.mode`.
@@ -421,6 +449,113 @@ fn endpoint_limits(
     table
 }
 
+/// `store.backend` with its URLs, checked.
+fn store_backend(errors: &mut Errors, store: &raw::RawStore) -> Option<Backend> {
+    let urls: Vec<(String, &String)> = match store.backend.as_str() {
+        "memory" => Vec::new(),
+        "redis" => match &store.sentinel {
+            Some(sentinel) => {
+                if sentinel.master.is_empty() {
+                    errors.push("store.sentinel.master", "must not be empty");
+                }
+                if sentinel.nodes.is_empty() {
+                    errors.push("store.sentinel.nodes", "needs at least one sentinel");
+                }
+                indexed("store.sentinel.nodes", &sentinel.nodes)
+            }
+            None => vec![("store.url".to_owned(), &store.url)],
+        },
+        "redis_sharded" | "redis_cluster" => {
+            if store.nodes.is_empty() {
+                errors.push(
+                    "store.nodes",
+                    format!("{} needs at least one node", store.backend),
+                );
+            }
+            indexed("store.nodes", &store.nodes)
+        }
+        other => {
+            errors.push(
+                "store.backend",
+                format!(
+                    "unknown backend `{other}`; expected memory, redis, redis_cluster or \
+                     redis_sharded"
+                ),
+            );
+            return None;
+        }
+    };
+    if store.sentinel.is_some() && store.backend != "redis" {
+        errors.push(
+            "store.sentinel",
+            "only applies to backend: redis (Sentinel elects one master)",
+        );
+    }
+    for (path, url) in &urls {
+        if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+            errors.push(path.clone(), format!("`{url}` is not a redis:// URL"));
+        }
+    }
+    let pool_size = match store.connection.as_str() {
+        "multiplexed" => None,
+        "pool" if store.pool_size >= 1 => Some(store.pool_size),
+        "pool" => {
+            errors.push("store.pool_size", "must be at least 1");
+            return None;
+        }
+        other => {
+            errors.push(
+                "store.connection",
+                format!("unknown connection `{other}`; expected multiplexed or pool"),
+            );
+            return None;
+        }
+    };
+    Some(match (store.backend.as_str(), &store.sentinel) {
+        ("memory", _) => Backend::Memory,
+        ("redis", Some(sentinel)) => Backend::RedisSentinel {
+            master: sentinel.master.clone(),
+            sentinels: sentinel.nodes.clone(),
+            pool_size,
+        },
+        ("redis", None) => Backend::Redis {
+            url: store.url.clone(),
+            pool_size,
+        },
+        ("redis_cluster", _) => Backend::RedisCluster {
+            nodes: store.nodes.clone(),
+            pool_size,
+        },
+        _ => Backend::RedisSharded {
+            nodes: store.nodes.clone(),
+            pool_size,
+        },
+    })
+}
+
+fn indexed<'a>(path: &str, urls: &'a [String]) -> Vec<(String, &'a String)> {
+    urls.iter()
+        .enumerate()
+        .map(|(index, url)| (format!("{path}[{index}]"), url))
+        .collect()
+}
+
+/// Every list of limits in the file, with its path: plans, their endpoints, per IP, global.
+fn all_limit_lists(raw: &RawConfig) -> Vec<(String, &[RawLimit])> {
+    let mut lists: Vec<(String, &[RawLimit])> = Vec::new();
+    for (name, plan) in &raw.plans {
+        lists.push((format!("plans.{name}.limits"), &plan.limits));
+        for (pattern, limits) in &plan.endpoints {
+            lists.push((format!("plans.{name}.endpoints.\"{pattern}\""), limits));
+        }
+    }
+    lists.push(("per_ip".to_owned(), &raw.per_ip));
+    for (pattern, limits) in &raw.global {
+        lists.push((format!("global.\"{pattern}\""), limits));
+    }
+    lists
+}
+
 fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
     let mut list = ClientList::new();
     for (index, text) in raw.ips.iter().enumerate() {
@@ -529,77 +664,44 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     }
 
     let store = &raw.store;
-    let backend = match store.backend.as_str() {
-        "memory" => Some(Backend::Memory),
-        "redis" | "redis_sharded" => {
-            let urls: Vec<(String, String)> = if store.backend == "redis" {
-                vec![("store.url".to_owned(), store.url.clone())]
-            } else if store.nodes.is_empty() {
-                errors.push("store.nodes", "redis_sharded needs at least one node");
-                Vec::new()
-            } else {
-                store
-                    .nodes
-                    .iter()
-                    .enumerate()
-                    .map(|(index, url)| (format!("store.nodes[{index}]"), url.clone()))
-                    .collect()
-            };
-            for (path, url) in &urls {
-                if !url.starts_with("redis://") && !url.starts_with("rediss://") {
-                    errors.push(path.clone(), format!("`{url}` is not a redis:// URL"));
+    let backend = store_backend(&mut errors, store);
+    let sync_interval = store
+        .sync_interval
+        .as_deref()
+        .and_then(|text| errors.ok("store.sync_interval", positive_duration(text)));
+    if sync_interval.is_some() {
+        if store.backend == "memory" {
+            errors.push(
+                "store.sync_interval",
+                "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
+                 is local already",
+            );
+        }
+        for (path, raws) in all_limit_lists(&raw) {
+            for (index, limit) in raws.iter().enumerate() {
+                if let Ok(algorithm) = limit.algorithm.parse::<floodgate::Algorithm>()
+                    && !floodgate::store::batched::supports(algorithm)
+                {
+                    errors.push(
+                        format!("{path}[{index}].algorithm"),
+                        format!(
+                            "{} cannot run with store.sync_interval (batched counters keep \
+                             counts, not each request); use token_bucket, gcra, fixed_window or \
+                             sliding_window_counter, or remove store.sync_interval",
+                            algorithm.as_str()
+                        ),
+                    );
                 }
             }
-            let pool_size = match store.connection.as_str() {
-                "multiplexed" => Some(None),
-                "pool" if store.pool_size >= 1 => Some(Some(store.pool_size)),
-                "pool" => {
-                    errors.push("store.pool_size", "must be at least 1");
-                    None
-                }
-                other => {
-                    errors.push(
-                        "store.connection",
-                        format!("unknown connection `{other}`; expected multiplexed or pool"),
-                    );
-                    None
-                }
-            };
-            pool_size.map(|pool_size| {
-                if store.backend == "redis" {
-                    Backend::Redis {
-                        url: store.url.clone(),
-                        pool_size,
-                    }
-                } else {
-                    Backend::RedisSharded {
-                        nodes: store.nodes.clone(),
-                        pool_size,
-                    }
-                }
-            })
         }
-        "redis_cluster" => {
-            errors.push(
-                "store.backend",
-                format!(
-                    "`{}` is not available in this version; use memory or redis",
-                    store.backend
-                ),
-            );
-            None
-        }
-        other => {
-            errors.push("store.backend", format!("unknown backend `{other}`; expected memory, redis, redis_cluster or redis_sharded"));
-            None
-        }
-    };
-    if store.sync_interval.is_some() {
-        errors.push(
-            "store.sync_interval",
-            "batched sync is not available in this version; remove it (exact mode)",
-        );
     }
+    let global_sync_interval = match store.global_sync_interval.as_str() {
+        "exact" => Some(None),
+        text => errors
+            .ok("store.global_sync_interval", positive_duration(text))
+            .map(Some),
+    }
+    .flatten();
     let store_timeout = errors.ok("store.timeout", positive_duration(&store.timeout));
     let open_for = errors.ok(
         "store.breaker.open_for",
@@ -814,6 +916,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             breaker_failures: raw.store.breaker.failures,
             breaker_open_for: open_for,
             fallback_share: raw.store.fallback_share,
+            sync_interval,
+            global_sync_interval,
         },
         on_store_error,
         identity: IdentitySettings {
@@ -959,6 +1063,102 @@ response: { headers: all }
         );
         let redacted = config.redacted.to_string();
         assert!(!redacted.contains("secret-1"), "{redacted}");
+    }
+
+    #[test]
+    fn batched_mode_needs_a_shared_store_and_countable_limits() {
+        let config = parse(
+            r#"
+store: { backend: redis, sync_interval: 100ms }
+plans: { free: { limits: [ { name: s, algorithm: gcra, limit: 10, window: 1s } ] }, anonymous: {} }
+"#,
+        )
+        .unwrap();
+        assert_eq!(config.store.sync_interval, Some(Duration::from_millis(100)));
+        let errors = errors_of(
+            r#"
+store: { backend: memory, sync_interval: 100ms }
+plans:
+  free:
+    limits:
+      - { name: ok, algorithm: token_bucket, limit: 10, window: 1s }
+      - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
+    endpoints: { "POST /x": [ { name: c, algorithm: concurrency, limit: 2 } ] }
+  anonymous: {}
+"#,
+        );
+        assert!(errors[0].starts_with("store.sync_interval: needs a shared store"));
+        assert!(
+            errors.iter().any(|error| error
+                .starts_with("plans.free.limits[1].algorithm: sliding_window_log cannot run")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(|error| error
+                .starts_with("plans.free.endpoints.\"POST /x\"[0].algorithm: concurrency")),
+            "{errors:?}"
+        );
+        assert!(
+            errors_of("store: { backend: redis, sync_interval: 0s }")
+                .iter()
+                .any(|error| error.starts_with("store.sync_interval: "))
+        );
+    }
+
+    #[test]
+    fn global_ceilings_are_batched_by_default_unless_exact() {
+        let config = parse("store: { backend: redis }").unwrap();
+        assert_eq!(
+            config.store.global_sync_interval,
+            Some(Duration::from_millis(100))
+        );
+        let config = parse("store: { backend: redis, global_sync_interval: exact }").unwrap();
+        assert_eq!(config.store.global_sync_interval, None);
+        assert!(
+            errors_of("store: { global_sync_interval: soon }")
+                .iter()
+                .any(|error| error.starts_with("store.global_sync_interval: "))
+        );
+    }
+
+    #[test]
+    fn cluster_and_sentinel_backends() {
+        let config = parse(
+            "store: { backend: redis_cluster, nodes: [\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"] }",
+        )
+        .unwrap();
+        assert!(
+            matches!(config.store.backend, Backend::RedisCluster { ref nodes, .. } if nodes.len() == 2)
+        );
+        let config = parse(
+            "store: { backend: redis, sentinel: { master: mymaster, nodes: [\"redis://10.0.0.1:26379\"] } }",
+        )
+        .unwrap();
+        assert!(matches!(
+            config.store.backend,
+            Backend::RedisSentinel { ref master, .. } if master == "mymaster"
+        ));
+        let errors = errors_of(
+            "store: { backend: redis_sharded, nodes: [\"redis://a:1\"], sentinel: { master: m, nodes: [\"tcp://b\"] } }",
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|error| error.starts_with("store.sentinel: only applies")),
+            "{errors:?}"
+        );
+        let errors = errors_of("store: { backend: redis_cluster }");
+        assert_eq!(
+            errors,
+            vec!["store.nodes: redis_cluster needs at least one node"]
+        );
+        let errors = errors_of(
+            "store: { backend: redis, sentinel: { master: m, nodes: [\"http://s:1\"] } }",
+        );
+        assert_eq!(
+            errors,
+            vec!["store.sentinel.nodes[0]: `http://s:1` is not a redis:// URL"]
+        );
     }
 
     #[test]

@@ -172,6 +172,12 @@ pub struct RawStore {
     pub breaker: RawBreaker,
     #[serde(default)]
     pub sync_interval: Option<String>,
+    /// Sync interval of the `global` ceilings (hot keys) when the rest is exact, or `exact`.
+    #[serde(default = "default_global_sync_interval")]
+    pub global_sync_interval: String,
+    /// Redis Sentinel: the master's name and the sentinels' URLs (replaces `url`).
+    #[serde(default)]
+    pub sentinel: Option<RawSentinel>,
     #[serde(default = "default_share")]
     pub fallback_share: f64,
     /// This deployment's share of every limit (a region's fixed share of a global limit).
@@ -191,10 +197,23 @@ impl Default for RawStore {
             prefix: default_prefix(),
             breaker: RawBreaker::default(),
             sync_interval: None,
+            global_sync_interval: default_global_sync_interval(),
+            sentinel: None,
             fallback_share: default_share(),
             share: default_share(),
         }
     }
+}
+
+fn default_global_sync_interval() -> String {
+    "100ms".to_owned()
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSentinel {
+    pub master: String,
+    pub nodes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -58,6 +58,28 @@ pub fn write_atomically(path: &Path, text: &str) {
     std::fs::rename(&temporary, path).unwrap();
 }
 
+/// Two free loopback addresses: the proxy's and the admin API's.
+pub fn addresses() -> (SocketAddr, SocketAddr) {
+    (
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+    )
+}
+
+/// A config file's text: `listen`, `admin.listen` and `upstream`, then `rest`.
+pub fn config_text(listen: SocketAddr, admin: SocketAddr, upstream: &str, rest: &str) -> String {
+    format!("listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nupstream: \"{upstream}\"\n{rest}")
+}
+
+/// Starts a gateway in front of `upstream` on a fresh config; returns it with its directory.
+pub fn start_gateway(upstream: &str, rest: &str) -> (Gateway, TempDir) {
+    let directory = TempDir::new("gw");
+    let (listen, admin) = addresses();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(&path, config_text(listen, admin, upstream, rest)).unwrap();
+    (Gateway::start(&path, listen, admin), directory)
+}
+
 /// A running `floodgate serve`.
 pub struct Gateway {
     pub child: Child,

@@ -87,6 +87,28 @@ pub trait SyncTarget: Send + Sync + 'static {
     }
 }
 
+impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
+    fn sync<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Synced, StoreError>> {
+        (**self).sync(checks, now)
+    }
+
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+
+    fn breaker_state(&self) -> Option<BreakerState> {
+        (**self).breaker_state()
+    }
+
+    fn is_refused(&self, key: &str) -> bool {
+        (**self).is_refused(key)
+    }
+}
+
 /// Whether `algorithm` can be decided from batched counters. The logs, the leaky bucket's
 /// queue and concurrency leases need every request at the shared store, so they cannot.
 pub fn supports(algorithm: Algorithm) -> bool {

@@ -383,11 +383,7 @@ impl RedisStore {
                 .lock()
                 .entry(hash_slot(key))
                 .or_insert_with(|| {
-                    Arc::new(Guard::new(
-                        "redis",
-                        slots.config,
-                        slots.observer.clone(),
-                    ))
+                    Arc::new(Guard::new("redis", slots.config, slots.observer.clone()))
                 })
                 .clone(),
         }

@@ -1,0 +1,172 @@
+//! Batched mode through the real binary: four gateway processes share one Redis with
+//! `store.sync_interval: 100ms`; one client sends three times its limit, spread over all four,
+//! for 10 s. What they admit in all must stay within 5% above the limit's allowance (and the
+//! documented bound), and the Redis work must follow the interval, not the traffic.
+
+#[path = "../../floodgate/tests/support/mod.rs"]
+mod redis_support;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use redis_support::RedisServer;
+use support::{Gateway, TempDir, Upstream, client, get, start_gateway};
+
+const NODES: usize = 4;
+const RATE: u64 = 50; // per second, burst 50
+const SEND_FOR: Duration = Duration::from_secs(10);
+const INTERVAL: Duration = Duration::from_millis(100);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_batched_gateways_hold_one_limit_within_five_percent() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let rest = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 1s\n  sync_interval: {}ms\n\
+         clients:\n  api_keys:\n    \"hot-client\": free\n\
+         plans:\n  free:\n    limits: [ {{ name: per-second, algorithm: token_bucket, limit: {RATE}, window: 1s }} ]\n  anonymous: {{}}\n",
+        redis.url(),
+        INTERVAL.as_millis()
+    );
+    let gateways: Vec<(Gateway, TempDir)> = (0..NODES)
+        .map(|_| start_gateway(&upstream.url(), &rest))
+        .collect();
+    let urls: Vec<String> = gateways
+        .iter()
+        .map(|(gateway, _)| gateway.url("/"))
+        .collect();
+    let client = client();
+    let _: () = redis.command(&["CONFIG", "RESETSTAT"]);
+
+    // Three times the rate, paced evenly, round-robin over the gateways.
+    let period = Duration::from_secs(1) / (3 * RATE as u32);
+    let mut ticks = tokio::time::interval(period);
+    let mut requests = Vec::new();
+    let started = Instant::now();
+    let mut sent = 0usize;
+    while started.elapsed() < SEND_FOR {
+        ticks.tick().await;
+        let (client, url) = (client.clone(), urls[sent % NODES].clone());
+        requests.push(tokio::spawn(async move {
+            get(&client, &url, &[("x-api-key", "hot-client")])
+                .await
+                .status()
+        }));
+        sent += 1;
+    }
+    let sending_for = started.elapsed();
+    let mut admitted = 0u64;
+    for request in requests {
+        match request.await.unwrap() {
+            StatusCode::OK => admitted += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    let calls = redis.script_calls();
+
+    // The bucket starts full (burst = rate) and refills at the rate while requests arrive.
+    let allowance = RATE as f64 * (1.0 + sending_for.as_secs_f64());
+    let over = admitted as f64 / allowance - 1.0;
+    // The documented worst case, (N − 1) × (r × 2T + c).
+    let bound = (NODES as f64 - 1.0) * (RATE as f64 * 2.0 * INTERVAL.as_secs_f64() + RATE as f64);
+    eprintln!(
+        "batched accuracy: {admitted} admitted of {sent} sent over {sending_for:?}; allowance \
+         {allowance:.0} ({:+.2}%); {calls} Redis script calls ({:.1}/s)",
+        over * 100.0,
+        calls as f64 / sending_for.as_secs_f64()
+    );
+    assert!(
+        sent as f64 >= 2.9 * RATE as f64 * sending_for.as_secs_f64(),
+        "the client really sent 3× its limit: {sent}"
+    );
+    assert!(
+        over <= 0.05,
+        "{admitted} admitted, more than 5% above {allowance:.0}"
+    );
+    assert!(
+        admitted as f64 <= allowance + bound,
+        "beyond the documented bound"
+    );
+    assert!(
+        admitted as f64 >= 0.9 * allowance,
+        "{admitted} admitted: batched mode must not starve the client ({allowance:.0} allowed)"
+    );
+    // One call per gateway per interval for this identity, plus each gateway's first-sight
+    // fetch, plus the tail of rounds still running while the last responses came back.
+    let intervals = (sending_for.as_secs_f64() / INTERVAL.as_secs_f64()).ceil() as u64 + 5;
+    let most = NODES as u64 * (intervals + 1);
+    assert!(
+        calls <= most,
+        "{calls} script calls; at most one per node per interval ({most})"
+    );
+}
+
+/// In exact mode, `global` ceilings still run batched by default: a ceiling every client
+/// writes costs Redis one call per gateway per interval, not one per request, while the
+/// per-client limits stay exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_ceilings_run_batched_while_client_limits_stay_exact() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let rest = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 1s\n\
+         identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n\
+         plans:\n  free: {{}}\n  anonymous:\n    endpoints:\n      \"GET /other\": [ {{ name: hourly, algorithm: fixed_window, limit: 3, window: 1h }} ]\n\
+         global:\n  \"GET /search\": [ {{ name: ceiling, algorithm: fixed_window, limit: 40, window: 1h }} ]\n",
+        redis.url()
+    );
+    let gateways: Vec<(Gateway, TempDir)> = (0..2)
+        .map(|_| start_gateway(&upstream.url(), &rest))
+        .collect();
+    let client = client();
+    let _: () = redis.command(&["CONFIG", "RESETSTAT"]);
+    // 120 clients, one request each every 25 ms, alternating gateways.
+    let mut ticks = tokio::time::interval(Duration::from_millis(25));
+    let mut admitted = 0;
+    for client_number in 0..120 {
+        ticks.tick().await;
+        let (gateway, _) = &gateways[client_number % 2];
+        let ip = format!("10.9.{}.{}", client_number / 200, client_number % 200 + 1);
+        let response = get(
+            &client,
+            &gateway.url("/search"),
+            &[("x-forwarded-for", &ip)],
+        )
+        .await;
+        match response.status() {
+            StatusCode::OK => admitted += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    let calls = redis.script_calls();
+    eprintln!("hot key: {admitted} of 120 admitted under a ceiling of 40; {calls} script calls");
+    // Syncs every 100 ms while requests arrive every 25 ms: the other gateway's last few
+    // admissions can be unseen for one interval.
+    assert!(
+        (40..=46).contains(&admitted),
+        "{admitted} admitted under a ceiling of 40"
+    );
+    // 3 s of traffic: about one sync call per gateway per 100 ms interval (and a fetch each),
+    // where exact mode would have made one call per request.
+    assert!(
+        calls <= 2 * (3_000 / 100 + 5),
+        "{calls} script calls for 120 requests"
+    );
+
+    // The per-client limit is exact: one client through both gateways gets its 3.
+    let mut own = 0;
+    for attempt in 0..6 {
+        let (gateway, _) = &gateways[attempt % 2];
+        let response = get(
+            &client,
+            &gateway.url("/other"),
+            &[("x-forwarded-for", "10.8.0.1")],
+        )
+        .await;
+        own += u32::from(response.status() == StatusCode::OK);
+    }
+    assert_eq!(own, 3);
+}
