@@ -674,3 +674,41 @@ async fn gateways_on_redis_sharded_share_each_identity_exactly() {
         "four identities spread over several nodes ({used} used)"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_on_a_redis_cluster_share_each_identity_exactly() {
+    let cluster = redis_support::RedisCluster::start(3);
+    let upstream = Upstream::start().await;
+    let nodes: Vec<String> = cluster
+        .urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    // Through deadpool-redis's cluster pool (`connection: pool`); the library tests cover the
+    // default shared cluster connection.
+    let rest = format!(
+        "store:\n  backend: redis_cluster\n  nodes: [{}]\n  connection: pool\n  pool_size: 4\n  timeout: 2s\nplans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 5, window: 1h }} ]\n  anonymous: {{}}\n",
+        nodes.join(", ")
+    );
+    let gateways: Vec<(Gateway, TempDir)> = (0..2).map(|_| gateway(&upstream, &rest)).collect();
+    let client = client();
+    for index in 0..6 {
+        let key = format!("cluster-client-{index}");
+        let mut admitted_for_key = 0;
+        for round in 0..8 {
+            let (gateway, _) = &gateways[round % 2];
+            admitted_for_key +=
+                admitted(&client, &gateway.url("/"), &[("x-api-key", &key)], 1).await;
+        }
+        assert_eq!(admitted_for_key, 5, "{key}: one limit across gateways");
+    }
+    let used: usize = cluster
+        .masters
+        .iter()
+        .map(|master| usize::from(master.command::<u64>(&["DBSIZE"]) > 0))
+        .sum();
+    assert!(
+        used >= 2,
+        "six identities over several masters ({used} used)"
+    );
+}

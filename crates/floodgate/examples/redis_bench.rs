@@ -4,9 +4,14 @@
 //! redis_bench script
 //! redis_bench URL throughput multiplexed|pool:N CALLERS SECONDS
 //! redis_bench URL latency    multiplexed|pool:N CALLERS SECONDS RATE
+//! redis_bench URL spread     multiplexed|pool:N CALLERS SECONDS
 //! ```
 //!
+//! URL is `redis://host:port`, or `cluster:redis://a,redis://b,...` for a Redis Cluster.
+//!
 //! `throughput`: CALLERS tasks decide back to back on one token-bucket key; prints decisions/s.
+//! `spread`: the same, each caller with its own identity (so a cluster spreads them over its
+//! masters).
 //! `latency`: the same callers issue RATE decisions/s in all, evenly paced; prints p50/p99/max.
 
 use std::sync::Arc;
@@ -49,7 +54,11 @@ fn main() {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let store = RedisStore::builder(args[0].clone())
+        let builder = match args[0].strip_prefix("cluster:") {
+            Some(nodes) => RedisStore::cluster(nodes.split(',').map(str::to_owned).collect()),
+            None => RedisStore::builder(args[0].clone()),
+        };
+        let store = builder
             .connection_mode(mode)
             .timeout(Duration::from_secs(1))
             .build()
@@ -57,14 +66,22 @@ fn main() {
         // Never denies: the admitted path, which writes, is measured.
         let limit =
             Arc::new(Limit::token_bucket("bench", 1_000_000_000, Duration::from_secs(1)).unwrap());
-        let checks: Arc<[Check]> = Arc::new([Check::new("fg:{ip:bench}:r:bench", limit, 1)]);
+        let checks: Arc<[Check]> =
+            Arc::new([Check::new("fg:{ip:bench}:r:bench", limit.clone(), 1)]);
         store
             .check_and_consume(&checks, None)
             .await
             .expect("redis is up");
         let duration = Duration::from_secs(seconds);
         match args[1].as_str() {
-            "throughput" => throughput(store, checks, callers, duration).await,
+            "throughput" => throughput(store, |_| checks.clone(), callers, duration).await,
+            "spread" => {
+                let per_caller = |caller: usize| -> Arc<[Check]> {
+                    let key = format!("fg:{{ip:bench-{caller}}}:r:bench");
+                    Arc::new([Check::new(key, limit.clone(), 1)])
+                };
+                throughput(store, per_caller, callers, duration).await
+            }
             "latency" => {
                 let rate: f64 = args
                     .get(5)
@@ -77,11 +94,16 @@ fn main() {
     });
 }
 
-async fn throughput(store: RedisStore, checks: Arc<[Check]>, callers: usize, duration: Duration) {
+async fn throughput(
+    store: RedisStore,
+    checks_of: impl Fn(usize) -> Arc<[Check]>,
+    callers: usize,
+    duration: Duration,
+) {
     let started = Instant::now();
     let tasks: Vec<_> = (0..callers)
-        .map(|_| {
-            let (store, checks) = (store.clone(), checks.clone());
+        .map(|caller| {
+            let (store, checks) = (store.clone(), checks_of(caller));
             tokio::spawn(async move {
                 let mut decisions = 0u64;
                 while started.elapsed() < duration {

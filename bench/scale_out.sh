@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Scale-out benchmark, in one session:
+#  1. the gateway on the memory store, on Redis exact, and on Redis batched (sync_interval 100ms),
+#     under the same wrk load (one client: its IP is one identity), with the Redis script calls
+#     each run cost, per decision;
+#  2. RedisStore decisions/s on one Redis node next to a 3-master Redis Cluster (64 callers, each
+#     its own identity, so the cluster spreads them over its masters).
+#
+#   bash bench/scale_out.sh [seconds] [connections]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-10}
+connections=${2:-64}
+for tool in wrk redis-server redis-cli; do
+    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install wrk redis-server)" >&2; exit 1; }
+done
+cargo build --release -p floodgate-gateway -p floodgate --example overhead --example redis_bench --bin floodgate >/dev/null 2>&1
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+work=$(mktemp -d)
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+wait_for() { for _ in $(seq 100); do curl -fs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
+start_redis() { # port [extra args...]
+    local port=$1; shift
+    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' "$@" >/dev/null & pids+=($!)
+    for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && return 0; sleep 0.1; done
+    echo "redis on $port did not start" >&2; exit 1
+}
+script_calls() { # port
+    redis-cli -p "$1" INFO commandstats | tr -d '\r' | awk -F'[=,]' '/^cmdstat_evalsha:|^cmdstat_eval:/ {sum += $2} END {print sum + 0}'
+}
+
+echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), redis $(redis-server --version | awk '{print $3}')"
+
+upstream_port=$(free_port)
+target/release/examples/overhead plain "$upstream_port" & pids+=($!)
+wait_for "http://127.0.0.1:$upstream_port/"
+redis_port=$(free_port)
+start_redis "$redis_port"
+
+start_floodgate() { # store-yaml
+    local port admin; port=$(free_port); admin=$(free_port)
+    cat > "$work/floodgate-$port.yaml" <<YAML
+listen: "127.0.0.1:$port"
+admin: { listen: "127.0.0.1:$admin" }
+upstream: "http://127.0.0.1:$upstream_port"
+$1
+plans:
+  anonymous:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+  free:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+YAML
+    RUST_LOG=warn target/release/floodgate serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
+    pids+=($!)
+    wait_for "http://127.0.0.1:$port/"
+    started_port=$port
+}
+
+start_floodgate "store: { backend: memory }"
+memory_port=$started_port
+start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }"
+exact_port=$started_port
+start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\", sync_interval: 100ms }"
+batched_port=$started_port
+
+load() { # name port
+    local before after requests rps p99
+    before=$(script_calls "$redis_port")
+    wrk -t1 -c"$connections" -d"${seconds}s" --latency "http://127.0.0.1:$2/" > "$work/wrk.txt"
+    after=$(script_calls "$redis_port")
+    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
+    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
+    requests=$(awk '/requests in/ {print $1}' "$work/wrk.txt")
+    printf '%-18s %12s req/s   p99 %8s   redis script calls %7s = %.5f per decision\n' \
+        "$1" "$rps" "$p99" "$((after - before))" "$(python3 -c "print(($after - $before) / $requests)")"
+}
+
+echo "== gateway: wrk -t1 -c$connections -d${seconds}s, same upstream (examples/overhead.rs plain)"
+for round in 1 2 3; do
+    load memory "$memory_port"
+    load redis-exact "$exact_port"
+    load redis-batched "$batched_port"
+done
+
+echo "== RedisStore decisions/s, 64 callers with their own identities (multiplexed)"
+single_port=$(free_port)
+start_redis "$single_port"
+cluster_ports=()
+for _ in 1 2 3; do
+    port=$(free_port)
+    start_redis "$port" --cluster-enabled yes --cluster-config-file "$work/nodes-$port.conf" --cluster-node-timeout 1000
+    cluster_ports+=("$port")
+done
+redis-cli --cluster create $(printf '127.0.0.1:%s ' "${cluster_ports[@]}") --cluster-replicas 0 --cluster-yes >/dev/null
+for _ in $(seq 100); do
+    redis-cli -p "${cluster_ports[0]}" CLUSTER INFO | grep -q cluster_state:ok && break; sleep 0.1
+done
+cluster_url="cluster:$(printf 'redis://127.0.0.1:%s,' "${cluster_ports[@]}" | sed 's/,$//')"
+for round in 1 2 3; do
+    printf 'one node:          '; target/release/examples/redis_bench "redis://127.0.0.1:$single_port" spread multiplexed 64 "$seconds"
+    printf '3-master cluster:  '; target/release/examples/redis_bench "$cluster_url" spread multiplexed 64 "$seconds"
+done
