@@ -62,4 +62,8 @@ pub async fn serve(
     {
         tracing::warn!("some connections did not finish within {DRAIN_TIMEOUT:?}");
     }
+    // Batched mode: the last interval's counts go to the shared store before the process ends.
+    if let Err(error) = gateway.store().flush().await {
+        tracing::warn!(%error, "could not flush batched counts on shutdown");
+    }
 }

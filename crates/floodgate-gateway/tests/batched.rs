@@ -170,3 +170,35 @@ async fn global_ceilings_run_batched_while_client_limits_stay_exact() {
     }
     assert_eq!(own, 3);
 }
+
+/// On SIGTERM a batched gateway sends the counts of its last interval before it exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_flushes_its_batched_counts() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    // An interval far longer than the test: only the shutdown flush can deliver the counts.
+    let rest = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  sync_interval: 1h\n\
+         plans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 10, window: 1h }} ]\n  anonymous: {{}}\n",
+        redis.url()
+    );
+    let (mut gateway, _directory) = start_gateway(&upstream.url(), &rest);
+    let client = client();
+    for _ in 0..3 {
+        let response = get(&client, &gateway.url("/"), &[("x-api-key", "leaving")]).await;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let key = format!(
+        "fg:{{key:{}}}:plan.free:hourly",
+        floodgate::Identity::ApiKey("leaving".to_owned()).hash()
+    );
+    let before: i64 = redis.command(&["EXISTS", &key]);
+    assert_eq!(before, 0, "counts are still local");
+    gateway.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || gateway.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let count: Vec<String> = redis.command(&["HMGET", &key, "c"]);
+    assert_eq!(count, vec!["3".to_owned()]);
+}

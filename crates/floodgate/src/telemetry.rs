@@ -16,6 +16,23 @@ pub const STORE_ERRORS_TOTAL: &str = "floodgate_store_errors_total";
 /// `floodgate_breaker_state{store}`: 0 closed, 1 open, 2 half-open.
 pub const BREAKER_STATE: &str = "floodgate_breaker_state";
 
+/// `floodgate_batched_syncs_total{result}`: batched-mode sync calls, `ok` or `error`.
+pub const BATCHED_SYNCS_TOTAL: &str = "floodgate_batched_syncs_total";
+/// `floodgate_batched_dropped_units_total`: admitted units never delivered to the shared store
+/// (older than their window when it came back).
+pub const BATCHED_DROPPED_UNITS_TOTAL: &str = "floodgate_batched_dropped_units_total";
+
+/// Counts one batched sync call.
+pub fn record_batched_sync(succeeded: bool) {
+    let result = if succeeded { "ok" } else { "error" };
+    metrics::counter!(BATCHED_SYNCS_TOTAL, "result" => result).increment(1);
+}
+
+/// Counts units dropped by batched mode.
+pub fn record_batched_dropped(units: u64) {
+    metrics::counter!(BATCHED_DROPPED_UNITS_TOTAL).increment(units);
+}
+
 /// What happened to a request, as the `decision` label says it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecisionLabel {

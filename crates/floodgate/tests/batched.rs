@@ -322,3 +322,26 @@ async fn redis_calls_follow_the_interval_not_the_traffic() {
     );
     assert!(calls >= 4, "every node synced: {calls}");
 }
+
+/// `Store::flush` (called by the gateway on shutdown) sends what was admitted since the last
+/// sync, so a stopping node does not take its counts with it.
+#[tokio::test]
+async fn a_flush_delivers_the_last_counts() {
+    let server = RedisServer::start();
+    let node = node(&server);
+    let limit = Arc::new(Limit::fixed_window("m", 10, secs(60)).unwrap());
+    let checks = check(&limit, "erin");
+    for _ in 0..3 {
+        assert!(
+            node.check_and_consume(&checks, None)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let before: i64 = server.command(&["EXISTS", &checks[0].key]);
+    assert_eq!(before, 0, "nothing sent yet (the fetch found no key)");
+    Store::flush(&node).await.unwrap();
+    let count: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
+    assert_eq!(count, vec!["3".to_owned()]);
+}

@@ -50,6 +50,7 @@ use crate::algorithm::{
 };
 use crate::decision::Decision;
 use crate::limit::{Algorithm, Limit};
+use crate::telemetry;
 use crate::time::{Clock, SystemClock, Timestamp};
 
 /// What the shared store answers to a sync: its time, and the state of each synced limit
@@ -531,6 +532,12 @@ impl<T: SyncTarget> Shared<T> {
                 {
                     // Too old to belong to any window the limit still looks at.
                     self.stats.dropped_units.fetch_add(units, Ordering::Relaxed);
+                    telemetry::record_batched_dropped(units);
+                    tracing::warn!(
+                        units,
+                        limit = entry.limit.name(),
+                        "batched counts older than their window dropped after a store outage"
+                    );
                     units = 0;
                 }
                 entry.pending = 0;
@@ -550,12 +557,14 @@ impl<T: SyncTarget> Shared<T> {
                         self.adopt(check, state, decided_at);
                     }
                     self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                    telemetry::record_batched_sync(true);
                 }
                 Err(error) => {
                     for check in chunk {
                         self.keep_for_later(check);
                     }
                     self.stats.calls_failed.fetch_add(1, Ordering::Relaxed);
+                    telemetry::record_batched_sync(false);
                     outcome = Err(error);
                 }
             }
@@ -711,5 +720,9 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
 
     fn breaker_state(&self) -> Option<BreakerState> {
         self.shared.target.breaker_state()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(self.shared.sync_round(None))
     }
 }

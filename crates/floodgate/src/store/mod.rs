@@ -132,6 +132,13 @@ pub trait Store: Send + Sync + 'static {
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
         None
     }
+
+    /// Sends whatever the store holds back (batched counts) to where it belongs; called on
+    /// shutdown, so that a stopping node does not take its last interval's counts with it.
+    /// Stores that hold nothing back return at once.
+    fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -153,5 +160,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
         (**self).breaker_state()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        (**self).flush()
     }
 }

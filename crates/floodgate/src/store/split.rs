@@ -110,4 +110,8 @@ impl<T: SyncTarget> Store for SplitStore<T> {
     fn breaker_state(&self) -> Option<BreakerState> {
         self.exact.breaker_state()
     }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.hot.flush()
+    }
 }
