@@ -239,4 +239,36 @@ mod cluster {
             "{enforced} enforced, {failed} on the dead master"
         );
     }
+
+    /// Resharding moves an identity's slot (and its keys, by MIGRATE) to another master while
+    /// the store holds a stale slot map: the cluster answers MOVED, the client follows it, and
+    /// the identity's count moves with it.
+    #[tokio::test]
+    async fn a_resharded_identity_keeps_its_count() {
+        let store = fresh_store().await;
+        let limit = Arc::new(Limit::fixed_window("m", 3, Duration::from_secs(3600)).unwrap());
+        let key = "fg:{ip:resharded}:r:m".to_owned();
+        let checks = [Check::new(key.clone(), limit.clone(), 1)];
+        assert_eq!(futures_admitted(&store, &checks, 2).await, 2);
+        let from = store.cluster.master_of(&key);
+        let to = (from + 1) % 3;
+        let id =
+            |index: usize| -> String { store.cluster.masters[index].command(&["CLUSTER", "MYID"]) };
+        // Every slot `from` serves goes, so the key's slot surely moves.
+        let slots = store.cluster.slots_served_by(from);
+        let output = std::process::Command::new("redis-cli")
+            .args(["--cluster", "reshard"])
+            .arg(format!("127.0.0.1:{}", store.cluster.masters[from].port()))
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(output.status.success(), "reshard failed");
+        super::support::wait_until(Duration::from_secs(20), "the slot to move", || {
+            store.cluster.master_of(&key) == to
+        });
+        // The store's slot map still points at `from`: MOVED, followed, and the count of 2
+        // came along with the key.
+        assert_eq!(futures_admitted(&store, &checks, 3).await, 1);
+    }
 }

@@ -276,33 +276,48 @@ impl RedisCluster {
         self.masters.iter().map(RedisServer::url).collect()
     }
 
+    /// `CLUSTER SLOTS` as (first slot, last slot, index of the serving master).
+    fn slot_ranges(&self) -> Vec<(u16, u16, usize)> {
+        use deadpool_redis::redis::Value;
+        let number = |value: Option<&Value>| match value {
+            Some(Value::Int(int)) => *int,
+            _ => -1,
+        };
+        let ranges: Vec<Vec<Value>> = self.masters[0].command(&["CLUSTER", "SLOTS"]);
+        ranges
+            .iter()
+            .filter_map(|range| {
+                let Some(Value::Array(node)) = range.get(2) else {
+                    return None;
+                };
+                let port = number(node.get(1));
+                let master = self
+                    .masters
+                    .iter()
+                    .position(|master| i64::from(master.port()) == port)?;
+                let (start, end) = (number(range.first()), number(range.get(1)));
+                Some((u16::try_from(start).ok()?, u16::try_from(end).ok()?, master))
+            })
+            .collect()
+    }
+
     /// The master serving `key`'s slot.
     pub fn master_of(&self, key: &str) -> usize {
         let slot = floodgate::store::redis::hash_slot(key);
-        let slots: Vec<Vec<deadpool_redis::redis::Value>> =
-            self.masters[0].command(&["CLUSTER", "SLOTS"]);
-        for range in slots {
-            let (Some(start), Some(end), Some(node)) = (range.first(), range.get(1), range.get(2))
-            else {
-                continue;
-            };
-            let number = |value: &deadpool_redis::redis::Value| match value {
-                deadpool_redis::redis::Value::Int(int) => *int,
-                _ => -1,
-            };
-            if (number(start)..=number(end)).contains(&i64::from(slot))
-                && let deadpool_redis::redis::Value::Array(node) = node
-                && let Some(port) = node.get(1)
-            {
-                let port = number(port);
-                return self
-                    .masters
-                    .iter()
-                    .position(|master| i64::from(master.port()) == port)
-                    .expect("a master of this cluster");
-            }
-        }
-        panic!("slot {slot} is not served");
+        self.slot_ranges()
+            .into_iter()
+            .find(|(start, end, _)| (*start..=*end).contains(&slot))
+            .map(|(_, _, master)| master)
+            .unwrap_or_else(|| panic!("slot {slot} is not served"))
+    }
+
+    /// How many slots master `index` serves.
+    pub fn slots_served_by(&self, index: usize) -> u32 {
+        self.slot_ranges()
+            .into_iter()
+            .filter(|(_, _, master)| *master == index)
+            .map(|(start, end, _)| u32::from(end - start) + 1)
+            .sum()
     }
 }
 
