@@ -7,8 +7,8 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate::store::batched::{BatchedStats, BatchedStore};
-use floodgate::store::{BoxFuture, RedisStore};
+use floodgate::store::batched::{BatchedStats, BatchedStore, SyncTarget};
+use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore, SplitStore};
 use floodgate::{
     Algorithm, Check, Decision, FakeClock, Lease, Limit, Store, StoreError, Timestamp,
 };
@@ -33,12 +33,13 @@ fn node(server: &RedisServer) -> BatchedStore<RedisStore> {
 
 /// One node that syncs after every decision: a single node must stay exact, and every state
 /// must survive the trip through Redis (Rust state → Lua sync → exported fields → Rust).
-struct SyncedAfterEveryDecision {
-    _server: RedisServer,
-    node: BatchedStore<RedisStore>,
+struct SyncedAfterEveryDecision<T = RedisStore> {
+    _servers: Vec<RedisServer>,
+    _cluster: Option<support::RedisCluster>,
+    node: BatchedStore<T>,
 }
 
-impl Store for SyncedAfterEveryDecision {
+impl<T: SyncTarget> Store for SyncedAfterEveryDecision<T> {
     fn check_and_consume<'a>(
         &'a self,
         checks: &'a [Check],
@@ -64,12 +65,96 @@ async fn synced_node() -> SyncedAfterEveryDecision {
     let server = RedisServer::start();
     let node = node(&server);
     SyncedAfterEveryDecision {
-        _server: server,
+        _servers: vec![server],
+        _cluster: None,
         node,
     }
 }
 
 batchable_conformance_suite!(synced_node());
+
+fn hour_long_batches<T: SyncTarget>(target: T) -> BatchedStore<T> {
+    BatchedStore::builder(target)
+        .sync_interval(Duration::from_secs(3600))
+        .idle_after(Duration::from_secs(36_000))
+        .build()
+}
+
+/// Batched over `redis_sharded`: syncs are grouped by owning node.
+mod over_sharded {
+    use super::*;
+
+    async fn synced_node() -> SyncedAfterEveryDecision<ShardedRedisStore> {
+        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+        let nodes = servers
+            .iter()
+            .map(|server| (server.url(), redis(server)))
+            .collect();
+        SyncedAfterEveryDecision {
+            _servers: servers,
+            _cluster: None,
+            node: hour_long_batches(ShardedRedisStore::new(nodes).unwrap()),
+        }
+    }
+
+    batchable_conformance_suite!(synced_node());
+}
+
+/// Batched over a real 3-master Redis Cluster: syncs are grouped by slot.
+mod over_cluster {
+    use super::*;
+
+    async fn synced_node() -> SyncedAfterEveryDecision {
+        let cluster = support::RedisCluster::start(3);
+        let store = RedisStore::cluster(cluster.urls())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        SyncedAfterEveryDecision {
+            _servers: Vec::new(),
+            _cluster: Some(cluster),
+            node: hour_long_batches(store),
+        }
+    }
+
+    batchable_conformance_suite!(synced_node());
+}
+
+/// A global ceiling batched in front of exact client limits: when the exact store denies, the
+/// ceiling's local charge is given back.
+#[tokio::test]
+async fn a_split_store_refunds_the_ceiling_when_the_client_limit_denies() {
+    let server = RedisServer::start();
+    let exact = redis(&server);
+    let split = SplitStore::new(node(&server), Arc::new(exact), |check: &Check| {
+        check.key.contains(":{global:")
+    });
+    let ceiling = Arc::new(Limit::fixed_window("ceiling", 100, secs(3600)).unwrap());
+    let client = Arc::new(Limit::fixed_window("client", 1, secs(3600)).unwrap());
+    let checks = vec![
+        Check::new("fgtest:{global:search}:g:ceiling", ceiling.clone(), 1),
+        Check::new("fgtest:{ip:frank}:p:client", client.clone(), 1),
+    ];
+    let now = at(ms(0));
+    let first = split.check_and_consume(&checks, Some(now)).await.unwrap();
+    assert!(first.is_allowed());
+    assert_eq!(first.limits().len(), 2);
+    for _ in 0..3 {
+        let denied = split.check_and_consume(&checks, Some(now)).await.unwrap();
+        assert!(!denied.is_allowed());
+        assert_eq!(
+            denied.binding_limit().map(|limit| &*limit.name),
+            Some("client")
+        );
+    }
+    split.hot().sync_now(Some(now)).await.unwrap();
+    let count: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
+    assert_eq!(
+        count,
+        vec!["1".to_owned()],
+        "denied requests left the ceiling as it was"
+    );
+}
 
 fn check(limit: &Arc<Limit>, identity: &str) -> Vec<Check> {
     vec![Check::new(
