@@ -712,3 +712,62 @@ async fn gateways_on_a_redis_cluster_share_each_identity_exactly() {
         "six identities over several masters ({used} used)"
     );
 }
+
+/// `store.sentinel`: the gateway finds the master through the sentinels and, after the master
+/// is killed, follows the promoted replica; meanwhile `on_store_error: closed` answers 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_follows_a_sentinel_failover() {
+    let mut group = redis_support::SentinelGroup::start();
+    let upstream = Upstream::start().await;
+    let sentinels: Vec<String> = group
+        .sentinel_urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    let rest = format!(
+        "store:\n  backend: redis\n  sentinel: {{ master: {}, nodes: [{}] }}\n  timeout: 200ms\n  breaker: {{ failures: 3, open_for: 300ms }}\non_store_error: closed\nplans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 2, window: 1h }} ]\n  anonymous: {{}}\n",
+        redis_support::SENTINEL_MASTER,
+        sentinels.join(", ")
+    );
+    let (gateway, _directory) = gateway(&upstream, &rest);
+    let client = client();
+    let url = gateway.url("/");
+    assert_eq!(
+        admitted(&client, &url, &[("x-api-key", "before")], 3).await,
+        2
+    );
+
+    group.master.kill();
+    let killed_at = Instant::now();
+    let mut answered_by_policy = 0;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let key = format!("during-{attempt}");
+        let response = get(&client, &url, &[("x-api-key", &key)]).await;
+        match response.status() {
+            StatusCode::OK => break,
+            StatusCode::SERVICE_UNAVAILABLE => answered_by_policy += 1,
+            other => panic!("unexpected {other} during failover"),
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(10),
+            "the gateway did not reach the new master within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "sentinel failover: the gateway decided again {:?} after the kill ({answered_by_policy} \
+         answers by the policy meanwhile)",
+        killed_at.elapsed()
+    );
+    assert!(
+        answered_by_policy > 0,
+        "the failure policy answered meanwhile"
+    );
+    assert_eq!(group.current_master_port(), Some(group.replica.port()));
+    assert_eq!(
+        admitted(&client, &url, &[("x-api-key", "after")], 3).await,
+        2
+    );
+}
