@@ -359,10 +359,14 @@ impl Gateway {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
             if store.0 != config.store {
                 // New store settings: a new store (counters start afresh only then).
-                *store = (
-                    config.store.clone(),
-                    build_store(&config.store).map_err(ReloadError::Failed)?,
+                let replaced = std::mem::replace(
+                    &mut *store,
+                    (
+                        config.store.clone(),
+                        build_store(&config.store).map_err(ReloadError::Failed)?,
+                    ),
                 );
+                flush_in_background(replaced.1);
             }
             store.1.clone()
         };
@@ -373,6 +377,19 @@ impl Gateway {
         *last_text = text;
         metrics::gauge!("floodgate_config_version").set(version as f64);
         Ok(version)
+    }
+}
+
+/// Sends a replaced store's batched counts where they belong. Requests still finishing under the
+/// old version after the flush may add a few, delivered by the old store's sync task only while
+/// such requests keep it alive: at most the last moments before a reload.
+fn flush_in_background(store: Arc<dyn Store>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            if let Err(error) = store.flush().await {
+                tracing::warn!(%error, "could not flush the replaced store's batched counts");
+            }
+        });
     }
 }
 
