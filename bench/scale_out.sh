@@ -98,7 +98,18 @@ for _ in $(seq 100); do
     redis-cli -p "${cluster_ports[0]}" CLUSTER INFO | grep -q cluster_state:ok && break; sleep 0.1
 done
 cluster_url="cluster:$(printf 'redis://127.0.0.1:%s,' "${cluster_ports[@]}" | sed 's/,$//')"
+cluster_calls() { local sum=0; for port in "${cluster_ports[@]}"; do sum=$((sum + $(script_calls "$port"))); done; echo "$sum"; }
+bench_run() { # label url calls-function
+    local before after output decisions
+    before=$($3)
+    output=$(target/release/examples/redis_bench "$2" spread multiplexed 64 "$seconds")
+    after=$($3)
+    decisions=$(echo "$output" | sed -E 's/.*\(([0-9]+) in.*/\1/')
+    printf '%-18s %s; %s script calls = %.4f per decision\n' "$1" "$output" "$((after - before))" \
+        "$(python3 -c "print(($after - $before) / $decisions)")"
+}
+single_calls() { script_calls "$single_port"; }
 for round in 1 2 3; do
-    printf 'one node:          '; target/release/examples/redis_bench "redis://127.0.0.1:$single_port" spread multiplexed 64 "$seconds"
-    printf '3-master cluster:  '; target/release/examples/redis_bench "$cluster_url" spread multiplexed 64 "$seconds"
+    bench_run "one node:" "redis://127.0.0.1:$single_port" single_calls
+    bench_run "3-master cluster:" "$cluster_url" cluster_calls
 done
