@@ -271,4 +271,52 @@ mod cluster {
         // came along with the key.
         assert_eq!(futures_admitted(&store, &checks, 3).await, 1);
     }
+
+    /// A slot caught mid-migration: the key already moved to the importing master, the slot
+    /// still owned by the migrating one, which answers ASK. The client must follow it (ASKING)
+    /// and the script must find the moved count there.
+    #[tokio::test]
+    async fn an_identity_in_a_migrating_slot_is_followed_by_ask() {
+        let store = fresh_store().await;
+        let limit = Arc::new(Limit::fixed_window("m", 3, Duration::from_secs(3600)).unwrap());
+        let key = "fg:{ip:migrating}:r:m".to_owned();
+        let checks = [Check::new(key.clone(), limit.clone(), 1)];
+        assert_eq!(futures_admitted(&store, &checks, 2).await, 2);
+        let slot = floodgate::store::redis::hash_slot(&key).to_string();
+        let from = store.cluster.master_of(&key);
+        let to = (from + 1) % 3;
+        let (source, target) = (&store.cluster.masters[from], &store.cluster.masters[to]);
+        let source_id: String = source.command(&["CLUSTER", "MYID"]);
+        let target_id: String = target.command(&["CLUSTER", "MYID"]);
+        let _: () = target.command(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source_id]);
+        let _: () = source.command(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target_id]);
+        let port = target.port().to_string();
+        let _: String =
+            source.command(&["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS", &key]);
+        // The migrating master no longer has it: it answers ASK (or 0) instead of 1.
+        let still_there = source.try_command::<i64>(&["EXISTS", &key]);
+        assert!(
+            !matches!(still_there, Ok(1)),
+            "the key left the migrating master"
+        );
+        // The slot still belongs to `from`: the call goes there, gets ASK, follows it.
+        assert_eq!(futures_admitted(&store, &checks, 3).await, 1);
+        let count: Vec<String> = target
+            .try_command(&["HMGET", &key, "c"])
+            .or_else(|_| {
+                // A plain connection must say ASKING too while the slot is importing.
+                let mut connection = target.connection();
+                deadpool_redis::redis::cmd("ASKING").exec(&mut connection)?;
+                deadpool_redis::redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("c")
+                    .query(&mut connection)
+            })
+            .unwrap();
+        assert_eq!(
+            count,
+            vec!["3".to_owned()],
+            "charged on the importing master"
+        );
+    }
 }
