@@ -430,3 +430,81 @@ async fn a_flush_delivers_the_last_counts() {
     let count: Vec<String> = server.command(&["HMGET", &checks[0].key, "c"]);
     assert_eq!(count, vec!["3".to_owned()]);
 }
+
+/// While the shared store is down, batched decisions do not carry on alone: once the breaker
+/// opens they fail fast, so the layer's failure policy decides, as in exact mode.
+#[tokio::test]
+async fn an_unreachable_store_hands_decisions_to_the_failure_policy() {
+    let mut server = RedisServer::start();
+    let node = BatchedStore::builder(
+        RedisStore::builder(server.url())
+            .timeout(ms(200))
+            .breaker(2, secs(30))
+            .build()
+            .unwrap(),
+    )
+    .sync_interval(Duration::from_secs(3600))
+    .build();
+    let limit = Arc::new(Limit::fixed_window("m", 10, secs(60)).unwrap());
+    let checks = check(&limit, "gina");
+    assert!(
+        node.check_and_consume(&checks, None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    server.kill();
+    // Decided locally until the syncs fail often enough to open the breaker.
+    assert!(
+        node.check_and_consume(&checks, None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    for _ in 0..2 {
+        assert!(node.sync_now(None).await.is_err());
+    }
+    let started = std::time::Instant::now();
+    let refused = node.check_and_consume(&checks, None).await;
+    assert!(
+        matches!(refused, Err(StoreError::BreakerOpen)),
+        "{refused:?}"
+    );
+    assert!(started.elapsed() < ms(50), "no waiting on a dead store");
+    // A new identity cannot be fetched either.
+    let other = check(&limit, "hank");
+    assert!(node.check_and_consume(&other, None).await.is_err());
+}
+
+/// The table of cached identities is bounded: past `max_keys`, a new identity is a store error
+/// (for the failure policy), not more memory.
+#[tokio::test]
+async fn the_key_table_is_bounded() {
+    let server = RedisServer::start();
+    let node = BatchedStore::builder(redis(&server))
+        .sync_interval(Duration::from_secs(3600))
+        .max_keys(2)
+        .build();
+    let limit = Arc::new(Limit::fixed_window("m", 10, secs(60)).unwrap());
+    for identity in ["ivan", "judy"] {
+        assert!(
+            node.check_and_consume(&check(&limit, identity), None)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let third = node.check_and_consume(&check(&limit, "karl"), None).await;
+    assert!(
+        matches!(third, Err(StoreError::Unavailable(_))),
+        "{third:?}"
+    );
+    assert_eq!(node.stats().keys, 2);
+    // Known identities are still decided.
+    assert!(
+        node.check_and_consume(&check(&limit, "ivan"), None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+}
