@@ -1,0 +1,29 @@
+# Shared by the load benchmarks: free ports, process cleanup, readiness waits, and a floodgate
+# gateway in front of $upstream_port with never-denying limits. Sourced, not run.
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+work=$(mktemp -d)
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+wait_for() { for _ in $(seq 100); do curl -fs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
+
+# Starts `floodgate serve` with the given `store:` YAML; sets $started_port.
+start_floodgate() { # store-yaml
+    local port admin; port=$(free_port); admin=$(free_port)
+    cat > "$work/floodgate-$port.yaml" <<YAML
+listen: "127.0.0.1:$port"
+admin: { listen: "127.0.0.1:$admin" }
+upstream: "http://127.0.0.1:$upstream_port"
+$1
+plans:
+  anonymous:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+  free:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
+YAML
+    RUST_LOG=warn target/release/floodgate serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
+    pids+=($!)
+    wait_for "http://127.0.0.1:$port/"
+    started_port=$port
+}
