@@ -350,7 +350,7 @@ async fn counts_sent_during_an_outage_are_replayed_and_stale_ones_dropped() {
     assert_eq!(second_exists, 0, "stale counts are dropped, not replayed");
     let stats: BatchedStats = a.stats();
     assert_eq!(stats.dropped_units, 5);
-    assert_eq!(stats.failed_rounds, 1);
+    assert_eq!(stats.failed_syncs, 1);
 }
 
 /// The Redis work of batched mode follows the interval, not the traffic: thousands of decisions

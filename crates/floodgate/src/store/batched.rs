@@ -252,8 +252,8 @@ struct Shared<T> {
 /// Counters of what the sync machinery did, for tests, benchmarks and metrics.
 #[derive(Debug, Default)]
 struct Stats {
-    rounds: AtomicU64,
-    calls_failed: AtomicU64,
+    syncs: AtomicU64,
+    failed_syncs: AtomicU64,
     fetches: AtomicU64,
     dropped_units: AtomicU64,
 }
@@ -261,10 +261,10 @@ struct Stats {
 /// A snapshot of a batched store's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchedStats {
-    /// Sync rounds that sent something and succeeded.
-    pub rounds: u64,
-    /// Sync rounds that failed (their counts were kept for the next one).
-    pub failed_rounds: u64,
+    /// Sync calls that succeeded (a round makes one per 512 keys).
+    pub syncs: u64,
+    /// Sync calls that failed (their counts were kept for the next round).
+    pub failed_syncs: u64,
     /// First-sight fetches (one per identity and node while it stays active).
     pub fetches: u64,
     /// Units dropped because they could not be delivered within their limit's window.
@@ -317,8 +317,8 @@ impl<T: SyncTarget> BatchedStore<T> {
     pub fn stats(&self) -> BatchedStats {
         let stats = &self.shared.stats;
         BatchedStats {
-            rounds: stats.rounds.load(Ordering::Relaxed),
-            failed_rounds: stats.calls_failed.load(Ordering::Relaxed),
+            syncs: stats.syncs.load(Ordering::Relaxed),
+            failed_syncs: stats.failed_syncs.load(Ordering::Relaxed),
             fetches: stats.fetches.load(Ordering::Relaxed),
             dropped_units: stats.dropped_units.load(Ordering::Relaxed),
             keys: self.shared.keys.load(Ordering::Relaxed),
@@ -556,14 +556,14 @@ impl<T: SyncTarget> Shared<T> {
                     for (check, state) in chunk.iter().zip(synced.states) {
                         self.adopt(check, state, decided_at);
                     }
-                    self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+                    self.stats.syncs.fetch_add(1, Ordering::Relaxed);
                     telemetry::record_batched_sync(true);
                 }
                 Err(error) => {
                     for check in chunk {
                         self.keep_for_later(check);
                     }
-                    self.stats.calls_failed.fetch_add(1, Ordering::Relaxed);
+                    self.stats.failed_syncs.fetch_add(1, Ordering::Relaxed);
                     telemetry::record_batched_sync(false);
                     outcome = Err(error);
                 }
