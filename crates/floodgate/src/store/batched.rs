@@ -20,11 +20,15 @@
 //! overshoot ≤ (N − 1) × (r × 2T + c)
 //! ```
 //!
-//! where `c` is the most one node can admit from a state that the others have already used up
-//! (the capacity `burst` for the buckets, the whole `limit` at a fixed or sliding window's
-//! boundary). Overshoot is not carried over: debt recorded in the shared store is paid back by
-//! every node before it admits again, so over several windows the average converges to the
-//! limit. `BENCHMARKS.md` and the README give the measured figures.
+//! where `c` is the most one node can admit from a state that the others have already used up:
+//! the capacity (`burst`) for `token_bucket` and `gcra`, the whole `limit` for the window
+//! counters (a fixed window that has just started is fresh on every node). The term `c` is only
+//! reached when traffic starts on every node at once; under steady traffic the overshoot is
+//! about `(N − 1) × r × 2T`. What was over-admitted is recorded in the shared state as a debt (a
+//! bucket whose refill is pushed into the future, a count above the limit) that every node sees
+//! at its next sync, so a bucket pays it back before admitting again and over time the average
+//! converges to the limit; a window counter's excess ends with its window. `BENCHMARKS.md` and
+//! the README give the measured figures.
 //!
 //! **When the shared store is unreachable** the breaker of the target opens after its usual
 //! number of failures and decisions return [`StoreError::BreakerOpen`], so the layer's failure
