@@ -265,6 +265,7 @@ fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
     let batched = |interval: Duration| {
         BatchedStore::builder(shared.clone() as Arc<dyn SyncTarget>)
             .sync_interval(interval)
+            .max_keys(settings.max_keys)
             .build()
     };
     Ok(

@@ -143,6 +143,8 @@ pub struct StoreSettings {
     /// In exact mode on a shared store: the interval on which `global` ceilings (hot keys)
     /// run batched; `None` keeps them exact.
     pub global_sync_interval: Option<Duration>,
+    /// Batched mode: most keys cached at once.
+    pub max_keys: usize,
 }
 
 /// `rollout.mode`.
@@ -695,6 +697,9 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             }
         }
     }
+    if store.max_keys == 0 {
+        errors.push("store.max_keys", "must be at least 1");
+    }
     let global_sync_interval = match store.global_sync_interval.as_str() {
         "exact" => Some(None),
         text => errors
@@ -918,6 +923,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             fallback_share: raw.store.fallback_share,
             sync_interval,
             global_sync_interval,
+            max_keys: raw.store.max_keys,
         },
         on_store_error,
         identity: IdentitySettings {
@@ -1111,6 +1117,12 @@ plans:
         assert_eq!(
             config.store.global_sync_interval,
             Some(Duration::from_millis(100))
+        );
+        assert_eq!(config.store.max_keys, 1_000_000);
+        assert!(
+            errors_of("store: { max_keys: 0 }")
+                .iter()
+                .any(|error| error.starts_with("store.max_keys: "))
         );
         let config = parse("store: { backend: redis, global_sync_interval: exact }").unwrap();
         assert_eq!(config.store.global_sync_interval, None);

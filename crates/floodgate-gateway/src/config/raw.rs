@@ -175,6 +175,10 @@ pub struct RawStore {
     /// Sync interval of the `global` ceilings (hot keys) when the rest is exact, or `exact`.
     #[serde(default = "default_global_sync_interval")]
     pub global_sync_interval: String,
+    /// Batched mode: most identities' limits cached at once (a bounded buffer while Redis is
+    /// unreachable).
+    #[serde(default = "default_max_keys")]
+    pub max_keys: usize,
     /// Redis Sentinel: the master's name and the sentinels' URLs (replaces `url`).
     #[serde(default)]
     pub sentinel: Option<RawSentinel>,
@@ -198,11 +202,16 @@ impl Default for RawStore {
             breaker: RawBreaker::default(),
             sync_interval: None,
             global_sync_interval: default_global_sync_interval(),
+            max_keys: default_max_keys(),
             sentinel: None,
             fallback_share: default_share(),
             share: default_share(),
         }
     }
+}
+
+fn default_max_keys() -> usize {
+    1_000_000
 }
 
 fn default_global_sync_interval() -> String {
