@@ -20,6 +20,8 @@ need_package() { # command package
 
 need_package cargo cargo
 need_package redis-server redis-server
+# Creating the Redis Cluster of the cluster tests.
+need_package redis-cli redis-tools
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
