@@ -94,9 +94,39 @@ pub fn record_store_error(error: &StoreError) {
     metrics::counter!(STORE_ERRORS_TOTAL, "kind" => kind).increment(1);
 }
 
-/// Sets the breaker gauge.
-pub fn record_breaker_state(store: &'static str, state: BreakerState) {
-    metrics::gauge!(BREAKER_STATE, "store" => store).set(state as u8 as f64);
+/// Live breakers of each store backend, counted by state: a sharded or clustered store has one
+/// breaker per node or slot, and the gauge shows the worst of them (open, else half-open, else
+/// closed), not whichever moved last.
+static BREAKERS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<&'static str, [u64; 3]>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// A breaker of `store` came into being (`from: None`), changed state, or went away
+/// (`to: None`); sets `floodgate_breaker_state{store}` to the worst state of its live breakers.
+pub(crate) fn record_breaker_change(
+    store: &'static str,
+    from: Option<BreakerState>,
+    to: Option<BreakerState>,
+) -> BreakerState {
+    let mut breakers = BREAKERS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let counts = breakers.entry(store).or_default();
+    if let Some(from) = from {
+        counts[from as usize] = counts[from as usize].saturating_sub(1);
+    }
+    if let Some(to) = to {
+        counts[to as usize] += 1;
+    }
+    let worst = if counts[BreakerState::Open as usize] > 0 {
+        BreakerState::Open
+    } else if counts[BreakerState::HalfOpen as usize] > 0 {
+        BreakerState::HalfOpen
+    } else {
+        BreakerState::Closed
+    };
+    metrics::gauge!(BREAKER_STATE, "store" => store).set(worst as u8 as f64);
+    worst
 }
 
 /// `floodgate_near_limit_total{rule,limit}`: admitted with less than 20% of the limit left.
@@ -193,6 +223,25 @@ impl LimitedRateBaseline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_breaker_gauge_shows_the_worst_live_breaker() {
+        use BreakerState::{Closed, HalfOpen, Open};
+        let store = "gauge-test";
+        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
+        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
+        assert_eq!(record_breaker_change(store, Some(Closed), Some(Open)), Open);
+        assert_eq!(
+            record_breaker_change(store, Some(Closed), Some(HalfOpen)),
+            Open,
+            "one open breaker outweighs a half-open one"
+        );
+        assert_eq!(
+            record_breaker_change(store, Some(Open), Some(Closed)),
+            HalfOpen
+        );
+        assert_eq!(record_breaker_change(store, Some(HalfOpen), None), Closed);
+    }
 
     #[test]
     fn a_429_spike_leaves_the_baseline() {

@@ -26,7 +26,6 @@ pub enum BreakerState {
 pub trait StoreObserver: Send + Sync + 'static {
     /// The breaker of `backend` moved from `from` to `to`.
     fn breaker_changed(&self, backend: &'static str, from: BreakerState, to: BreakerState) {
-        crate::telemetry::record_breaker_state(backend, to);
         match to {
             BreakerState::Open => {
                 tracing::warn!(
@@ -136,7 +135,7 @@ impl Guard {
         observer: Arc<dyn StoreObserver>,
     ) -> Self {
         // The gauge exists from the start, so dashboards and alerts see "closed", not nothing.
-        crate::telemetry::record_breaker_state(backend, BreakerState::Closed);
+        crate::telemetry::record_breaker_change(backend, None, Some(BreakerState::Closed));
         Guard {
             backend,
             config: GuardConfig {
@@ -205,6 +204,7 @@ impl Guard {
             BreakerState::Open if breaker.opened_at.elapsed() >= self.config.open_for => {
                 breaker.state = BreakerState::HalfOpen;
                 drop(breaker);
+                self.changed(BreakerState::Open, BreakerState::HalfOpen);
                 self.observer.breaker_changed(
                     self.backend,
                     BreakerState::Open,
@@ -237,8 +237,20 @@ impl Guard {
         let to = breaker.state;
         drop(breaker);
         if from != to {
+            self.changed(from, to);
             self.observer.breaker_changed(self.backend, from, to);
         }
+    }
+
+    /// Keeps the breaker gauge right whatever the observer does.
+    fn changed(&self, from: BreakerState, to: BreakerState) {
+        crate::telemetry::record_breaker_change(self.backend, Some(from), Some(to));
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        crate::telemetry::record_breaker_change(self.backend, Some(self.state()), None);
     }
 }
 
