@@ -222,6 +222,7 @@ mod cluster {
         let victim = 1;
         store.cluster.masters[victim].kill();
         let (mut enforced, mut failed) = (0, 0);
+        let (mut victim_calls, mut refused_at_once) = (0, 0);
         for (key, &owner) in keys.iter().zip(&owners) {
             let checks = [Check::new(key.clone(), limit.clone(), 1)];
             let mut admitted = 0;
@@ -229,8 +230,15 @@ mod cluster {
             for _ in 0..3 {
                 match store.check_and_consume(&checks, None).await {
                     Ok(decision) => admitted += u32::from(decision.is_allowed()),
+                    Err(floodgate::StoreError::BreakerOpen) => {
+                        errors += 1;
+                        refused_at_once += 1;
+                    }
                     Err(_) => errors += 1,
                 }
+            }
+            if owner == victim {
+                victim_calls += 3;
             }
             if owner == victim {
                 assert_eq!(errors, 3, "{key} lives on the dead master");
@@ -243,6 +251,12 @@ mod cluster {
         assert!(
             enforced > 10 && failed > 3,
             "{enforced} enforced, {failed} on the dead master"
+        );
+        // One breaker for the whole dead master (not one per slot): after its 5 failures,
+        // every other identity on it is refused at once.
+        assert!(
+            refused_at_once >= victim_calls - 5,
+            "{refused_at_once} of {victim_calls} refused by the open breaker"
         );
     }
 

@@ -10,6 +10,7 @@
 //! Time comes from the Redis server (`TIME` in the script), so that gateways with skewed clocks
 //! agree. Every call has a deadline and goes through a circuit breaker ([`Guard`]).
 
+mod cluster;
 mod script;
 mod sharded;
 mod slot;
@@ -23,7 +24,6 @@ pub fn check_script_source() -> String {
     script::check_source()
 }
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +42,7 @@ use crate::algorithm::LimitOutcome;
 use crate::decision::Decision;
 use crate::limit::Algorithm;
 use crate::time::Timestamp;
+use cluster::ClusterBreakers;
 use script::{Mode, Reply};
 
 /// How the store talks to Redis.
@@ -196,17 +197,14 @@ impl RedisStoreBuilder {
                 )),
             },
         };
-        let slot_guards = matches!(self.deployment, Deployment::Cluster(_)).then(|| SlotGuards {
-            config: self.guard,
-            observer: self.observer.clone(),
-            guards: std::sync::Mutex::new(HashMap::new()),
-        });
+        let cluster_breakers = matches!(self.deployment, Deployment::Cluster(_))
+            .then(|| ClusterBreakers::new(self.guard, self.observer.clone()));
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
                 guard: Arc::new(Guard::new("redis", self.guard, self.observer)),
                 cluster_compatible,
-                slot_guards,
+                cluster_breakers,
             }),
         })
     }
@@ -291,24 +289,9 @@ struct Inner {
     connection: Connection,
     guard: Arc<Guard>,
     cluster_compatible: bool,
-    /// On a cluster, one breaker per hash slot (created on first use), so that a dead master
-    /// trips only the breakers of its own slots and the other masters' identities are still
-    /// decided.
-    slot_guards: Option<SlotGuards>,
-}
-
-struct SlotGuards {
-    config: GuardConfig,
-    observer: Arc<dyn StoreObserver>,
-    guards: std::sync::Mutex<HashMap<u16, Arc<Guard>>>,
-}
-
-impl SlotGuards {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u16, Arc<Guard>>> {
-        self.guards
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
+    /// On a cluster, one breaker per master (see [`cluster`]), so that a dead master trips
+    /// the breaker of its identities only.
+    cluster_breakers: Option<ClusterBreakers>,
 }
 
 /// The Redis store. Clones share connections and breaker.
@@ -370,22 +353,91 @@ impl RedisStore {
     }
 
     /// The deadline and circuit breaker of this store (on a cluster, the template that each
-    /// slot's breaker is made from).
+    /// master's breaker is made from).
     pub fn guard(&self) -> &Guard {
         &self.inner.guard
     }
 
     /// The breaker that calls on `key` go through.
     fn guard_for(&self, key: &str) -> Arc<Guard> {
-        match &self.inner.slot_guards {
+        match &self.inner.cluster_breakers {
             None => self.inner.guard.clone(),
-            Some(slots) => slots
-                .lock()
-                .entry(hash_slot(key))
-                .or_insert_with(|| {
-                    Arc::new(Guard::new("redis", slots.config, slots.observer.clone()))
-                })
-                .clone(),
+            Some(breakers) => breakers.guard_for(key),
+        }
+    }
+
+    /// Runs `call` for `key` under its breaker; on a cluster, reads the slot map first if it
+    /// was never read, and again (in the background) after a failure, since a failure may
+    /// mean a failover that moved slots.
+    async fn guarded<T>(
+        &self,
+        key: &str,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let Some(breakers) = &self.inner.cluster_breakers else {
+            return self.inner.guard.call(call).await;
+        };
+        if !breakers.is_known() {
+            self.refresh_slot_map().await;
+        }
+        let result = breakers.guard_for(key).call(call).await;
+        if matches!(
+            result,
+            Err(StoreError::Unavailable(_) | StoreError::Timeout(_))
+        ) {
+            let store = self.clone();
+            tokio::spawn(async move { store.refresh_slot_map().await });
+        }
+        result
+    }
+
+    /// Reads `CLUSTER SLOTS` (at most once a second, within the deadline) into the breakers'
+    /// slot map. A failure leaves the previous map.
+    async fn refresh_slot_map(&self) {
+        let Some(breakers) = &self.inner.cluster_breakers else {
+            return;
+        };
+        if !breakers.claim_refresh() {
+            return;
+        }
+        let deadline = self
+            .inner
+            .guard
+            .config()
+            .timeout
+            .max(Duration::from_millis(100));
+        let query = async {
+            let mut command = redis::cmd("CLUSTER");
+            command.arg("SLOTS");
+            match &self.inner.connection {
+                Connection::Cluster(lazy) => {
+                    let connection = lazy
+                        .connection
+                        .get_or_try_init(|| lazy.client.get_async_connection())
+                        .await
+                        .map_err(classify)?;
+                    command
+                        .query_async::<Value>(&mut connection.clone())
+                        .await
+                        .map_err(classify)
+                }
+                Connection::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(unavailable)?;
+                    command
+                        .query_async::<Value>(&mut *connection)
+                        .await
+                        .map_err(classify)
+                }
+                _ => Err(StoreError::Protocol("not a cluster".into())),
+            }
+        };
+        match tokio::time::timeout(deadline, query).await {
+            Ok(Ok(reply)) => match cluster::parse_slots(&reply) {
+                Ok(ranges) => breakers.apply(&ranges),
+                Err(error) => tracing::warn!(%error, "could not read the cluster's slot map"),
+            },
+            Ok(Err(error)) => tracing::debug!(%error, "could not read the cluster's slot map"),
+            Err(_) => tracing::debug!("reading the cluster's slot map timed out"),
         }
     }
 
@@ -452,8 +504,7 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<Reply, StoreError> {
         let key = checks.first().map_or("", |check| &*check.key);
-        self.guard_for(key)
-            .call(self.call(mode, checks, tokens, now))
+        self.guarded(key, self.call(mode, checks, tokens, now))
             .await
     }
 
@@ -464,13 +515,12 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<Synced, StoreError> {
         let key = checks.first().map_or("", |check| &*check.key);
-        self.guard_for(key)
-            .call(async {
-                let invocation = script::invocation(Mode::Sync, checks, &[], now);
-                let value = self.invoke(&invocation).await?;
-                script::decode_sync(value, checks)
-            })
-            .await
+        self.guarded(key, async {
+            let invocation = script::invocation(Mode::Sync, checks, &[], now);
+            let value = self.invoke(&invocation).await?;
+            script::decode_sync(value, checks)
+        })
+        .await
     }
 
     async fn call(
@@ -734,17 +784,16 @@ impl Store for RedisStore {
         "redis"
     }
 
-    /// On a cluster: open if any slot's breaker is not closed (its identities follow the
+    /// On a cluster: open if any master's breaker is not closed (its identities follow the
     /// failure policy).
     fn breaker_state(&self) -> Option<BreakerState> {
-        let Some(slots) = &self.inner.slot_guards else {
+        let Some(breakers) = &self.inner.cluster_breakers else {
             return Some(self.inner.guard.state());
         };
         Some(
-            slots
-                .lock()
-                .values()
-                .map(|guard| guard.state())
+            breakers
+                .states()
+                .into_iter()
                 .find(|state| *state != BreakerState::Closed)
                 .unwrap_or(BreakerState::Closed),
         )
