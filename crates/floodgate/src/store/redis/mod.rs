@@ -238,6 +238,17 @@ struct LazyCluster {
     connection: tokio::sync::OnceCell<ClusterConnection>,
 }
 
+impl LazyCluster {
+    /// A handle on the shared cluster connection (multiplexed: clones share it).
+    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        self.connection
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await
+            .cloned()
+            .map_err(classify)
+    }
+}
+
 /// A multiplexed connection to the master the sentinels name. A failed call drops it, so the
 /// next call asks the sentinels again and, after a failover, reaches the promoted replica.
 struct SentinelMaster {
@@ -410,17 +421,10 @@ impl RedisStore {
             let mut command = redis::cmd("CLUSTER");
             command.arg("SLOTS");
             match &self.inner.connection {
-                Connection::Cluster(lazy) => {
-                    let connection = lazy
-                        .connection
-                        .get_or_try_init(|| lazy.client.get_async_connection())
-                        .await
-                        .map_err(classify)?;
-                    command
-                        .query_async::<Value>(&mut connection.clone())
-                        .await
-                        .map_err(classify)
-                }
+                Connection::Cluster(lazy) => command
+                    .query_async::<Value>(&mut lazy.connection().await?)
+                    .await
+                    .map_err(classify),
                 Connection::ClusterPool(pool) => {
                     let mut connection = pool.get().await.map_err(unavailable)?;
                     command
@@ -467,14 +471,7 @@ impl RedisStore {
                 let mut connection = pool.get().await.map_err(unavailable)?;
                 invoke_on(&mut *connection, invocation).await
             }
-            Connection::Cluster(lazy) => {
-                let connection = lazy
-                    .connection
-                    .get_or_try_init(|| lazy.client.get_async_connection())
-                    .await
-                    .map_err(classify)?;
-                invoke_on(&mut connection.clone(), invocation).await
-            }
+            Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
             Connection::ClusterPool(pool) => {
                 let mut connection = pool.get().await.map_err(unavailable)?;
                 invoke_on(&mut *connection, invocation).await
