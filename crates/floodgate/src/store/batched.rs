@@ -40,13 +40,14 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use smallvec::SmallVec;
 use tokio::sync::watch;
 
 use super::resilience::BreakerState;
+use super::shards::{LockedShards, lock};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::{
     self, FixedWindowState, GcraState, LimitOutcome, SlidingWindowCounterState, State,
@@ -388,14 +389,7 @@ impl<T: SyncTarget> Shared<T> {
             .iter()
             .map(|check| self.shard_index(&check.key))
             .collect();
-        let mut shard_ids = check_shards.clone();
-        shard_ids.sort_unstable();
-        shard_ids.dedup();
-        // Ascending order: every request locks shards in the same global order.
-        let mut guards: Guards<'_> = shard_ids
-            .iter()
-            .map(|&id| (id, lock(&self.shards[id])))
-            .collect();
+        let mut guards = LockedShards::lock(&self.shards, &check_shards);
 
         let mut fetch = Vec::new();
         let mut wait = Vec::new();
@@ -407,7 +401,7 @@ impl<T: SyncTarget> Shared<T> {
                     check.limit.name()
                 )));
             }
-            let shard = locked(&mut guards, check_shards[index]);
+            let shard = guards.get(check_shards[index]);
             let slot = shard.get(&*check.key);
             match slot {
                 Some(Slot::Ready(_)) => continue,
@@ -439,14 +433,14 @@ impl<T: SyncTarget> Shared<T> {
             .iter()
             .zip(&check_shards)
             .map(|(check, &shard)| {
-                let entry = ready(locked(&mut guards, shard), &check.key);
+                let entry = ready(guards.get(shard), &check.key);
                 algorithm::evaluate(&check.limit, entry.state.as_ref(), now, check.cost)
             })
             .collect();
         let admitted = outcomes.iter().all(|outcome| outcome.allowed);
         let local_now = self.clock.now().as_micros();
         for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
-            let entry = ready(locked(&mut guards, shard), &check.key);
+            let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
             entry.limit = check.limit.clone();
             if admitted {
@@ -608,22 +602,6 @@ enum Attempt {
         fetch: Vec<(usize, watch::Sender<bool>)>,
         wait: Vec<watch::Receiver<bool>>,
     },
-}
-
-type Guards<'a> = SmallVec<[(usize, MutexGuard<'a, Shard>); 8]>;
-
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // Entries are replaced whole, so a shard poisoned by a panic is still consistent.
-    shard.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The locked shard `id` among `guards` (which holds every shard the request touches).
-fn locked<'g>(guards: &'g mut Guards<'_>, id: usize) -> &'g mut Shard {
-    let position = guards
-        .iter()
-        .position(|(locked, _)| *locked == id)
-        .unwrap_or_default();
-    &mut guards[position].1
 }
 
 /// The ready entry of `key`, which the caller has seen ready under the same lock.

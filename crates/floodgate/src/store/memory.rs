@@ -11,12 +11,13 @@
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 use smallvec::SmallVec;
 
+use super::shards::{LockedShards, lock};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::Decision;
@@ -193,12 +194,6 @@ impl MemoryStore {
     }
 }
 
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // A panic while holding the lock cannot leave an entry half-written (entries are replaced
-    // whole), so a poisoned shard is still consistent.
-    shard.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl Inner {
     fn shard_of(&self, hash: u64) -> usize {
         // The table uses the hash's low bits for buckets and top 7 bits for tags; the shard
@@ -271,18 +266,12 @@ impl Inner {
             .iter()
             .map(|check| self.hasher.hash_one(&*check.key))
             .collect();
-        let mut shard_ids: SmallVec<[usize; 8]> =
+        let shard_ids: SmallVec<[usize; 8]> =
             hashes.iter().map(|&hash| self.shard_of(hash)).collect();
-        shard_ids.sort_unstable();
-        shard_ids.dedup();
-        // Ascending order: every request locks shards in the same global order.
-        let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 8]> = shard_ids
-            .iter()
-            .map(|&id| (id, lock(&self.shards[id])))
-            .collect();
+        let mut guards = LockedShards::lock(&self.shards, &shard_ids);
 
         let mut evaluate = |check: &Check, hash: u64, cost: u64| {
-            let shard = locked_shard(&mut guards, self.shard_of(hash));
+            let shard = guards.get(self.shard_of(hash));
             let state = shard
                 .entries
                 .find(hash, |entry| *entry.key == *check.key)
@@ -307,7 +296,7 @@ impl Inner {
         let mut leases = Vec::new();
         if admitted {
             for (check, &hash) in checks.iter().zip(&hashes) {
-                let shard = locked_shard(&mut guards, self.shard_of(hash));
+                let shard = guards.get(self.shard_of(hash));
                 if let Some(id) = self.consume(shard, check, hash, now_micros) {
                     leases.push(Lease {
                         key: check.key.clone(),
@@ -317,7 +306,7 @@ impl Inner {
                 }
             }
         }
-        for (_, shard) in &mut guards {
+        for shard in guards.iter_mut() {
             self.sweep_if_due(shard, now_micros);
         }
         Decision::from_outcomes(now, checks, &outcomes, leases)
@@ -357,15 +346,6 @@ impl Inner {
             })
             .sum()
     }
-}
-
-/// The locked shard `id` among `guards` (which holds every shard the request touches).
-fn locked_shard<'g>(guards: &'g mut [(usize, MutexGuard<'_, Shard>)], id: usize) -> &'g mut Shard {
-    let position = guards
-        .iter()
-        .position(|(locked, _)| *locked == id)
-        .unwrap_or_default();
-    &mut guards[position].1
 }
 
 impl Shard {

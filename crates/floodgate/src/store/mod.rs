@@ -10,6 +10,7 @@ mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod resilience;
+mod shards;
 #[cfg(feature = "redis")]
 pub mod split;
 
