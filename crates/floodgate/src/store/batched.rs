@@ -438,15 +438,20 @@ impl<T: SyncTarget> Shared<T> {
             })
             .collect();
         let admitted = outcomes.iter().all(|outcome| outcome.allowed);
-        let local_now = self.clock.now().as_micros();
+        // Read only when a key starts a new batch of unsent units.
+        let mut local_now = None;
         for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
             let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
-            entry.limit = check.limit.clone();
+            if !Arc::ptr_eq(&entry.limit, &check.limit) {
+                // A reload changed the limit's settings: syncs use the new ones.
+                entry.limit = check.limit.clone();
+            }
             if admitted {
                 algorithm::consume(&check.limit, &mut entry.state, now, check.cost, 0);
                 if entry.pending == 0 {
-                    entry.pending_since = local_now;
+                    entry.pending_since =
+                        *local_now.get_or_insert_with(|| self.clock.now().as_micros());
                 }
                 entry.pending += check.cost;
             } else if outcome.allowed {

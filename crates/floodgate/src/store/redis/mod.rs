@@ -369,14 +369,6 @@ impl RedisStore {
         &self.inner.guard
     }
 
-    /// The breaker that calls on `key` go through.
-    fn guard_for(&self, key: &str) -> Arc<Guard> {
-        match &self.inner.cluster_breakers {
-            None => self.inner.guard.clone(),
-            Some(breakers) => breakers.guard_for(key),
-        }
-    }
-
     /// Runs `call` for `key` under its breaker; on a cluster, reads the slot map first if it
     /// was never read, and again (in the background) after a failure, since a failure may
     /// mean a failover that moved slots.
@@ -447,7 +439,12 @@ impl RedisStore {
 
     /// Whether calls on `key` are being refused by an open breaker.
     fn is_refused(&self, key: &str) -> bool {
-        self.guard_for(key).state() == BreakerState::Open
+        // Asked on every batched decision: a single node's breaker is read in place.
+        let state = match &self.inner.cluster_breakers {
+            None => self.inner.guard.state(),
+            Some(breakers) => breakers.guard_for(key).state(),
+        };
+        state == BreakerState::Open
     }
 
     /// Runs one script invocation on a connection.
