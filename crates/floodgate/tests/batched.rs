@@ -25,10 +25,7 @@ fn redis(server: &RedisServer) -> RedisStore {
 
 /// A node whose sync task never fires on its own: tests drive syncs with explicit times.
 fn node(server: &RedisServer) -> BatchedStore<RedisStore> {
-    BatchedStore::builder(redis(server))
-        .sync_interval(Duration::from_secs(3600))
-        .idle_after(Duration::from_secs(36_000))
-        .build()
+    hour_long_batches(redis(server))
 }
 
 /// One node that syncs after every decision: a single node must stay exact, and every state
@@ -73,6 +70,7 @@ async fn synced_node() -> SyncedAfterEveryDecision {
 
 batchable_conformance_suite!(synced_node());
 
+/// A batched store over `target` whose sync task never fires during a test.
 fn hour_long_batches<T: SyncTarget>(target: T) -> BatchedStore<T> {
     BatchedStore::builder(target)
         .sync_interval(Duration::from_secs(3600))
