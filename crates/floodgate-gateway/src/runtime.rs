@@ -203,7 +203,7 @@ fn tuned(
 }
 
 /// The shared store, as both an exact store and a target for batched sync.
-fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SharedStore>>, String> {
+fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>, String> {
     Ok(Some(match &settings.backend {
         Backend::Memory => return Ok(None),
         Backend::Redis { url, pool_size } => Arc::new(tuned(
@@ -238,17 +238,6 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SharedStore>>
     }))
 }
 
-/// A store that can decide exactly and serve as a batched-sync target.
-trait SharedStore: Store + SyncTarget {
-    fn as_store(self: Arc<Self>) -> Arc<dyn Store>;
-}
-
-impl<T: Store + SyncTarget> SharedStore for T {
-    fn as_store(self: Arc<Self>) -> Arc<dyn Store> {
-        self
-    }
-}
-
 /// Storage keys of `global` ceilings: one counter that every client writes.
 fn is_global_ceiling(check: &Check) -> bool {
     check.key.contains(":{global:")
@@ -263,7 +252,7 @@ fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
         ));
     };
     let batched = |interval: Duration| {
-        BatchedStore::builder(shared.clone() as Arc<dyn SyncTarget>)
+        BatchedStore::builder(shared.clone())
             .sync_interval(interval)
             .max_keys(settings.max_keys)
             .build()
@@ -273,10 +262,10 @@ fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
             (Some(interval), _) => Arc::new(batched(interval)),
             (None, Some(interval)) => Arc::new(SplitStore::new(
                 batched(interval),
-                shared.clone().as_store(),
+                shared.clone() as Arc<dyn Store>,
                 is_global_ceiling,
             )),
-            (None, None) => shared.as_store(),
+            (None, None) => shared,
         },
     )
 }

@@ -68,8 +68,9 @@ pub struct Synced {
     pub states: Vec<Option<State>>,
 }
 
-/// A shared store that batched nodes synchronise with.
-pub trait SyncTarget: Send + Sync + 'static {
+/// A shared store that batched nodes synchronise with. Every such store also decides exactly
+/// (its [`Store`] side gives the backend name and breaker state).
+pub trait SyncTarget: Store {
     /// Adds each check's `cost` to its limit unconditionally (the units were admitted already)
     /// and returns the resulting states. A cost of 0 only reads.
     fn sync<'a>(
@@ -77,12 +78,6 @@ pub trait SyncTarget: Send + Sync + 'static {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Synced, StoreError>>;
-
-    /// A short name for logs and metrics.
-    fn backend(&self) -> &'static str;
-
-    /// The circuit breaker's state, for readiness.
-    fn breaker_state(&self) -> Option<BreakerState>;
 
     /// Whether calls on `key` are refused by an open breaker: batched decisions on it then
     /// follow the failure policy. Stores with one breaker per node or slot answer per key, so
@@ -100,14 +95,6 @@ impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Synced, StoreError>> {
         (**self).sync(checks, now)
-    }
-
-    fn backend(&self) -> &'static str {
-        (**self).backend()
-    }
-
-    fn breaker_state(&self) -> Option<BreakerState> {
-        (**self).breaker_state()
     }
 
     fn is_refused(&self, key: &str) -> bool {

@@ -731,14 +731,6 @@ impl SyncTarget for RedisStore {
         Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
     }
 
-    fn backend(&self) -> &'static str {
-        Store::backend(self)
-    }
-
-    fn breaker_state(&self) -> Option<BreakerState> {
-        Store::breaker_state(self)
-    }
-
     fn is_refused(&self, key: &str) -> bool {
         RedisStore::is_refused(self, key)
     }

@@ -102,14 +102,6 @@ impl SyncTarget for ShardedRedisStore {
         Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
     }
 
-    fn backend(&self) -> &'static str {
-        Store::backend(self)
-    }
-
-    fn breaker_state(&self) -> Option<BreakerState> {
-        Store::breaker_state(self)
-    }
-
     fn is_refused(&self, key: &str) -> bool {
         SyncTarget::is_refused(&self.nodes[self.node_of(key)], key)
     }
