@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use floodgate::{Identity, RequestInfo};
 
-use crate::config::{Config, key_digest};
+use crate::config::{Config, UnknownKeys, key_digest};
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
@@ -25,6 +25,8 @@ pub struct ResolvedClient {
 pub enum Resolution {
     /// Denylisted: 403.
     Denied,
+    /// An API key not in `clients.api_keys`, under `clients.unknown_keys: reject`: 401.
+    UnknownKey,
     /// Go on with this client.
     Client(ResolvedClient),
 }
@@ -39,16 +41,26 @@ pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
     } else {
         None
     };
-    let client_ip = identifier.client_ip_of(request);
+    // Lists match the exact address (SPEC §3); limits count the grouped one.
+    let exact_ip = identifier.exact_client_ip(request);
+    let client_ip = exact_ip.map(|ip| identifier.client_ip().group(ip));
     if config
         .denylist
-        .contains(client_ip, key_digest.as_ref(), user)
+        .contains(exact_ip, key_digest.as_ref(), user)
     {
         return Resolution::Denied;
     }
     let bypass = config
         .allowlist
-        .contains(client_ip, key_digest.as_ref(), user);
+        .contains(exact_ip, key_digest.as_ref(), user);
+    let known_plan = key_digest
+        .as_ref()
+        .and_then(|digest| config.api_keys.get(digest));
+    let api_key = match (api_key, known_plan, config.unknown_keys) {
+        (Some(_), None, UnknownKeys::Reject) if !bypass => return Resolution::UnknownKey,
+        (Some(_), None, UnknownKeys::Anonymous) => None,
+        _ => api_key,
+    };
 
     // A plan named by a trusted proxy; honoured only from one.
     let trusted_peer = request
@@ -65,9 +77,7 @@ pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
 
     let (identity, plan) = match (api_key, user, client_ip) {
         (Some(key), _, _) => {
-            let plan = key_digest
-                .as_ref()
-                .and_then(|digest| config.api_keys.get(digest))
+            let plan = known_plan
                 .map(String::as_str)
                 .or(header_plan)
                 .unwrap_or(&config.default_plan);

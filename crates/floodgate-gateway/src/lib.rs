@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod client;
 pub mod config;
+pub mod path;
 pub mod plan;
 pub mod proxy;
 pub mod runtime;

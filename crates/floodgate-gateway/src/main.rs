@@ -116,6 +116,9 @@ fn check(path: &std::path::Path) -> ExitCode {
                 config.plans.len(),
                 config.redacted["routes"].as_array().map_or(0, Vec::len),
             );
+            for warning in config.warnings(admin_token().is_some()) {
+                println!("  warning: {warning}");
+            }
             ExitCode::SUCCESS
         }
         Err(errors) => {
@@ -130,6 +133,13 @@ fn check(path: &std::path::Path) -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `FLOODGATE_ADMIN_TOKEN`, when set and not empty.
+fn admin_token() -> Option<String> {
+    std::env::var("FLOODGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|token| !token.is_empty())
 }
 
 async fn shutdown_signal() {
@@ -176,9 +186,10 @@ async fn serve(path: PathBuf) -> Result<(), String> {
         ReloadError::Failed(message) => message,
     })?;
     let config = gateway.current().config.clone();
-    let token = std::env::var("FLOODGATE_ADMIN_TOKEN")
-        .ok()
-        .filter(|token| !token.is_empty());
+    let token = admin_token();
+    for warning in config.warnings(token.is_some()) {
+        tracing::warn!("{warning}");
+    }
     if !config.admin_listen.ip().is_loopback() && token.is_none() {
         return Err(format!(
             "admin.listen {} is not a loopback address: set FLOODGATE_ADMIN_TOKEN to protect the admin API",

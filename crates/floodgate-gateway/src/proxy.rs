@@ -99,15 +99,20 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
         .flatten()
 }
 
-fn error_response(status: StatusCode, error: &'static str) -> Response<ProxyBody> {
+/// The gateway's own JSON error answer, `{"error": error}`.
+pub fn json_error(status: StatusCode, error: &'static str) -> Response<Full<Bytes>> {
     let body = serde_json::json!({ "error": error }).to_string();
-    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body))));
+    let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
     response
+}
+
+fn error_response(status: StatusCode, error: &'static str) -> Response<ProxyBody> {
+    json_error(status, error).map(Either::Right)
 }
 
 fn target_uri(upstream: &Upstream, uri: &Uri) -> Option<Uri> {

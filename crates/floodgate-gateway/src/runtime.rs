@@ -118,6 +118,16 @@ impl Runtime {
 
     /// Serves one request under this version.
     pub async fn handle(&self, mut request: Request<Incoming>) -> Response<GatewayBody> {
+        // Limits match, and the upstream receives, the normalised path (SPEC §5 "Paths").
+        match crate::path::normalize_uri(request.uri()) {
+            Ok(Some(normal)) => *request.uri_mut() = normal,
+            Ok(None) => {}
+            Err(_) => {
+                metrics::counter!("floodgate_rejected_requests_total", "reason" => "path_above_root")
+                    .increment(1);
+                return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
+            }
+        }
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
         let client = match resolution {
             Resolution::Denied => {
@@ -127,6 +137,11 @@ impl Runtime {
                     floodgate::telemetry::DecisionLabel::Denylisted,
                 );
                 return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
+            }
+            Resolution::UnknownKey => {
+                metrics::counter!("floodgate_rejected_requests_total", "reason" => "unknown_api_key")
+                    .increment(1);
+                return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
             }
             Resolution::Client(client) => client,
         };
@@ -148,6 +163,12 @@ impl Runtime {
             Err(never) => match never {},
         }
     }
+}
+
+/// The gateway's own answer `{"error": error}` with `status`: 400 for a path above the root,
+/// 401 for an API key the configuration does not know (`clients.unknown_keys: reject`).
+fn json_error(status: http::StatusCode, error: &'static str) -> Response<GatewayBody> {
+    crate::proxy::json_error(status, error).map(Either::Right)
 }
 
 /// What every configuration version reports into: kept across reloads.

@@ -55,7 +55,9 @@ async fn admitted(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_headers_and_429s_for_each_identity_and_plan() {
     let upstream = Upstream::start().await;
-    let rest = format!("identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n{PLANS}");
+    let rest = format!(
+        "identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n  user_header: x-user-id\n  plan_header: x-plan\n{PLANS}"
+    );
     let (gateway, _directory) = gateway(&upstream, &rest);
     let client = client();
     let url = gateway.url("/v1/things");

@@ -14,7 +14,7 @@ use support::{Gateway, TempDir, Upstream, addresses, client, get, write_atomical
 
 fn text(listen: SocketAddr, admin: SocketAddr, upstream: &Upstream, rest: &str) -> String {
     format!(
-        "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nupstream: \"{}\"\nidentity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n{rest}",
+        "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nupstream: \"{}\"\nidentity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n  user_header: x-user-id\n{rest}",
         upstream.url()
     )
 }

@@ -14,7 +14,7 @@ use crate::lists::ClientList;
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::response::{MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
-use crate::service::{LocalFallback, RateLimit, RequestCost, Shared};
+use crate::service::{LocalFallback, RateLimit, RequestCost, Shared, UnknownIdentity};
 use crate::store::resilience::{LogObserver, StoreObserver};
 use crate::store::{MemoryStore, Store};
 use crate::telemetry::LimitedRateBaseline;
@@ -160,6 +160,7 @@ pub struct RateLimitLayerBuilder {
     denylist: ClientList,
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+    on_unknown_identity: UnknownIdentity,
 }
 
 impl Default for RateLimitLayerBuilder {
@@ -182,6 +183,7 @@ impl Default for RateLimitLayerBuilder {
             denylist: ClientList::default(),
             responses: ResponseSettings::default(),
             limited_response: None,
+            on_unknown_identity: UnknownIdentity::default(),
         }
     }
 }
@@ -240,6 +242,13 @@ impl RateLimitLayerBuilder {
     /// The cost of each request (default 1). Closures `Fn(&RequestInfo) -> u64` work.
     pub fn cost(mut self, cost: impl RequestCost) -> Self {
         self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// What to do with a request whose client cannot be identified (default
+    /// [`UnknownIdentity::SharedBudget`]; it is logged once and counted either way).
+    pub fn on_unknown_identity(mut self, policy: UnknownIdentity) -> Self {
+        self.on_unknown_identity = policy;
         self
     }
 
@@ -387,6 +396,8 @@ impl RateLimitLayerBuilder {
                 denylist: self.denylist,
                 responses: self.responses,
                 limited_response: self.limited_response,
+                on_unknown_identity: self.on_unknown_identity,
+                unidentified: Default::default(),
             }),
         })
     }

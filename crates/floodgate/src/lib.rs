@@ -30,9 +30,11 @@ pub use limit::{
 };
 pub use lists::{ClientList, api_key_digest};
 pub use plan::{LimitPlan, StaticPlan};
-pub use response::{Denial, MakeLimitedResponse, forbidden_response, unavailable_response};
+pub use response::{
+    Denial, MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
+};
 pub use rollout::{Mode, Rollout};
-pub use service::{RateLimit, RequestCost};
+pub use service::{RateLimit, RequestCost, UnknownIdentity};
 pub use store::{Check, Lease, MemoryStore, Store, StoreError};
 pub use time::{Clock, FakeClock, SystemClock, Timestamp};
 pub use top::{TopClients, TopEntry};

@@ -68,13 +68,17 @@ impl ClientList {
             || user.is_some_and(|user| self.users.contains(user))
     }
 
-    /// Whether the client identified as `identity`, connecting from `ip`, is on the list.
+    /// Whether the client identified as `identity`, at the exact address `ip`, is on the list.
+    ///
+    /// `ip` is the client's own address (after the trusted-proxy walk, before IPv6 grouping),
+    /// so that a single-address entry matches that address only, and a proxy's range never
+    /// stands for the clients behind it. Without it, an [`Identity::Ip`] is matched as is.
     pub fn contains_identity(&self, identity: &Identity, ip: Option<IpAddr>) -> bool {
         if self.is_empty() {
             return false;
         }
         let (ip, key, user) = match identity {
-            Identity::Ip(address) => (Some(*address), None, None),
+            Identity::Ip(address) => (ip.or(Some(*address)), None, None),
             Identity::ApiKey(key) => (ip, Some(api_key_digest(key)), None),
             Identity::User(user) => (ip, None, Some(user.as_str())),
             Identity::Custom { .. } | Identity::Unknown => (ip, None, None),

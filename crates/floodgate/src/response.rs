@@ -181,6 +181,16 @@ pub fn unavailable_response() -> Response<Bytes> {
     response
 }
 
+/// 500 for a request whose client could not be identified, under
+/// [`UnknownIdentity::Reject`](crate::UnknownIdentity::Reject).
+pub fn unidentified_response() -> Response<Bytes> {
+    json_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "application/json",
+        &[("error", json!("client_unidentified"))],
+    )
+}
+
 /// 403 for a denylisted client.
 pub fn forbidden_response() -> Response<Bytes> {
     json_response(

@@ -20,11 +20,11 @@ use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
 use crate::lists::ClientList;
 use crate::plan::LimitPlan;
-use crate::response::forbidden_response;
 use crate::response::{
     Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
 };
+use crate::response::{forbidden_response, unidentified_response};
 use crate::rollout::{Mode, Rollout};
 use crate::store::resilience::StoreObserver;
 use crate::store::{Check, MemoryStore, Store};
@@ -63,23 +63,75 @@ pub(crate) struct Shared {
     pub(crate) baseline: Option<Arc<LimitedRateBaseline>>,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+    pub(crate) on_unknown_identity: UnknownIdentity,
+    pub(crate) unidentified: Unidentified,
+}
+
+/// What happens to a request whose client cannot be identified: no API key, no user, and no
+/// peer address (a server that inserts neither [`PeerAddr`](crate::PeerAddr) nor axum's
+/// `ConnectInfo`). Either way it is logged (once) and counted in
+/// `floodgate_unidentified_requests_total`, never pooled in silence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UnknownIdentity {
+    /// All unidentified requests share one `unknown` budget (the default): limited, not free,
+    /// but one such client can exhaust it for every other.
+    #[default]
+    SharedBudget,
+    /// Answer 500 `{"error":"client_unidentified"}`, as tower_governor does: a deployment
+    /// mistake is loud instead of pooling clients.
+    Reject,
+}
+
+/// A request answered before any limit is checked.
+enum EarlyAnswer {
+    /// 403.
+    Denylisted,
+    /// 500 under [`UnknownIdentity::Reject`].
+    Unidentified,
+}
+
+/// Counts unidentified requests, and warns about the first one.
+#[derive(Debug, Default)]
+pub(crate) struct Unidentified {
+    warned: std::sync::atomic::AtomicBool,
+}
+
+impl Unidentified {
+    fn record(&self) {
+        metrics::counter!("floodgate_unidentified_requests_total").increment(1);
+        if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "a request could not be identified (no API key, no user, no peer address): \
+                 insert PeerAddr or serve with axum's into_make_service_with_connect_info; \
+                 such requests share one `unknown` budget (see RateLimitLayerBuilder::on_unknown_identity)"
+            );
+        }
+    }
 }
 
 impl Shared {
-    /// The checks for a request, whether it is shadowed (counted, never blocked), and who it is.
-    /// Denylisted clients get `None`; allowlisted ones no checks.
-    fn checks<B>(&self, request: &Request<B>) -> Option<(Vec<Check>, bool, Identity)> {
+    /// The checks for a request, whether it is shadowed (counted, never blocked), and who it is;
+    /// or the answer it gets without any check (403 denylisted, 500 unidentified under
+    /// [`UnknownIdentity::Reject`]). Allowlisted clients get no checks.
+    fn checks<B>(&self, request: &Request<B>) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
-        if !self.denylist.is_empty() || !self.allowlist.is_empty() {
-            let peer = info.peer_addr().map(|peer| peer.ip());
-            if self.denylist.contains_identity(&identity, peer) {
-                telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
-                return None;
+        if identity == Identity::Unknown {
+            self.unidentified.record();
+            if self.on_unknown_identity == UnknownIdentity::Reject {
+                return Err(EarlyAnswer::Unidentified);
             }
-            if self.allowlist.contains_identity(&identity, peer) {
+        }
+        if !self.denylist.is_empty() || !self.allowlist.is_empty() {
+            let client_addr = self.identify.client_addr(&info);
+            if self.denylist.contains_identity(&identity, client_addr) {
+                telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+                return Err(EarlyAnswer::Denylisted);
+            }
+            if self.allowlist.contains_identity(&identity, client_addr) {
                 telemetry::record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
-                return Some((Vec::new(), false, identity));
+                return Ok((Vec::new(), false, identity));
             }
         }
         let cost = self.cost.as_ref().map_or(1, |cost| cost.cost(&info).max(1));
@@ -87,7 +139,7 @@ impl Shared {
         let shadowed = !checks.is_empty()
             && (self.rollout.mode() == Mode::Shadow
                 || (!self.rollout.enforces_everyone() && !self.rollout.enforces(&identity.hash())));
-        Some((checks, shadowed, identity))
+        Ok((checks, shadowed, identity))
     }
 
     /// Near-limit metric, top clients and the 429 baseline, for a decision of the store.
@@ -240,9 +292,16 @@ where
                 Ok(response.await?.map(|body| RateLimitBody::inner(body, None)))
             }));
         }
-        let Some((checks, shadowed, identity)) = shared.checks(&request) else {
-            let forbidden = forbidden_response().map(RateLimitBody::full);
-            return ResponseFuture::new(Box::pin(async move { Ok(forbidden) }));
+        let (checks, shadowed, identity) = match shared.checks(&request) {
+            Ok(checks) => checks,
+            Err(early) => {
+                let answer = match early {
+                    EarlyAnswer::Denylisted => forbidden_response(),
+                    EarlyAnswer::Unidentified => unidentified_response(),
+                }
+                .map(RateLimitBody::full);
+                return ResponseFuture::new(Box::pin(async move { Ok(answer) }));
+            }
         };
         ResponseFuture::new(Box::pin(decide_then_call(
             shared, inner, request, checks, shadowed, identity,

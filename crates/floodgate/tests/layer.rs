@@ -869,3 +869,151 @@ async fn shadow_mode_and_the_kill_switch_switch_at_runtime() {
     }
     assert_eq!(store.len(), entries, "no store call while off");
 }
+
+#[tokio::test]
+async fn lists_match_the_exact_resolved_client_address() {
+    // Regression (issue 10.2): lists saw the /64-grouped address for IP clients (a denylisted
+    // 2001:db8::5 was admitted, a single allowlisted IPv6 address allowlisted its /64) and the
+    // raw socket peer for keyed clients (an allowlisted load balancer range let every keyed
+    // client through; an IP denylist never matched a keyed client behind it).
+    use floodgate::ClientList;
+    let store = MemoryStore::new();
+    let identifier = DefaultIdentifier::new()
+        .trusted_proxies(["10.0.0.0/8"])
+        .unwrap();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .store(store.clone())
+        .identify(identifier)
+        .allowlist(
+            ClientList::new()
+                .ip("10.0.0.0/8".parse().unwrap())
+                .ip("2001:db8::7/128".parse().unwrap()),
+        )
+        .denylist(ClientList::new().ip("2001:db8::5/128".parse().unwrap()))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+
+    let denied = send(&service, from_peer("[2001:db8::5]:1")).await;
+    assert_eq!(
+        denied.status(),
+        StatusCode::FORBIDDEN,
+        "exact address denied"
+    );
+    let neighbour = send(&service, from_peer("[2001:db8::6]:1")).await;
+    assert_eq!(
+        neighbour.status(),
+        StatusCode::OK,
+        "its /64 neighbour is not"
+    );
+    assert!(
+        neighbour.headers().contains_key("x-ratelimit-limit"),
+        "and is not allowlisted either: the allowlisted 2001:db8::7 is one address"
+    );
+
+    // A keyed client behind the (allowlisted) proxy range is limited by its own address.
+    let behind_proxy = || {
+        from_peer("10.0.0.1:1")
+            .header("x-forwarded-for", "198.51.100.9")
+            .header("x-api-key", "client-key")
+    };
+    assert_eq!(
+        send(&service, behind_proxy()).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&service, behind_proxy()).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the proxy's allowlisted range does not stand for the clients behind it"
+    );
+    let denied_behind_proxy = send(
+        &service,
+        from_peer("10.0.0.1:1")
+            .header("x-forwarded-for", "2001:db8::5")
+            .header("x-api-key", "other-key"),
+    )
+    .await;
+    assert_eq!(
+        denied_behind_proxy.status(),
+        StatusCode::FORBIDDEN,
+        "an IP denylist matches a keyed client behind a trusted proxy"
+    );
+}
+
+#[tokio::test]
+async fn unverified_api_keys_fall_back_to_the_client_address() {
+    // Issue 10.6: invented keys got a fresh budget each; with a verification hook they are
+    // treated as absent and the client is limited by IP.
+    let identifier = DefaultIdentifier::new().verify_api_key(|key: &str| key == "issued-key");
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(2))
+        .identify(identifier)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let statuses: Vec<u16> = statuses_of(
+        &service,
+        (0..4).map(|n| from_peer("198.51.100.1:1").header("x-api-key", format!("invented-{n}"))),
+    )
+    .await;
+    assert_eq!(statuses, [200, 200, 429, 429]);
+    let issued = send(
+        &service,
+        from_peer("198.51.100.1:1").header("x-api-key", "issued-key"),
+    )
+    .await;
+    assert_eq!(
+        issued.status(),
+        StatusCode::OK,
+        "a known key has its own budget"
+    );
+}
+
+async fn statuses_of<S>(
+    service: &S,
+    requests: impl Iterator<Item = http::request::Builder>,
+) -> Vec<u16>
+where
+    S: Service<
+            Request<()>,
+            Response = Response<floodgate::RateLimitBody<Full<Bytes>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    let mut statuses = Vec::new();
+    for request in requests {
+        statuses.push(send(service, request).await.status().as_u16());
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn unidentified_clients_are_counted_and_can_be_rejected() {
+    // Issue 10.7: without a peer address every client shared one budget in silence.
+    let shared = RateLimitLayer::builder()
+        .limit(per_second(5))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok_handler));
+    let no_peer = || Request::builder().uri("/v1/things");
+    assert_eq!(send(&shared, no_peer()).await.status(), StatusCode::OK);
+
+    let strict = RateLimitLayer::builder()
+        .limit(per_second(5))
+        .on_unknown_identity(floodgate::UnknownIdentity::Reject)
+        .build()
+        .unwrap()
+        .layer(service_fn(ok_handler));
+    let rejected = send(&strict, no_peer()).await;
+    assert_eq!(rejected.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        json(&rejected),
+        serde_json::json!({"error": "client_unidentified"})
+    );
+    assert_eq!(
+        send(&strict, from_peer("198.51.100.1:1")).await.status(),
+        StatusCode::OK,
+        "identified clients are unaffected"
+    );
+}

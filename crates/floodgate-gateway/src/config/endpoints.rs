@@ -88,12 +88,20 @@ impl<T> EndpointTable<T> {
         Ok(())
     }
 
-    /// The endpoint and value matching a request.
+    /// The endpoint and value matching a request. `HEAD` is a `GET` without the body (RFC 9110
+    /// §9.3.2), so it meets `GET` patterns when no `HEAD` pattern matches: otherwise a limit on
+    /// `GET /x` could be dodged with `HEAD /x`, which the upstream serves just the same.
     pub fn find(&self, method: &Method, path: &str) -> Option<&(Endpoint, T)> {
-        let specific = self
-            .by_method
-            .get(method)
-            .and_then(|router| router.at(path).ok());
+        let in_router = |method: &Method| {
+            self.by_method
+                .get(method)
+                .and_then(|router| router.at(path).ok())
+        };
+        let specific = in_router(method).or_else(|| {
+            (method == Method::HEAD)
+                .then(|| in_router(&Method::GET))
+                .flatten()
+        });
         let found = specific.or_else(|| self.any.at(path).ok())?;
         self.entries.get(*found.value)
     }

@@ -204,6 +204,36 @@ pub struct ResponseSettings {
     pub problem_json: bool,
 }
 
+/// `clients.unknown_keys`: what an API key not in `clients.api_keys` gets (SPEC §3).
+///
+/// Any string in the key header is an identity, so under `default_plan` a client can invent a
+/// key, and a fresh budget, per request; `per_ip` limits still cap it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnknownKeys {
+    /// Limited under `clients.default_plan`, as its own identity (the default).
+    #[default]
+    DefaultPlan,
+    /// Limited as its client IP, under `clients.anonymous_plan`.
+    Anonymous,
+    /// Answered 401 `{"error":"unknown_api_key"}`.
+    Reject,
+}
+
+impl std::str::FromStr for UnknownKeys {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "default_plan" => Ok(UnknownKeys::DefaultPlan),
+            "anonymous" => Ok(UnknownKeys::Anonymous),
+            "reject" => Ok(UnknownKeys::Reject),
+            other => Err(format!(
+                "`{other}` is not one of default_plan, anonymous, reject"
+            )),
+        }
+    }
+}
+
 /// `identity.*` beyond what the identifier holds.
 #[derive(Debug)]
 pub struct IdentitySettings {
@@ -236,6 +266,8 @@ pub struct Config {
     pub default_plan: String,
     /// Plan of clients identified by IP only.
     pub anonymous_plan: String,
+    /// What keys not in `api_keys` get.
+    pub unknown_keys: UnknownKeys,
     /// Plan by SHA-256 of the API key.
     pub api_keys: HashMap<[u8; 32], String>,
     /// Plans by name.
@@ -257,6 +289,32 @@ pub struct Config {
 }
 
 pub use floodgate::api_key_digest as key_digest;
+
+impl Config {
+    /// Settings that are valid but probably not what a deployment wants: `floodgate check`
+    /// prints them and `serve` logs them at start.
+    pub fn warnings(&self, admin_token_set: bool) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let keyed_plans_limit = self.unknown_keys == UnknownKeys::DefaultPlan
+            && self
+                .plans
+                .get(&self.default_plan)
+                .is_some_and(|plan| !plan.limits.is_empty());
+        if keyed_plans_limit && self.per_ip.is_empty() {
+            warnings.push(format!(
+                "clients.unknown_keys: default_plan gives every invented API key a fresh `{}` budget and no per_ip limit caps it; add a per_ip limit or set unknown_keys to anonymous or reject",
+                self.default_plan
+            ));
+        }
+        if !self.admin_listen.ip().is_loopback() && !admin_token_set {
+            warnings.push(format!(
+                "admin.listen: {} is not a loopback address; `serve` refuses it unless FLOODGATE_ADMIN_TOKEN is set",
+                self.admin_listen
+            ));
+        }
+        warnings
+    }
+}
 
 /// Parses `sha256:<64 hex>`, or hashes a raw key.
 fn key_entry(text: &str) -> Result<[u8; 32], String> {
@@ -740,7 +798,16 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         .and_then(|next| next.trusted_proxies(&identity.trusted_proxies))
         .and_then(|next| next.ipv6_prefix(identity.ipv6_prefix))
     {
-        Ok(built) => Some(built),
+        Ok(built) => match identity
+            .forwarded
+            .parse::<floodgate::key::ForwardedHeader>()
+        {
+            Ok(forwarded) => Some(built.forwarded(forwarded)),
+            Err(problem) => {
+                errors.push("identity.forwarded", problem);
+                None
+            }
+        },
         Err(error) => {
             let message = error.to_string();
             let (field, problem) = message.split_once(": ").unwrap_or(("", &message));
@@ -820,6 +887,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         }
     }
 
+    let unknown_keys = errors.ok("clients.unknown_keys", raw.clients.unknown_keys.parse());
+
     let per_ip = limits(&mut errors, "per_ip", &raw.per_ip);
     let global = endpoint_limits(&mut errors, "global", "global", &raw.global);
 
@@ -855,6 +924,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         Some(plan_header),
         Some(rollout_settings),
         Some(headers),
+        Some(unknown_keys),
     ) = (
         listen,
         admin_listen,
@@ -868,6 +938,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         plan_header,
         rollout_settings,
         headers,
+        unknown_keys,
     )
     else {
         return Err(ConfigErrors(vec![ConfigError {
@@ -932,6 +1003,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         },
         default_plan: raw.clients.default_plan,
         anonymous_plan: raw.clients.anonymous_plan,
+        unknown_keys,
         api_keys,
         plans,
         per_ip,

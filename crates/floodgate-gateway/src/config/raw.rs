@@ -58,11 +58,11 @@ fn default_api_key_header() -> String {
 fn default_true() -> bool {
     true
 }
-fn default_user_header() -> Option<String> {
-    Some("x-user-id".to_owned())
+fn default_forwarded() -> String {
+    "x-forwarded-for".to_owned()
 }
-fn default_plan_header() -> Option<String> {
-    Some("x-plan".to_owned())
+fn default_unknown_keys() -> String {
+    "default_plan".to_owned()
 }
 fn default_ipv6_prefix() -> u8 {
     64
@@ -248,12 +248,16 @@ impl Default for RawBreaker {
 pub struct RawIdentity {
     #[serde(default)]
     pub api_key: RawApiKey,
-    #[serde(default = "default_user_header")]
+    /// Off unless configured: a header that lets a client pick its user is opt-in.
+    #[serde(default)]
     pub user_header: Option<String>,
-    #[serde(default = "default_plan_header")]
+    /// Off unless configured, like `user_header`.
+    #[serde(default)]
     pub plan_header: Option<String>,
     #[serde(default)]
     pub trusted_proxies: Vec<String>,
+    #[serde(default = "default_forwarded")]
+    pub forwarded: String,
     #[serde(default = "default_ipv6_prefix")]
     pub ipv6_prefix: u8,
 }
@@ -262,9 +266,10 @@ impl Default for RawIdentity {
     fn default() -> Self {
         RawIdentity {
             api_key: RawApiKey::default(),
-            user_header: default_user_header(),
-            plan_header: default_plan_header(),
+            user_header: None,
+            plan_header: None,
             trusted_proxies: Vec::new(),
+            forwarded: default_forwarded(),
             ipv6_prefix: default_ipv6_prefix(),
         }
     }
@@ -295,6 +300,8 @@ pub struct RawClients {
     pub default_plan: String,
     #[serde(default = "default_anonymous_plan")]
     pub anonymous_plan: String,
+    #[serde(default = "default_unknown_keys")]
+    pub unknown_keys: String,
     #[serde(default)]
     pub api_keys: BTreeMap<String, String>,
 }
@@ -304,6 +311,7 @@ impl Default for RawClients {
         RawClients {
             default_plan: default_plan(),
             anonymous_plan: default_anonymous_plan(),
+            unknown_keys: default_unknown_keys(),
             api_keys: BTreeMap::new(),
         }
     }

@@ -267,6 +267,7 @@ async fn upstream_handler(
             let echo = serde_json::json!({
                 "method": request.method().as_str(),
                 "path": request.uri().path(),
+                "query": request.uri().query(),
                 "headers": headers,
             });
             let mut response = Response::new(full(echo.to_string()));

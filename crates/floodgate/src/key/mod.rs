@@ -7,7 +7,7 @@
 
 mod client_ip;
 
-pub use client_ip::ClientIpResolver;
+pub use client_ip::{ClientIpResolver, ForwardedHeader};
 
 use std::fmt::{self, Write as _};
 use std::net::{IpAddr, SocketAddr};
@@ -216,6 +216,14 @@ impl<const N: usize> fmt::Write for StackText<N> {
 pub trait IdentifyClient: Send + Sync + 'static {
     /// The identity of the request's client.
     fn identify(&self, request: &RequestInfo<'_>) -> Identity;
+
+    /// The client's exact address, as allowlists and denylists match it (SPEC §3): after the
+    /// trusted-proxy walk, before IPv6 grouping. The default is the socket peer, which is
+    /// right only when no proxy stands in front; [`DefaultIdentifier`] walks its trusted
+    /// proxies' forwarding header.
+    fn client_addr(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        request.peer_addr().map(|peer| peer.ip())
+    }
 }
 
 impl<F> IdentifyClient for F
@@ -252,14 +260,48 @@ pub enum IdentityError {
     },
 }
 
+/// Decides whether an API key is one the application issued; closures `Fn(&str) -> bool`
+/// implement it. See [`DefaultIdentifier::verify_api_key`].
+pub trait VerifyApiKey: Send + Sync + 'static {
+    /// Whether `key` is a known key.
+    fn is_known(&self, key: &str) -> bool;
+}
+
+impl<F> VerifyApiKey for F
+where
+    F: Fn(&str) -> bool + Send + Sync + 'static,
+{
+    fn is_known(&self, key: &str) -> bool {
+        self(key)
+    }
+}
+
 /// The default identifier of SPEC §3.
-#[derive(Debug)]
+///
+/// **API keys are not verified** unless you say how ([`verify_api_key`](Self::verify_api_key)):
+/// any string in the key header is an identity, so a client can invent a fresh key, and get a
+/// fresh budget, on every request. Either verify keys here, or also apply a limit by client IP
+/// to every request (a second layer keyed with [`Identity::Ip`]).
 pub struct DefaultIdentifier {
     api_key_header: Option<HeaderName>,
     bearer: bool,
     user_header: Option<HeaderName>,
     client_ip: ClientIpResolver,
+    verify_api_key: Option<Box<dyn VerifyApiKey>>,
     malformed: AtomicU64,
+    unverified: AtomicU64,
+}
+
+impl fmt::Debug for DefaultIdentifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DefaultIdentifier")
+            .field("api_key_header", &self.api_key_header)
+            .field("bearer", &self.bearer)
+            .field("user_header", &self.user_header)
+            .field("client_ip", &self.client_ip)
+            .field("verifies_api_keys", &self.verify_api_key.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for DefaultIdentifier {
@@ -269,7 +311,9 @@ impl Default for DefaultIdentifier {
             bearer: true,
             user_header: None,
             client_ip: ClientIpResolver::default(),
+            verify_api_key: None,
             malformed: AtomicU64::new(0),
+            unverified: AtomicU64::new(0),
         }
     }
 }
@@ -319,8 +363,24 @@ impl DefaultIdentifier {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        self.client_ip = ClientIpResolver::new(nets, self.client_ip_prefix());
+        self.client_ip = ClientIpResolver::new(nets, self.client_ip.ipv6_prefix())
+            .with_forwarded(self.client_ip.forwarded());
         Ok(self)
+    }
+
+    /// The forwarding header family the trusted proxies write (default `X-Forwarded-For`);
+    /// the other family is ignored, since proxies pass a client's own copy through.
+    pub fn forwarded(mut self, forwarded: ForwardedHeader) -> Self {
+        self.client_ip = self.client_ip.with_forwarded(forwarded);
+        self
+    }
+
+    /// Only keys for which `verify` answers true are API-key identities; any other key is
+    /// treated as absent (the client is identified by user or IP instead) and counted in
+    /// [`unverified_count`](Self::unverified_count). Closures `Fn(&str) -> bool` work.
+    pub fn verify_api_key(mut self, verify: impl VerifyApiKey) -> Self {
+        self.verify_api_key = Some(Box::new(verify));
+        self
     }
 
     /// The prefix by which IPv6 clients are grouped (default 64).
@@ -328,7 +388,8 @@ impl DefaultIdentifier {
         if prefix > 128 {
             return Err(IdentityError::InvalidIpv6Prefix(prefix));
         }
-        self.client_ip = ClientIpResolver::new(self.client_ip_nets(), prefix);
+        self.client_ip = ClientIpResolver::new(self.client_ip.trusted_proxies().to_vec(), prefix)
+            .with_forwarded(self.client_ip.forwarded());
         Ok(self)
     }
 
@@ -343,17 +404,40 @@ impl DefaultIdentifier {
         &self.client_ip
     }
 
-    /// The grouped client IP of a request, if its peer address is known.
-    pub fn client_ip_of(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
-        let peer = request.peer_addr()?;
-        Some(
-            self.client_ip
-                .group(self.client_ip.client_ip(peer.ip(), request.headers)),
-        )
+    /// How many requests carried an API key that [`verify_api_key`](Self::verify_api_key)
+    /// refused.
+    pub fn unverified_count(&self) -> u64 {
+        self.unverified.load(Ordering::Relaxed)
     }
 
-    /// The API key of a request, if it carries a well-formed one.
+    /// The exact client address of a request (after the trusted-proxy walk, before IPv6
+    /// grouping), if its peer address is known. Allow and deny lists match this one.
+    pub fn exact_client_ip(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        let peer = request.peer_addr()?;
+        Some(self.client_ip.client_ip(peer.ip(), request.headers))
+    }
+
+    /// The grouped client IP of a request (the one limits count), if its peer address is known.
+    pub fn client_ip_of(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        self.exact_client_ip(request)
+            .map(|ip| self.client_ip.group(ip))
+    }
+
+    /// The API key of a request, if it carries a well-formed one that passes
+    /// [`verify_api_key`](Self::verify_api_key) (when set).
     pub fn api_key<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
+        let key = self.presented_api_key(request)?;
+        match &self.verify_api_key {
+            Some(verify) if !verify.is_known(key) => {
+                self.unverified.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            _ => Some(key),
+        }
+    }
+
+    /// The well-formed API key a request presents, verified or not.
+    fn presented_api_key<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
         if let Some(name) = &self.api_key_header
             && let Some(value) = request.headers.get(name)
         {
@@ -395,14 +479,6 @@ impl DefaultIdentifier {
         user
     }
 
-    fn client_ip_prefix(&self) -> u8 {
-        self.client_ip.ipv6_prefix()
-    }
-
-    fn client_ip_nets(&self) -> Vec<IpNet> {
-        self.client_ip.trusted_proxies().to_vec()
-    }
-
     /// Visible ASCII, 1 to 256 bytes; anything else is treated as absent.
     fn well_formed<'v>(&self, value: &'v [u8]) -> Option<&'v str> {
         let valid = !value.is_empty()
@@ -430,6 +506,10 @@ impl IdentifyClient for DefaultIdentifier {
             Some(ip) => Identity::Ip(ip),
             None => Identity::Unknown,
         }
+    }
+
+    fn client_addr(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        self.exact_client_ip(request)
     }
 }
 
