@@ -7,6 +7,7 @@ use axum::Json;
 use axum::Router;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use floodgate::FailurePolicy;
@@ -27,16 +28,39 @@ pub struct AdminState {
     pub token: Option<Arc<str>>,
 }
 
-/// The admin router.
+/// The admin router. Every `/admin/*` route (reads included: they show client data and
+/// configuration) needs the token when one is set; `/healthz`, `/readyz` and `/metrics` stay
+/// open for probes and scrapers.
 pub fn router(state: AdminState) -> Router {
+    let guarded = Router::new()
+        .route("/admin/reload", post(reload))
+        .route("/admin/config", get(active_config))
+        .route("/admin/top", get(top))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/admin/reload", post(reload))
-        .route("/admin/config", get(active_config))
-        .route("/admin/top", get(top))
+        .merge(guarded)
         .with_state(state)
+}
+
+/// 401 unless the request carries `Authorization: Bearer <token>` (when a token is set).
+async fn require_token(
+    State(state): State<AdminState>,
+    request: axum::extract::Request,
+    next: middleware::Next,
+) -> Response {
+    if authorized(&state, request.headers()) {
+        next.run(request).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+            Json(json!({"error": "unauthorized"})),
+        )
+            .into_response()
+    }
 }
 
 fn authorized(state: &AdminState, headers: &HeaderMap) -> bool {
@@ -90,14 +114,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
-async fn reload(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    if !authorized(&state, &headers) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            Json(json!({"error": "unauthorized"})),
-        )
-            .into_response();
-    }
+async fn reload(State(state): State<AdminState>) -> Response {
     let gateway = state.gateway.clone();
     match tokio::task::spawn_blocking(move || gateway.reload(false)).await {
         Ok(Ok(version)) => Json(json!({"status": "applied", "version": version})).into_response(),

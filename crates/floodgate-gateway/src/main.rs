@@ -60,14 +60,6 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// `url` without its user and password, for printing.
-fn without_credentials(url: &str) -> String {
-    match (url.split_once("://"), url.rfind('@')) {
-        (Some((scheme, _)), Some(at)) => format!("{scheme}://***@{}", &url[at + 1..]),
-        _ => url.to_owned(),
-    }
-}
-
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(config) => {
@@ -79,7 +71,7 @@ fn check(path: &std::path::Path) -> ExitCode {
                     .sum::<usize>();
             let backend = match &config.store.backend {
                 Backend::Memory => "memory".to_owned(),
-                Backend::Redis { url, .. } => format!("redis ({})", without_credentials(url)),
+                Backend::Redis { url, .. } => format!("redis ({})", config::redact_url(url)),
                 Backend::RedisSentinel {
                     master, sentinels, ..
                 } => format!(

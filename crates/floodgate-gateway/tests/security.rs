@@ -291,3 +291,94 @@ global:
     let above = get(&client, &gateway.url("/../etc/passwd"), &[]).await;
     assert_eq!(above.status(), StatusCode::BAD_REQUEST);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_admin_endpoint_needs_the_token_and_config_shows_no_secret() {
+    // Regression (issue 10.4): /admin/config and /admin/top answered without the token, and
+    // /admin/config printed Redis passwords (store.url, nodes, sentinel URLs).
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("admin-token");
+    let (listen, admin) = support::addresses();
+    let path = directory.file("floodgate.yaml");
+    // The memory store ignores these URLs, so no Redis needs to run; sentinel URLs are
+    // redacted by the same function (config::tests::passwords_in_urls_are_redacted).
+    let rest = "store:\n  url: \"redis://:hunter2-secret@127.0.0.1:1\"\n  nodes: [\"redis://user:s3cret-node@127.0.0.1:2\"]\n";
+    std::fs::write(
+        &path,
+        support::config_text(listen, admin, &upstream.url(), rest),
+    )
+    .unwrap();
+    let gateway = Gateway::start_with_env(
+        &path,
+        listen,
+        admin,
+        &[("FLOODGATE_ADMIN_TOKEN", "the-admin-token")],
+    );
+    let client = client();
+    let post = |headers: &'static [(&'static str, &'static str)]| {
+        let client = client.clone();
+        let url = gateway.admin_url("/admin/reload");
+        async move {
+            let mut request = http::Request::post(url);
+            for (name, value) in headers {
+                request = request.header(*name, *value);
+            }
+            client
+                .request(
+                    request
+                        .body(http_body_util::Full::new(bytes::Bytes::new()))
+                        .unwrap(),
+                )
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    for path in ["/admin/config", "/admin/top", "/admin/top?n=3"] {
+        let url = gateway.admin_url(path);
+        let missing = get(&client, &url, &[]).await;
+        assert_eq!(missing.status(), StatusCode::UNAUTHORIZED, "{path}");
+        assert_eq!(missing.body(), r#"{"error":"unauthorized"}"#);
+        let wrong = get(&client, &url, &[("authorization", "Bearer not-it")]).await;
+        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED, "{path}");
+        let right = get(
+            &client,
+            &url,
+            &[("authorization", "Bearer the-admin-token")],
+        )
+        .await;
+        assert_eq!(right.status(), StatusCode::OK, "{path}");
+    }
+    assert_eq!(post(&[]).await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        post(&[("authorization", "Bearer wrong")]).await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        post(&[("authorization", "Bearer the-admin-token")]).await,
+        StatusCode::OK
+    );
+    for open in ["/healthz", "/metrics"] {
+        assert_eq!(
+            get(&client, &gateway.admin_url(open), &[]).await.status(),
+            StatusCode::OK,
+            "{open} stays open for probes and scrapers"
+        );
+    }
+    let config = get(
+        &client,
+        &gateway.admin_url("/admin/config"),
+        &[("authorization", "Bearer the-admin-token")],
+    )
+    .await;
+    let text = String::from_utf8_lossy(config.body()).into_owned();
+    for secret in ["hunter2-secret", "s3cret-node"] {
+        assert!(!text.contains(secret), "{secret} leaked: {text}");
+    }
+    let shown: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(shown["config"]["store"]["url"], "redis://:***@127.0.0.1:1");
+    assert_eq!(
+        shown["config"]["store"]["nodes"][0],
+        "redis://user:***@127.0.0.1:2"
+    );
+}

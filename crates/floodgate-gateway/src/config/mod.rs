@@ -284,7 +284,8 @@ pub struct Config {
     pub denylist: ClientList,
     /// Responses.
     pub response: ResponseSettings,
-    /// The configuration as JSON with API keys replaced by their hashes, for `/admin/config`.
+    /// The configuration as JSON with API keys replaced by their hashes and passwords in URLs
+    /// by `***`, for `/admin/config`.
     pub redacted: serde_json::Value,
 }
 
@@ -359,17 +360,48 @@ impl Errors {
     }
 }
 
+/// The largest configuration file read: far above any real one (a million API keys fit),
+/// small enough that a runaway file is refused before it is parsed.
+pub const MAX_CONFIG_BYTES: usize = 128 * 1024 * 1024;
+
+/// The YAML parser's limits: its defaults (alias bombs and deep nesting stay refused), with
+/// room for 1,000,000 API keys (two nodes each) instead of 125,000; and no source snippets in
+/// errors, since the lines around a typo may hold a Redis password or raw API keys, and errors
+/// reach logs, `/admin/reload` answers and `floodgate check`'s output.
+fn yaml_options() -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = 2_100_000;
+    budget.max_events = 5_000_000;
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    options.with_snippet = false;
+    options
+}
+
 /// Parses and validates a configuration file's text.
 pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
+    if text.len() > MAX_CONFIG_BYTES {
+        return Err(ConfigErrors(vec![ConfigError {
+            path: String::new(),
+            message: format!(
+                "the file is {} bytes; the most a configuration may hold is {MAX_CONFIG_BYTES}",
+                text.len()
+            ),
+        }]));
+    }
     // The field path of a type error, kept aside: the YAML layer only passes its own error up.
     let mut path = None;
-    let raw = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
-        serde_path_to_error::deserialize::<_, RawConfig>(deserializer).map_err(|error| {
-            let at = error.path().to_string();
-            path = Some(if at == "." { String::new() } else { at });
-            error.into_inner()
-        })
-    });
+    let raw = serde_saphyr::with_deserializer_from_str_with_options(
+        text,
+        yaml_options(),
+        |deserializer| {
+            serde_path_to_error::deserialize::<_, RawConfig>(deserializer).map_err(|error| {
+                let at = error.path().to_string();
+                path = Some(if at == "." { String::new() } else { at });
+                error.into_inner()
+            })
+        },
+    );
     let raw = match raw {
         Ok(raw) => raw,
         Err(error) => {
@@ -398,8 +430,10 @@ fn socket_addr(text: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("`{text}` is not an address such as 0.0.0.0:8080"))
 }
 
-fn upstream(text: &str) -> Result<Upstream, String> {
-    let uri: Uri = text
+fn upstream(url: &str) -> Result<Upstream, String> {
+    // Messages quote the URL without its password.
+    let text = redact_url(url);
+    let uri: Uri = url
         .parse()
         .map_err(|_| format!("`{text}` is not a URL such as http://127.0.0.1:3000"))?;
     let scheme = uri
@@ -413,6 +447,11 @@ fn upstream(text: &str) -> Result<Upstream, String> {
         .authority()
         .cloned()
         .ok_or_else(|| format!("`{text}` has no host"))?;
+    if authority.as_str().contains('@') {
+        return Err(format!(
+            "`{text}`: credentials in an upstream URL are not supported"
+        ));
+    }
     if uri.path() != "/" && !uri.path().is_empty() {
         return Err(format!(
             "`{text}`: an upstream is scheme://host:port, without a path"
@@ -553,7 +592,10 @@ fn store_backend(errors: &mut Errors, store: &raw::RawStore) -> Option<Backend> 
     }
     for (path, url) in &urls {
         if !url.starts_with("redis://") && !url.starts_with("rediss://") {
-            errors.push(path.clone(), format!("`{url}` is not a redis:// URL"));
+            errors.push(
+                path.clone(),
+                format!("`{}` is not a redis:// URL", redact_url(url)),
+            );
         }
     }
     let pool_size = match store.connection.as_str() {
@@ -641,8 +683,38 @@ fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
         .fold(list, |list, user| list.user(user.clone()))
 }
 
+/// `url` with the password of its user-info replaced by `***` (`redis://:***@host:6379`,
+/// `redis://user:***@host`); a URL without one is returned as it is.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let (user_info, host) = authority.split_at(at);
+    // A lone user-info may be a password too (some clients read `redis://secret@host` so).
+    let user_info = match user_info.split_once(':') {
+        Some((user, _)) => format!("{user}:***"),
+        None => "***".to_owned(),
+    };
+    format!("{scheme}://{user_info}{host}{tail}")
+}
+
 fn redact(raw: &RawConfig) -> serde_json::Value {
     let mut redacted = raw.clone();
+    // Passwords in store and upstream URLs (SPEC §7: every secret).
+    redacted.store.url = redact_url(&raw.store.url);
+    redacted.store.nodes = raw.store.nodes.iter().map(|url| redact_url(url)).collect();
+    if let Some(sentinel) = &mut redacted.store.sentinel {
+        sentinel.nodes = sentinel.nodes.iter().map(|url| redact_url(url)).collect();
+    }
+    redacted.upstream = redact_url(&raw.upstream);
+    for route in &mut redacted.routes {
+        route.upstream = route.upstream.as_deref().map(redact_url);
+    }
     redacted.clients.api_keys = raw
         .clients
         .api_keys
@@ -1024,6 +1096,64 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn yaml_errors_never_quote_the_source() {
+        // Regression (issue 10.11): a typo next to the Redis URL or api_keys put the password
+        // or raw keys into the error, which reaches logs, /admin/reload and `check`.
+        let text = "store:\n  url: \"redis://:hunter2@127.0.0.1:6379\"\n  timeout: [oops\nclients:\n  api_keys: { \"raw-secret-key\": free }\n";
+        let errors = parse(text).err().unwrap().to_string();
+        for secret in ["hunter2", "raw-secret-key"] {
+            assert!(!errors.contains(secret), "{secret} in: {errors}");
+        }
+        let typed = "store:\n  url: \"redis://:hunter2@127.0.0.1:6379\"\n  pool_size: many\n";
+        let errors = parse(typed).err().unwrap().to_string();
+        assert!(!errors.contains("hunter2"), "{errors}");
+        assert!(errors.contains("store.pool_size"), "{errors}");
+    }
+
+    #[test]
+    fn many_api_keys_fit_in_the_yaml_budget() {
+        // Regression (issue 10.16): past ~125,000 keys the parser's node budget refused the
+        // file ("budget breached: Nodes").
+        let mut text = String::from(
+            "plans: { free: { limits: [] }, anonymous: { limits: [] } }\nclients:\n  api_keys:\n",
+        );
+        for index in 0..130_000 {
+            text.push_str(&format!("    \"key-{index}\": free\n"));
+        }
+        let config = parse(&text).unwrap();
+        assert_eq!(config.api_keys.len(), 130_000);
+    }
+
+    #[test]
+    fn passwords_in_urls_are_redacted() {
+        for (url, shown) in [
+            ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+            ("redis://user:pw@host", "redis://user:***@host"),
+            ("rediss://lonely@host", "rediss://***@host"),
+            ("redis://host:6379", "redis://host:6379"),
+            ("redis://host/x@y", "redis://host/x@y"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+        let config = parse(
+            "store:\n  backend: redis\n  sentinel: { master: m, nodes: [\"redis://:sentinel-pass@127.0.0.1:3\"] }\nupstream: \"http://127.0.0.1:9\"\n",
+        )
+        .unwrap();
+        let text = config.redacted.to_string();
+        assert!(!text.contains("sentinel-pass"), "{text}");
+        let errors = parse("upstream: \"http://user:upstream-pass@127.0.0.1:9\"\n")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            errors.contains("credentials in an upstream URL"),
+            "{errors}"
+        );
+        assert!(!errors.contains("upstream-pass"), "{errors}");
+    }
 
     fn errors_of(text: &str) -> Vec<String> {
         match parse(text) {

@@ -92,10 +92,22 @@ impl Gateway {
     /// Starts the gateway on `config` (which must use `listen` and `admin`), and returns once it
     /// logs that it is serving.
     pub fn start(config: &Path, listen: SocketAddr, admin: SocketAddr) -> Gateway {
+        Gateway::start_with_env(config, listen, admin, &[])
+    }
+
+    /// Like [`Gateway::start`], with extra environment variables for the process.
+    pub fn start_with_env(
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Gateway {
         let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
             .args(["--log-format", "json", "serve", "--config"])
             .arg(config)
             .env("RUST_LOG", "info")
+            .env_remove("FLOODGATE_ADMIN_TOKEN")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
