@@ -3,7 +3,9 @@
 
 pub mod admin;
 pub mod client;
+pub mod client_body;
 pub mod config;
+pub mod head;
 pub mod path;
 pub mod plan;
 pub mod proxy;

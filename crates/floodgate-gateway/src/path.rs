@@ -12,12 +12,16 @@ use std::fmt;
 pub enum PathError {
     /// A `..` segment climbs above the root (`/../x`): answered 400.
     AboveRoot,
+    /// A `%` not followed by two hex digits (RFC 3986 §2.1): answered 400, as nginx does. Left
+    /// in place it would let `/%%65x` decode to a new escape, `/%ex`, on a second pass.
+    BadEscape,
 }
 
 impl fmt::Display for PathError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PathError::AboveRoot => f.write_str("the path climbs above the root"),
+            PathError::BadEscape => f.write_str("the path has a malformed percent-escape"),
         }
     }
 }
@@ -27,6 +31,7 @@ impl std::error::Error for PathError {}
 /// The normalised form of an absolute path (no query):
 /// - percent-encoded unreserved characters decoded (`%65` → `e`); other escapes kept, with
 ///   upper-case hex digits (`%2f` → `%2F`: an encoded `/` stays encoded);
+/// - a `%` that starts no escape refused;
 /// - runs of `/` merged into one (as nginx's `merge_slashes`);
 /// - dot-segments removed (RFC 3986 §5.2.4), an error if one climbs above the root.
 ///
@@ -36,7 +41,7 @@ pub fn normalize(path: &str) -> Result<Option<String>, PathError> {
     if is_normal(path.as_bytes()) {
         return Ok(None);
     }
-    let decoded = decode_unreserved(path.as_bytes());
+    let decoded = decode_unreserved(path.as_bytes())?;
     let mut segments: Vec<&[u8]> = Vec::new();
     let mut rest = decoded.as_slice();
     // The leading `/` (absent only from odd targets such as `*`, which are kept as they are).
@@ -76,6 +81,10 @@ pub fn normalize(path: &str) -> Result<Option<String>, PathError> {
     }
     if trailing_slash || segments.is_empty() {
         normal.push(b'/');
+    }
+    if normal == path.as_bytes() {
+        // `%` that needed no decoding (`/100%`, `/a%2Fb`): already normal.
+        return Ok(None);
     }
     // Only ASCII was written: the input was a URI path, and decoding yields only unreserved
     // ASCII characters.
@@ -124,17 +133,18 @@ fn hex_value(byte: u8) -> Option<u8> {
 }
 
 /// Decodes `%XX` escapes of unreserved characters; upper-cases the hex of the others.
-fn decode_unreserved(path: &[u8]) -> Vec<u8> {
+fn decode_unreserved(path: &[u8]) -> Result<Vec<u8>, PathError> {
     let mut out = Vec::with_capacity(path.len());
     let mut index = 0;
     while index < path.len() {
         let byte = path[index];
-        if byte == b'%'
-            && let (Some(high), Some(low)) = (
+        if byte == b'%' {
+            let (Some(high), Some(low)) = (
                 path.get(index + 1).copied().and_then(hex_value),
                 path.get(index + 2).copied().and_then(hex_value),
-            )
-        {
+            ) else {
+                return Err(PathError::BadEscape);
+            };
             let decoded = high << 4 | low;
             if is_unreserved(decoded) {
                 out.push(decoded);
@@ -149,7 +159,7 @@ fn decode_unreserved(path: &[u8]) -> Vec<u8> {
         out.push(byte);
         index += 1;
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -182,8 +192,7 @@ mod tests {
     fn encoded_slashes_and_reserved_escapes_stay_encoded() {
         assert_eq!(normal("/a%2fb"), "/a%2Fb");
         assert_eq!(normal("/a%2Fb/%20x"), "/a%2Fb/%20x");
-        assert_eq!(normal("/100%"), "/100%", "a stray % is kept");
-        assert_eq!(normal("/%zz"), "/%zz");
+        assert_eq!(normal("/a%2f%7E"), "/a%2F~");
     }
 
     #[test]
@@ -195,6 +204,13 @@ mod tests {
         assert_eq!(normal("//"), "/");
         assert_eq!(normal("/a//"), "/a/");
         assert_eq!(normal("*"), "*");
+    }
+
+    #[test]
+    fn malformed_escapes_are_an_error() {
+        for path in ["/100%", "/%zz", "/%%65x", "/%6"] {
+            assert_eq!(normalize(path), Err(PathError::BadEscape), "{path}");
+        }
     }
 
     #[test]

@@ -23,13 +23,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_service::Service;
 
+use crate::client_body::{BodyWatch, ClientBody, ClientFault};
 use crate::config::{Config, Upstream};
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
 
 /// The upstream HTTP client: pooled connections, shared across configuration versions.
-pub type UpstreamClient = Client<HttpConnector, Incoming>;
+pub type UpstreamClient = Client<HttpConnector, ClientBody>;
 
 /// A pooled client for upstreams.
 pub fn upstream_client() -> UpstreamClient {
@@ -87,7 +88,12 @@ fn remove_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// The protocol a request asks to upgrade to (`Connection: upgrade` + `Upgrade: x`).
+/// The WebSocket upgrade a request asks for (`Connection: upgrade` + `Upgrade: websocket`).
+///
+/// Only WebSocket is spliced through: after any upgrade the connection is a tunnel the limiter
+/// no longer sees, so `h2c` (or any other protocol an upstream might accept) would carry
+/// unlimited requests for the one that was counted. Other `Upgrade` headers are dropped with
+/// the hop-by-hop headers, and the request is forwarded as an ordinary one.
 fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
     let asks = headers
         .get_all(header::CONNECTION)
@@ -95,8 +101,11 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
         .any(|token| token.trim().eq_ignore_ascii_case("upgrade"));
-    asks.then(|| headers.get(header::UPGRADE).cloned())
-        .flatten()
+    let protocol = headers.get(header::UPGRADE)?;
+    let websocket = protocol
+        .to_str()
+        .is_ok_and(|value| value.trim().eq_ignore_ascii_case("websocket"));
+    (asks && websocket).then(|| protocol.clone())
 }
 
 /// The gateway's own JSON error answer, `{"error": error}`.
@@ -108,6 +117,49 @@ pub fn json_error(status: StatusCode, error: &'static str) -> Response<Full<Byte
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    response
+}
+
+/// Appends `peer` to `X-Forwarded-For`, joining several header lines into one. Bytes, not
+/// text: a line that is not UTF-8 must not make the gateway drop the chain it was given.
+fn append_forwarded_for(headers: &mut HeaderMap, peer: std::net::IpAddr) {
+    let mut chain = Vec::new();
+    for line in headers.get_all(&X_FORWARDED_FOR) {
+        chain.extend_from_slice(line.as_bytes());
+        chain.extend_from_slice(b", ");
+    }
+    chain.extend_from_slice(peer.to_string().as_bytes());
+    if let Ok(value) = HeaderValue::from_bytes(&chain) {
+        headers.insert(X_FORWARDED_FOR.clone(), value);
+    }
+}
+
+/// The client's fault behind a failed upstream call, if it was the client's: a body it broke
+/// or stopped sending (also when the upstream timed out while waiting for that body).
+fn client_fault(watch: &BodyWatch, timed_out: bool) -> Option<ClientFault> {
+    watch
+        .fault()
+        .or_else(|| (timed_out && watch.waiting_on_client()).then_some(ClientFault::Timeout))
+}
+
+/// 408 or 400, counted under `floodgate_client_errors_total` and logged at debug: a client's
+/// fault is not the upstream's, and must not trip upstream alerts.
+fn client_fault_response(fault: ClientFault) -> Response<ProxyBody> {
+    let (status, error, kind) = match fault {
+        ClientFault::Timeout => (
+            StatusCode::REQUEST_TIMEOUT,
+            "request_timeout",
+            "body_timeout",
+        ),
+        ClientFault::Malformed => (StatusCode::BAD_REQUEST, "bad_request", "malformed_body"),
+    };
+    tracing::debug!(kind, "request body failed on the client's side");
+    metrics::counter!("floodgate_client_errors_total", "kind" => kind).increment(1);
+    let mut response = error_response(status, error);
+    // The rest of the body is unread: the connection cannot carry another request.
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
     response
 }
 
@@ -145,7 +197,17 @@ async fn forward(
     let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut request));
 
     let (mut parts, body) = request.into_parts();
-    let original_host = parts.headers.get(header::HOST).cloned();
+    // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`: the upstream gets a
+    // `Host` either way (head::check refused requests where the two disagree).
+    let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
+    });
+    if let Some(host) = &original_host {
+        parts.headers.insert(header::HOST, host.clone());
+    }
     remove_hop_by_hop(&mut parts.headers);
     if let Some(protocol) = &upgrade {
         parts
@@ -154,17 +216,7 @@ async fn forward(
         parts.headers.insert(header::UPGRADE, protocol.clone());
     }
     if let Some(peer) = peer {
-        let forwarded = match parts
-            .headers
-            .get(&X_FORWARDED_FOR)
-            .and_then(|value| value.to_str().ok())
-        {
-            Some(chain) => format!("{chain}, {peer}"),
-            None => peer.to_string(),
-        };
-        if let Ok(value) = HeaderValue::try_from(forwarded) {
-            parts.headers.insert(X_FORWARDED_FOR.clone(), value);
-        }
+        append_forwarded_for(&mut parts.headers, peer);
     }
     parts
         .headers
@@ -175,12 +227,18 @@ async fn forward(
     parts.uri = uri;
     // HTTP/2 from the client is forwarded as HTTP/1.1 to the upstream.
     parts.version = http::Version::HTTP_11;
+    let (body, watch) = ClientBody::new(body, config.server.body_read_timeout);
     let outgoing = Request::from_parts(parts, body);
 
     let started = Instant::now();
     let result = tokio::time::timeout(config.upstream_timeout, client.request(outgoing)).await;
     metrics::histogram!("floodgate_upstream_duration_seconds")
         .record(started.elapsed().as_secs_f64());
+    if result.as_ref().map_or(true, Result::is_err)
+        && let Some(fault) = client_fault(&watch, result.is_err())
+    {
+        return client_fault_response(fault);
+    }
     let mut response = match result {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
@@ -196,9 +254,13 @@ async fn forward(
     };
     metrics::counter!("floodgate_upstream_requests_total", "status" => response.status().as_str().to_owned()).increment(1);
 
-    if response.status() == StatusCode::SWITCHING_PROTOCOLS
-        && let Some(client_upgrade) = client_upgrade
-    {
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client_upgrade) = client_upgrade else {
+            // An upstream switching protocols on a request that asked for no WebSocket would
+            // turn the connection into a tunnel the limiter never sees.
+            tracing::warn!(upstream = %upstream.authority, "upstream switched protocols unasked");
+            return error_response(StatusCode::BAD_GATEWAY, "bad_gateway");
+        };
         let upstream_upgrade = hyper::upgrade::on(&mut response);
         tokio::spawn(async move {
             match tokio::try_join!(client_upgrade, upstream_upgrade) {

@@ -118,12 +118,21 @@ impl Runtime {
 
     /// Serves one request under this version.
     pub async fn handle(&self, mut request: Request<Incoming>) -> Response<GatewayBody> {
+        if let Err(rejection) = crate::head::check(&request) {
+            metrics::counter!("floodgate_rejected_requests_total", "reason" => rejection.reason())
+                .increment(1);
+            return json_error(rejection.status(), rejection.reason());
+        }
         // Limits match, and the upstream receives, the normalised path (SPEC §5 "Paths").
         match crate::path::normalize_uri(request.uri()) {
             Ok(Some(normal)) => *request.uri_mut() = normal,
             Ok(None) => {}
-            Err(_) => {
-                metrics::counter!("floodgate_rejected_requests_total", "reason" => "path_above_root")
+            Err(error) => {
+                let reason = match error {
+                    crate::path::PathError::AboveRoot => "path_above_root",
+                    crate::path::PathError::BadEscape => "path_bad_escape",
+                };
+                metrics::counter!("floodgate_rejected_requests_total", "reason" => reason)
                     .increment(1);
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }

@@ -1,22 +1,45 @@
 //! Accepting connections: HTTP/1.1 and HTTP/2 with upgrades, the peer address as a request
-//! extension, and graceful shutdown (stop accepting, let in-flight requests finish).
+//! extension, the limits of `server.*` on every connection, and graceful shutdown (stop
+//! accepting, let in-flight requests finish).
+//!
+//! A client must not be able to hold the gateway's resources for free (issue 10): heads have a
+//! size cap and a deadline (hyper's for HTTP/1.1 heads; ours for the first request of any
+//! connection, which also covers the HTTP/2 preface that hyper-util reads without one);
+//! connections on which nothing moves are closed; and the number of connections stays below
+//! the open-file limit, so that one client holding idle sockets cannot stop `accept` for
+//! everyone (nor make it spin: accept errors back off, and their log line is rate-limited).
 
 use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use floodgate::PeerAddr;
 use hyper::Request;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
+use crate::config::ServerLimits;
 use crate::runtime::{Gateway, handle};
 
 /// How long in-flight requests may take to finish after a shutdown signal.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest pause of the accept loop after an error (descriptor exhaustion, mostly).
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// At most one warning per this interval for the same condition, with a count of the rest.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Serves the gateway on `listener` until `shutdown` resolves, then drains.
 pub async fn serve(
@@ -24,33 +47,66 @@ pub async fn serve(
     gateway: Arc<Gateway>,
     shutdown: impl Future<Output = ()>,
 ) {
+    let limits = gateway.current().config.server.clone();
+    let max_connections = limits.max_connections();
+    tracing::info!(
+        max_connections,
+        header_read_timeout = ?limits.header_read_timeout,
+        idle_timeout = ?limits.idle_timeout,
+        max_head_bytes = limits.max_head_bytes,
+        "connection limits"
+    );
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let builder = connection_builder(&limits);
+    let permits = Arc::new(Semaphore::new(max_connections));
+    let mut at_capacity = RateLimitedLog::default();
+    let mut accept_errors = RateLimitedLog::default();
+    let mut backoff = Duration::ZERO;
     tokio::pin!(shutdown);
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(accepted) => accepted,
-                    Err(error) => {
-                        tracing::warn!(%error, "accept failed");
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
-                let gateway = gateway.clone();
-                let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
-                    request.extensions_mut().insert(PeerAddr(peer));
-                    handle(gateway.clone(), request)
+        // A free slot first: at the limit, new clients wait in the listen backlog instead of
+        // taking descriptors the gateway needs.
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                metrics::counter!("floodgate_connections_at_limit_total").increment(1);
+                at_capacity.warn(|suppressed| {
+                    tracing::warn!(
+                        max_connections,
+                        suppressed,
+                        "connection limit reached: new connections wait until one closes (server.max_connections)"
+                    )
                 });
-                let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                let connection = graceful.watch(connection.into_owned());
-                tokio::spawn(async move {
-                    if let Err(error) = connection.await {
-                        tracing::debug!(%error, "connection ended with an error");
-                    }
-                });
+                tokio::select! {
+                    permit = permits.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        Err(_) => break,
+                    },
+                    () = &mut shutdown => break,
+                }
             }
+        };
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    backoff = Duration::ZERO;
+                    serve_connection(&builder, &graceful, &gateway, &limits, stream, peer, permit);
+                }
+                Err(error) => {
+                    // EMFILE/ENFILE and the like persist until a descriptor is freed: retrying
+                    // at once would spin a core and flood the log.
+                    backoff = (backoff * 2).clamp(Duration::from_millis(5), MAX_ACCEPT_BACKOFF);
+                    metrics::counter!("floodgate_accept_errors_total").increment(1);
+                    accept_errors.warn(|suppressed| {
+                        tracing::warn!(%error, suppressed, retry_in = ?backoff, "accept failed")
+                    });
+                    drop(permit);
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        () = &mut shutdown => break,
+                    }
+                }
+            },
             () = &mut shutdown => break,
         }
     }
@@ -65,5 +121,194 @@ pub async fn serve(
     // Batched mode: the last interval's counts go to the shared store before the process ends.
     if let Err(error) = gateway.store().flush().await {
         tracing::warn!(%error, "could not flush batched counts on shutdown");
+    }
+}
+
+/// HTTP/1.1 and HTTP/2 with the head size cap and hyper's head deadline.
+fn connection_builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // Each head, including the next one on a keep-alive connection, within the deadline.
+        .header_read_timeout(limits.header_read_timeout)
+        // The read buffer holds at most this much of an unfinished head: then 431.
+        .max_buf_size(limits.max_head_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_head_bytes).unwrap_or(u32::MAX));
+    builder
+}
+
+fn serve_connection(
+    builder: &auto::Builder<TokioExecutor>,
+    graceful: &GracefulShutdown,
+    gateway: &Arc<Gateway>,
+    limits: &ServerLimits,
+    stream: TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+) {
+    let _ = stream.set_nodelay(true);
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(ActivityIo {
+        inner: stream,
+        activity: activity.clone(),
+    });
+    let gateway = gateway.clone();
+    let seen = activity.clone();
+    let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+        seen.request_arrived();
+        request.extensions_mut().insert(PeerAddr(peer));
+        handle(gateway.clone(), request)
+    });
+    let connection = builder.serve_connection_with_upgrades(io, service);
+    let connection = graceful.watch(connection.into_owned());
+    let (first_request_deadline, idle_timeout) = (limits.header_read_timeout, limits.idle_timeout);
+    tokio::spawn(async move {
+        // Held for the connection's life: its slot under server.max_connections.
+        let _permit = permit;
+        tokio::pin!(connection);
+        let mut deadline = activity.started + first_request_deadline;
+        loop {
+            tokio::select! {
+                result = &mut connection => {
+                    if let Err(error) = result {
+                        tracing::debug!(%error, "connection ended with an error");
+                    }
+                    return;
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    if !activity.has_seen_request() {
+                        metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
+                        return;
+                    }
+                    let next = activity.last() + idle_timeout;
+                    if next <= Instant::now() {
+                        metrics::counter!("floodgate_connections_closed_total", "reason" => "idle_timeout").increment(1);
+                        return;
+                    }
+                    deadline = next;
+                }
+            }
+        }
+    });
+}
+
+/// When bytes last moved on a connection, and whether a request has arrived on it.
+struct Activity {
+    started: Instant,
+    /// Milliseconds after `started`.
+    last_millis: AtomicU64,
+    seen_request: AtomicBool,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            started: Instant::now(),
+            last_millis: AtomicU64::new(0),
+            seen_request: AtomicBool::new(false),
+        }
+    }
+
+    fn touch(&self) {
+        let millis = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_millis.store(millis, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.started + Duration::from_millis(self.last_millis.load(Ordering::Relaxed))
+    }
+
+    fn request_arrived(&self) {
+        self.seen_request.store(true, Ordering::Relaxed);
+    }
+
+    fn has_seen_request(&self) -> bool {
+        self.seen_request.load(Ordering::Relaxed)
+    }
+}
+
+/// A client socket that records when bytes last moved on it, either way.
+struct ActivityIo {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for ActivityIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let result = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        result
+    }
+}
+
+impl AsyncWrite for ActivityIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let result = Pin::new(&mut self.inner).poll_write(cx, data);
+        if matches!(result, Poll::Ready(Ok(written)) if written > 0) {
+            self.activity.touch();
+        }
+        result
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let result = Pin::new(&mut self.inner).poll_write_vectored(cx, data);
+        if matches!(result, Poll::Ready(Ok(written)) if written > 0) {
+            self.activity.touch();
+        }
+        result
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A warning logged at most once per [`LOG_INTERVAL`], saying how many were held back.
+#[derive(Default)]
+struct RateLimitedLog {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl RateLimitedLog {
+    fn warn(&mut self, log: impl FnOnce(u64)) {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|last| now.duration_since(last) < LOG_INTERVAL)
+        {
+            self.suppressed += 1;
+            return;
+        }
+        log(self.suppressed);
+        self.last = Some(now);
+        self.suppressed = 0;
     }
 }

@@ -5,10 +5,12 @@
 mod duration;
 mod endpoints;
 mod raw;
+mod server;
 
 pub use duration::{format_duration, parse_duration};
 pub use endpoints::{Endpoint, EndpointTable};
 pub use raw::RawConfig;
+pub use server::{DESCRIPTOR_RESERVE, ServerLimits, open_file_limit};
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -254,6 +256,8 @@ pub struct Config {
     pub upstream: Upstream,
     /// Time allowed for the upstream's response head.
     pub upstream_timeout: Duration,
+    /// What the listener enforces on every connection (`server.*`, read at start).
+    pub server: ServerLimits,
     /// Per-endpoint upstream and cost.
     pub routes: EndpointTable<RouteTarget>,
     /// The store.
@@ -772,6 +776,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));
     let default_upstream = errors.ok("upstream", upstream(&raw.upstream));
     let upstream_timeout = errors.ok("upstream_timeout", positive_duration(&raw.upstream_timeout));
+    let server_limits = server::validate(&mut errors, &raw.server);
 
     let mut routes = EndpointTable::default();
     for (index, route) in raw.routes.iter().enumerate() {
@@ -988,6 +993,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         Some(admin_listen),
         Some(upstream),
         Some(upstream_timeout),
+        Some(server_limits),
         Some(backend),
         Some(timeout),
         Some(open_for),
@@ -1002,6 +1008,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         admin_listen,
         default_upstream,
         upstream_timeout,
+        server_limits,
         backend,
         store_timeout,
         open_for,
@@ -1056,6 +1063,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         admin_listen,
         upstream,
         upstream_timeout,
+        server: server_limits,
         routes,
         store: StoreSettings {
             backend,

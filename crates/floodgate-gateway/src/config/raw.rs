@@ -94,6 +94,8 @@ pub struct RawConfig {
     pub listen: String,
     #[serde(default)]
     pub admin: RawAdmin,
+    #[serde(default)]
+    pub server: super::server::RawServer,
     #[serde(default = "default_upstream")]
     pub upstream: String,
     #[serde(default = "default_upstream_timeout")]

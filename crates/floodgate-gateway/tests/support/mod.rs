@@ -102,12 +102,38 @@ impl Gateway {
         admin: SocketAddr,
         env: &[(&str, &str)],
     ) -> Gateway {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_floodgate"));
+        command.envs(env.iter().copied());
+        Gateway::spawn(command, config, listen, admin)
+    }
+
+    /// Like [`Gateway::start`], under an open-file limit of `descriptors` (set by the shell's
+    /// `ulimit -n` before it execs the binary).
+    pub fn start_with_open_file_limit(
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+        descriptors: u32,
+    ) -> Gateway {
+        let mut command = Command::new("sh");
+        command.args([
+            "-c",
+            &format!("ulimit -n {descriptors} && exec \"$0\" \"$@\""),
+            env!("CARGO_BIN_EXE_floodgate"),
+        ]);
+        Gateway::spawn(command, config, listen, admin)
+    }
+
+    fn spawn(
+        mut command: Command,
+        config: &Path,
+        listen: SocketAddr,
+        admin: SocketAddr,
+    ) -> Gateway {
+        let mut child = command
             .args(["--log-format", "json", "serve", "--config"])
             .arg(config)
             .env("RUST_LOG", "info")
-            .env_remove("FLOODGATE_ADMIN_TOKEN")
-            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

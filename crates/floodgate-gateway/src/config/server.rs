@@ -1,0 +1,139 @@
+//! `server.*`: what the listener enforces on every client connection, whoever it is (issue 10:
+//! slowloris, descriptor exhaustion, oversized heads). Defaults follow nginx's and Envoy's edge
+//! settings; read at start (like `listen`), so a change needs a restart.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Errors, parse_duration};
+
+/// The most `header_read_timeout` may be: a head that takes longer is an attack.
+const MAX_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
+/// hyper's smallest read buffer; heads are capped by the buffer.
+const MIN_HEAD_BYTES: usize = 8 * 1024;
+const MAX_HEAD_BYTES: usize = 1024 * 1024;
+
+/// `server:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    /// Time for a request head to arrive in full (the HTTP/2 preface and first request on a new
+    /// connection, each next head on an HTTP/1.1 keep-alive connection).
+    #[serde(default = "default_header_read_timeout")]
+    pub header_read_timeout: String,
+    /// A connection on which no byte moves either way for this long is closed.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout: String,
+    /// The longest gap between two pieces of a client's request body: then 408.
+    #[serde(default = "default_body_read_timeout")]
+    pub body_read_timeout: String,
+    /// The largest request head (request line and headers), in bytes: then 431.
+    #[serde(default = "default_max_head_bytes")]
+    pub max_head_bytes: usize,
+    /// Client connections served at once; `null`: derived from the open-file limit.
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer {
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            body_read_timeout: default_body_read_timeout(),
+            max_head_bytes: default_max_head_bytes(),
+            max_connections: None,
+        }
+    }
+}
+
+fn default_header_read_timeout() -> String {
+    "30s".to_owned()
+}
+fn default_idle_timeout() -> String {
+    "60s".to_owned()
+}
+fn default_body_read_timeout() -> String {
+    "30s".to_owned()
+}
+fn default_max_head_bytes() -> usize {
+    32 * 1024
+}
+
+/// Validated `server:` settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// See [`RawServer::header_read_timeout`].
+    pub header_read_timeout: Duration,
+    /// See [`RawServer::idle_timeout`].
+    pub idle_timeout: Duration,
+    /// See [`RawServer::body_read_timeout`].
+    pub body_read_timeout: Duration,
+    /// See [`RawServer::max_head_bytes`].
+    pub max_head_bytes: usize,
+    /// See [`RawServer::max_connections`]; resolved by [`ServerLimits::max_connections`].
+    pub max_connections: Option<usize>,
+}
+
+impl ServerLimits {
+    /// How many client connections to serve at once: the configured number, or half of what
+    /// the open-file limit leaves after a reserve (each client connection may need an
+    /// upstream connection too; the reserve keeps room for the admin API, the store and files).
+    pub fn max_connections(&self) -> usize {
+        self.max_connections.unwrap_or_else(|| {
+            let descriptors = open_file_limit().unwrap_or(1024);
+            (descriptors.saturating_sub(DESCRIPTOR_RESERVE) / 2).max(1)
+        })
+    }
+}
+
+/// Descriptors kept out of the client budget: listeners, admin connections, store
+/// connections, the config watcher, logs.
+pub const DESCRIPTOR_RESERVE: usize = 64;
+
+/// The soft open-file limit of this process, from `/proc/self/limits`.
+pub fn open_file_limit() -> Option<usize> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))?;
+    let soft = line.split_whitespace().nth(3)?;
+    // "unlimited" is not a number: no descriptor ceiling to stay under.
+    Some(soft.parse().unwrap_or(usize::MAX / 4))
+}
+
+pub(super) fn validate(errors: &mut Errors, raw: &RawServer) -> Option<ServerLimits> {
+    let duration = |errors: &mut Errors, field: &str, text: &str, max: Option<Duration>| {
+        let parsed = parse_duration(text).and_then(|value| match max {
+            _ if value.is_zero() => Err("must be greater than 0".to_owned()),
+            Some(max) if value > max => Err(format!("must be at most {}s", max.as_secs())),
+            _ => Ok(value),
+        });
+        errors.ok(format!("server.{field}"), parsed)
+    };
+    let header_read_timeout = duration(
+        errors,
+        "header_read_timeout",
+        &raw.header_read_timeout,
+        Some(MAX_HEADER_READ_TIMEOUT),
+    );
+    let idle_timeout = duration(errors, "idle_timeout", &raw.idle_timeout, None);
+    let body_read_timeout = duration(errors, "body_read_timeout", &raw.body_read_timeout, None);
+    if !(MIN_HEAD_BYTES..=MAX_HEAD_BYTES).contains(&raw.max_head_bytes) {
+        errors.push(
+            "server.max_head_bytes",
+            format!("must be between {MIN_HEAD_BYTES} and {MAX_HEAD_BYTES}"),
+        );
+    }
+    if raw.max_connections == Some(0) {
+        errors.push("server.max_connections", "must be greater than 0");
+    }
+    Some(ServerLimits {
+        header_read_timeout: header_read_timeout?,
+        idle_timeout: idle_timeout?,
+        body_read_timeout: body_read_timeout?,
+        max_head_bytes: raw.max_head_bytes,
+        max_connections: raw.max_connections,
+    })
+}
