@@ -761,3 +761,39 @@ async fn client_body_faults_are_the_clients_not_the_upstreams() {
         "no upstream warning for a client's fault"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_logs_written_to_a_file_carry_no_colour_codes() {
+    // Regression (issue 10.16): text logs carried ANSI escapes when stderr was not a terminal.
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("ansi");
+    let (listen, admin) = support::addresses();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(
+        &path,
+        support::config_text(listen, admin, &upstream.url(), ""),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let first_line = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.contains("floodgate serving"))
+    })
+    .join()
+    .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = first_line.expect("the gateway logged that it serves");
+    assert!(!line.contains('\u{1b}'), "ANSI escape in {line:?}");
+}
