@@ -11,8 +11,8 @@ end
 
 ALGORITHMS.token_bucket = {
   load = function(key)
-    local values = redis.call('HMGET', key, 'l', 'u')
-    if not values[1] then
+    local values = read_own('HMGET', key, 'l', 'u')
+    if not values or not values[1] or not values[2] then
       return nil
     end
     return { level = tonumber(values[1]), updated = tonumber(values[2]) }
@@ -38,6 +38,9 @@ ALGORITHMS.token_bucket = {
     local updated = now
     if state then
       updated = max(state.updated, now)
+    end
+    if not state then
+      clear_foreign(key)
     end
     if level < 0 then
       -- Only a batched sync charges more than the level (units other nodes already admitted):

@@ -190,7 +190,13 @@ impl Guard {
             Err(_) => Err(StoreError::Timeout(self.config.timeout)),
         };
         pending.done = true;
-        self.record(result.is_ok());
+        // An error that is not transient (the call's, not the store's) came from a store that
+        // answered: it counts as a success, so it never opens the breaker.
+        self.record(
+            result
+                .as_ref()
+                .map_or_else(|error| !error.is_transient(), |_| true),
+        );
         if let Err(error) = &result {
             self.observer.store_failed(self.backend, error);
         }
@@ -283,7 +289,11 @@ mod tests {
 
     async fn fail(guard: &Guard) -> Result<(), StoreError> {
         guard
-            .call(async { Err::<(), _>(StoreError::Protocol("boom".into())) })
+            .call(async {
+                Err::<(), _>(StoreError::Unavailable(Box::new(std::io::Error::other(
+                    "down",
+                ))))
+            })
             .await
     }
 
@@ -311,6 +321,24 @@ mod tests {
             .await;
         assert!(matches!(result, Err(StoreError::BreakerOpen)));
         assert!(!called.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn errors_that_are_not_transient_never_open_the_breaker() {
+        let guard = guard(2, Duration::from_secs(60));
+        for _ in 0..10 {
+            let result = guard
+                .call(async { Err::<(), _>(StoreError::Protocol("WRONGTYPE".into())) })
+                .await;
+            assert!(result.is_err());
+        }
+        assert_eq!(guard.state(), BreakerState::Closed);
+        assert!(fail(&guard).await.is_err());
+        assert_eq!(
+            guard.state(),
+            BreakerState::Closed,
+            "the count started afresh"
+        );
     }
 
     #[tokio::test]

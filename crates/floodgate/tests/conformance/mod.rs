@@ -415,6 +415,83 @@ pub async fn keys_are_independent(store: impl Store) {
     assert!(hit_all(&store, &bob, at(ms(0))).await.is_allowed());
 }
 
+/// What a decision says about its limits, for comparing two decisions (lease ids aside).
+fn summary(decision: &Decision) -> Vec<(bool, u64, Duration, Option<Duration>)> {
+    decision
+        .limits()
+        .iter()
+        .map(|status| {
+            (
+                status.allowed,
+                status.remaining,
+                status.reset_after,
+                status.retry_after,
+            )
+        })
+        .collect()
+}
+
+/// SPEC §3: a limit whose algorithm changes under the same rule and name starts from fresh
+/// state. For every ordered pair of `algorithms`, the key is left exhausted (or full of leases,
+/// or of log entries) by the first algorithm; the second must then decide exactly as on a key
+/// never used, request after request, and so must the first again when changed back.
+async fn algorithm_changes_start_fresh(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(10));
+    for &from in algorithms {
+        for &to in algorithms.iter().filter(|&&to| to != from) {
+            let name = format!("{from}-to-{to}");
+            let before = named(&name, from, 3, secs(1));
+            let after = named(&name, to, 3, secs(1));
+            let changed = key("changed", &name);
+            for _ in 0..4 {
+                let checks = [Check::new(changed.clone(), before.clone(), 1)];
+                hit_all(store, &checks, now).await;
+            }
+            let fresh = key("fresh", &name);
+            for request in 0..5 {
+                let on_changed =
+                    hit_all(store, &[Check::new(changed.clone(), after.clone(), 1)], now).await;
+                let on_fresh =
+                    hit_all(store, &[Check::new(fresh.clone(), after.clone(), 1)], now).await;
+                assert_eq!(
+                    summary(&on_changed),
+                    summary(&on_fresh),
+                    "{from} -> {to}, request {request}"
+                );
+            }
+            let back = key("back", &name);
+            let on_changed = hit_all(
+                store,
+                &[Check::new(changed.clone(), before.clone(), 2)],
+                now,
+            )
+            .await;
+            let on_fresh = hit_all(store, &[Check::new(back, before.clone(), 2)], now).await;
+            assert_eq!(
+                summary(&on_changed),
+                summary(&on_fresh),
+                "{from} -> {to} -> {from}"
+            );
+        }
+    }
+}
+
+/// Every algorithm changed into every other under the same name: fresh state.
+pub async fn an_algorithm_change_starts_from_fresh_state(store: impl Store) {
+    algorithm_changes_start_fresh(&store, &Algorithm::ALL).await;
+}
+
+/// The same, among the algorithms a batched store runs.
+pub async fn a_batchable_algorithm_change_starts_from_fresh_state(store: impl Store) {
+    let batchable = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowCounter,
+    ];
+    algorithm_changes_start_fresh(&store, &batchable).await;
+}
+
 /// Stamps out every test above for one store. `$make_store` is an async expression that
 /// yields a fresh, empty store.
 #[macro_export]
@@ -435,6 +512,7 @@ macro_rules! conformance_suite {
             leaky_bucket_delays_then_rejects,
             concurrency_leases_release_and_expire,
             retry_after_is_exact_for_every_algorithm,
+            an_algorithm_change_starts_from_fresh_state,
         );
     };
 }
@@ -456,6 +534,7 @@ macro_rules! batchable_conformance_suite {
             binding_limit_has_least_room,
             costs_are_charged_and_oversized_costs_never_pass,
             keys_are_independent,
+            a_batchable_algorithm_change_starts_from_fresh_state,
         );
     };
 }

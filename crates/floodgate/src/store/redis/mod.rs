@@ -319,16 +319,26 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// Whether the store is failing (transient: connections, timeouts, a cluster or a server in
+/// trouble, refused credentials) or the call itself is at fault. The latter repeats on every
+/// call however healthy Redis is, so it is not transient and never opens the breaker (SPEC §3):
+/// a Lua error (the script's bug, or corrupted data), `WRONGTYPE`, a call across slots.
 fn classify(error: RedisError) -> StoreError {
-    if error.is_io_error()
-        || error.is_timeout()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || !error.is_unrecoverable_error()
-    {
-        StoreError::Unavailable(Box::new(error))
-    } else {
+    use redis::{ErrorKind, ServerErrorKind};
+    let is_script_error = error
+        .detail()
+        .is_some_and(|detail| detail.contains("user_script") || detail.starts_with("floodgate:"));
+    let the_call_is_at_fault = match error.kind() {
+        ErrorKind::Server(ServerErrorKind::CrossSlot | ServerErrorKind::ExecAbort) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => is_script_error,
+        ErrorKind::Extension => error.code() == Some("WRONGTYPE") || is_script_error,
+        ErrorKind::UnexpectedReturnType => true,
+        _ => false,
+    };
+    if the_call_is_at_fault {
         StoreError::Protocol(error.to_string())
+    } else {
+        StoreError::Unavailable(Box::new(error))
     }
 }
 
