@@ -577,6 +577,9 @@ async fn decide_groups(
     }
     let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
     let mut tokens: Vec<String> = vec![String::new(); checks.len()];
+    // Every lease a script may take, released unless this decision ends: on an error (a
+    // deadline that fired after the script ran) or a drop (the request went away) mid-way.
+    let mut taken = TakenLeases::default();
     // Later calls use the first call's server time, so every group decides at one instant.
     let mut decided_at = now;
     let mut denied_group = None;
@@ -593,7 +596,11 @@ async fn decide_groups(
         let lease_ids: Vec<String> = group_checks
             .iter()
             .map(|check| match check.limit.algorithm() {
-                Algorithm::Concurrency => fastrand::u64(1..).to_string(),
+                Algorithm::Concurrency => {
+                    let id = fastrand::u64(1..);
+                    taken.add(node, check, id);
+                    id.to_string()
+                }
                 _ => String::new(),
             })
             .collect();
@@ -658,6 +665,8 @@ async fn decide_groups(
         })
         .collect::<Result<_, _>>()?;
     let admitted = denied_group.is_none();
+    // Decided: an admission's leases go to the caller; a denial's were refunded.
+    taken.hand_over();
     let leases = if admitted {
         checks
             .iter()
@@ -679,6 +688,57 @@ async fn decide_groups(
     Ok(Decision::from_outcomes(
         decided_at, checks, &outcomes, leases,
     ))
+}
+
+/// The leases a decision's scripts may have taken, by node. Dropped before
+/// [`TakenLeases::hand_over`], it releases them in the background: releasing a lease that was
+/// never taken does nothing.
+#[derive(Default)]
+struct TakenLeases {
+    leases: Vec<(RedisStore, Lease)>,
+}
+
+impl TakenLeases {
+    fn add(&mut self, node: &RedisStore, check: &Check, id: u64) {
+        let lease = Lease {
+            key: check.key.clone(),
+            id,
+            cost: check.cost,
+        };
+        self.leases.push((node.clone(), lease));
+    }
+
+    fn hand_over(&mut self) {
+        self.leases.clear();
+    }
+}
+
+impl Drop for TakenLeases {
+    fn drop(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut by_node: Vec<(RedisStore, Vec<Lease>)> = Vec::new();
+        for (node, lease) in self.leases.drain(..) {
+            match by_node
+                .iter_mut()
+                .find(|(known, _)| Arc::ptr_eq(&known.inner, &node.inner))
+            {
+                Some((_, leases)) => leases.push(lease),
+                None => by_node.push((node, vec![lease])),
+            }
+        }
+        for (node, leases) in by_node {
+            runtime.spawn(async move {
+                if let Err(error) = node.release(leases).await {
+                    tracing::warn!(%error, "could not release the leases of an abandoned decision; they expire with their window");
+                }
+            });
+        }
+    }
 }
 
 /// Syncs `checks` by one call per group, concurrently (pipelined on a multiplexed
@@ -757,20 +817,35 @@ impl Store for RedisStore {
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            if leases.is_empty() {
-                return Ok(());
-            }
-            let mut invocation = script::RELEASE.prepare_invoke();
+            // One call per hash slot where a call must stay on one (a request's leases may be
+            // on several: a global or per-IP concurrency limit and the client's), concurrently.
+            let mut by_slot: Vec<Vec<&Lease>> = Vec::new();
             for lease in &leases {
-                invocation
-                    .key(&*lease.key)
-                    .arg(format!("{}:{}", lease.id, lease.cost));
+                let slot = hash_slot(&lease.key);
+                match by_slot.iter_mut().find(|group| {
+                    !self.inner.cluster_compatible || hash_slot(&group[0].key) == slot
+                }) {
+                    Some(group) => group.push(lease),
+                    None => by_slot.push(vec![lease]),
+                }
             }
+            let calls = by_slot.iter().map(|group| async move {
+                let mut invocation = script::RELEASE.prepare_invoke();
+                for lease in group {
+                    invocation
+                        .key(&*lease.key)
+                        .arg(format!("{}:{}", lease.id, lease.cost));
+                }
+                self.invoke(&invocation).await
+            });
             // Not through the breaker: a release is not a decision, and a failed one only
             // leaves a lease to expire.
-            match tokio::time::timeout(script::RELEASE_TIMEOUT, self.invoke(&invocation)).await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(error)) => Err(error),
+            let released = futures_util::future::join_all(calls);
+            match tokio::time::timeout(script::RELEASE_TIMEOUT, released).await {
+                Ok(results) => results
+                    .into_iter()
+                    .find_map(Result::err)
+                    .map_or(Ok(()), Err),
                 Err(_) => Err(StoreError::Timeout(script::RELEASE_TIMEOUT)),
             }
         })
