@@ -22,15 +22,21 @@ ALGORITHMS.token_bucket = {
     local emission = p.emission
     local full = p.burst * emission
     local level = token_bucket_level(state, p, now)
+    -- Refill starts again only at `updated`: a batched debt (or a clock that stepped back) puts
+    -- it in the future, and every wait starts with it.
+    local debt = 0
+    if state then
+      debt = max(0, state.updated - now)
+    end
     if cost > p.burst then
-      return never(floor(level / emission), full - level)
+      return never(floor(level / emission), debt + full - level)
     end
     local needed = cost * emission
     if needed <= level then
       local after = level - needed
-      return allowed(floor(after / emission), full - after)
+      return allowed(floor(after / emission), debt + full - after)
     end
-    return denied(floor(level / emission), full - level, needed - level)
+    return denied(floor(level / emission), debt + full - level, debt + needed - level)
   end,
 
   consume = function(key, state, p, now, cost)
