@@ -260,6 +260,24 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>,
     }))
 }
 
+/// Whether a store built from `new` would be the one built from `current`: then the reload keeps
+/// it, and its counters. The memory store is built from nothing but its backend; the prefix and
+/// `fallback_share` are the layer's, not the store's.
+fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
+    match (&current.backend, &new.backend) {
+        (Backend::Memory, Backend::Memory) => true,
+        _ => {
+            current.backend == new.backend
+                && current.timeout == new.timeout
+                && current.breaker_failures == new.breaker_failures
+                && current.breaker_open_for == new.breaker_open_for
+                && current.sync_interval == new.sync_interval
+                && current.global_sync_interval == new.global_sync_interval
+                && current.max_keys == new.max_keys
+        }
+    }
+}
+
 /// Storage keys of `global` ceilings: one counter that every client writes.
 fn is_global_ceiling(check: &Check) -> bool {
     check.key.contains(":{global:")
@@ -403,7 +421,7 @@ impl Gateway {
         }
         let store = {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
-            if store.0 != config.store {
+            if !builds_the_same_store(&store.0, &config.store) {
                 // New store settings: a new store (counters start afresh only then).
                 let replaced = std::mem::replace(
                     &mut *store,
@@ -413,6 +431,8 @@ impl Gateway {
                     ),
                 );
                 flush_in_background(replaced.1);
+            } else {
+                store.0 = config.store.clone();
             }
             store.1.clone()
         };

@@ -285,3 +285,39 @@ async fn in_place_writes_under_load_never_serve_a_half_written_file() {
     }
     assert!(sent > 100, "{sent} requests during the storm");
 }
+
+/// Issue 11 item 6: on the memory backend, settings under `store.*` that mean nothing to it
+/// (timeout, breaker, fallback share, batched key cap) are edited: the counters stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_counters_survive_edits_of_store_settings_it_does_not_use() {
+    let upstream = Upstream::start().await;
+    let (gateway, path, text, _directory) = start("memory", &upstream, 3);
+    let client = client();
+    let statuses = |count: usize| {
+        let (client, url) = (client.clone(), gateway.url("/"));
+        async move {
+            let mut statuses = Vec::new();
+            for _ in 0..count {
+                statuses.push(get(&client, &url, &[]).await.status().as_u16());
+            }
+            statuses
+        }
+    };
+    assert_eq!(statuses(2).await, [200, 200]);
+    let edits = [
+        "store:\n  timeout: 75ms\n",
+        "store:\n  timeout: 75ms\n  breaker: { failures: 9, open_for: 5s }\n",
+        "store:\n  fallback_share: 0.5\n  max_keys: 1000\n",
+    ];
+    for edit in edits {
+        support::write_atomically(&path, &format!("{}{edit}", text(3)));
+        // Applied by the time the admin call answers (the watcher may have been first).
+        let (status, body) = support::admin_reload(&client, &gateway).await;
+        assert_eq!(status, StatusCode::OK, "{edit}: {body}");
+    }
+    assert_eq!(
+        statuses(2).await,
+        [200, 429],
+        "the 2 counted before stay counted"
+    );
+}
