@@ -338,6 +338,22 @@ impl Gateway {
         self.current.load_full()
     }
 
+    /// Asks the store in service whether it answers, once at start, and says so loudly if not:
+    /// a store that refuses the gateway (a wrong password) or cannot be reached is logged at
+    /// ERROR with the reason. The gateway still starts; requests follow `on_store_error`.
+    pub async fn check_store_at_start(&self) {
+        let store = self.store();
+        match store.probe().await {
+            Ok(()) => tracing::debug!(backend = store.backend(), "the store answers"),
+            Err(error) => tracing::error!(
+                backend = store.backend(),
+                %error,
+                policy = self.current().config.on_store_error.as_str(),
+                "store check at start failed: requests follow on_store_error until it answers"
+            ),
+        }
+    }
+
     /// The store in service.
     pub fn store(&self) -> Arc<dyn Store> {
         self.store

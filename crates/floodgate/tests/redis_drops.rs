@@ -119,7 +119,9 @@ async fn a_deadline_that_fires_before_the_script_runs_leaves_no_lease() {
 /// Issue 11 item 3: a request dropped while its identity's first fetch is in flight must not
 /// leave the slot "fetching" with the key counted: after `max_keys` such drops, new identities
 /// must still be decided.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// One thread: the connection's task runs only while the decision waits, so a first poll never
+// finds its reply already in (on two threads a preempted poll sometimes did).
+#[tokio::test(flavor = "current_thread")]
 async fn a_request_dropped_during_its_first_fetch_frees_its_key() {
     let server = RedisServer::start();
     let batched = BatchedStore::builder(store(&server, Duration::from_secs(5), false))
@@ -138,10 +140,9 @@ async fn a_request_dropped_during_its_first_fetch_frees_its_key() {
         for identity in 0..10 {
             let checks = checks(identity);
             let pending = drop_after(batched.check_and_consume(&checks, None), 1, pause);
-            assert!(
-                pending.await.is_none(),
-                "identity {identity}: dropped mid-fetch"
-            );
+            if let Some(finished) = pending.await {
+                panic!("identity {identity}: not dropped mid-fetch: {finished:?}");
+            }
         }
     }
     assert_eq!(batched.stats().keys, 0, "no slot left fetching");

@@ -716,6 +716,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         self.shared.target.breaker_state()
     }
 
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.shared.target.probe()
+    }
+
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(self.shared.sync_round(None))
     }

@@ -24,13 +24,22 @@ pub enum BreakerState {
 /// Told about what the failure machinery does, so that none of it is silent. The default
 /// methods log; the gateway adds metrics.
 pub trait StoreObserver: Send + Sync + 'static {
-    /// The breaker of `backend` moved from `from` to `to`.
-    fn breaker_changed(&self, backend: &'static str, from: BreakerState, to: BreakerState) {
+    /// The breaker of `backend` moved from `from` to `to`; `cause` is the failure that opened
+    /// it (`None` for the other transitions).
+    fn breaker_changed(
+        &self,
+        backend: &'static str,
+        from: BreakerState,
+        to: BreakerState,
+        cause: Option<&StoreError>,
+    ) {
         match to {
             BreakerState::Open => {
+                let cause = cause.map_or_else(String::new, ToString::to_string);
                 tracing::warn!(
                     backend,
                     ?from,
+                    %cause,
                     "store circuit breaker opened: not calling the store"
                 )
             }
@@ -192,11 +201,7 @@ impl Guard {
         pending.done = true;
         // An error that is not transient (the call's, not the store's) came from a store that
         // answered: it counts as a success, so it never opens the breaker.
-        self.record(
-            result
-                .as_ref()
-                .map_or_else(|error| !error.is_transient(), |_| true),
-        );
+        self.record(result.as_ref().err().filter(|error| error.is_transient()));
         if let Err(error) = &result {
             self.observer.store_failed(self.backend, error);
         }
@@ -215,6 +220,7 @@ impl Guard {
                     self.backend,
                     BreakerState::Open,
                     BreakerState::HalfOpen,
+                    None,
                 );
                 Admission::Probe
             }
@@ -222,10 +228,11 @@ impl Guard {
         }
     }
 
-    fn record(&self, success: bool) {
+    /// Records a call's outcome: `failure` is the error of a failed one.
+    fn record(&self, failure: Option<&StoreError>) {
         let mut breaker = self.breaker.lock().unwrap_or_else(PoisonError::into_inner);
         let from = breaker.state;
-        if success {
+        if failure.is_none() {
             breaker.consecutive_failures = 0;
             breaker.state = BreakerState::Closed;
         } else {
@@ -244,7 +251,8 @@ impl Guard {
         drop(breaker);
         if from != to {
             self.changed(from, to);
-            self.observer.breaker_changed(self.backend, from, to);
+            let cause = failure.filter(|_| to == BreakerState::Open);
+            self.observer.breaker_changed(self.backend, from, to, cause);
         }
     }
 
@@ -269,7 +277,9 @@ struct PendingCall<'g> {
 impl Drop for PendingCall<'_> {
     fn drop(&mut self) {
         if !self.done && self.probe {
-            self.guard.record(false);
+            let abandoned =
+                StoreError::Unavailable("the probe call was abandoned by its caller".into());
+            self.guard.record(Some(&abandoned));
         }
     }
 }

@@ -214,6 +214,14 @@ fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreEr
     StoreError::Unavailable(Box::new(error))
 }
 
+/// A pool that could not hand out a connection: a refusal or error of Redis keeps its class.
+fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
+    match error {
+        deadpool_redis::PoolError::Backend(error) => classify(error),
+        other => unavailable(other),
+    }
+}
+
 fn invalid_url(error: RedisError) -> StoreError {
     StoreError::Unavailable(Box::new(error))
 }
@@ -296,6 +304,23 @@ struct LazyManager {
     manager: tokio::sync::OnceCell<ConnectionManager>,
 }
 
+impl LazyManager {
+    /// A handle on the shared connection (multiplexed: clones share it). Before the first
+    /// one, a plain connection is opened and dropped, so that a refusal (a wrong password) is
+    /// the caller's error, with its reason, rather than a deadline running out while the
+    /// manager's own connection retries.
+    async fn manager(&self) -> Result<ConnectionManager, StoreError> {
+        self.manager
+            .get_or_try_init(|| async {
+                drop(self.client.get_multiplexed_async_connection().await?);
+                ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+            })
+            .await
+            .cloned()
+            .map_err(classify)
+    }
+}
+
 struct Inner {
     connection: Connection,
     guard: Arc<Guard>,
@@ -335,8 +360,14 @@ fn classify(error: RedisError) -> StoreError {
         ErrorKind::UnexpectedReturnType => true,
         _ => false,
     };
+    let refused = matches!(
+        error.kind(),
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm)
+    ) || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
     if the_call_is_at_fault {
         StoreError::Protocol(error.to_string())
+    } else if refused {
+        StoreError::Rejected(Box::new(error))
     } else {
         StoreError::Unavailable(Box::new(error))
     }
@@ -413,37 +444,14 @@ impl RedisStore {
         if !breakers.claim_refresh() {
             return;
         }
-        let deadline = self
-            .inner
-            .guard
-            .config()
-            .timeout
-            .max(Duration::from_millis(100));
-        let query = async {
-            let mut command = redis::cmd("CLUSTER");
-            command.arg("SLOTS");
-            match &self.inner.connection {
-                Connection::Cluster(lazy) => command
-                    .query_async::<Value>(&mut lazy.connection().await?)
-                    .await
-                    .map_err(classify),
-                Connection::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(unavailable)?;
-                    command
-                        .query_async::<Value>(&mut *connection)
-                        .await
-                        .map_err(classify)
-                }
-                _ => Err(StoreError::Protocol("not a cluster".into())),
-            }
-        };
-        match tokio::time::timeout(deadline, query).await {
-            Ok(Ok(reply)) => match cluster::parse_slots(&reply) {
+        let mut command = redis::cmd("CLUSTER");
+        command.arg("SLOTS");
+        match self.query(&command).await {
+            Ok(reply) => match cluster::parse_slots(&reply) {
                 Ok(ranges) => breakers.apply(&ranges),
                 Err(error) => tracing::warn!(%error, "could not read the cluster's slot map"),
             },
-            Ok(Err(error)) => tracing::debug!(%error, "could not read the cluster's slot map"),
-            Err(_) => tracing::debug!("reading the cluster's slot map timed out"),
+            Err(error) => tracing::debug!(%error, "could not read the cluster's slot map"),
         }
     }
 
@@ -457,30 +465,70 @@ impl RedisStore {
         state == BreakerState::Open
     }
 
+    /// Runs a command outside the decisions (slot map, probes): within the deadline (at least
+    /// 100ms), outside the breaker. In multiplexed mode on a connection of its own, since the
+    /// shared one may be retrying in the background and would hide why it fails.
+    async fn query(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
+        let deadline = self
+            .inner
+            .guard
+            .config()
+            .timeout
+            .max(Duration::from_millis(100));
+        let query = async {
+            match &self.inner.connection {
+                Connection::Multiplexed(lazy) => {
+                    let mut connection = lazy
+                        .client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(classify)?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::Pool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Cluster(lazy) => {
+                    command
+                        .query_async::<Value>(&mut lazy.connection().await?)
+                        .await
+                }
+                Connection::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Sentinel(master) => {
+                    let mut connection = master.connection().await?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::SentinelPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+            }
+            .map_err(classify)
+        };
+        match tokio::time::timeout(deadline, query).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        }
+    }
+
     /// Runs one script invocation on a connection.
     async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
         match &self.inner.connection {
             Connection::Multiplexed(lazy) => {
-                let manager = lazy
-                    .manager
-                    .get_or_try_init(|| async {
-                        ConnectionManager::new_lazy_with_config(
-                            lazy.client.clone(),
-                            lazy.config.clone(),
-                        )
-                    })
-                    .await
-                    .map_err(classify)?;
-                let mut connection = manager.clone();
+                let mut connection = lazy.manager().await?;
                 invoke_on(&mut connection, invocation).await
             }
             Connection::Pool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
             Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
             Connection::ClusterPool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
             Connection::Sentinel(master) => {
@@ -493,7 +541,7 @@ impl RedisStore {
                 result
             }
             Connection::SentinelPool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
         }
@@ -853,6 +901,11 @@ impl Store for RedisStore {
 
     fn backend(&self) -> &'static str {
         "redis"
+    }
+
+    /// `PING`, outside the breaker.
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.query(&redis::cmd("PING")).await.map(drop) })
     }
 
     /// On a cluster: open if any master's breaker is not closed (its identities follow the
