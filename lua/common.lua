@@ -36,3 +36,22 @@ end
 local function format_int(value)
   return string.format('%d', value)
 end
+
+-- SPEC §3: state that another algorithm left under a key (a limit reconfigured under the same
+-- rule and name) is a fresh key, as in the memory store, and never a script error. Reads go
+-- through redis.pcall, so that a key of another Redis type reads as absent (false) instead of
+-- failing with WRONGTYPE; each algorithm then accepts only the fields or format its own state
+-- has. Values of the right shape that are no numbers are corrupted data: those still fail.
+local function read_own(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then
+    return false
+  end
+  return reply
+end
+
+-- Before a hash or sorted set is written where no state of this algorithm was found, whatever
+-- another algorithm left goes (strings need not: SET replaces a key of any type).
+local function clear_foreign(key)
+  redis.call('DEL', key)
+end

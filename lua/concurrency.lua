@@ -1,18 +1,30 @@
 -- concurrency: at most `limit` units in flight. Sorted set of leases: score = expiry,
 -- member = "<lease id>:<cost>". Released by ZREM when the response ends; expired otherwise.
 
+-- nil for a member of another shape (a log entry is "<at>:<cost>:<sequence>").
 local function parse_lease(member, expires_at)
-  local cost = string.match(member, ':(%d+)$')
+  local cost = string.match(member, '^%d+:(%d+)$')
+  if not cost then
+    return nil
+  end
   return { expires_at = tonumber(expires_at), cost = tonumber(cost) }
 end
 
 ALGORITHMS.concurrency = {
-  -- Only the live leases, earliest expiry first.
+  -- Only the live leases, earliest expiry first. Another algorithm's state reads as no
+  -- leases, marked `foreign` (older members of any shape are trimmed by the next admission).
   load = function(key, p, now)
-    local flat = redis.call('ZRANGEBYSCORE', key, '(' .. format_int(now), '+inf', 'WITHSCORES')
+    local flat = read_own('ZRANGEBYSCORE', key, '(' .. format_int(now), '+inf', 'WITHSCORES')
+    if not flat then
+      return { foreign = true }
+    end
     local leases = {}
     for i = 1, #flat, 2 do
-      leases[#leases + 1] = parse_lease(flat[i], flat[i + 1])
+      local lease = parse_lease(flat[i], flat[i + 1])
+      if not lease then
+        return { foreign = true }
+      end
+      leases[#leases + 1] = lease
     end
     return leases
   end,
@@ -42,6 +54,9 @@ ALGORITHMS.concurrency = {
   end,
 
   consume = function(key, leases, p, now, cost)
+    if leases.foreign then
+      clear_foreign(key)
+    end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', format_int(now))
     local member = p.lease .. ':' .. format_int(cost)
     redis.call('ZADD', key, format_int(now + p.window), member)
@@ -51,6 +66,6 @@ ALGORITHMS.concurrency = {
   end,
 
   refund = function(key, p, now, cost, token)
-    redis.call('ZREM', key, token)
+    redis.pcall('ZREM', key, token)
   end,
 }

@@ -12,8 +12,9 @@ end
 
 ALGORITHMS.fixed_window = {
   load = function(key)
-    local values = redis.call('HMGET', key, 'w', 'c')
-    if not values[1] then
+    -- A sliding window counter's hash has 'p' as well: not this algorithm's state.
+    local values = read_own('HMGET', key, 'w', 'c', 'p')
+    if not values or not values[1] or not values[2] or values[3] then
       return nil
     end
     return { window_start = tonumber(values[1]), count = tonumber(values[2]) }
@@ -34,6 +35,9 @@ ALGORITHMS.fixed_window = {
 
   consume = function(key, state, p, now, cost)
     local window_start, count = fixed_window_current(state, p, now)
+    if not state then
+      clear_foreign(key)
+    end
     redis.call('HSET', key, 'w', window_start, 'c', count + cost)
     expire_after(key, window_start + p.window - now)
   end,

@@ -1,10 +1,11 @@
 -- gcra: one theoretical arrival time (TAT) per key; admitted if the TAT it leaves behind is
--- within `burst` emission intervals of now. String: the TAT.
+-- within `burst` emission intervals of now. String: the TAT, digits only (a leaky bucket's
+-- departure time is prefixed, so the two never read each other's state).
 
 ALGORITHMS.gcra = {
   load = function(key)
-    local tat = redis.call('GET', key)
-    if not tat then
+    local tat = read_own('GET', key)
+    if not tat or not string.match(tat, '^%-?%d+$') then
       return nil
     end
     return { tat = tonumber(tat) }

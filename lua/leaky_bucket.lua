@@ -1,5 +1,10 @@
 -- leaky_bucket: requests leave at `limit / window`; a request waits for those ahead of it and is
--- rejected if that wait exceeds `burst` emission intervals. String: the next free departure.
+-- rejected if that wait exceeds `burst` emission intervals. String: 'L' and the next free
+-- departure (the prefix tells it from a GCRA's TAT, which is digits only).
+
+local function leaky_value(next_free)
+  return 'L' .. format_int(next_free)
+end
 
 local function leaky_admissible(p, backlog)
   local max_wait = p.burst * p.emission
@@ -11,7 +16,8 @@ end
 
 ALGORITHMS.leaky_bucket = {
   load = function(key)
-    local next_free = redis.call('GET', key)
+    local value = read_own('GET', key)
+    local next_free = value and string.match(value, '^L(%-?%d+)$')
     if not next_free then
       return nil
     end
@@ -43,14 +49,14 @@ ALGORITHMS.leaky_bucket = {
       departure = max(state.next_free, now)
     end
     local next_free = departure + cost * p.emission
-    redis.call('SET', key, format_int(next_free))
+    redis.call('SET', key, leaky_value(next_free))
     expire_after(key, next_free - now)
   end,
 
   refund = function(key, p, now, cost)
     local state = ALGORITHMS.leaky_bucket.load(key)
     if state then
-      redis.call('SET', key, format_int(state.next_free - cost * p.emission), 'KEEPTTL')
+      redis.call('SET', key, leaky_value(state.next_free - cost * p.emission), 'KEEPTTL')
     end
   end,
 }

@@ -65,8 +65,8 @@ end
 
 ALGORITHMS.sliding_window_counter = {
   load = function(key)
-    local values = redis.call('HMGET', key, 'w', 'c', 'p')
-    if not values[1] then
+    local values = read_own('HMGET', key, 'w', 'c', 'p')
+    if not values or not values[1] or not values[2] or not values[3] then
       return nil
     end
     return {
@@ -99,6 +99,9 @@ ALGORITHMS.sliding_window_counter = {
 
   consume = function(key, state, p, now, cost)
     local counters = counter_rotate(state, p, now)
+    if not state then
+      clear_foreign(key)
+    end
     redis.call('HSET', key, 'w', counters.window_start, 'c', counters.current + cost, 'p', counters.previous)
     expire_after(key, counters.window_start + 2 * p.window - now)
   end,

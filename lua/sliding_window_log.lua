@@ -2,18 +2,29 @@
 -- requests: score = admission time, member = "<at>:<cost>:<sequence>". An entry admitted at
 -- `at` counts while at + window > now.
 
+-- nil for a member of another shape (a concurrency lease is "<id>:<cost>").
 local function parse_log_entry(member)
-  local at, cost = string.match(member, '^(%d+):(%d+):')
+  local at, cost = string.match(member, '^(%d+):(%d+):%d+$')
+  if not at then
+    return nil
+  end
   return { at = tonumber(at), cost = tonumber(cost) }
 end
 
 ALGORITHMS.sliding_window_log = {
-  -- Only the live entries, oldest first.
+  -- Only the live entries, oldest first. Another algorithm's state reads as an empty log
+  -- marked `foreign` (older entries of any shape are trimmed by the next admission).
   load = function(key, p, now)
-    local members = redis.call('ZRANGEBYSCORE', key, '(' .. format_int(now - p.window), '+inf')
+    local members = read_own('ZRANGEBYSCORE', key, '(' .. format_int(now - p.window), '+inf')
+    if not members then
+      return { foreign = true }
+    end
     local entries = {}
     for i = 1, #members do
       entries[i] = parse_log_entry(members[i])
+      if not entries[i] then
+        return { foreign = true }
+      end
     end
     return entries
   end,
@@ -46,6 +57,9 @@ ALGORITHMS.sliding_window_log = {
   end,
 
   consume = function(key, entries, p, now, cost)
+    if entries.foreign then
+      clear_foreign(key)
+    end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', format_int(now - p.window))
     -- Keep the log sorted even if the clock stepped back.
     local at = now
@@ -60,6 +74,6 @@ ALGORITHMS.sliding_window_log = {
   end,
 
   refund = function(key, p, now, cost, token)
-    redis.call('ZREM', key, token)
+    redis.pcall('ZREM', key, token)
   end,
 }

@@ -11,8 +11,8 @@ end
 
 ALGORITHMS.token_bucket = {
   load = function(key)
-    local values = redis.call('HMGET', key, 'l', 'u')
-    if not values[1] then
+    local values = read_own('HMGET', key, 'l', 'u')
+    if not values or not values[1] or not values[2] then
       return nil
     end
     return { level = tonumber(values[1]), updated = tonumber(values[2]) }
@@ -22,15 +22,21 @@ ALGORITHMS.token_bucket = {
     local emission = p.emission
     local full = p.burst * emission
     local level = token_bucket_level(state, p, now)
+    -- Refill starts again only at `updated`: a batched debt (or a clock that stepped back) puts
+    -- it in the future, and every wait starts with it.
+    local debt = 0
+    if state then
+      debt = max(0, state.updated - now)
+    end
     if cost > p.burst then
-      return never(floor(level / emission), full - level)
+      return never(floor(level / emission), debt + full - level)
     end
     local needed = cost * emission
     if needed <= level then
       local after = level - needed
-      return allowed(floor(after / emission), full - after)
+      return allowed(floor(after / emission), debt + full - after)
     end
-    return denied(floor(level / emission), full - level, needed - level)
+    return denied(floor(level / emission), debt + full - level, debt + needed - level)
   end,
 
   consume = function(key, state, p, now, cost)
@@ -38,6 +44,9 @@ ALGORITHMS.token_bucket = {
     local updated = now
     if state then
       updated = max(state.updated, now)
+    end
+    if not state then
+      clear_foreign(key)
     end
     if level < 0 then
       -- Only a batched sync charges more than the level (units other nodes already admitted):

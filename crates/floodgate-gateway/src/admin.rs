@@ -10,8 +10,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use floodgate::FailurePolicy;
 use floodgate::store::resilience::BreakerState;
+use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
@@ -80,6 +80,15 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 async fn readyz(State(state): State<AdminState>) -> Response {
     let runtime = state.gateway.current();
+    // A store that refuses this gateway (a wrong password) is a configuration error, not an
+    // outage: not ready under any failure policy, so that a bad rollout stops here.
+    if let Err(error @ StoreError::Rejected(_)) = state.gateway.store().probe().await {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "store_rejected", "error": error.to_string()})),
+        )
+            .into_response();
+    }
     let store_ok = match state.gateway.store().breaker_state() {
         None | Some(BreakerState::Closed) => true,
         Some(BreakerState::Open | BreakerState::HalfOpen) => false,

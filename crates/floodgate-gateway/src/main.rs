@@ -199,6 +199,7 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     // A change written between the first read and the watch would otherwise go unseen.
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
+    gateway.check_store_at_start().await;
     tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
 
     // The 429-rate baseline: one interval every 10 s.

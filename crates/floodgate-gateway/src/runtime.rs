@@ -197,7 +197,29 @@ pub struct Gateway {
     config_path: PathBuf,
     store: Mutex<(StoreSettings, Arc<dyn Store>)>,
     client: UpstreamClient,
-    last_text: Mutex<String>,
+    /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
+    /// counts) only when the file says something else.
+    last_seen: Mutex<String>,
+}
+
+/// What the configuration file holds now, compared with what the last reload read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileState {
+    /// The same text (or the file cannot be read): nothing to do.
+    Unchanged,
+    /// New text that cannot be put in service: empty, or not a valid configuration (perhaps a
+    /// writer still at work).
+    Incomplete,
+    /// New text that parses.
+    Ready,
+}
+
+/// Whether `text` holds nothing but blank lines and comments. Never a valid replacement: it is
+/// what a truncating writer leaves for a moment, and would drop every plan and the upstream.
+fn is_empty(text: &str) -> bool {
+    text.lines()
+        .map(str::trim)
+        .all(|line| line.is_empty() || line.starts_with('#'))
 }
 
 /// Why a reload was not applied.
@@ -268,6 +290,24 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>,
     }))
 }
 
+/// Whether a store built from `new` would be the one built from `current`: then the reload keeps
+/// it, and its counters. The memory store is built from nothing but its backend; the prefix and
+/// `fallback_share` are the layer's, not the store's.
+fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
+    match (&current.backend, &new.backend) {
+        (Backend::Memory, Backend::Memory) => true,
+        _ => {
+            current.backend == new.backend
+                && current.timeout == new.timeout
+                && current.breaker_failures == new.breaker_failures
+                && current.breaker_open_for == new.breaker_open_for
+                && current.sync_interval == new.sync_interval
+                && current.global_sync_interval == new.global_sync_interval
+                && current.max_keys == new.max_keys
+        }
+    }
+}
+
 /// Storage keys of `global` ceilings: one counter that every client writes.
 fn is_global_ceiling(check: &Check) -> bool {
     check.key.contains(":{global:")
@@ -319,13 +359,29 @@ impl Gateway {
             config_path: config_path.to_owned(),
             store: Mutex::new((config.store.clone(), store)),
             client,
-            last_text: Mutex::new(text),
+            last_seen: Mutex::new(text),
         }))
     }
 
     /// The version in service.
     pub fn current(&self) -> Arc<Runtime> {
         self.current.load_full()
+    }
+
+    /// Asks the store in service whether it answers, once at start, and says so loudly if not:
+    /// a store that refuses the gateway (a wrong password) or cannot be reached is logged at
+    /// ERROR with the reason. The gateway still starts; requests follow `on_store_error`.
+    pub async fn check_store_at_start(&self) {
+        let store = self.store();
+        match store.probe().await {
+            Ok(()) => tracing::debug!(backend = store.backend(), "the store answers"),
+            Err(error) => tracing::error!(
+                backend = store.backend(),
+                %error,
+                policy = self.current().config.on_store_error.as_str(),
+                "store check at start failed: requests follow on_store_error until it answers"
+            ),
+        }
     }
 
     /// The store in service.
@@ -337,10 +393,15 @@ impl Gateway {
             .clone()
     }
 
-    /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed`, an
-    /// unchanged file is left alone (the directory watcher sees unrelated events too).
+    /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed` (the
+    /// watcher), a file whose text the last reload already read is left alone, silently:
+    /// only a reload that read new text (or was asked for) is logged and counted.
     pub fn reload(&self, only_if_changed: bool) -> Result<u64, ReloadError> {
-        let result = self.try_reload(only_if_changed);
+        let result = match self.try_reload(only_if_changed) {
+            Ok(None) => return Ok(self.current().version),
+            Ok(Some(version)) => Ok(version),
+            Err(error) => Err(error),
+        };
         let label = if result.is_ok() { "success" } else { "failure" };
         match &result {
             Ok(version) => {
@@ -354,19 +415,48 @@ impl Gateway {
         result
     }
 
-    fn try_reload(&self, only_if_changed: bool) -> Result<u64, ReloadError> {
+    /// What the file holds now, for the watcher to decide whether to reload or to wait for a
+    /// writer to finish. Reads and parses, changes nothing.
+    pub fn file_state(&self) -> FileState {
+        let Ok(text) = std::fs::read_to_string(&self.config_path) else {
+            return FileState::Unchanged;
+        };
+        if *self
+            .last_seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            == text
+        {
+            FileState::Unchanged
+        } else if is_empty(&text) || config::parse(&text).is_err() {
+            FileState::Incomplete
+        } else {
+            FileState::Ready
+        }
+    }
+
+    /// The new version, or `None` if `only_if_changed` and the text is the one last read.
+    fn try_reload(&self, only_if_changed: bool) -> Result<Option<u64>, ReloadError> {
         let text = std::fs::read_to_string(&self.config_path).map_err(|error| {
             ReloadError::Failed(format!(
                 "cannot read {}: {error}",
                 self.config_path.display()
             ))
         })?;
-        let mut last_text = self
-            .last_text
+        let mut last_seen = self
+            .last_seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if only_if_changed && *last_text == text {
-            return Ok(self.current().version);
+        if only_if_changed && *last_seen == text {
+            return Ok(None);
+        }
+        // Held to the end: reloads from the watcher, SIGHUP and the admin API take turns.
+        last_seen.clone_from(&text);
+        if is_empty(&text) {
+            return Err(ReloadError::Failed(format!(
+                "{} is empty: an empty file never replaces the configuration",
+                self.config_path.display()
+            )));
         }
         let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
         let current = self.current();
@@ -377,7 +467,7 @@ impl Gateway {
         }
         let store = {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
-            if store.0 != config.store {
+            if !builds_the_same_store(&store.0, &config.store) {
                 // New store settings: a new store (counters start afresh only then).
                 let replaced = std::mem::replace(
                     &mut *store,
@@ -387,6 +477,8 @@ impl Gateway {
                     ),
                 );
                 flush_in_background(replaced.1);
+            } else {
+                store.0 = config.store.clone();
             }
             store.1.clone()
         };
@@ -394,9 +486,8 @@ impl Gateway {
         let runtime = Runtime::build(version, config, store, self.client.clone(), &self.observers)
             .map_err(ReloadError::Failed)?;
         self.current.store(Arc::new(runtime));
-        *last_text = text;
         metrics::gauge!("floodgate_config_version").set(version as f64);
-        Ok(version)
+        Ok(Some(version))
     }
 }
 

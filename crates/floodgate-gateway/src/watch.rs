@@ -1,16 +1,56 @@
 //! Reload triggers: the configuration file's directory (editors' atomic renames and Kubernetes
 //! ConfigMap symlink swaps replace the file, so the file itself cannot be watched), and SIGHUP.
 
+use std::ffi::OsString;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use notify::{RecursiveMode, Watcher};
+use notify::event::{AccessKind, AccessMode, ModifyKind};
+use notify::{Event, EventKind, RecursiveMode, Watcher};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::time::{Instant, timeout};
 
-use crate::runtime::Gateway;
+use crate::runtime::{FileState, Gateway};
 
-/// Events closer together than this are one change (editors write in several steps).
+/// A change is over once its file has been quiet this long (editors write in several steps).
 const SETTLE: Duration = Duration::from_millis(100);
+
+/// How long a file written in place that is empty or invalid is given to be completed by its
+/// writer before it is reported (and rejected).
+const INCOMPLETE_GRACE: Duration = Duration::from_millis(500);
+
+/// How a change was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    /// The file was written where it is: it may be read half-written.
+    InPlace,
+    /// The file (or the ConfigMap's `..data` link) was replaced, created or removed.
+    Replaced,
+}
+
+/// Whether `event` changes the configuration file: a create, write, remove or rename of the file
+/// itself or of Kubernetes' `..data` link. Reads (the reload's own `open` of the file), metadata
+/// and other files in the directory are not changes.
+fn change(event: &Event, file_name: &OsString) -> Option<Change> {
+    let concerns_the_file = event.paths.iter().any(|path| {
+        path.file_name()
+            .is_some_and(|name| name == file_name.as_os_str() || name == "..data")
+    });
+    if !concerns_the_file {
+        return None;
+    }
+    match event.kind {
+        EventKind::Modify(ModifyKind::Data(_))
+        | EventKind::Access(AccessKind::Close(AccessMode::Write)) => Some(Change::InPlace),
+        EventKind::Create(_)
+        | EventKind::Remove(_)
+        | EventKind::Modify(ModifyKind::Name(_) | ModifyKind::Any | ModifyKind::Other) => {
+            Some(Change::Replaced)
+        }
+        _ => None,
+    }
+}
 
 /// Watches the directory of `config_path`; returns the watcher, which must be kept alive.
 pub fn watch_config(
@@ -22,23 +62,63 @@ pub fn watch_config(
         .filter(|parent| !parent.as_os_str().is_empty())
         .unwrap_or(Path::new("."))
         .to_owned();
-    let (events, mut receiver) = tokio::sync::mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
-            let _ = events.send(());
+    let file_name = config_path
+        .file_name()
+        .map(ToOwned::to_owned)
+        .unwrap_or_default();
+    let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
+        if let Some(change) = event.ok().and_then(|event| change(&event, &file_name)) {
+            let _ = events.send(change);
         }
     })?;
     watcher.watch(&directory, RecursiveMode::NonRecursive)?;
-    tokio::spawn(async move {
-        while receiver.recv().await.is_some() {
-            // Let the writer finish, and fold the burst of events into one reload.
-            tokio::time::sleep(SETTLE).await;
-            while receiver.try_recv().is_ok() {}
-            let gateway = gateway.clone();
-            let _ = tokio::task::spawn_blocking(move || gateway.reload(true)).await;
-        }
-    });
+    tokio::spawn(reload_on_changes(gateway, receiver));
     Ok(watcher)
+}
+
+/// Folds each burst of changes into one reload, once the file has been quiet for [`SETTLE`]. A
+/// file written in place that is empty or does not parse may be a writer's work in progress:
+/// it is given [`INCOMPLETE_GRACE`] to change again before it is reloaded (and rejected).
+async fn reload_on_changes(gateway: Arc<Gateway>, mut changes: UnboundedReceiver<Change>) {
+    while let Some(first) = changes.recv().await {
+        let mut in_place = first == Change::InPlace;
+        let mut incomplete_since: Option<Instant> = None;
+        loop {
+            // Quiet for SETTLE: the writer is done, or paused.
+            match timeout(SETTLE, changes.recv()).await {
+                Ok(Some(change)) => {
+                    in_place |= change == Change::InPlace;
+                    continue;
+                }
+                Ok(None) => return,
+                Err(_elapsed) => {}
+            }
+            let state = {
+                let gateway = gateway.clone();
+                tokio::task::spawn_blocking(move || gateway.file_state())
+                    .await
+                    .unwrap_or(FileState::Ready)
+            };
+            let waited = incomplete_since.get_or_insert_with(Instant::now).elapsed();
+            if state == FileState::Incomplete && in_place && waited < INCOMPLETE_GRACE {
+                // Wait for the rest of the write (a change restarts the settling), up to the grace.
+                match timeout(INCOMPLETE_GRACE - waited, changes.recv()).await {
+                    Ok(Some(change)) => {
+                        in_place |= change == Change::InPlace;
+                        continue;
+                    }
+                    Ok(None) => return,
+                    Err(_elapsed) => {}
+                }
+            }
+            if state != FileState::Unchanged {
+                let gateway = gateway.clone();
+                let _ = tokio::task::spawn_blocking(move || gateway.reload(true)).await;
+            }
+            break;
+        }
+    }
 }
 
 /// Reloads on every SIGHUP.
@@ -52,4 +132,47 @@ pub fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{CreateKind, DataChange, RenameMode};
+
+    use super::*;
+
+    fn event(kind: EventKind, path: &str) -> Event {
+        Event::new(kind).add_path(path.into())
+    }
+
+    #[test]
+    fn only_writes_renames_creates_and_removes_of_the_file_are_changes() {
+        let name = OsString::from("floodgate.yaml");
+        let file = "/etc/floodgate/floodgate.yaml";
+        let read = EventKind::Access(AccessKind::Open(AccessMode::Any));
+        assert_eq!(
+            change(&event(read, file), &name),
+            None,
+            "the reload's own open"
+        );
+        let closed = EventKind::Access(AccessKind::Close(AccessMode::Read));
+        assert_eq!(change(&event(closed, file), &name), None);
+        let touched = EventKind::Modify(ModifyKind::Metadata(notify::event::MetadataKind::Any));
+        assert_eq!(change(&event(touched, file), &name), None);
+        let written = EventKind::Modify(ModifyKind::Data(DataChange::Any));
+        assert_eq!(change(&event(written, file), &name), Some(Change::InPlace));
+        assert_eq!(
+            change(&event(written, "/etc/floodgate/other.yaml"), &name),
+            None
+        );
+        let renamed = EventKind::Modify(ModifyKind::Name(RenameMode::To));
+        assert_eq!(
+            change(&event(renamed, "/etc/floodgate/..data"), &name),
+            Some(Change::Replaced),
+            "a ConfigMap swap"
+        );
+        assert_eq!(
+            change(&event(EventKind::Create(CreateKind::File), file), &name),
+            Some(Change::Replaced)
+        );
+    }
 }

@@ -304,19 +304,12 @@ async fn reload_under_load_applies_within_a_second_and_drops_nothing() {
     }
     // A bad file: rejected, the previous rules stay, and the admin endpoint says why.
     write_atomically(&path, &version(100_050).replace("window: 1s", "window: 0s"));
-    let reload = client
-        .request(
-            http::Request::post(gateway.admin_url("/admin/reload"))
-                .body(Default::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(reload.status(), StatusCode::BAD_REQUEST);
-    let error = reload.into_body().collect().await.unwrap().to_bytes();
-    let error = String::from_utf8_lossy(&error);
+    let (status, error) = support::admin_reload(&client, &gateway).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(
-        error.contains("plans.anonymous.limits[0].window"),
+        error["error"]
+            .as_str()
+            .is_some_and(|error| error.contains("plans.anonymous.limits[0].window")),
         "{error}"
     );
     let still = get(&client, &gateway.url("/probe"), &[]).await;

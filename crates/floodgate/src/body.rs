@@ -30,7 +30,7 @@ impl Drop for LeaseGuard {
         let store = self.store.clone();
         let mut release = Box::pin(async move {
             if let Err(error) = store.release(leases).await {
-                tracing::debug!(%error, "lease release failed; the leases expire with their window");
+                tracing::warn!(%error, "lease release failed; the leases expire with their window");
             }
         });
         // The memory store releases at once; a networked store finishes in the background.

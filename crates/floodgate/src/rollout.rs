@@ -153,8 +153,17 @@ mod tests {
             .collect();
         let enforced = hashes.iter().filter(|hash| rollout.enforces(hash)).count();
         assert!((2_800..=3_200).contains(&enforced), "{enforced} of 10,000");
-        for hash in &hashes[..100] {
-            assert_eq!(rollout.enforces(hash), rollout.enforces(hash));
+        // Stable: another instance (a restart, another replica) built from the identities anew
+        // enforces exactly the same ones, and widening the canary only adds identities.
+        let restarted = Rollout::new(Mode::Enforce, 30.0);
+        let wider = Rollout::new(Mode::Enforce, 50.0);
+        for (client, hash) in hashes.iter().enumerate() {
+            let rehashed = Identity::ApiKey(format!("key-{client}")).hash();
+            assert_eq!(rollout.enforces(hash), restarted.enforces(&rehashed));
+            assert!(
+                !rollout.enforces(hash) || wider.enforces(hash),
+                "key-{client}"
+            );
         }
         rollout.set_enforce_percent(100.0);
         assert!(hashes.iter().all(|hash| rollout.enforces(hash)));

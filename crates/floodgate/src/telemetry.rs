@@ -88,6 +88,7 @@ pub fn record_store_error(error: &StoreError) {
     let kind = match error {
         StoreError::Timeout(_) => "timeout",
         StoreError::Unavailable(_) => "unavailable",
+        StoreError::Rejected(_) => "rejected",
         StoreError::BreakerOpen => "breaker_open",
         StoreError::Protocol(_) => "protocol",
     };

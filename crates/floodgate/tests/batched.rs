@@ -227,22 +227,35 @@ async fn a_sync_makes_every_node_see_the_sum_of_what_all_admitted() {
     assert_eq!(admitted(&a, &checks, now).await, 0);
 }
 
+/// Two nodes on `server` that each spent a full 10/s bucket of `algorithm` at T0 before they
+/// heard of each other, then synced: 20 where 10 were allowed, one second of debt.
+async fn overshot(
+    server: &RedisServer,
+    algorithm: Algorithm,
+) -> (
+    BatchedStore<RedisStore>,
+    BatchedStore<RedisStore>,
+    Vec<Check>,
+) {
+    let (a, b) = (node(server), node(server));
+    let limit = Arc::new(Limit::new("s", algorithm, 10, secs(1)).unwrap());
+    let checks = check(&limit, "bob");
+    let now = at(ms(0));
+    assert_eq!(admitted(&a, &checks, now).await, 10);
+    assert_eq!(admitted(&b, &checks, now).await, 10);
+    a.sync_now(Some(now)).await.unwrap();
+    b.sync_now(Some(now)).await.unwrap();
+    a.sync_now(Some(now)).await.unwrap();
+    (a, b, checks)
+}
+
 /// Two nodes each spend a full bucket before they hear of each other: the overshoot becomes a
 /// debt in the shared state that both pay back before admitting again.
 #[tokio::test]
 async fn overshoot_is_a_debt_paid_back_before_anyone_admits_again() {
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let server = RedisServer::start();
-        let (a, b) = (node(&server), node(&server));
-        let limit = Arc::new(Limit::new("s", algorithm, 10, secs(1)).unwrap());
-        let checks = check(&limit, "bob");
-        let now = at(ms(0));
-        // Both fetch a fresh (full) bucket and spend it locally: 20 where 10 were allowed.
-        assert_eq!(admitted(&a, &checks, now).await, 10);
-        assert_eq!(admitted(&b, &checks, now).await, 10);
-        a.sync_now(Some(now)).await.unwrap();
-        b.sync_now(Some(now)).await.unwrap();
-        a.sync_now(Some(now)).await.unwrap();
+        let (a, b, checks) = overshot(&server, algorithm).await;
         // The shared state owes 10 tokens: one second of refill goes to paying it.
         for node in [&a, &b] {
             assert_eq!(
@@ -257,6 +270,36 @@ async fn overshoot_is_a_debt_paid_back_before_anyone_admits_again() {
             10,
             "{algorithm:?}"
         );
+    }
+}
+
+/// SPEC §2 under debt: a denial's `retry_after` is exact (a microsecond early is still denied,
+/// on time is admitted) and `reset_after` counts the debt, for the two bucket algorithms, after
+/// two nodes overshot by a full bucket (one second of debt).
+#[tokio::test]
+async fn retry_after_is_exact_under_debt() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let server = RedisServer::start();
+        let (a, b, checks) = overshot(&server, algorithm).await;
+        let now = at(ms(0));
+        for node in [&a, &b] {
+            let denied = node.check_and_consume(&checks, Some(now)).await.unwrap();
+            assert!(!denied.is_allowed(), "{algorithm}");
+            // One second of debt, then one emission interval for this request.
+            assert_eq!(denied.retry_after(), Some(ms(1100)), "{algorithm}");
+            assert_eq!(
+                denied.binding_limit().map(|limit| limit.reset_after),
+                Some(secs(2)),
+                "{algorithm}: the debt and a full refill"
+            );
+            let wait = denied.retry_after().unwrap();
+            let early = now.saturating_add(wait - Duration::from_micros(1));
+            let early = node.check_and_consume(&checks, Some(early)).await.unwrap();
+            assert!(!early.is_allowed(), "{algorithm}: admitted before {wait:?}");
+        }
+        let on_time = now.saturating_add(ms(1100));
+        let on_time = a.check_and_consume(&checks, Some(on_time)).await.unwrap();
+        assert!(on_time.is_allowed(), "{algorithm}: denied at retry_after");
     }
 }
 

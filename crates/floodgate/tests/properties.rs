@@ -170,13 +170,16 @@ proptest! {
             now += gap / 10;
             held.retain(|&(_, expires_at)| expires_at > now);
             if acquire || held.is_empty() {
+                let in_flight = held.len() as u64;
                 let (outcome, next) = algorithm::check(&limit, state.take(), now, 1, index as u64);
                 state = next;
+                // Admitted exactly when a lease is free: never above the limit, never refused
+                // below it.
+                prop_assert_eq!(outcome.allowed, in_flight < limit.limit());
                 if outcome.allowed {
                     held.push((index as u64, now + limit.window_micros()));
                 }
                 prop_assert!(held.len() as u64 <= limit.limit());
-                prop_assert_eq!(outcome.allowed, held.len() as u64 <= limit.limit() && outcome.allowed);
             } else {
                 let (lease, _) = held.remove(0);
                 if let Some(state) = state.as_mut() {

@@ -287,3 +287,24 @@ async fn no_request_is_lost_across_a_crash_and_restart() {
     }
     assert!(total >= 400, "{total} answered");
 }
+
+/// SPEC §3: an error that is the script's or the data's repeats on every call, however often it
+/// is retried; it is not transient and never opens the breaker, so that one corrupted key cannot
+/// take the limiter down for every client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_error_is_not_transient_and_never_opens_the_breaker() {
+    let server = RedisServer::start();
+    let redis = store(&server);
+    let bucket = Arc::new(Limit::token_bucket("x", 10, Duration::from_secs(1)).unwrap());
+    // A token bucket's hash whose level is no number: the script fails on it.
+    let _: () = server.command(&["HSET", "fg:{ip:probe}:r:x", "l", "garbage", "u", "5"]);
+    for call in 0..20 {
+        let (result, _) = timed(&redis, &check(&bucket)).await;
+        let error = result.expect_err("a Lua error on corrupted data");
+        assert!(!error.is_transient(), "call {call}: {error}");
+    }
+    assert_eq!(redis.guard().state(), BreakerState::Closed);
+    let other = [Check::new("fg:{ip:other}:r:x", bucket.clone(), 1)];
+    let (result, _) = timed(&redis, &other).await;
+    assert!(result.expect("other identities are decided").is_allowed());
+}

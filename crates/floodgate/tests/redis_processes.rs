@@ -2,11 +2,14 @@
 //! connection, on one key of one redis-server, admit exactly the capacity, for every algorithm.
 //!
 //! A custom harness (`harness = false`): run without arguments it is the parent, which starts
-//! redis-server and re-runs this same binary as the children.
+//! redis-server and re-runs this same binary as the children. The children run at the same
+//! time: each connects, says `ready`, and waits on its stdin until the parent has heard every
+//! child ready and tells them all to go.
 
 mod support;
 
-use std::process::Command;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +48,13 @@ fn child(url: String, algorithm: Algorithm) {
             .build()
             .unwrap();
         let limit = limit(algorithm);
+        // Connected before the start signal, so that no child is still connecting when the
+        // others run.
+        let warm = [Check::new("fg:{ip:warm}:r:processes", limit.clone(), 0)];
+        store.check_and_consume(&warm, Some(NOW)).await.unwrap();
+        println!("ready");
+        let mut go = String::new();
+        std::io::stdin().read_line(&mut go).unwrap();
         let tasks: Vec<_> = (0..TASKS)
             .map(|_| {
                 let (store, limit) = (store.clone(), limit.clone());
@@ -81,27 +91,33 @@ fn main() {
     let executable = std::env::current_exe().expect("this test's path");
     let (mut passed, mut failed) = (0, 0);
     for algorithm in Algorithm::ALL {
-        let children: Vec<_> = (0..PROCESSES)
+        let mut children: Vec<_> = (0..PROCESSES)
             .map(|_| {
-                Command::new(&executable)
+                let mut child = Command::new(&executable)
                     .env(URL_VAR, server.url())
                     .env(ALGORITHM_VAR, algorithm.as_str())
-                    .output()
-                    .expect("spawn a child process")
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .expect("spawn a child process");
+                let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+                (child, lines)
             })
             .collect();
+        for (_, lines) in &mut children {
+            let ready = lines.next().expect("a line").expect("readable");
+            assert_eq!(ready, "ready");
+        }
+        // Every child is connected and waiting: all start now.
+        for (child, _) in &mut children {
+            writeln!(child.stdin.as_mut().unwrap(), "go").unwrap();
+        }
         let admitted: u64 = children
-            .iter()
-            .map(|output| {
-                assert!(
-                    output.status.success(),
-                    "child failed: {}",
-                    String::from_utf8_lossy(&output.stderr)
-                );
-                String::from_utf8_lossy(&output.stdout)
-                    .trim()
-                    .parse::<u64>()
-                    .expect("a count")
+            .into_iter()
+            .map(|(mut child, mut lines)| {
+                let count = lines.next().expect("a count").expect("readable");
+                assert!(child.wait().unwrap().success(), "child failed");
+                count.trim().parse::<u64>().expect("a count")
             })
             .sum();
         let expected = if algorithm == Algorithm::LeakyBucket {

@@ -198,6 +198,24 @@ impl Drop for Gateway {
 
 pub type TestClient = Client<HttpConnector, Full<Bytes>>;
 
+/// `POST /admin/reload`: its status and JSON body.
+pub async fn admin_reload(
+    client: &TestClient,
+    gateway: &Gateway,
+) -> (StatusCode, serde_json::Value) {
+    let response = client
+        .request(
+            Request::post(gateway.admin_url("/admin/reload"))
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
 pub fn client() -> TestClient {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }

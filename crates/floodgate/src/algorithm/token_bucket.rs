@@ -38,15 +38,18 @@ pub(super) fn evaluate(
     let emission = limit.emission_micros();
     let full = full_credit(limit);
     let level = level_at(limit, state, now);
+    // Refill starts again only at `updated_at`: a batched debt (or a clock that stepped back)
+    // puts it in the future, and every wait starts with it.
+    let debt = state.map_or(0, |state| state.updated_at.saturating_sub(now));
     if cost > limit.capacity() {
-        return LimitOutcome::never(level / emission, full - level);
+        return LimitOutcome::never(level / emission, debt + full - level);
     }
     let needed = cost * emission;
     if needed <= level {
         let after = level - needed;
-        LimitOutcome::allowed(after / emission, full - after)
+        LimitOutcome::allowed(after / emission, debt + full - after)
     } else {
-        LimitOutcome::denied(level / emission, full - level, needed - level)
+        LimitOutcome::denied(level / emission, debt + full - level, debt + needed - level)
     }
 }
 

@@ -466,38 +466,35 @@ impl<T: SyncTarget> Shared<T> {
             .iter()
             .map(|&(index, _)| sync_check(&checks[index].key, &checks[index].limit, 0))
             .collect();
+        // Until the states are in, the slots are this fetch's: if it fails, or its request goes
+        // away mid-way (the future is dropped), they go, and the key count with them.
+        let mut claim = FetchClaim {
+            shared: self,
+            slots: fetch
+                .into_iter()
+                .map(|(index, sender)| (checks[index].key.clone(), sender))
+                .collect(),
+        };
         let local_at_send = self.clock.now().as_micros();
-        let result = self.target.sync(&reads, now).await;
-        if let Ok(synced) = &result {
-            self.observe_shared_time(synced.now, local_at_send);
-        }
-        for (position, (index, sender)) in fetch.into_iter().enumerate() {
-            let check = &checks[index];
-            let mut shard = self.lock_shard_of(&check.key);
-            match &result {
-                Ok(synced) => {
-                    shard.insert(
-                        check.key.clone(),
-                        Slot::Ready(Entry {
-                            limit: check.limit.clone(),
-                            state: synced.states.get(position).cloned().flatten(),
-                            pending: 0,
-                            pending_since: 0,
-                            in_flight: 0,
-                            idle_rounds: 0,
-                        }),
-                    );
-                }
-                Err(_) => {
-                    if shard.remove(&*check.key).is_some() {
-                        self.keys.fetch_sub(1, Ordering::Relaxed);
-                    }
-                }
-            }
-            // Waiters retry either way: they find the key ready, or fetch it themselves.
+        let synced = self.target.sync(&reads, now).await?;
+        self.observe_shared_time(synced.now, local_at_send);
+        for (position, (key, sender)) in std::mem::take(&mut claim.slots).into_iter().enumerate() {
+            let check = &reads[position];
+            self.lock_shard_of(&key).insert(
+                key,
+                Slot::Ready(Entry {
+                    limit: check.limit.clone(),
+                    state: synced.states.get(position).cloned().flatten(),
+                    pending: 0,
+                    pending_since: 0,
+                    in_flight: 0,
+                    idle_rounds: 0,
+                }),
+            );
+            // Waiters retry: they find the key ready.
             let _ = sender.send(true);
         }
-        result.map(drop)
+        Ok(())
     }
 
     /// Sends every active key's unsent units and adopts the states the shared store returns.
@@ -582,6 +579,29 @@ impl<T: SyncTarget> Shared<T> {
         if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
             entry.pending += entry.in_flight;
             entry.in_flight = 0;
+        }
+    }
+}
+
+/// The "fetching" slots one fetch created. Dropped while it still holds them (the fetch failed,
+/// or was abandoned), it removes those still its own and uncounts their keys; its senders go
+/// with it, which wakes the waiters, who then fetch for themselves.
+struct FetchClaim<'s, T: SyncTarget> {
+    shared: &'s Shared<T>,
+    slots: Vec<(Arc<str>, watch::Sender<bool>)>,
+}
+
+impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
+    fn drop(&mut self) {
+        for (key, sender) in self.slots.drain(..) {
+            let mut shard = self.shared.lock_shard_of(&key);
+            let ours = matches!(
+                shard.get(&*key),
+                Some(Slot::Fetching(receiver)) if receiver.same_channel(&sender.subscribe())
+            );
+            if ours && shard.remove(&*key).is_some() {
+                self.shared.keys.fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -694,6 +714,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
 
     fn breaker_state(&self) -> Option<BreakerState> {
         self.shared.target.breaker_state()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.shared.target.probe()
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -93,6 +93,11 @@ pub enum StoreError {
     /// The store could not be reached or failed to answer.
     #[error("store unavailable: {0}")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store refused this client: wrong or missing credentials, or no permission (Redis
+    /// `WRONGPASS`, `NOAUTH`, `NOPERM`). A configuration error, not an outage: readiness
+    /// checks report it. Transient only in that a credential change may cure it.
+    #[error("store refused the client: {0}")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The circuit breaker is open: the store is not being called.
     #[error("circuit breaker open; store not called")]
     BreakerOpen,
@@ -134,6 +139,12 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Asks the store whether it answers this client, without deciding anything (start-up
+    /// and readiness checks). Stores that are always there answer at once.
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     /// Sends whatever the store holds back (batched counts) to where it belongs; called on
     /// shutdown, so that a stopping node does not take its last interval's counts with it.
     /// Stores that hold nothing back return at once.
@@ -161,6 +172,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
         (**self).breaker_state()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        (**self).probe()
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -24,13 +24,22 @@ pub enum BreakerState {
 /// Told about what the failure machinery does, so that none of it is silent. The default
 /// methods log; the gateway adds metrics.
 pub trait StoreObserver: Send + Sync + 'static {
-    /// The breaker of `backend` moved from `from` to `to`.
-    fn breaker_changed(&self, backend: &'static str, from: BreakerState, to: BreakerState) {
+    /// The breaker of `backend` moved from `from` to `to`; `cause` is the failure that opened
+    /// it (`None` for the other transitions).
+    fn breaker_changed(
+        &self,
+        backend: &'static str,
+        from: BreakerState,
+        to: BreakerState,
+        cause: Option<&StoreError>,
+    ) {
         match to {
             BreakerState::Open => {
+                let cause = cause.map_or_else(String::new, ToString::to_string);
                 tracing::warn!(
                     backend,
                     ?from,
+                    %cause,
                     "store circuit breaker opened: not calling the store"
                 )
             }
@@ -190,7 +199,9 @@ impl Guard {
             Err(_) => Err(StoreError::Timeout(self.config.timeout)),
         };
         pending.done = true;
-        self.record(result.is_ok());
+        // An error that is not transient (the call's, not the store's) came from a store that
+        // answered: it counts as a success, so it never opens the breaker.
+        self.record(result.as_ref().err().filter(|error| error.is_transient()));
         if let Err(error) = &result {
             self.observer.store_failed(self.backend, error);
         }
@@ -209,6 +220,7 @@ impl Guard {
                     self.backend,
                     BreakerState::Open,
                     BreakerState::HalfOpen,
+                    None,
                 );
                 Admission::Probe
             }
@@ -216,10 +228,11 @@ impl Guard {
         }
     }
 
-    fn record(&self, success: bool) {
+    /// Records a call's outcome: `failure` is the error of a failed one.
+    fn record(&self, failure: Option<&StoreError>) {
         let mut breaker = self.breaker.lock().unwrap_or_else(PoisonError::into_inner);
         let from = breaker.state;
-        if success {
+        if failure.is_none() {
             breaker.consecutive_failures = 0;
             breaker.state = BreakerState::Closed;
         } else {
@@ -238,7 +251,8 @@ impl Guard {
         drop(breaker);
         if from != to {
             self.changed(from, to);
-            self.observer.breaker_changed(self.backend, from, to);
+            let cause = failure.filter(|_| to == BreakerState::Open);
+            self.observer.breaker_changed(self.backend, from, to, cause);
         }
     }
 
@@ -263,7 +277,9 @@ struct PendingCall<'g> {
 impl Drop for PendingCall<'_> {
     fn drop(&mut self) {
         if !self.done && self.probe {
-            self.guard.record(false);
+            let abandoned =
+                StoreError::Unavailable("the probe call was abandoned by its caller".into());
+            self.guard.record(Some(&abandoned));
         }
     }
 }
@@ -283,7 +299,11 @@ mod tests {
 
     async fn fail(guard: &Guard) -> Result<(), StoreError> {
         guard
-            .call(async { Err::<(), _>(StoreError::Protocol("boom".into())) })
+            .call(async {
+                Err::<(), _>(StoreError::Unavailable(Box::new(std::io::Error::other(
+                    "down",
+                ))))
+            })
             .await
     }
 
@@ -311,6 +331,24 @@ mod tests {
             .await;
         assert!(matches!(result, Err(StoreError::BreakerOpen)));
         assert!(!called.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    #[tokio::test]
+    async fn errors_that_are_not_transient_never_open_the_breaker() {
+        let guard = guard(2, Duration::from_secs(60));
+        for _ in 0..10 {
+            let result = guard
+                .call(async { Err::<(), _>(StoreError::Protocol("WRONGTYPE".into())) })
+                .await;
+            assert!(result.is_err());
+        }
+        assert_eq!(guard.state(), BreakerState::Closed);
+        assert!(fail(&guard).await.is_err());
+        assert_eq!(
+            guard.state(),
+            BreakerState::Closed,
+            "the count started afresh"
+        );
     }
 
     #[tokio::test]

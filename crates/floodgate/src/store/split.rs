@@ -111,6 +111,10 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         self.exact.breaker_state()
     }
 
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.exact.probe()
+    }
+
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.hot.flush()
     }

@@ -415,6 +415,170 @@ pub async fn keys_are_independent(store: impl Store) {
     assert!(hit_all(&store, &bob, at(ms(0))).await.is_allowed());
 }
 
+/// The algorithms a batched store runs.
+const BATCHABLE: [Algorithm; 4] = [
+    Algorithm::TokenBucket,
+    Algorithm::Gcra,
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindowCounter,
+];
+
+/// What a decision says about its limits, for comparing two decisions (lease ids aside).
+fn summary(decision: &Decision) -> Vec<(bool, u64, Duration, Option<Duration>)> {
+    decision
+        .limits()
+        .iter()
+        .map(|status| {
+            (
+                status.allowed,
+                status.remaining,
+                status.reset_after,
+                status.retry_after,
+            )
+        })
+        .collect()
+}
+
+/// SPEC §3: a limit whose algorithm changes under the same rule and name starts from fresh
+/// state. For every ordered pair of `algorithms`, the key is left exhausted (or full of leases,
+/// or of log entries) by the first algorithm; the second must then decide exactly as on a key
+/// never used, request after request, and so must the first again when changed back.
+async fn algorithm_changes_start_fresh(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(10));
+    for &from in algorithms {
+        for &to in algorithms.iter().filter(|&&to| to != from) {
+            let name = format!("{from}-to-{to}");
+            let before = named(&name, from, 3, secs(1));
+            let after = named(&name, to, 3, secs(1));
+            let changed = key("changed", &name);
+            for _ in 0..4 {
+                let checks = [Check::new(changed.clone(), before.clone(), 1)];
+                hit_all(store, &checks, now).await;
+            }
+            let fresh = key("fresh", &name);
+            for request in 0..5 {
+                let on_changed =
+                    hit_all(store, &[Check::new(changed.clone(), after.clone(), 1)], now).await;
+                let on_fresh =
+                    hit_all(store, &[Check::new(fresh.clone(), after.clone(), 1)], now).await;
+                assert_eq!(
+                    summary(&on_changed),
+                    summary(&on_fresh),
+                    "{from} -> {to}, request {request}"
+                );
+            }
+            let back = key("back", &name);
+            let on_changed = hit_all(
+                store,
+                &[Check::new(changed.clone(), before.clone(), 2)],
+                now,
+            )
+            .await;
+            let on_fresh = hit_all(store, &[Check::new(back, before.clone(), 2)], now).await;
+            assert_eq!(
+                summary(&on_changed),
+                summary(&on_fresh),
+                "{from} -> {to} -> {from}"
+            );
+        }
+    }
+}
+
+/// Two suite tests of `$body`: one for every algorithm, one for those a batched store runs.
+macro_rules! every_algorithm_and_the_batchable {
+    ($body:ident => $all:ident, $batchable:ident) => {
+        #[doc = concat!("`", stringify!($body), "` for every algorithm.")]
+        pub async fn $all(store: impl Store) {
+            $body(&store, &Algorithm::ALL).await;
+        }
+
+        #[doc = concat!("`", stringify!($body), "` for the algorithms a batched store runs.")]
+        pub async fn $batchable(store: impl Store) {
+            $body(&store, &BATCHABLE).await;
+        }
+    };
+}
+
+every_algorithm_and_the_batchable!(algorithm_changes_start_fresh =>
+    an_algorithm_change_starts_from_fresh_state,
+    a_batchable_algorithm_change_starts_from_fresh_state);
+
+/// The keys of one limit named `name` for `side`, on three hash slots in SPEC §1's order: a
+/// global ceiling, the client's IP, the client.
+fn keys_on_three_slots(side: &str, name: &str) -> [String; 3] {
+    [
+        format!("fgtest:{{global:{side}}}:default:{name}"),
+        format!("fgtest:{{ip:{side}}}:default:{name}"),
+        format!("fgtest:{{client:{side}}}:default:{name}"),
+    ]
+}
+
+/// SPEC §1's order-and-refund rule across hash slots (on a cluster, across nodes): when a later
+/// limit denies, what the earlier ones took is given back and the ones never reached are left
+/// alone. For every algorithm of the other two limits (so every refund path of the script runs),
+/// with the per-IP or the per-client limit denying: afterwards each of them decides exactly as
+/// a twin that saw only the admitted request.
+async fn refunds_across_slots(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(5));
+    for &algorithm in algorithms {
+        for denier in [1, 2] {
+            let name = format!("{algorithm}-{denier}");
+            let shared = named(&name, algorithm, 5, secs(60));
+            let strict = named(&name, Algorithm::FixedWindow, 1, secs(60));
+            let checks = |side: &str| -> Vec<Check> {
+                keys_on_three_slots(side, &name)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, key)| {
+                        let limit = if index == denier { &strict } else { &shared };
+                        Check::new(key, limit.clone(), 1)
+                    })
+                    .collect()
+            };
+            let (refunded, twin) = (checks("refunded"), checks("twin"));
+            assert!(hit_all(store, &refunded, now).await.is_allowed(), "{name}");
+            assert!(hit_all(store, &twin, now).await.is_allowed(), "{name}");
+            let denied = hit_all(store, &refunded, now).await;
+            assert!(!denied.is_allowed(), "{name}");
+            assert!(!summary(&denied)[denier].0, "{name}: limit {denier} denies");
+            for index in (0..3).filter(|&index| index != denier) {
+                let alone = hit_all(store, &refunded[index..=index], now).await;
+                let twin_alone = hit_all(store, &twin[index..=index], now).await;
+                assert_eq!(
+                    summary(&alone),
+                    summary(&twin_alone),
+                    "{name}: limit {index} after the denial"
+                );
+            }
+        }
+    }
+}
+
+every_algorithm_and_the_batchable!(refunds_across_slots =>
+    limits_on_different_slots_are_refunded_when_a_later_one_denies,
+    batchable_limits_on_different_slots_are_refunded);
+
+/// Concurrency leases of one request on three slots are all released by one release call.
+pub async fn leases_on_different_slots_are_all_released(store: impl Store) {
+    let limit = limit(Algorithm::Concurrency, 1, secs(30));
+    let checks: Vec<Check> = keys_on_three_slots("lease", "test")
+        .into_iter()
+        .map(|key| Check::new(key, limit.clone(), 1))
+        .collect();
+    let first = hit_all(&store, &checks, at(ms(0))).await;
+    assert!(first.is_allowed());
+    assert_eq!(first.leases().len(), 3);
+    assert!(!hit_all(&store, &checks, at(ms(10))).await.is_allowed());
+    store
+        .release(first.leases().to_vec())
+        .await
+        .expect("released");
+    assert!(
+        hit_all(&store, &checks, at(ms(20))).await.is_allowed(),
+        "every lease released"
+    );
+}
+
 /// Stamps out every test above for one store. `$make_store` is an async expression that
 /// yields a fresh, empty store.
 #[macro_export]
@@ -435,6 +599,9 @@ macro_rules! conformance_suite {
             leaky_bucket_delays_then_rejects,
             concurrency_leases_release_and_expire,
             retry_after_is_exact_for_every_algorithm,
+            an_algorithm_change_starts_from_fresh_state,
+            limits_on_different_slots_are_refunded_when_a_later_one_denies,
+            leases_on_different_slots_are_all_released,
         );
     };
 }
@@ -456,6 +623,8 @@ macro_rules! batchable_conformance_suite {
             binding_limit_has_least_room,
             costs_are_charged_and_oversized_costs_never_pass,
             keys_are_independent,
+            a_batchable_algorithm_change_starts_from_fresh_state,
+            batchable_limits_on_different_slots_are_refunded,
         );
     };
 }

@@ -214,6 +214,14 @@ fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreEr
     StoreError::Unavailable(Box::new(error))
 }
 
+/// A pool that could not hand out a connection: a refusal or error of Redis keeps its class.
+fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
+    match error {
+        deadpool_redis::PoolError::Backend(error) => classify(error),
+        other => unavailable(other),
+    }
+}
+
 fn invalid_url(error: RedisError) -> StoreError {
     StoreError::Unavailable(Box::new(error))
 }
@@ -296,6 +304,23 @@ struct LazyManager {
     manager: tokio::sync::OnceCell<ConnectionManager>,
 }
 
+impl LazyManager {
+    /// A handle on the shared connection (multiplexed: clones share it). Before the first
+    /// one, a plain connection is opened and dropped, so that a refusal (a wrong password) is
+    /// the caller's error, with its reason, rather than a deadline running out while the
+    /// manager's own connection retries.
+    async fn manager(&self) -> Result<ConnectionManager, StoreError> {
+        self.manager
+            .get_or_try_init(|| async {
+                drop(self.client.get_multiplexed_async_connection().await?);
+                ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+            })
+            .await
+            .cloned()
+            .map_err(classify)
+    }
+}
+
 struct Inner {
     connection: Connection,
     guard: Arc<Guard>,
@@ -319,16 +344,32 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// Whether the store is failing (transient: connections, timeouts, a cluster or a server in
+/// trouble, refused credentials) or the call itself is at fault. The latter repeats on every
+/// call however healthy Redis is, so it is not transient and never opens the breaker (SPEC §3):
+/// a Lua error (the script's bug, or corrupted data), `WRONGTYPE`, a call across slots.
 fn classify(error: RedisError) -> StoreError {
-    if error.is_io_error()
-        || error.is_timeout()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || !error.is_unrecoverable_error()
-    {
-        StoreError::Unavailable(Box::new(error))
-    } else {
+    use redis::{ErrorKind, ServerErrorKind};
+    let is_script_error = error
+        .detail()
+        .is_some_and(|detail| detail.contains("user_script") || detail.starts_with("floodgate:"));
+    let the_call_is_at_fault = match error.kind() {
+        ErrorKind::Server(ServerErrorKind::CrossSlot | ServerErrorKind::ExecAbort) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => is_script_error,
+        ErrorKind::Extension => error.code() == Some("WRONGTYPE") || is_script_error,
+        ErrorKind::UnexpectedReturnType => true,
+        _ => false,
+    };
+    let refused = matches!(
+        error.kind(),
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm)
+    ) || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
+    if the_call_is_at_fault {
         StoreError::Protocol(error.to_string())
+    } else if refused {
+        StoreError::Rejected(Box::new(error))
+    } else {
+        StoreError::Unavailable(Box::new(error))
     }
 }
 
@@ -403,37 +444,14 @@ impl RedisStore {
         if !breakers.claim_refresh() {
             return;
         }
-        let deadline = self
-            .inner
-            .guard
-            .config()
-            .timeout
-            .max(Duration::from_millis(100));
-        let query = async {
-            let mut command = redis::cmd("CLUSTER");
-            command.arg("SLOTS");
-            match &self.inner.connection {
-                Connection::Cluster(lazy) => command
-                    .query_async::<Value>(&mut lazy.connection().await?)
-                    .await
-                    .map_err(classify),
-                Connection::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(unavailable)?;
-                    command
-                        .query_async::<Value>(&mut *connection)
-                        .await
-                        .map_err(classify)
-                }
-                _ => Err(StoreError::Protocol("not a cluster".into())),
-            }
-        };
-        match tokio::time::timeout(deadline, query).await {
-            Ok(Ok(reply)) => match cluster::parse_slots(&reply) {
+        let mut command = redis::cmd("CLUSTER");
+        command.arg("SLOTS");
+        match self.query(&command).await {
+            Ok(reply) => match cluster::parse_slots(&reply) {
                 Ok(ranges) => breakers.apply(&ranges),
                 Err(error) => tracing::warn!(%error, "could not read the cluster's slot map"),
             },
-            Ok(Err(error)) => tracing::debug!(%error, "could not read the cluster's slot map"),
-            Err(_) => tracing::debug!("reading the cluster's slot map timed out"),
+            Err(error) => tracing::debug!(%error, "could not read the cluster's slot map"),
         }
     }
 
@@ -447,30 +465,70 @@ impl RedisStore {
         state == BreakerState::Open
     }
 
+    /// Runs a command outside the decisions (slot map, probes): within the deadline (at least
+    /// 100ms), outside the breaker. In multiplexed mode on a connection of its own, since the
+    /// shared one may be retrying in the background and would hide why it fails.
+    async fn query(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
+        let deadline = self
+            .inner
+            .guard
+            .config()
+            .timeout
+            .max(Duration::from_millis(100));
+        let query = async {
+            match &self.inner.connection {
+                Connection::Multiplexed(lazy) => {
+                    let mut connection = lazy
+                        .client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(classify)?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::Pool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Cluster(lazy) => {
+                    command
+                        .query_async::<Value>(&mut lazy.connection().await?)
+                        .await
+                }
+                Connection::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Sentinel(master) => {
+                    let mut connection = master.connection().await?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::SentinelPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+            }
+            .map_err(classify)
+        };
+        match tokio::time::timeout(deadline, query).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        }
+    }
+
     /// Runs one script invocation on a connection.
     async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
         match &self.inner.connection {
             Connection::Multiplexed(lazy) => {
-                let manager = lazy
-                    .manager
-                    .get_or_try_init(|| async {
-                        ConnectionManager::new_lazy_with_config(
-                            lazy.client.clone(),
-                            lazy.config.clone(),
-                        )
-                    })
-                    .await
-                    .map_err(classify)?;
-                let mut connection = manager.clone();
+                let mut connection = lazy.manager().await?;
                 invoke_on(&mut connection, invocation).await
             }
             Connection::Pool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
             Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
             Connection::ClusterPool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
             Connection::Sentinel(master) => {
@@ -483,7 +541,7 @@ impl RedisStore {
                 result
             }
             Connection::SentinelPool(pool) => {
-                let mut connection = pool.get().await.map_err(unavailable)?;
+                let mut connection = pool.get().await.map_err(pool_error)?;
                 invoke_on(&mut *connection, invocation).await
             }
         }
@@ -567,6 +625,9 @@ async fn decide_groups(
     }
     let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
     let mut tokens: Vec<String> = vec![String::new(); checks.len()];
+    // Every lease a script may take, released unless this decision ends: on an error (a
+    // deadline that fired after the script ran) or a drop (the request went away) mid-way.
+    let mut taken = TakenLeases::default();
     // Later calls use the first call's server time, so every group decides at one instant.
     let mut decided_at = now;
     let mut denied_group = None;
@@ -583,7 +644,11 @@ async fn decide_groups(
         let lease_ids: Vec<String> = group_checks
             .iter()
             .map(|check| match check.limit.algorithm() {
-                Algorithm::Concurrency => fastrand::u64(1..).to_string(),
+                Algorithm::Concurrency => {
+                    let id = fastrand::u64(1..);
+                    taken.add(node, check, id);
+                    id.to_string()
+                }
                 _ => String::new(),
             })
             .collect();
@@ -648,6 +713,8 @@ async fn decide_groups(
         })
         .collect::<Result<_, _>>()?;
     let admitted = denied_group.is_none();
+    // Decided: an admission's leases go to the caller; a denial's were refunded.
+    taken.hand_over();
     let leases = if admitted {
         checks
             .iter()
@@ -669,6 +736,57 @@ async fn decide_groups(
     Ok(Decision::from_outcomes(
         decided_at, checks, &outcomes, leases,
     ))
+}
+
+/// The leases a decision's scripts may have taken, by node. Dropped before
+/// [`TakenLeases::hand_over`], it releases them in the background: releasing a lease that was
+/// never taken does nothing.
+#[derive(Default)]
+struct TakenLeases {
+    leases: Vec<(RedisStore, Lease)>,
+}
+
+impl TakenLeases {
+    fn add(&mut self, node: &RedisStore, check: &Check, id: u64) {
+        let lease = Lease {
+            key: check.key.clone(),
+            id,
+            cost: check.cost,
+        };
+        self.leases.push((node.clone(), lease));
+    }
+
+    fn hand_over(&mut self) {
+        self.leases.clear();
+    }
+}
+
+impl Drop for TakenLeases {
+    fn drop(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut by_node: Vec<(RedisStore, Vec<Lease>)> = Vec::new();
+        for (node, lease) in self.leases.drain(..) {
+            match by_node
+                .iter_mut()
+                .find(|(known, _)| Arc::ptr_eq(&known.inner, &node.inner))
+            {
+                Some((_, leases)) => leases.push(lease),
+                None => by_node.push((node, vec![lease])),
+            }
+        }
+        for (node, leases) in by_node {
+            runtime.spawn(async move {
+                if let Err(error) = node.release(leases).await {
+                    tracing::warn!(%error, "could not release the leases of an abandoned decision; they expire with their window");
+                }
+            });
+        }
+    }
 }
 
 /// Syncs `checks` by one call per group, concurrently (pipelined on a multiplexed
@@ -747,20 +865,35 @@ impl Store for RedisStore {
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            if leases.is_empty() {
-                return Ok(());
-            }
-            let mut invocation = script::RELEASE.prepare_invoke();
+            // One call per hash slot where a call must stay on one (a request's leases may be
+            // on several: a global or per-IP concurrency limit and the client's), concurrently.
+            let mut by_slot: Vec<Vec<&Lease>> = Vec::new();
             for lease in &leases {
-                invocation
-                    .key(&*lease.key)
-                    .arg(format!("{}:{}", lease.id, lease.cost));
+                let slot = hash_slot(&lease.key);
+                match by_slot.iter_mut().find(|group| {
+                    !self.inner.cluster_compatible || hash_slot(&group[0].key) == slot
+                }) {
+                    Some(group) => group.push(lease),
+                    None => by_slot.push(vec![lease]),
+                }
             }
+            let calls = by_slot.iter().map(|group| async move {
+                let mut invocation = script::RELEASE.prepare_invoke();
+                for lease in group {
+                    invocation
+                        .key(&*lease.key)
+                        .arg(format!("{}:{}", lease.id, lease.cost));
+                }
+                self.invoke(&invocation).await
+            });
             // Not through the breaker: a release is not a decision, and a failed one only
             // leaves a lease to expire.
-            match tokio::time::timeout(script::RELEASE_TIMEOUT, self.invoke(&invocation)).await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(error)) => Err(error),
+            let released = futures_util::future::join_all(calls);
+            match tokio::time::timeout(script::RELEASE_TIMEOUT, released).await {
+                Ok(results) => results
+                    .into_iter()
+                    .find_map(Result::err)
+                    .map_or(Ok(()), Err),
                 Err(_) => Err(StoreError::Timeout(script::RELEASE_TIMEOUT)),
             }
         })
@@ -768,6 +901,11 @@ impl Store for RedisStore {
 
     fn backend(&self) -> &'static str {
         "redis"
+    }
+
+    /// `PING`, outside the breaker.
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move { self.query(&redis::cmd("PING")).await.map(drop) })
     }
 
     /// On a cluster: open if any master's breaker is not closed (its identities follow the

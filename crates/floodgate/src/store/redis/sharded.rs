@@ -138,6 +138,14 @@ impl Store for ShardedRedisStore {
         "redis_sharded"
     }
 
+    /// Every node answers, or the first failure.
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let probes = self.nodes.iter().map(Store::probe);
+            futures_util::future::try_join_all(probes).await.map(drop)
+        })
+    }
+
     /// Open if any node's breaker is not closed: that node's identities follow the policy.
     fn breaker_state(&self) -> Option<BreakerState> {
         self.nodes
