@@ -11,4 +11,5 @@ pub mod plan;
 pub mod proxy;
 pub mod runtime;
 pub mod server;
+pub mod tls;
 pub mod watch;

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use floodgate_gateway::admin::{self, AdminState};
 use floodgate_gateway::config::{self, Backend};
 use floodgate_gateway::runtime::{Gateway, ReloadError};
+use floodgate_gateway::tls::ReloadingCertificate;
 use floodgate_gateway::{server, watch};
 
 /// floodgate: a distributed HTTP rate limiter in front of your API.
@@ -130,6 +131,9 @@ fn check(path: &std::path::Path) -> ExitCode {
     }
 }
 
+/// How often the listener's certificate files are checked for a change.
+const CERTIFICATE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// `FLOODGATE_ADMIN_TOKEN`, when set and not empty.
 fn admin_token() -> Option<String> {
     std::env::var("FLOODGATE_ADMIN_TOKEN")
@@ -191,6 +195,18 @@ async fn serve(path: PathBuf) -> Result<(), String> {
             config.admin_listen
         ));
     }
+    let tls = match &config.listen_tls {
+        Some(files) => {
+            let certificate = ReloadingCertificate::load(files.cert.clone(), files.key.clone())
+                .map_err(|error| format!("listen_tls: {error}"))?;
+            let server_config = certificate
+                .server_config()
+                .map_err(|error| format!("listen_tls: {error}"))?;
+            certificate.watch(CERTIFICATE_POLL_INTERVAL);
+            Some(tokio_rustls::TlsAcceptor::from(Arc::new(server_config)))
+        }
+        None => None,
+    };
     let listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
     let _watcher = watch::watch_config(gateway.clone(), &path)
@@ -200,7 +216,7 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
     gateway.check_store_at_start().await;
-    tracing::info!(listen = %config.listen, admin = %config.admin_listen, "floodgate serving");
+    tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
 
     // The 429-rate baseline: one interval every 10 s.
     let baseline = gateway.observers.baseline.clone();
@@ -228,7 +244,7 @@ async fn serve(path: PathBuf) -> Result<(), String> {
             tracing::error!(%error, "admin server failed");
         }
     });
-    server::serve(listener, gateway, shutdown_signal()).await;
+    server::serve(listener, gateway, tls, shutdown_signal()).await;
     admin.abort();
     tracing::info!("stopped");
     Ok(())

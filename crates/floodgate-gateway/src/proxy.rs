@@ -24,21 +24,72 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_service::Service;
 
 use crate::client_body::{BodyWatch, ClientBody, ClientFault};
-use crate::config::{Config, Upstream};
+use crate::config::{Config, Upstream, UpstreamProtocol};
+use crate::server::OverTls;
+use crate::tls::{UpstreamTls, upstream_client_config};
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
+use rustls::pki_types::ServerName;
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
 
-/// The upstream HTTP client: pooled connections, shared across configuration versions.
-pub type UpstreamClient = Client<HttpConnector, ClientBody>;
+/// The upstream HTTP client: pooled connections (http and https), shared across configuration
+/// versions as long as its TLS settings and protocol stay the same.
+pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ClientBody>;
 
-/// A pooled client for upstreams.
-pub fn upstream_client() -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
+/// What an upstream client is built from: a reload that changes none of it keeps the pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientSettings {
+    /// `upstream_tls`.
+    pub tls: UpstreamTls,
+    /// `upstream_protocol`.
+    pub protocol: UpstreamProtocol,
+}
+
+impl ClientSettings {
+    /// The settings of `config`.
+    pub fn of(config: &Config) -> Self {
+        ClientSettings {
+            tls: config.upstream_tls.clone(),
+            protocol: config.upstream_protocol,
+        }
+    }
+}
+
+/// A pooled client for http and https upstreams.
+pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClient, String> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    // The TLS layer above decides the scheme.
+    http.enforce_http(false);
+    let tls =
+        upstream_client_config(&settings.tls).map_err(|error| format!("upstream_tls: {error}"))?;
+    let builder = HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http();
+    let builder = match &settings.tls.server_name {
+        Some(name) => {
+            let name = ServerName::try_from(name.clone())
+                .map_err(|_| format!("upstream_tls.server_name: `{name}` is not a name"))?;
+            builder.with_server_name_resolver(FixedServerNameResolver::new(name))
+        }
+        None => builder,
+    };
+    let connector = match settings.protocol {
+        UpstreamProtocol::Auto => builder.enable_all_versions().wrap_connector(http),
+        UpstreamProtocol::Http1 => builder.enable_http1().wrap_connector(http),
+        UpstreamProtocol::Http2 => builder.enable_http2().wrap_connector(http),
+    };
+    let mut client = Client::builder(TokioExecutor::new());
+    client
         .pool_max_idle_per_host(256)
-        .build(connector)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .pool_timer(hyper_util::rt::TokioTimer::new());
+    if settings.protocol == UpstreamProtocol::Http2 {
+        // h2 by ALPN on https, prior knowledge (h2c) on http.
+        client.http2_only(true);
+    }
+    Ok(client.build(connector))
 }
 
 /// Forwards requests under one configuration version.
@@ -134,6 +185,18 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: std::net::IpAddr) {
     }
 }
 
+/// An error and its sources, `: `-separated.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// The client's fault behind a failed upstream call, if it was the client's: a body it broke
 /// or stopped sending (also when the upstream timed out while waiting for that body).
 fn client_fault(watch: &BodyWatch, timed_out: bool) -> Option<ClientFault> {
@@ -218,9 +281,14 @@ async fn forward(
     if let Some(peer) = peer {
         append_forwarded_for(&mut parts.headers, peer);
     }
+    let scheme = if parts.extensions.get::<OverTls>().is_some() {
+        "https"
+    } else {
+        "http"
+    };
     parts
         .headers
-        .insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+        .insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(scheme));
     if let Some(host) = original_host {
         parts.headers.insert(X_FORWARDED_HOST.clone(), host);
     }
@@ -242,7 +310,10 @@ async fn forward(
     let mut response = match result {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            tracing::warn!(upstream = %upstream.authority, %error, "upstream request failed");
+            // hyper-util's error says only "client error (Connect)": the reason (a certificate
+            // that does not verify, a refused connection) is in its sources.
+            let reason = error_chain(&error);
+            tracing::warn!(upstream = %upstream.authority, error = %reason, "upstream request failed");
             metrics::counter!("floodgate_upstream_requests_total", "status" => "502").increment(1);
             return error_response(StatusCode::BAD_GATEWAY, "bad_gateway");
         }

@@ -31,7 +31,7 @@ use tower::{Layer, ServiceExt};
 use crate::client::{Resolution, ResolvedClient, resolve};
 use crate::config::{self, Backend, Config, ConfigErrors, StoreSettings};
 use crate::plan::GatewayPlan;
-use crate::proxy::{Proxy, ProxyBody, UpstreamClient, upstream_client};
+use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClient, upstream_client};
 
 /// The body of every gateway response.
 pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
@@ -167,11 +167,44 @@ impl Runtime {
             .unwrap_or(&self.fallback_service)
             .clone();
         request.extensions_mut().insert(client);
-        match service.oneshot(request).await {
-            Ok(response) => response.map(Either::Left),
+        let grpc = is_grpc(request.headers());
+        let response = match service.oneshot(request).await {
+            Ok(response) => response,
             Err(never) => match never {},
+        };
+        if grpc && response.status() == http::StatusCode::TOO_MANY_REQUESTS {
+            return grpc_resource_exhausted(response);
         }
+        response.map(Either::Left)
     }
+}
+
+/// Whether a request is gRPC (`content-type: application/grpc`, `application/grpc+proto`, ...).
+fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// A 429 as a gRPC client understands it: a trailers-only answer with `grpc-status: 8`
+/// (RESOURCE_EXHAUSTED), keeping the rate limit headers and `Retry-After`.
+fn grpc_resource_exhausted<B>(limited: Response<B>) -> Response<GatewayBody> {
+    let (mut parts, _body) = limited.into_parts();
+    parts.status = http::StatusCode::OK;
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    parts.headers.remove(http::header::CACHE_CONTROL);
+    parts.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    parts
+        .headers
+        .insert("grpc-status", http::HeaderValue::from_static("8"));
+    parts.headers.insert(
+        "grpc-message",
+        http::HeaderValue::from_static("rate%20limit%20exceeded"),
+    );
+    Response::from_parts(parts, Either::Right(Full::new(Bytes::new())))
 }
 
 /// The gateway's own answer `{"error": error}` with `status`: 400 for a path above the root,
@@ -196,7 +229,7 @@ pub struct Gateway {
     current: ArcSwap<Runtime>,
     config_path: PathBuf,
     store: Mutex<(StoreSettings, Arc<dyn Store>)>,
-    client: UpstreamClient,
+    client: Mutex<(ClientSettings, UpstreamClient)>,
     /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
     /// counts) only when the file says something else.
     last_seen: Mutex<String>,
@@ -348,7 +381,8 @@ impl Gateway {
         })?;
         let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
         let store = build_store(&config.store).map_err(ReloadError::Failed)?;
-        let client = upstream_client();
+        let client_settings = ClientSettings::of(&config);
+        let client = upstream_client(&client_settings).map_err(ReloadError::Failed)?;
         let observers = Observers::default();
         let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone(), &observers)
             .map_err(ReloadError::Failed)?;
@@ -358,7 +392,7 @@ impl Gateway {
             current: ArcSwap::from_pointee(runtime),
             config_path: config_path.to_owned(),
             store: Mutex::new((config.store.clone(), store)),
-            client,
+            client: Mutex::new((client_settings, client)),
             last_seen: Mutex::new(text),
         }))
     }
@@ -482,8 +516,18 @@ impl Gateway {
             }
             store.1.clone()
         };
+        let client = {
+            let mut client = self.client.lock().unwrap_or_else(PoisonError::into_inner);
+            let settings = ClientSettings::of(&config);
+            if client.0 != settings {
+                // New TLS settings or protocol: a new pool (connections in use finish on the old).
+                let built = upstream_client(&settings).map_err(ReloadError::Failed)?;
+                *client = (settings, built);
+            }
+            client.1.clone()
+        };
         let version = current.version + 1;
-        let runtime = Runtime::build(version, config, store, self.client.clone(), &self.observers)
+        let runtime = Runtime::build(version, config, store, client, &self.observers)
             .map_err(ReloadError::Failed)?;
         self.current.store(Arc::new(runtime));
         metrics::gauge!("floodgate_config_version").set(version as f64);

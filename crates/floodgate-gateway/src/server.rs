@@ -28,6 +28,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 
 use crate::config::ServerLimits;
 use crate::runtime::{Gateway, handle};
@@ -41,10 +42,12 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 /// At most one warning per this interval for the same condition, with a count of the rest.
 const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
-/// Serves the gateway on `listener` until `shutdown` resolves, then drains.
+/// Serves the gateway on `listener` (over TLS with `tls`) until `shutdown` resolves, then
+/// drains.
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
+    tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()>,
 ) {
     let limits = gateway.current().config.server.clone();
@@ -90,7 +93,7 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     backoff = Duration::ZERO;
-                    serve_connection(&builder, &graceful, &gateway, &limits, stream, peer, permit);
+                    serve_connection(&builder, &graceful, &gateway, &limits, tls.as_ref(), stream, peer, permit);
                 }
                 Err(error) => {
                     // EMFILE/ENFILE and the like persist until a descriptor is freed: retrying
@@ -141,59 +144,103 @@ fn connection_builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// A request extension marking requests that arrived over the TLS listener
+/// (`X-Forwarded-Proto: https`).
+#[derive(Clone, Copy, Debug)]
+pub struct OverTls;
+
+#[allow(clippy::too_many_arguments)]
 fn serve_connection(
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     gateway: &Arc<Gateway>,
     limits: &ServerLimits,
+    tls: Option<&TlsAcceptor>,
     stream: TcpStream,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(ActivityIo {
-        inner: stream,
-        activity: activity.clone(),
-    });
     let gateway = gateway.clone();
     let seen = activity.clone();
+    let over_tls = tls.is_some();
     let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
         seen.request_arrived();
         request.extensions_mut().insert(PeerAddr(peer));
+        if over_tls {
+            request.extensions_mut().insert(OverTls);
+        }
         handle(gateway.clone(), request)
     });
-    let connection = builder.serve_connection_with_upgrades(io, service);
-    let connection = graceful.watch(connection.into_owned());
-    let (first_request_deadline, idle_timeout) = (limits.header_read_timeout, limits.idle_timeout);
+    let (builder, watcher, limits, tls) = (
+        builder.clone(),
+        graceful.watcher(),
+        limits.clone(),
+        tls.cloned(),
+    );
     tokio::spawn(async move {
         // Held for the connection's life: its slot under server.max_connections.
         let _permit = permit;
-        tokio::pin!(connection);
-        let mut deadline = activity.started + first_request_deadline;
-        loop {
-            tokio::select! {
-                result = &mut connection => {
-                    if let Err(error) = result {
-                        tracing::debug!(%error, "connection ended with an error");
-                    }
+        let Some(tls) = tls else {
+            let io = ActivityIo::new(stream, activity.clone());
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+            watch_deadlines(watcher.watch(connection), &activity, &limits).await;
+            return;
+        };
+        // The handshake counts against the head deadline, like the preface would.
+        let handshake = tokio::time::timeout(
+            limits.header_read_timeout,
+            tls.accept(ActivityIo::new(stream, activity.clone())),
+        );
+        let stream = match handshake.await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => {
+                metrics::counter!("floodgate_tls_handshake_failures_total").increment(1);
+                tracing::debug!(%error, %peer, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
+                return;
+            }
+        };
+        let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        watch_deadlines(watcher.watch(connection), &activity, &limits).await;
+    });
+}
+
+/// Drives `connection` to its end, or drops it when its first request is late or nothing has
+/// moved on it for `idle_timeout`.
+async fn watch_deadlines<E: std::fmt::Display>(
+    connection: impl Future<Output = Result<(), E>>,
+    activity: &Activity,
+    limits: &ServerLimits,
+) {
+    tokio::pin!(connection);
+    let mut deadline = activity.started + limits.header_read_timeout;
+    loop {
+        tokio::select! {
+            result = &mut connection => {
+                if let Err(error) = result {
+                    tracing::debug!(%error, "connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                if !activity.has_seen_request() {
+                    metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
                     return;
                 }
-                () = tokio::time::sleep_until(deadline) => {
-                    if !activity.has_seen_request() {
-                        metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
-                        return;
-                    }
-                    let next = activity.last() + idle_timeout;
-                    if next <= Instant::now() {
-                        metrics::counter!("floodgate_connections_closed_total", "reason" => "idle_timeout").increment(1);
-                        return;
-                    }
-                    deadline = next;
+                let next = activity.last() + limits.idle_timeout;
+                if next <= Instant::now() {
+                    metrics::counter!("floodgate_connections_closed_total", "reason" => "idle_timeout").increment(1);
+                    return;
                 }
+                deadline = next;
             }
         }
-    });
+    }
 }
 
 /// When bytes last moved on a connection, and whether a request has arrived on it.
@@ -232,12 +279,18 @@ impl Activity {
 }
 
 /// A client socket that records when bytes last moved on it, either way.
-struct ActivityIo {
-    inner: TcpStream,
+struct ActivityIo<T> {
+    inner: T,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for ActivityIo {
+impl<T> ActivityIo<T> {
+    fn new(inner: T, activity: Arc<Activity>) -> Self {
+        ActivityIo { inner, activity }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for ActivityIo<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -252,7 +305,7 @@ impl AsyncRead for ActivityIo {
     }
 }
 
-impl AsyncWrite for ActivityIo {
+impl<T: AsyncWrite + Unpin> AsyncWrite for ActivityIo<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

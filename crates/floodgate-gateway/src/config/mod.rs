@@ -6,11 +6,13 @@ mod duration;
 mod endpoints;
 mod raw;
 mod server;
+mod tls;
 
 pub use duration::{format_duration, parse_duration};
 pub use endpoints::{Endpoint, EndpointTable};
 pub use raw::RawConfig;
 pub use server::{DESCRIPTOR_RESERVE, ServerLimits, open_file_limit};
+pub use tls::{ListenTls, UpstreamProtocol};
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -66,7 +68,7 @@ impl std::error::Error for ConfigErrors {}
 /// Where requests go upstream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Upstream {
-    /// `http`.
+    /// `http` or `https`.
     pub scheme: http::uri::Scheme,
     /// `host:port`.
     pub authority: http::uri::Authority,
@@ -258,6 +260,12 @@ pub struct Config {
     pub upstream_timeout: Duration,
     /// What the listener enforces on every connection (`server.*`, read at start).
     pub server: ServerLimits,
+    /// HTTPS on `listen` (read at start; the files are re-read when they change).
+    pub listen_tls: Option<ListenTls>,
+    /// Trust and client certificate for https upstreams.
+    pub upstream_tls: crate::tls::UpstreamTls,
+    /// The HTTP version spoken to upstreams.
+    pub upstream_protocol: UpstreamProtocol,
     /// Per-endpoint upstream and cost.
     pub routes: EndpointTable<RouteTarget>,
     /// The store.
@@ -444,8 +452,8 @@ fn upstream(url: &str) -> Result<Upstream, String> {
         .scheme()
         .cloned()
         .ok_or_else(|| format!("`{text}` has no scheme; write http://..."))?;
-    if scheme != http::uri::Scheme::HTTP {
-        return Err(format!("`{text}`: only http:// upstreams are supported"));
+    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+        return Err(format!("`{text}`: an upstream is http:// or https://"));
     }
     let authority = uri
         .authority()
@@ -777,6 +785,9 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let default_upstream = errors.ok("upstream", upstream(&raw.upstream));
     let upstream_timeout = errors.ok("upstream_timeout", positive_duration(&raw.upstream_timeout));
     let server_limits = server::validate(&mut errors, &raw.server);
+    let listen_tls = tls::listen_tls(&mut errors, raw.listen_tls.as_ref());
+    let upstream_tls = tls::upstream_tls(&mut errors, raw.upstream_tls.as_ref());
+    let upstream_protocol = tls::upstream_protocol(&mut errors, &raw.upstream_protocol);
 
     let mut routes = EndpointTable::default();
     for (index, route) in raw.routes.iter().enumerate() {
@@ -1064,6 +1075,9 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         upstream,
         upstream_timeout,
         server: server_limits,
+        listen_tls,
+        upstream_tls,
+        upstream_protocol,
         routes,
         store: StoreSettings {
             backend,

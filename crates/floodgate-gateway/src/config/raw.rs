@@ -58,6 +58,9 @@ fn default_api_key_header() -> String {
 fn default_true() -> bool {
     true
 }
+fn default_upstream_protocol() -> String {
+    "auto".to_owned()
+}
 fn default_forwarded() -> String {
     "x-forwarded-for".to_owned()
 }
@@ -100,6 +103,12 @@ pub struct RawConfig {
     pub upstream: String,
     #[serde(default = "default_upstream_timeout")]
     pub upstream_timeout: String,
+    #[serde(default)]
+    pub listen_tls: Option<super::tls::RawListenTls>,
+    #[serde(default)]
+    pub upstream_tls: Option<super::tls::RawUpstreamTls>,
+    #[serde(default = "default_upstream_protocol")]
+    pub upstream_protocol: String,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
     #[serde(default)]
