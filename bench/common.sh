@@ -6,10 +6,11 @@ work=$(mktemp -d)
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
 trap cleanup EXIT
-wait_for() { for _ in $(seq 100); do curl -fs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
+wait_for() { for _ in $(seq 100); do curl -kfs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
 
-# Starts `floodgate serve` with the given `store:` YAML; sets $started_port.
-start_floodgate() { # store-yaml
+# Starts `floodgate serve` with the given YAML (a `store:` section, a `listen_tls:`); sets
+# $started_port. With `https` as second argument, readiness is checked over TLS.
+start_floodgate() { # yaml [scheme]
     local port admin; port=$(free_port); admin=$(free_port)
     cat > "$work/floodgate-$port.yaml" <<YAML
 listen: "127.0.0.1:$port"
@@ -24,6 +25,6 @@ plans:
 YAML
     RUST_LOG=warn target/release/floodgate serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
     pids+=($!)
-    wait_for "http://127.0.0.1:$port/"
+    wait_for "${2:-http}://127.0.0.1:$port/"
     started_port=$port
 }

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # nginx (proxy_pass + a limit_req zone set too high to reject) and floodgate (memory store, then
-# Redis store) in front of the same upstream, under the same wrk load, in one session.
+# Redis store) in front of the same upstream, under the same wrk load, in one session; then both
+# again behind a TLS listener with the same certificate (keep-alive, plain upstream).
 #
 #   bash bench/gateway_vs_nginx.sh [seconds] [connections]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-10}
 connections=${2:-64}
-for tool in wrk nginx redis-server; do
+for tool in wrk nginx redis-server openssl; do
     command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install wrk nginx redis-server)" >&2; exit 1; }
 done
 cargo build --release -p floodgate-gateway -p floodgate --example overhead --bin floodgate >/dev/null 2>&1
@@ -21,7 +22,12 @@ redis_port=$(free_port)
 redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null & pids+=($!)
 
 nginx_port=$(free_port)
+nginx_tls_port=$(free_port)
 mkdir -p "$work/nginx"
+# One self-signed P-256 certificate for both TLS listeners.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 \
+    -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 \
+    -keyout "$work/tls.key" -out "$work/tls.crt" >/dev/null 2>&1
 cat > "$work/nginx/nginx.conf" <<NGINX
 worker_processes auto;
 pid $work/nginx/nginx.pid;
@@ -35,6 +41,9 @@ http {
     upstream backend { server 127.0.0.1:$upstream_port; keepalive 256; }
     server {
         listen 127.0.0.1:$nginx_port;
+        listen 127.0.0.1:$nginx_tls_port ssl;
+        ssl_certificate $work/tls.crt;
+        ssl_certificate_key $work/tls.key;
         location / {
             limit_req zone=perip burst=100000000 nodelay;
             proxy_pass http://backend;
@@ -52,9 +61,11 @@ start_floodgate "store: { backend: memory }"
 memory_port=$started_port
 start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }"
 redis_gateway_port=$started_port
+start_floodgate "listen_tls: { cert: \"$work/tls.crt\", key: \"$work/tls.key\" }" https
+tls_gateway_port=$started_port
 
-load() { # name port
-    wrk -t1 -c"$connections" -d"${seconds}s" --latency "http://127.0.0.1:$2/" > "$work/wrk.txt"
+load() { # name port [scheme]
+    wrk -t1 -c"$connections" -d"${seconds}s" --latency "${3:-http}://127.0.0.1:$2/" > "$work/wrk.txt"
     local rps p50 p99
     rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
     p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
@@ -68,4 +79,9 @@ for round in 1 2 3; do
     load nginx "$nginx_port"
     load floodgate-memory "$memory_port"
     load floodgate-redis "$redis_gateway_port"
+done
+echo "TLS listener (same certificate, keep-alive, plain upstream):"
+for round in 1 2 3; do
+    load nginx-tls "$nginx_tls_port" https
+    load floodgate-tls "$tls_gateway_port" https
 done

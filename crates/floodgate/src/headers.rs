@@ -87,6 +87,19 @@ pub fn retry_after_secs(wait: Duration, jitter: f64, unit: f64) -> u64 {
 #[derive(Debug, Default)]
 pub struct RateLimitHeaders {
     values: SmallVec<[(&'static HeaderName, HeaderValue); 5]>,
+    /// The binding limit's remaining share (0 to 1), to rank against a nested layer's.
+    remaining_share: f64,
+}
+
+/// A response extension saying whose rate limit headers a response carries, so that nested
+/// layers (a global limit around a per-route one) agree on which limit binds (SPEC §2: the
+/// headers describe the binding limit): a denial binds; otherwise the smaller remaining share.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BindingHeaders {
+    /// The remaining share of the limit whose headers are set (0 to 1).
+    pub remaining_share: f64,
+    /// Whether they are a denial's.
+    pub denied: bool,
 }
 
 impl RateLimitHeaders {
@@ -94,8 +107,12 @@ impl RateLimitHeaders {
     pub fn new(decision: &Decision, style: HeaderStyle) -> Self {
         let mut values = SmallVec::new();
         let Some(binding) = decision.binding_limit() else {
-            return RateLimitHeaders { values };
+            return RateLimitHeaders {
+                values,
+                remaining_share: 1.0,
+            };
         };
+        let remaining_share = binding.remaining as f64 / binding.capacity.max(1) as f64;
         if style.legacy() {
             let reset_at = decision.decided_at().saturating_add(binding.reset_after);
             values.push((
@@ -120,13 +137,55 @@ impl RateLimitHeaders {
                 values.push((&RATELIMIT, value));
             }
         }
-        RateLimitHeaders { values }
+        RateLimitHeaders {
+            values,
+            remaining_share,
+        }
     }
 
     /// Sets the headers on `headers`, replacing any of the same name.
     pub fn apply(self, headers: &mut HeaderMap) {
         for (name, value) in self.values {
             headers.insert(name, value);
+        }
+    }
+
+    /// Sets the headers on a response an inner service produced. When a nested rate limit
+    /// layer already set its own ([`BindingHeaders`]), the binding one's stay: the inner
+    /// layer's if it denied or has the smaller remaining share, else these; `RateLimit-Policy`
+    /// lists the limits of both.
+    pub fn apply_to_response<B>(self, response: &mut http::Response<B>) {
+        let ours = BindingHeaders {
+            remaining_share: self.remaining_share,
+            denied: false,
+        };
+        let Some(inner) = response.extensions().get::<BindingHeaders>().copied() else {
+            if !self.values.is_empty() {
+                response.extensions_mut().insert(ours);
+            }
+            self.apply(response.headers_mut());
+            return;
+        };
+        let inner_binds = inner.denied || inner.remaining_share <= ours.remaining_share;
+        let headers = response.headers_mut();
+        for (name, value) in self.values {
+            if name == RATELIMIT_POLICY {
+                let merged = match headers.get(name) {
+                    Some(existing) => {
+                        let mut joined = existing.as_bytes().to_vec();
+                        joined.extend_from_slice(b", ");
+                        joined.extend_from_slice(value.as_bytes());
+                        HeaderValue::from_bytes(&joined).unwrap_or(value)
+                    }
+                    None => value,
+                };
+                headers.insert(name, merged);
+            } else if !inner_binds {
+                headers.insert(name, value);
+            }
+        }
+        if !inner_binds {
+            response.extensions_mut().insert(ours);
         }
     }
 }

@@ -102,6 +102,13 @@ pub enum BuildError {
 /// # let _ = layer;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// **Nested layers** (a global limit with `Router::layer`, a login limit with `route_layer`):
+/// all-or-nothing holds within one layer, not across layers. The outer layer decides first
+/// and has counted the request by the time an inner one denies it. The response carries the
+/// binding limit's headers (an inner denial's, or else the limit with the smaller remaining
+/// share), and `RateLimit-Policy` lists the limits of every layer. Put limits that must be
+/// decided together in one layer (a [`LimitPlan`] picks them per request).
 #[derive(Clone)]
 pub struct RateLimitLayer {
     shared: Arc<Shared>,

@@ -14,7 +14,7 @@ use crate::FailurePolicy;
 use crate::body::{LeaseGuard, RateLimitBody};
 use crate::decision::{Decision, DecisionSource};
 use crate::future::ResponseFuture;
-use crate::headers::{RateLimitHeaders, retry_after_secs};
+use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
 use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
@@ -180,6 +180,11 @@ impl Shared {
             None => default_limited_response(&denial, &self.responses),
         };
         finish_limited_response(&mut response, &denial, &self.responses);
+        // An outer rate limit layer keeps these headers: the denial is the binding limit.
+        response.extensions_mut().insert(BindingHeaders {
+            remaining_share: 0.0,
+            denied: true,
+        });
         response.map(RateLimitBody::full)
     }
 }
@@ -397,6 +402,6 @@ where
     let headers = RateLimitHeaders::new(&decision, shared.responses.headers);
     request.extensions_mut().insert(decision);
     let mut response = inner.call(request).await?;
-    headers.apply(response.headers_mut());
+    headers.apply_to_response(&mut response);
     Ok(response.map(|body| RateLimitBody::inner(body, leases)))
 }

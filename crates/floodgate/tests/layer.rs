@@ -45,13 +45,11 @@ fn from_peer(peer: &str) -> http::request::Builder {
         .extension(PeerAddr(addr))
 }
 
-async fn send<S>(service: &S, request: http::request::Builder) -> Response<Bytes>
+async fn send<S, B>(service: &S, request: http::request::Builder) -> Response<Bytes>
 where
-    S: Service<
-            Request<()>,
-            Response = Response<floodgate::RateLimitBody<Full<Bytes>>>,
-            Error = Infallible,
-        > + Clone,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible> + Clone,
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
 {
     let response = service
         .clone()
@@ -970,16 +968,14 @@ async fn unverified_api_keys_fall_back_to_the_client_address() {
     );
 }
 
-async fn statuses_of<S>(
+async fn statuses_of<S, B>(
     service: &S,
     requests: impl Iterator<Item = http::request::Builder>,
 ) -> Vec<u16>
 where
-    S: Service<
-            Request<()>,
-            Response = Response<floodgate::RateLimitBody<Full<Bytes>>>,
-            Error = Infallible,
-        > + Clone,
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible> + Clone,
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
 {
     let mut statuses = Vec::new();
     for request in requests {
@@ -1016,4 +1012,54 @@ async fn unidentified_clients_are_counted_and_can_be_rejected() {
         StatusCode::OK,
         "identified clients are unaffected"
     );
+}
+
+#[tokio::test]
+async fn nested_layers_send_the_binding_limits_headers() {
+    // Regression (issue 12.1): a global 10/s layer around a per-route 1/min login limit put its
+    // own `x-ratelimit-limit: 10`, `remaining` and `RateLimit-Policy` over the login 429's.
+    let outer = RateLimitLayer::builder()
+        .limit(per_second(10))
+        .rule("global")
+        .build()
+        .unwrap();
+    let inner = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("login", 1, Duration::from_secs(60)).unwrap())
+        .rule("login")
+        .build()
+        .unwrap();
+    let service = outer.layer(inner.layer(service_fn(ok_handler)));
+    let first = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(
+        header(&first, "x-ratelimit-limit"),
+        "1",
+        "login binds: 0 of 1 left"
+    );
+    assert_eq!(header(&first, "x-ratelimit-remaining"), "0");
+    assert_eq!(
+        header(&first, "ratelimit-policy"),
+        "\"login\";q=1;w=60, \"per-second\";q=10;w=1"
+    );
+    let denied = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "x-ratelimit-limit"), "1");
+    assert_eq!(header(&denied, "x-ratelimit-remaining"), "0");
+    assert!(header(&denied, "ratelimit").starts_with("\"login\";r=0;"));
+    assert_eq!(json(&denied)["policy"], "login");
+    // Where the outer limit is the tighter one, its headers win.
+    let generous_inner = RateLimitLayer::builder()
+        .limit(per_second(1000))
+        .rule("inner")
+        .build()
+        .unwrap();
+    let outer = RateLimitLayer::builder()
+        .limit(per_second(2))
+        .rule("outer")
+        .build()
+        .unwrap();
+    let service = outer.layer(generous_inner.layer(service_fn(ok_handler)));
+    let response = send(&service, from_peer("198.51.100.2:1")).await;
+    assert_eq!(header(&response, "x-ratelimit-limit"), "2");
+    assert_eq!(header(&response, "x-ratelimit-remaining"), "1");
 }
