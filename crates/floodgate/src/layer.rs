@@ -87,6 +87,26 @@ pub enum BuildError {
     /// No such failure policy.
     #[error("on_store_error: unknown policy `{0}`; expected open, closed or local")]
     UnknownFailurePolicy(String),
+    /// `limit`, `limits`, `rule` or `key_prefix` were set together with a custom plan, which
+    /// chooses its own limits and keys: they would be ignored.
+    #[error(
+        "plan: a custom plan picks its own limits, rule and key prefix; `{0}` would be ignored"
+    )]
+    IgnoredWithPlan(&'static str),
+    /// The store cannot decide a limit's algorithm (a batched store counts; it holds no
+    /// concurrency leases, and shaping needs an exact store).
+    #[error("limits[{index}].algorithm: the {store} store cannot decide `{algorithm}` limits")]
+    UnsupportedAlgorithm {
+        /// Position of the limit.
+        index: usize,
+        /// The algorithm.
+        algorithm: crate::Algorithm,
+        /// The store's backend name.
+        store: &'static str,
+    },
+    /// A limit could not be built.
+    #[error(transparent)]
+    Limit(#[from] crate::limit::LimitError),
 }
 
 /// Applies rate limiting to a service. Clones (and the services they make) share one state.
@@ -168,6 +188,9 @@ pub struct RateLimitLayerBuilder {
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
     on_unknown_identity: UnknownIdentity,
+    /// Which of `rule` and `key_prefix` were set (they conflict with a plan).
+    rule_set: bool,
+    prefix_set: bool,
 }
 
 impl Default for RateLimitLayerBuilder {
@@ -191,6 +214,8 @@ impl Default for RateLimitLayerBuilder {
             responses: ResponseSettings::default(),
             limited_response: None,
             on_unknown_identity: UnknownIdentity::default(),
+            rule_set: false,
+            prefix_set: false,
         }
     }
 }
@@ -212,16 +237,19 @@ impl RateLimitLayerBuilder {
     /// reconfiguration as long as the rule and limit names stay the same.
     pub fn rule(mut self, rule: impl Into<String>) -> Self {
         self.rule = rule.into();
+        self.rule_set = true;
         self
     }
 
     /// The storage key prefix (default `fg`).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self.prefix_set = true;
         self
     }
 
-    /// Replaces the fixed limits with a custom plan that picks limits per request.
+    /// Replaces the fixed limits with a custom plan that picks limits per request (its own
+    /// limits, rule and key prefix: setting those too is a [`BuildError::IgnoredWithPlan`]).
     pub fn plan(mut self, plan: impl LimitPlan) -> Self {
         self.plan = Some(Arc::new(plan));
         self
@@ -359,7 +387,17 @@ impl RateLimitLayerBuilder {
             return Err(BuildError::InvalidFallbackShare(self.fallback_share));
         }
         let plan = match self.plan {
-            Some(plan) => plan,
+            Some(plan) => {
+                let ignored = [
+                    (!self.limits.is_empty(), "limit"),
+                    (self.rule_set, "rule"),
+                    (self.prefix_set, "key_prefix"),
+                ];
+                if let Some((_, name)) = ignored.into_iter().find(|(set, _)| *set) {
+                    return Err(BuildError::IgnoredWithPlan(name));
+                }
+                plan
+            }
             None => {
                 if self.limits.is_empty() {
                     return Err(BuildError::NoLimits);
@@ -373,11 +411,27 @@ impl RateLimitLayerBuilder {
                         });
                     }
                 }
+                if let Some(store) = &self.store {
+                    for (index, limit) in self.limits.iter().enumerate() {
+                        if !store.supports(limit.algorithm()) {
+                            return Err(BuildError::UnsupportedAlgorithm {
+                                index,
+                                algorithm: limit.algorithm(),
+                                store: store.backend(),
+                            });
+                        }
+                    }
+                }
                 let limits = self.limits.into_iter().map(Arc::new).collect();
                 Arc::new(StaticPlan::new(self.prefix, self.rule, limits))
             }
         };
         let store = self.store.unwrap_or_else(|| {
+            // Easy to ship to several servers by mistake: each would count alone.
+            tracing::info!(
+                "rate limit layer without a store: counting in this process's memory \
+                 (RateLimitLayerBuilder::store for a store shared by several servers)"
+            );
             Arc::new(
                 MemoryStore::builder()
                     .evict_every(Duration::from_secs(10))

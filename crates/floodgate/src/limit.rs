@@ -120,6 +120,9 @@ pub enum LimitError {
     /// `limit` is zero.
     #[error("limit: must be greater than 0")]
     ZeroLimit,
+    /// `limit` was never set on the builder.
+    #[error("limit: is required (LimitBuilder::limit)")]
+    MissingLimit,
     /// `limit` is larger than [`MAX_QUANTITY`].
     #[error("limit: must be at most {MAX_QUANTITY}")]
     LimitTooLarge,
@@ -152,7 +155,7 @@ impl LimitError {
         match self {
             LimitError::InvalidName(_) => "name",
             LimitError::UnknownAlgorithm(_) => "algorithm",
-            LimitError::ZeroLimit | LimitError::LimitTooLarge => "limit",
+            LimitError::ZeroLimit | LimitError::MissingLimit | LimitError::LimitTooLarge => "limit",
             LimitError::MissingWindow(_)
             | LimitError::WindowTooShort
             | LimitError::WindowTooLong => "window",
@@ -360,7 +363,8 @@ impl LimitBuilder {
         }
         let algorithm = self.algorithm?;
         let limit = match self.limit {
-            None | Some(0) => return Err(LimitError::ZeroLimit),
+            None => return Err(LimitError::MissingLimit),
+            Some(0) => return Err(LimitError::ZeroLimit),
             Some(limit) if limit > MAX_QUANTITY => return Err(LimitError::LimitTooLarge),
             Some(limit) => limit,
         };

@@ -282,14 +282,18 @@ where
 /// any string in the key header is an identity, so a client can invent a fresh key, and get a
 /// fresh budget, on every request. Either verify keys here, or also apply a limit by client IP
 /// to every request (a second layer keyed with [`Identity::Ip`]).
+///
+/// Clones share their counters ([`malformed_count`](Self::malformed_count),
+/// [`unverified_count`](Self::unverified_count)), so one identifier can serve several layers.
+#[derive(Clone)]
 pub struct DefaultIdentifier {
     api_key_header: Option<HeaderName>,
     bearer: bool,
     user_header: Option<HeaderName>,
     client_ip: ClientIpResolver,
-    verify_api_key: Option<Box<dyn VerifyApiKey>>,
-    malformed: AtomicU64,
-    unverified: AtomicU64,
+    verify_api_key: Option<Arc<dyn VerifyApiKey>>,
+    malformed: Arc<AtomicU64>,
+    unverified: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for DefaultIdentifier {
@@ -312,8 +316,8 @@ impl Default for DefaultIdentifier {
             user_header: None,
             client_ip: ClientIpResolver::default(),
             verify_api_key: None,
-            malformed: AtomicU64::new(0),
-            unverified: AtomicU64::new(0),
+            malformed: Arc::default(),
+            unverified: Arc::default(),
         }
     }
 }
@@ -379,7 +383,7 @@ impl DefaultIdentifier {
     /// treated as absent (the client is identified by user or IP instead) and counted in
     /// [`unverified_count`](Self::unverified_count). Closures `Fn(&str) -> bool` work.
     pub fn verify_api_key(mut self, verify: impl VerifyApiKey) -> Self {
-        self.verify_api_key = Some(Box::new(verify));
+        self.verify_api_key = Some(Arc::new(verify));
         self
     }
 

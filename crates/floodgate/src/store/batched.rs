@@ -712,6 +712,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         "batched"
     }
 
+    fn supports(&self, algorithm: Algorithm) -> bool {
+        supports(algorithm)
+    }
+
     fn breaker_state(&self) -> Option<BreakerState> {
         self.shared.target.breaker_state()
     }

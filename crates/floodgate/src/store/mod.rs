@@ -134,6 +134,13 @@ pub trait Store: Send + Sync + 'static {
     /// A short name for logs and metrics (`memory`, `redis`).
     fn backend(&self) -> &'static str;
 
+    /// Whether this store can decide limits of `algorithm` (all of them, unless a store says
+    /// otherwise: a batched store only counts). Layers check their limits at build time.
+    fn supports(&self, algorithm: crate::Algorithm) -> bool {
+        let _ = algorithm;
+        true
+    }
+
     /// The circuit breaker's state, for stores that have one (readiness checks).
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
         None
@@ -168,6 +175,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn backend(&self) -> &'static str {
         (**self).backend()
+    }
+
+    fn supports(&self, algorithm: crate::Algorithm) -> bool {
+        (**self).supports(algorithm)
     }
 
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
