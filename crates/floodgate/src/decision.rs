@@ -108,6 +108,7 @@ impl Decision {
 
     /// Joins decisions on disjoint parts of one request's checks, in the order given (the
     /// request's check order): admitted if every part admitted.
+    #[cfg(feature = "redis")]
     pub(crate) fn joined(decided_at: Timestamp, parts: Vec<Decision>) -> Decision {
         let mut limits = Vec::new();
         let mut leases = Vec::new();

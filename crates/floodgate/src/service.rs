@@ -99,7 +99,7 @@ pub(crate) struct Unidentified {
 
 impl Unidentified {
     fn record(&self) {
-        metrics::counter!("floodgate_unidentified_requests_total").increment(1);
+        metrics::counter!(telemetry::UNIDENTIFIED_REQUESTS_TOTAL).increment(1);
         if !self.warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
             tracing::warn!(
                 "a request could not be identified (no API key, no user, no peer address): \

@@ -262,3 +262,75 @@ mod tests {
         assert!(anomaly, "30% limited against a 1-2% baseline");
     }
 }
+
+/// `floodgate_unidentified_requests_total`: requests whose client could not be identified.
+pub const UNIDENTIFIED_REQUESTS_TOTAL: &str = "floodgate_unidentified_requests_total";
+
+/// Histogram buckets (seconds) that resolve a store check: 100 µs to 1 s. Without buckets a
+/// Prometheus recorder renders histograms as summaries.
+pub const CHECK_DURATION_BUCKETS: &[f64] = &[
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// Gives every metric the library records its unit and `# HELP` text. Call it once after
+/// installing a recorder (the `prometheus` feature's [`install_prometheus`] does).
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        DECISIONS_TOTAL,
+        "Rate limit decisions by rule, limit and outcome (allowed, limited, shadow_limited, bypassed, denylisted, fallback_allowed, fallback_limited)"
+    );
+    describe_histogram!(
+        CHECK_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time of one check-and-consume against the store, by store backend"
+    );
+    describe_counter!(STORE_ERRORS_TOTAL, "Store calls that failed, by kind");
+    describe_gauge!(
+        BREAKER_STATE,
+        "The store's circuit breaker: 0 closed, 1 open, 2 half-open (the worst of its nodes)"
+    );
+    describe_counter!(
+        BATCHED_SYNCS_TOTAL,
+        "Batched-mode sync calls to the shared store, by result"
+    );
+    describe_counter!(
+        BATCHED_DROPPED_UNITS_TOTAL,
+        "Admitted units a batched node never delivered (older than their window when the store came back)"
+    );
+    describe_counter!(
+        NEAR_LIMIT_TOTAL,
+        "Admitted requests with under 20% of their binding limit left, by rule and limit"
+    );
+    describe_gauge!(
+        LIMITED_RATIO,
+        "Share of decisions answered 429 over the last interval"
+    );
+    describe_gauge!(
+        LIMITED_RATIO_ANOMALY,
+        "1 while the 429 share is more than 2 sigma from its trailing 5-minute baseline"
+    );
+    describe_counter!(
+        UNIDENTIFIED_REQUESTS_TOTAL,
+        "Requests whose client could not be identified (no API key, user or peer address)"
+    );
+}
+
+/// Installs a Prometheus recorder for this process with the check-duration buckets and the
+/// descriptions of [`describe_metrics`]; returns the handle whose `render()` is the
+/// `/metrics` text. The caller still runs `handle.run_upkeep()` every few seconds.
+///
+/// ```no_run
+/// let metrics = floodgate::telemetry::install_prometheus()?;
+/// // axum: .route("/metrics", get(move || std::future::ready(metrics.render())))
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus()
+-> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets(CHECK_DURATION_BUCKETS)?
+        .install_recorder()?;
+    describe_metrics();
+    Ok(handle)
+}
