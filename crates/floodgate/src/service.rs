@@ -132,6 +132,9 @@ impl Shared {
     }
 }
 
+/// A limit, and the same limit scaled by the fallback share.
+type OriginalAndScaled = (Arc<Limit>, Arc<Limit>);
+
 /// Most scaled limits the local fallback keeps (a plan's limits, over a few reloads).
 const FALLBACK_CACHE: usize = 1024;
 
@@ -143,7 +146,7 @@ pub(crate) struct LocalFallback {
     /// Scaled limits by the address of the original, which each entry holds, so that no other
     /// limit can take that address while the entry lives. At most [`FALLBACK_CACHE`]: past
     /// that it starts afresh (counters live in `store`, by key, and are kept).
-    scaled: Mutex<HashMap<usize, (Arc<Limit>, Arc<Limit>)>>,
+    scaled: Mutex<HashMap<usize, OriginalAndScaled>>,
 }
 
 impl LocalFallback {
