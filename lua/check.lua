@@ -8,12 +8,14 @@
 -- ARGV[2]: now in microseconds, or '' to use the server's clock (TIME), so that gateways with
 --          skewed clocks agree.
 -- Then 7 values per limit: algorithm, limit, window, burst, emission, cost, and a token: the
--- lease id to take ('check' of concurrency) or what to give back ('refund' of the logs).
+-- random id of the lease or log entry to take ('check' of concurrency and of the logs), or
+-- what to give back ('refund' of both).
 --
 -- Reply to 'check' (and 'peek', never admitted): { now, admitted, then per limit: allowed,
--- remaining, reset_after, retry_after (-1: none), delay, token }. Reply to 'refund': { now, then per limit the same
--- five outcome fields as evaluated after the refund, without charge, and '' }. Reply to 'sync'
--- (cost: the units to add): { now, then per limit: present (0/1) and three state fields }.
+-- remaining, reset_after, retry_after (-1: none), delay, token }. Reply to 'refund': { now,
+-- then per limit the same five outcome fields as evaluated after the refund, without charge,
+-- and '' }. Reply to 'sync' (cost: the units to add): { now, then per limit: present (0/1) and
+-- three state fields }.
 
 local PER_LIMIT = 7
 local mode = ARGV[1]

@@ -640,7 +640,8 @@ async fn decide_groups(
     ) in groups.iter().enumerate()
     {
         let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-        // Concurrency limits take a lease under a fresh random id.
+        // Concurrency limits take a lease under a fresh random id; a log entry is made unique
+        // by one (its position in the log is not: a refund can remove an older entry).
         let lease_ids: Vec<String> = group_checks
             .iter()
             .map(|check| match check.limit.algorithm() {
@@ -649,6 +650,7 @@ async fn decide_groups(
                     taken.add(node, check, id);
                     id.to_string()
                 }
+                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
                 _ => String::new(),
             })
             .collect();
