@@ -1,18 +1,21 @@
 -- The entry point: checks, and consumes from, every limit of one call atomically.
 --
 -- KEYS: one per limit (all on one hash slot in Redis Cluster).
--- ARGV[1]: mode: 'check' (all-or-nothing), 'refund' (give back what a 'check' took), or 'sync'
---          (batched mode: add what a node admitted locally, unconditionally, and read back the
---          state every node contributed to).
+-- ARGV[1]: mode: 'check' (all-or-nothing), 'refund' (give back what a 'check' took), 'peek'
+--          (evaluate at the request's cost and consume nothing: limits on slots after one that
+--          denied), or 'sync' (batched mode: add what a node admitted locally, unconditionally,
+--          and read back the state every node contributed to).
 -- ARGV[2]: now in microseconds, or '' to use the server's clock (TIME), so that gateways with
 --          skewed clocks agree.
 -- Then 7 values per limit: algorithm, limit, window, burst, emission, cost, and a token: the
--- lease id to take ('check' of concurrency) or what to give back ('refund' of the logs).
+-- random id of the lease or log entry to take ('check' of concurrency and of the logs), or
+-- what to give back ('refund' of both).
 --
--- Reply to 'check': { now, admitted, then per limit: allowed, remaining, reset_after,
--- retry_after (-1: none), delay, token }. Reply to 'refund': { now, then per limit the same
--- five outcome fields as evaluated after the refund, without charge, and '' }. Reply to 'sync'
--- (cost: the units to add): { now, then per limit: present (0/1) and three state fields }.
+-- Reply to 'check' (and 'peek', never admitted): { now, admitted, then per limit: allowed,
+-- remaining, reset_after, retry_after (-1: none), delay, token }. Reply to 'refund': { now,
+-- then per limit the same five outcome fields as evaluated after the refund, without charge,
+-- and '' }. Reply to 'sync' (cost: the units to add): { now, then per limit: present (0/1) and
+-- three state fields }.
 
 local PER_LIMIT = 7
 local mode = ARGV[1]
@@ -97,6 +100,10 @@ for i = 1, #KEYS do
   if outcomes[i][1] == 0 then
     admitted = false
   end
+end
+
+if mode == 'peek' then
+  admitted = false
 end
 
 local reply = { now, admitted and 1 or 0 }

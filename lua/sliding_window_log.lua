@@ -1,6 +1,8 @@
 -- sliding_window_log: at most `limit` units in any trailing window. Sorted set of admitted
--- requests: score = admission time, member = "<at>:<cost>:<sequence>". An entry admitted at
--- `at` counts while at + window > now.
+-- requests: score = admission time, member = "<at>:<cost>:<id>". The id is the random token the
+-- caller sends ('check' mode), so that two entries at one instant never share a member (the
+-- log's size is no id: a refund can remove an entry older than the newest); without one, the
+-- log's size. An entry admitted at `at` counts while at + window > now.
 
 -- nil for a member of another shape (a concurrency lease is "<id>:<cost>").
 local function parse_log_entry(member)
@@ -67,7 +69,11 @@ ALGORITHMS.sliding_window_log = {
     if newest[1] then
       at = max(parse_log_entry(newest[1]).at, now)
     end
-    local member = format_int(at) .. ':' .. format_int(cost) .. ':' .. format_int(redis.call('ZCARD', key))
+    local id = p.token
+    if id == '' then
+      id = format_int(redis.call('ZCARD', key))
+    end
+    local member = format_int(at) .. ':' .. format_int(cost) .. ':' .. id
     redis.call('ZADD', key, format_int(at), member)
     expire_after(key, at + p.window - now)
     return member

@@ -182,9 +182,10 @@ async fn global_ceilings_run_batched_while_client_limits_stay_exact() {
 async fn a_stopping_gateway_flushes_its_batched_counts() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    // An interval far longer than the test: only the shutdown flush can deliver the counts.
+    // An interval far longer than the test (the longest allowed): only the shutdown flush can
+    // deliver the counts.
     let rest = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  sync_interval: 1h\n\
+        "store:\n  backend: redis\n  url: \"{}\"\n  sync_interval: 1m\n\
          plans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 10, window: 1h }} ]\n  anonymous: {{}}\n",
         redis.url()
     );

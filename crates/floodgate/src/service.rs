@@ -189,13 +189,21 @@ impl Shared {
     }
 }
 
+/// A limit, and the same limit scaled by the fallback share.
+type OriginalAndScaled = (Arc<Limit>, Arc<Limit>);
+
+/// Most scaled limits the local fallback keeps (a plan's limits, over a few reloads).
+const FALLBACK_CACHE: usize = 1024;
+
 /// The per-node limiter of [`FailurePolicy::Local`]: the same checks, on a memory store, with
 /// every limit scaled by the fallback share.
 pub(crate) struct LocalFallback {
     store: MemoryStore,
     share: f64,
-    /// Scaled limits by the address of the original, so that each is scaled once.
-    scaled: Mutex<HashMap<usize, Arc<Limit>>>,
+    /// Scaled limits by the address of the original, which each entry holds, so that no other
+    /// limit can take that address while the entry lives. At most [`FALLBACK_CACHE`]: past
+    /// that it starts afresh (counters live in `store`, by key, and are kept).
+    scaled: Mutex<HashMap<usize, OriginalAndScaled>>,
 }
 
 impl LocalFallback {
@@ -212,12 +220,18 @@ impl LocalFallback {
     fn decide(&self, checks: &[Check]) -> Decision {
         let scaled_checks: Vec<Check> = {
             let mut scaled = self.scaled.lock().unwrap_or_else(PoisonError::into_inner);
+            if scaled.len() + checks.len() > FALLBACK_CACHE {
+                scaled.clear();
+            }
             checks
                 .iter()
                 .map(|check| {
-                    let limit = scaled
+                    let (_, limit) = scaled
                         .entry(Arc::as_ptr(&check.limit) as usize)
-                        .or_insert_with(|| Arc::new(check.limit.scaled(self.share)))
+                        .or_insert_with(|| {
+                            let scaled = Arc::new(check.limit.scaled(self.share));
+                            (check.limit.clone(), scaled)
+                        })
                         .clone();
                     Check {
                         key: check.key.clone(),
@@ -404,4 +418,25 @@ where
     let mut response = inner.call(request).await?;
     headers.apply_to_response(&mut response);
     Ok(response.map(|body| RateLimitBody::inner(body, leases)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 11 item 10: limits made and dropped one after another (a plan building them per
+    /// request, or reloads) often land at the same address; each must get its own scaled limit,
+    /// and the cache must stay bounded.
+    #[test]
+    fn the_fallback_scales_each_limit_and_stays_bounded() {
+        let fallback = LocalFallback::new(0.5);
+        for round in 0..3 * FALLBACK_CACHE as u64 {
+            let size = 10 + 2 * (round % 50);
+            let limit = Arc::new(Limit::fixed_window("m", size, Duration::from_secs(60)).unwrap());
+            let decision = fallback.decide(&[Check::new(format!("k{round}"), limit, 1)]);
+            assert_eq!(decision.limits()[0].limit, size / 2, "round {round}");
+        }
+        let cached = fallback.scaled.lock().unwrap().len();
+        assert!(cached <= FALLBACK_CACHE, "{cached} scaled limits cached");
+    }
 }

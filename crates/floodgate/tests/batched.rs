@@ -537,3 +537,33 @@ async fn the_key_table_is_bounded() {
             .is_allowed()
     );
 }
+
+/// SPEC §3 in batched mode: units a node admitted under a limit's old algorithm, not yet sent
+/// when the algorithm changes under the same name, belong to the old state, which the new
+/// algorithm does not take over: they are not charged to it.
+#[tokio::test]
+async fn units_of_an_old_algorithm_are_not_charged_to_the_new_one() {
+    let server = RedisServer::start();
+    let (a, b) = (node(&server), node(&server));
+    let bucket = Arc::new(Limit::token_bucket("changed", 10, secs(1)).unwrap());
+    let window = Arc::new(Limit::fixed_window("changed", 10, secs(60)).unwrap());
+    let now = at(ms(0));
+    for _ in 0..5 {
+        let decision = a
+            .check_and_consume(&check(&bucket, "switch"), Some(now))
+            .await;
+        assert!(decision.unwrap().is_allowed());
+    }
+    for _ in 0..3 {
+        let decision = a
+            .check_and_consume(&check(&window, "switch"), Some(now))
+            .await;
+        assert!(decision.unwrap().is_allowed());
+    }
+    a.sync_now(Some(now)).await.unwrap();
+    assert_eq!(
+        admitted(&b, &check(&window, "switch"), now).await,
+        7,
+        "3 of 10 used under the new algorithm"
+    );
+}

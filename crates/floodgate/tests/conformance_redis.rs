@@ -38,28 +38,14 @@ mod cluster_compatible {
 mod sharded {
     use std::time::Duration;
 
-    use floodgate::store::{RedisStore, ShardedRedisStore};
+    use floodgate::store::ShardedRedisStore;
     use floodgate::{Check, Store};
 
     use super::conformance;
-    use super::support::{RedisServer, ServedStore};
+    use super::support::ServedStore;
 
     async fn fresh_store() -> ServedStore<ShardedRedisStore> {
-        let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
-        let nodes = servers
-            .iter()
-            .map(|server| {
-                let store = RedisStore::builder(server.url())
-                    .timeout(Duration::from_secs(5))
-                    .build()
-                    .expect("store");
-                (server.url(), store)
-            })
-            .collect();
-        ServedStore {
-            servers,
-            store: ShardedRedisStore::new(nodes).expect("nodes"),
-        }
+        ServedStore::sharded(3)
     }
 
     crate::conformance_suite!(fresh_store());

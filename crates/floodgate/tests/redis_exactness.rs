@@ -297,3 +297,81 @@ async fn concurrency_leases_in_redis_follow_the_response_body() {
         200
     );
 }
+
+/// Issue 11 item 10: a sliding log's entries must stay distinct when a refund removes one that
+/// is no longer the newest. Request 1 takes a log entry on one node, then waits on a paused
+/// node whose limit denies it; meanwhile request 2 logs an entry at the same instant; the
+/// refund of request 1's entry then shrinks the log, and the next entry must not reuse (and so
+/// overwrite) request 2's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_between_two_log_entries_never_merges_the_next_one() {
+    let served = support::ServedStore::sharded(2);
+    let (servers, store) = (&served.servers, &served.store);
+    // Identities placed one on each node.
+    let key_on = |node: usize, name: &str| {
+        (0..)
+            .map(|identity| format!("fg:{{ip:{identity}}}:r:{name}"))
+            .find(|key| store.node_of(key) == node)
+            .unwrap()
+    };
+    let log = Arc::new(Limit::sliding_window_log("log", 2, Duration::from_secs(10)).unwrap());
+    let strict = Arc::new(Limit::fixed_window("strict", 1, Duration::from_secs(3600)).unwrap());
+    let (log_key, strict_key) = (key_on(0, "log"), key_on(1, "strict"));
+    let now = Some(Timestamp::from_secs(1_700_006_400));
+    let exhaust = [Check::new(strict_key.clone(), strict.clone(), 1)];
+    assert!(
+        store
+            .check_and_consume(&exhaust, now)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+
+    let log_only = [Check::new(log_key.clone(), log.clone(), 1)];
+    let both = [
+        Check::new(log_key.clone(), log.clone(), 1),
+        Check::new(strict_key, strict, 1),
+    ];
+    // The strict node holds writes (scripts) for 300ms: request 1 waits there after its log
+    // entry is taken.
+    let _: () = servers[1].command(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    let first = store.check_and_consume(&both, now);
+    let second = async {
+        // Request 2 goes once request 1's entry is in the log.
+        let started = std::time::Instant::now();
+        while servers[0].command::<i64>(&["ZCARD", &log_key]) == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "no entry for request 1"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        store.check_and_consume(&log_only, now).await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert!(
+        !first.unwrap().is_allowed(),
+        "the strict limit denies request 1"
+    );
+    assert!(
+        second.unwrap().is_allowed(),
+        "request 2 takes the second entry"
+    );
+    // One entry is live (request 2's): one more fits, then the log of 2 is full.
+    assert!(
+        store
+            .check_and_consume(&log_only, now)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let held: i64 = servers[0].command(&["ZCARD", &log_key]);
+    assert_eq!(held, 2, "two live admissions, two entries");
+    assert!(
+        !store
+            .check_and_consume(&log_only, now)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+}

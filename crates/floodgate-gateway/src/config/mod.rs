@@ -480,6 +480,19 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
     Ok(value)
 }
 
+/// The longest batched sync interval: beyond it the overshoot bound (a node's admissions until
+/// the next sync) stops meaning anything, and a huge value would overflow the timer.
+const MAX_SYNC_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A positive duration no longer than [`MAX_SYNC_INTERVAL`].
+fn bounded_sync_interval(text: &str) -> Result<Duration, String> {
+    let value = positive_duration(text)?;
+    if value > MAX_SYNC_INTERVAL {
+        return Err("must be at most 1m".to_owned());
+    }
+    Ok(value)
+}
+
 fn policy(text: &str) -> Result<FailurePolicy, String> {
     text.parse::<FailurePolicy>()
         .map_err(|_| format!("unknown policy `{text}`; expected open, closed or local"))
@@ -816,7 +829,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let sync_interval = store
         .sync_interval
         .as_deref()
-        .and_then(|text| errors.ok("store.sync_interval", positive_duration(text)));
+        .and_then(|text| errors.ok("store.sync_interval", bounded_sync_interval(text)));
     if sync_interval.is_some() {
         if store.backend == "memory" {
             errors.push(
@@ -849,7 +862,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let global_sync_interval = match store.global_sync_interval.as_str() {
         "exact" => Some(None),
         text => errors
-            .ok("store.global_sync_interval", positive_duration(text))
+            .ok("store.global_sync_interval", bounded_sync_interval(text))
             .map(Some),
     }
     .flatten();
@@ -1333,6 +1346,26 @@ plans:
                 .iter()
                 .any(|error| error.starts_with("store.sync_interval: "))
         );
+    }
+
+    #[test]
+    fn sync_intervals_are_bounded() {
+        for field in ["sync_interval", "global_sync_interval"] {
+            let errors = errors_of(&format!(
+                "store: {{ backend: redis, {field}: 999999999999999d }}"
+            ));
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error == &format!("store.{field}: must be at most 1m")),
+                "{errors:?}"
+            );
+            let config = parse(&format!("store: {{ backend: redis, {field}: 1m }}")).unwrap();
+            assert!(
+                config.store.sync_interval.is_some()
+                    || config.store.global_sync_interval == Some(Duration::from_secs(60))
+            );
+        }
     }
 
     #[test]

@@ -431,7 +431,13 @@ impl<T: SyncTarget> Shared<T> {
             let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
             if !Arc::ptr_eq(&entry.limit, &check.limit) {
-                // A reload changed the limit's settings: syncs use the new ones.
+                // A reload changed the limit's settings: syncs use the new ones. A new algorithm
+                // starts from fresh state (SPEC §3): the units not yet sent belong to the old
+                // one and are not charged to it.
+                if entry.limit.algorithm() != check.limit.algorithm() {
+                    entry.state = None;
+                    entry.pending = 0;
+                }
                 entry.limit = check.limit.clone();
             }
             if admitted {

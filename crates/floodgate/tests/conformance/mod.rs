@@ -558,6 +558,30 @@ every_algorithm_and_the_batchable!(refunds_across_slots =>
     limits_on_different_slots_are_refunded_when_a_later_one_denies,
     batchable_limits_on_different_slots_are_refunded);
 
+/// SPEC §2 across slots: when an earlier limit denies, the later ones (never charged) are still
+/// evaluated at the request's cost, so that the promised wait is the longest: a retry at the
+/// global ceiling's short wait would be denied by the client's hourly limit.
+pub async fn the_longest_wait_across_slots_is_promised(store: impl Store) {
+    let global = named("burst", Algorithm::TokenBucket, 1, secs(1));
+    let hourly = named("hourly", Algorithm::FixedWindow, 1, secs(3600));
+    let [global_key, _, client_key] = keys_on_three_slots("longest", "wait");
+    let checks = [
+        Check::new(global_key, global, 1),
+        Check::new(client_key, hourly, 1),
+    ];
+    assert!(hit_all(&store, &checks, at(ms(0))).await.is_allowed());
+    let denied = hit_all(&store, &checks, at(ms(500))).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(
+        summary(&denied),
+        vec![
+            (false, 0, ms(500), Some(ms(500))),
+            (false, 0, secs(3600) - ms(500), Some(secs(3600) - ms(500))),
+        ]
+    );
+    assert_eq!(denied.retry_after(), Some(secs(3600) - ms(500)));
+}
+
 /// Concurrency leases of one request on three slots are all released by one release call.
 pub async fn leases_on_different_slots_are_all_released(store: impl Store) {
     let limit = limit(Algorithm::Concurrency, 1, secs(30));
@@ -625,6 +649,7 @@ macro_rules! batchable_conformance_suite {
             keys_are_independent,
             a_batchable_algorithm_change_starts_from_fresh_state,
             batchable_limits_on_different_slots_are_refunded,
+            the_longest_wait_across_slots_is_promised,
         );
     };
 }

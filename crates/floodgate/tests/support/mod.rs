@@ -8,7 +8,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use floodgate::store::{BoxFuture, RedisStore};
+use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore};
 use floodgate::{Check, Decision, Lease, Store, StoreError, Timestamp};
 
 /// A `redis-server` child process: no persistence, loopback only.
@@ -452,6 +452,28 @@ impl ServedStore {
         ServedStore {
             servers: vec![server],
             store,
+        }
+    }
+}
+
+impl ServedStore<ShardedRedisStore> {
+    /// `count` fresh servers as the nodes of a sharded store (identities placed by rendezvous
+    /// hashing), with generous deadlines.
+    pub fn sharded(count: usize) -> ServedStore<ShardedRedisStore> {
+        let servers: Vec<RedisServer> = (0..count).map(|_| RedisServer::start()).collect();
+        let nodes = servers
+            .iter()
+            .map(|server| {
+                let store = RedisStore::builder(server.url())
+                    .timeout(Duration::from_secs(5))
+                    .build()
+                    .expect("store");
+                (server.url(), store)
+            })
+            .collect();
+        ServedStore {
+            servers,
+            store: ShardedRedisStore::new(nodes).expect("nodes"),
         }
     }
 }

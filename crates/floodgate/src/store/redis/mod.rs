@@ -640,7 +640,8 @@ async fn decide_groups(
     ) in groups.iter().enumerate()
     {
         let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-        // Concurrency limits take a lease under a fresh random id.
+        // Concurrency limits take a lease under a fresh random id; a log entry is made unique
+        // by one (its position in the log is not: a refund can remove an older entry).
         let lease_ids: Vec<String> = group_checks
             .iter()
             .map(|check| match check.limit.algorithm() {
@@ -649,6 +650,7 @@ async fn decide_groups(
                     taken.add(node, check, id);
                     id.to_string()
                 }
+                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
                 _ => String::new(),
             })
             .collect();
@@ -677,32 +679,20 @@ async fn decide_groups(
             let was_charged = outcomes[group[0]].is_some();
             let group_tokens: Vec<String> =
                 group.iter().map(|&index| tokens[index].clone()).collect();
-            let reply = if was_charged {
-                node.guarded_call(Mode::Refund, &group_checks, &group_tokens, decided_at)
-                    .await?
+            let (mode, tokens) = if was_charged {
+                (Mode::Refund, group_tokens)
             } else {
-                let peek: Vec<Check> = group_checks
-                    .iter()
-                    .map(|check| Check {
-                        cost: 0,
-                        ..(*check).clone()
-                    })
-                    .collect();
-                let peek_refs: Vec<&Check> = peek.iter().collect();
-                // A zero-cost refund takes nothing back and evaluates without charge.
-                node.guarded_call(
-                    Mode::Refund,
-                    &peek_refs,
-                    &vec![String::new(); peek.len()],
-                    decided_at,
-                )
-                .await?
+                // Never reached: evaluated at the request's cost, so that one that would deny
+                // too reports its (perhaps longer) wait, as on a single call.
+                (Mode::Peek, vec![String::new(); group.len()])
             };
+            let reply = node
+                .guarded_call(mode, &group_checks, &tokens, decided_at)
+                .await?;
             for (&index, outcome) in group.iter().zip(reply.outcomes) {
-                outcomes[index] = Some(LimitOutcome {
-                    allowed: true,
-                    ..outcome
-                });
+                // A refunded limit had admitted the request.
+                let allowed = was_charged || outcome.allowed;
+                outcomes[index] = Some(LimitOutcome { allowed, ..outcome });
             }
         }
     }

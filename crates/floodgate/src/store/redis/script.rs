@@ -41,6 +41,8 @@ pub(crate) enum Mode {
     Check,
     /// Give back what an earlier `Check` consumed.
     Refund,
+    /// Evaluate at the request's cost without consuming (limits after one that denied).
+    Peek,
     /// Batched mode: add each cost unconditionally and return the resulting states.
     Sync,
 }
@@ -66,6 +68,7 @@ pub(crate) fn invocation<'s>(
     invocation.arg(match mode {
         Mode::Check => "check",
         Mode::Refund => "refund",
+        Mode::Peek => "peek",
         Mode::Sync => "sync",
     });
     invocation.arg(now.map_or_else(String::new, |now| now.as_micros().to_string()));
