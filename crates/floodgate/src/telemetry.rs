@@ -221,48 +221,6 @@ impl LimitedRateBaseline {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_breaker_gauge_shows_the_worst_live_breaker() {
-        use BreakerState::{Closed, HalfOpen, Open};
-        let store = "gauge-test";
-        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
-        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
-        assert_eq!(record_breaker_change(store, Some(Closed), Some(Open)), Open);
-        assert_eq!(
-            record_breaker_change(store, Some(Closed), Some(HalfOpen)),
-            Open,
-            "one open breaker outweighs a half-open one"
-        );
-        assert_eq!(
-            record_breaker_change(store, Some(Open), Some(Closed)),
-            HalfOpen
-        );
-        assert_eq!(record_breaker_change(store, Some(HalfOpen), None), Closed);
-    }
-
-    #[test]
-    fn a_429_spike_leaves_the_baseline() {
-        let baseline = LimitedRateBaseline::new(30);
-        for interval in 0..20 {
-            for request in 0..1000 {
-                // 1% to 2% limited, varying a little.
-                baseline.record(request % 100 < 1 + interval % 2);
-            }
-            assert!(!baseline.tick().1, "steady traffic is no anomaly");
-        }
-        for request in 0..1000 {
-            baseline.record(request % 100 < 30);
-        }
-        let (ratio, anomaly) = baseline.tick();
-        assert!((ratio - 0.30).abs() < 1e-9);
-        assert!(anomaly, "30% limited against a 1-2% baseline");
-    }
-}
-
 /// `floodgate_unidentified_requests_total`: requests whose client could not be identified.
 pub const UNIDENTIFIED_REQUESTS_TOTAL: &str = "floodgate_unidentified_requests_total";
 
@@ -333,4 +291,46 @@ pub fn install_prometheus()
         .install_recorder()?;
     describe_metrics();
     Ok(handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_breaker_gauge_shows_the_worst_live_breaker() {
+        use BreakerState::{Closed, HalfOpen, Open};
+        let store = "gauge-test";
+        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
+        assert_eq!(record_breaker_change(store, None, Some(Closed)), Closed);
+        assert_eq!(record_breaker_change(store, Some(Closed), Some(Open)), Open);
+        assert_eq!(
+            record_breaker_change(store, Some(Closed), Some(HalfOpen)),
+            Open,
+            "one open breaker outweighs a half-open one"
+        );
+        assert_eq!(
+            record_breaker_change(store, Some(Open), Some(Closed)),
+            HalfOpen
+        );
+        assert_eq!(record_breaker_change(store, Some(HalfOpen), None), Closed);
+    }
+
+    #[test]
+    fn a_429_spike_leaves_the_baseline() {
+        let baseline = LimitedRateBaseline::new(30);
+        for interval in 0..20 {
+            for request in 0..1000 {
+                // 1% to 2% limited, varying a little.
+                baseline.record(request % 100 < 1 + interval % 2);
+            }
+            assert!(!baseline.tick().1, "steady traffic is no anomaly");
+        }
+        for request in 0..1000 {
+            baseline.record(request % 100 < 30);
+        }
+        let (ratio, anomaly) = baseline.tick();
+        assert!((ratio - 0.30).abs() < 1e-9);
+        assert!(anomaly, "30% limited against a 1-2% baseline");
+    }
 }
