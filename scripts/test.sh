@@ -25,4 +25,8 @@ need_package redis-cli redis-tools
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The library without its default features (no axum, no Redis) must build on its own.
+cargo clippy -p floodgate --no-default-features --lib --locked -- -D warnings
+# The crate as crates.io would get it: self-contained (the Lua scripts live in it), and it builds.
+cargo package -p floodgate --locked --allow-dirty --quiet
 cargo test --workspace --locked

@@ -14,15 +14,15 @@ use crate::time::Timestamp;
 /// The check script's source: helpers, one file per algorithm, then the entry point.
 pub(crate) fn check_source() -> String {
     [
-        include_str!("../../../../../lua/common.lua"),
-        include_str!("../../../../../lua/token_bucket.lua"),
-        include_str!("../../../../../lua/gcra.lua"),
-        include_str!("../../../../../lua/fixed_window.lua"),
-        include_str!("../../../../../lua/sliding_window_log.lua"),
-        include_str!("../../../../../lua/sliding_window_counter.lua"),
-        include_str!("../../../../../lua/leaky_bucket.lua"),
-        include_str!("../../../../../lua/concurrency.lua"),
-        include_str!("../../../../../lua/check.lua"),
+        include_str!("../../../lua/common.lua"),
+        include_str!("../../../lua/token_bucket.lua"),
+        include_str!("../../../lua/gcra.lua"),
+        include_str!("../../../lua/fixed_window.lua"),
+        include_str!("../../../lua/sliding_window_log.lua"),
+        include_str!("../../../lua/sliding_window_counter.lua"),
+        include_str!("../../../lua/leaky_bucket.lua"),
+        include_str!("../../../lua/concurrency.lua"),
+        include_str!("../../../lua/check.lua"),
     ]
     .join("\n")
 }
@@ -32,7 +32,7 @@ pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| Script::new(&check_
 
 /// Releases concurrency leases.
 pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../../../lua/release.lua")));
+    LazyLock::new(|| Script::new(include_str!("../../../lua/release.lua")));
 
 /// What a call asks of the script.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,1 @@
+crates/floodgate/lua
