@@ -901,3 +901,36 @@ fn alias_bombs_and_huge_files_are_rejected_fast_with_a_clear_error() {
         "{errors}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_top_counts_each_denial_once_under_a_key_flood() {
+    // Issue 10.16 reported /admin/top over-counting under key floods ("a key denied once shows 3
+    // denials"). 3,000 invented keys from one IP, each denied once by a per-IP limit (more keys
+    // than the sketch keeps, so it evicts): no identity may show more denials than it had.
+    let upstream = Upstream::start().await;
+    // A bucket of 2 refilled over an hour: no window boundary falls inside the flood.
+    let rest = "identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\nper_ip:\n  - { name: ip, algorithm: token_bucket, limit: 2, window: 1h }\n";
+    let (gateway, _directory) = start(&upstream, rest);
+    let client = client();
+    let mut denied = 0;
+    for n in 0..3_000 {
+        let key = format!("flood-{n}");
+        let response = get(
+            &client,
+            &gateway.url("/"),
+            &[("x-forwarded-for", "198.51.100.50"), ("x-api-key", &key)],
+        )
+        .await;
+        if response.status() == StatusCode::TOO_MANY_REQUESTS {
+            denied += 1;
+        }
+    }
+    assert_eq!(denied, 2_998, "2 admitted by the per-IP limit");
+    let top = get(&client, &gateway.admin_url("/admin/top?n=1000"), &[]).await;
+    let top: serde_json::Value = serde_json::from_slice(top.body()).unwrap();
+    let entries = top["by_denials"].as_array().unwrap();
+    assert!(!entries.is_empty());
+    for entry in entries {
+        assert_eq!(entry["denials"], 1, "{entry}");
+    }
+}
