@@ -8,7 +8,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 use crate::headers::HeaderStyle;
-use crate::key::{DefaultIdentifier, IdentifyClient};
+use crate::key::{DefaultIdentifier, IdentifyClient, RequestInfo};
 use crate::limit::{Limit, is_valid_name};
 use crate::lists::ClientList;
 use crate::plan::{LimitPlan, StaticPlan};
@@ -272,6 +272,24 @@ impl RateLimitLayerBuilder {
     pub fn identify(mut self, identify: impl IdentifyClient) -> Self {
         self.identify = Some(Arc::new(identify));
         self
+    }
+
+    /// [`identify`](Self::identify) for a closure, with its argument type inferred:
+    /// `.identify_with(|request| ...)` (`.identify` needs `|request: &RequestInfo<'_>|`).
+    pub fn identify_with<F>(self, identify: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> crate::Identity + Send + Sync + 'static,
+    {
+        self.identify(identify)
+    }
+
+    /// [`cost`](Self::cost) for a closure, with its argument type inferred:
+    /// `.cost_with(|request| if request.method == Method::POST { 5 } else { 1 })`.
+    pub fn cost_with<F>(self, cost: F) -> Self
+    where
+        F: Fn(&RequestInfo<'_>) -> u64 + Send + Sync + 'static,
+    {
+        self.cost(cost)
     }
 
     /// The cost of each request (default 1). Closures `Fn(&RequestInfo) -> u64` work.

@@ -9,7 +9,7 @@ pub mod key;
 mod layer;
 mod limit;
 mod lists;
-mod plan;
+pub mod plan;
 mod response;
 mod rollout;
 mod service;
@@ -29,7 +29,7 @@ pub use limit::{
     MAX_WINDOW,
 };
 pub use lists::{ClientList, api_key_digest};
-pub use plan::{LimitPlan, StaticPlan};
+pub use plan::{LimitPlan, StaticPlan, TieredPlan};
 pub use response::{
     Denial, MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
 };

@@ -231,7 +231,7 @@ pub const CHECK_DURATION_BUCKETS: &[f64] = &[
 ];
 
 /// Gives every metric the library records its unit and `# HELP` text. Call it once after
-/// installing a recorder (the `prometheus` feature's [`install_prometheus`] does).
+/// installing a recorder (the `prometheus` feature's `install_prometheus` does).
 pub fn describe_metrics() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
     describe_counter!(

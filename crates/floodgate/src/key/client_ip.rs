@@ -119,7 +119,7 @@ impl ClientIpResolver {
 
     /// The client address for a request from `peer` with `headers`, before IPv6 grouping.
     ///
-    /// The chain is walked from its right end, at most [`MAX_HOPS`] entries, without reading
+    /// The chain is walked from its right end, at most 32 entries, without reading
     /// (or allocating for) the part left of them. Entries are parsed as bytes, one at a time,
     /// so a byte that is not UTF-8 spoils only the entry it is in.
     pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {

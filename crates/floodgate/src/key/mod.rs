@@ -69,6 +69,11 @@ pub struct PeerAddr(pub SocketAddr);
 
 /// An authenticated user id, as a request extension set by the app's auth layer. Always
 /// trusted, unlike the user header.
+///
+/// The auth layer must run **before** the rate limit layer sees the request. With axum's
+/// `Router::layer`, layers added later run first, so add the auth layer after the limit:
+/// `Router::new().route(..).layer(limits).layer(auth)`; with `tower::ServiceBuilder`, list the
+/// auth layer first. Otherwise the limit sees no `UserId` and counts the client by key or IP.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UserId(pub String);
 
