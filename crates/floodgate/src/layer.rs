@@ -188,6 +188,7 @@ pub struct RateLimitLayerBuilder {
     responses: ResponseSettings,
     limited_response: Option<Arc<dyn MakeLimitedResponse>>,
     on_unknown_identity: UnknownIdentity,
+    concurrency_retry_hint: Option<Duration>,
     /// Which of `rule` and `key_prefix` were set (they conflict with a plan).
     rule_set: bool,
     prefix_set: bool,
@@ -214,6 +215,7 @@ impl Default for RateLimitLayerBuilder {
             responses: ResponseSettings::default(),
             limited_response: None,
             on_unknown_identity: UnknownIdentity::default(),
+            concurrency_retry_hint: None,
             rule_set: false,
             prefix_set: false,
         }
@@ -295,6 +297,19 @@ impl RateLimitLayerBuilder {
     /// The cost of each request (default 1). Closures `Fn(&RequestInfo) -> u64` work.
     pub fn cost(mut self, cost: impl RequestCost) -> Self {
         self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// `Retry-After` for a request denied by a **concurrency** limit: at most `hint`.
+    ///
+    /// Without it, a concurrency denial promises the time until enough leases *expire* (up to
+    /// the limit's window, 30 s by default): the only wait that holds if no request in flight
+    /// ever finishes, but far too long for streams that end in seconds. With a hint, clients are
+    /// told to come back sooner, at the risk of another 429 if nothing has finished by then.
+    /// (For such limits `RateLimit-Policy`'s `w` is the lease lifetime and `remaining` the free
+    /// slots.)
+    pub fn concurrency_retry_hint(mut self, hint: Duration) -> Self {
+        self.concurrency_retry_hint = Some(hint);
         self
     }
 
@@ -476,6 +491,7 @@ impl RateLimitLayerBuilder {
                 responses: self.responses,
                 limited_response: self.limited_response,
                 on_unknown_identity: self.on_unknown_identity,
+                concurrency_retry_hint: self.concurrency_retry_hint,
                 unidentified: Default::default(),
             }),
         })

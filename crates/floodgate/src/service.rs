@@ -64,6 +64,7 @@ pub(crate) struct Shared {
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
     pub(crate) on_unknown_identity: UnknownIdentity,
+    pub(crate) concurrency_retry_hint: Option<Duration>,
     pub(crate) unidentified: Unidentified,
 }
 
@@ -169,9 +170,16 @@ impl Shared {
     }
 
     fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
+        let concurrency_bound = decision
+            .binding_limit()
+            .filter(|binding| binding.definition().algorithm() == crate::Algorithm::Concurrency);
+        let wait = match (decision.retry_after(), self.concurrency_retry_hint) {
+            (Some(wait), Some(hint)) if concurrency_bound.is_some() => Some(wait.min(hint)),
+            (wait, _) => wait,
+        };
         let denial = Denial {
             decision,
-            retry_after_secs: decision.retry_after().map(|wait| {
+            retry_after_secs: wait.map(|wait| {
                 retry_after_secs(wait, self.responses.retry_after_jitter, fastrand::f64())
             }),
         };

@@ -1063,3 +1063,52 @@ async fn nested_layers_send_the_binding_limits_headers() {
     assert_eq!(header(&response, "x-ratelimit-limit"), "2");
     assert_eq!(header(&response, "x-ratelimit-remaining"), "1");
 }
+
+#[tokio::test]
+async fn concurrency_denials_can_promise_a_short_retry() {
+    // Issue 12.7: a concurrency 429 said `Retry-After: 34` (the 30 s lease lifetime plus
+    // jitter) for streams that end in seconds. The bound stays the default; a hint shortens it.
+    let limit = || {
+        Limit::builder("in-flight")
+            .algorithm(Algorithm::Concurrency)
+            .limit(1)
+            .build()
+            .unwrap()
+    };
+    let held = |hint: Option<Duration>| {
+        let builder = RateLimitLayer::builder()
+            .limit(limit())
+            .retry_after_jitter(0.0);
+        let builder = match hint {
+            Some(hint) => builder.concurrency_retry_hint(hint),
+            None => builder,
+        };
+        // Responses whose bodies never end (their senders are kept) hold their leases.
+        let senders = Arc::new(std::sync::Mutex::new(Vec::new()));
+        builder
+            .build()
+            .unwrap()
+            .layer(service_fn(move |_request: Request<()>| {
+                let (sender, receiver) = tokio::sync::mpsc::channel::<Bytes>(1);
+                senders.lock().unwrap().push(sender);
+                async move { Ok::<_, Infallible>(Response::new(ChannelBody(receiver))) }
+            }))
+    };
+    for (hint, expected) in [(None, "30"), (Some(Duration::from_secs(2)), "2")] {
+        let service = held(hint);
+        let first = service
+            .clone()
+            .oneshot(from_peer("203.0.113.7:1").body(()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        let second = service
+            .clone()
+            .oneshot(from_peer("203.0.113.7:1").body(()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(second.headers()["retry-after"], expected, "hint {hint:?}");
+        drop(first);
+    }
+}
