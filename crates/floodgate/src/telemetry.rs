@@ -91,6 +91,7 @@ pub fn record_store_error(error: &StoreError) {
         StoreError::Rejected(_) => "rejected",
         StoreError::BreakerOpen => "breaker_open",
         StoreError::Protocol(_) => "protocol",
+        StoreError::Config(_) => "config",
     };
     metrics::counter!(STORE_ERRORS_TOTAL, "kind" => kind).increment(1);
 }

@@ -85,3 +85,47 @@ fn a_limit_without_its_quantity_says_it_is_required() {
     let build: BuildError = error.into();
     assert!(build.to_string().starts_with("limit:"));
 }
+
+#[test]
+fn bad_redis_settings_are_build_errors_that_name_the_url_without_its_password() {
+    // Issue 12.6: a bad Redis URL was StoreError::Unavailable, transient, with no URL in the
+    // message; zero timeouts and breaker(0, ZERO) were accepted.
+    let error = RedisStore::builder("redis://:hunter2@127.0.0.1:6379/not-a-db")
+        .build()
+        .unwrap_err();
+    assert!(!error.is_transient(), "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("redis://:***@127.0.0.1:6379/not-a-db"),
+        "{message}"
+    );
+    assert!(!message.contains("hunter2"), "{message}");
+    let unparsable = RedisStore::builder("http://elsewhere").build().unwrap_err();
+    assert!(
+        unparsable
+            .to_string()
+            .contains("`http://elsewhere` is not a Redis URL")
+    );
+    for (builder, field) in [
+        (
+            RedisStore::builder("redis://127.0.0.1:6379").timeout(Duration::ZERO),
+            "timeout",
+        ),
+        (
+            RedisStore::builder("redis://127.0.0.1:6379").breaker(0, Duration::from_secs(1)),
+            "breaker",
+        ),
+        (
+            RedisStore::builder("redis://127.0.0.1:6379").breaker(5, Duration::ZERO),
+            "breaker",
+        ),
+    ] {
+        let error = builder.build().unwrap_err();
+        assert!(!error.is_transient());
+        assert!(error.to_string().contains(field), "{error}");
+    }
+    assert!(
+        RedisStore::cluster(Vec::new()).build().is_err(),
+        "no node at all"
+    );
+}

@@ -302,6 +302,7 @@ pub struct Config {
 }
 
 pub use floodgate::api_key_digest as key_digest;
+pub use floodgate::store::redact_url;
 
 impl Config {
     /// Settings that are valid but probably not what a deployment wants: `floodgate check`
@@ -706,26 +707,6 @@ fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
     raw.users
         .iter()
         .fold(list, |list, user| list.user(user.clone()))
-}
-
-/// `url` with the password of its user-info replaced by `***` (`redis://:***@host:6379`,
-/// `redis://user:***@host`); a URL without one is returned as it is.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let (user_info, host) = authority.split_at(at);
-    // A lone user-info may be a password too (some clients read `redis://secret@host` so).
-    let user_info = match user_info.split_once(':') {
-        Some((user, _)) => format!("{user}:***"),
-        None => "***".to_owned(),
-    };
-    format!("{scheme}://{user_info}{host}{tail}")
 }
 
 fn redact(raw: &RawConfig) -> serde_json::Value {

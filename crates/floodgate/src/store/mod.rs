@@ -104,14 +104,38 @@ pub enum StoreError {
     /// The store answered something this version does not understand.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
+    /// The store's settings cannot work (a URL that does not parse, a zero deadline): found
+    /// when the store is built, never transient. URLs in the message carry no password.
+    #[error("invalid store settings: {0}")]
+    Config(String),
 }
 
 impl StoreError {
     /// Whether retrying later may succeed (connection trouble, timeouts), as opposed to a
     /// problem that repeats on every call.
     pub fn is_transient(&self) -> bool {
-        !matches!(self, StoreError::Protocol(_))
+        !matches!(self, StoreError::Protocol(_) | StoreError::Config(_))
     }
+}
+
+/// `url` with the password of its user-info replaced by `***` (`redis://:***@host:6379`,
+/// `redis://user:***@host`); a URL without one is returned as it is. For logs and errors.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let (user_info, host) = authority.split_at(at);
+    // A lone user-info may be a password too (some clients read `redis://secret@host` so).
+    let user_info = match user_info.split_once(':') {
+        Some((user, _)) => format!("{user}:***"),
+        None => "***".to_owned(),
+    };
+    format!("{scheme}://{user_info}{host}{tail}")
 }
 
 /// Where limit state lives.

@@ -117,6 +117,7 @@ impl RedisStoreBuilder {
     /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
+        self.check_settings()?;
         let pool_size = match self.mode {
             ConnectionMode::Multiplexed => 1,
             ConnectionMode::Pool(size) => size.max(1),
@@ -223,7 +224,41 @@ fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
 }
 
 fn invalid_url(error: RedisError) -> StoreError {
-    StoreError::Unavailable(Box::new(error))
+    StoreError::Config(error.to_string())
+}
+
+impl RedisStoreBuilder {
+    /// Settings that cannot work, refused before any connection: every URL parses (named in
+    /// the error without its password), deadlines and the breaker are not zero.
+    fn check_settings(&self) -> Result<(), StoreError> {
+        let urls: Vec<&String> = match &self.deployment {
+            Deployment::Single(url) => vec![url],
+            Deployment::Cluster(nodes) => nodes.iter().collect(),
+            Deployment::Sentinel { sentinels, .. } => sentinels.iter().collect(),
+        };
+        if urls.is_empty() {
+            return Err(StoreError::Config("no Redis address given".to_owned()));
+        }
+        for url in urls {
+            if let Err(error) = Client::open(url.as_str()) {
+                return Err(StoreError::Config(format!(
+                    "`{}` is not a Redis URL: {error}",
+                    crate::store::redact_url(url)
+                )));
+            }
+        }
+        if self.guard.timeout.is_zero() {
+            return Err(StoreError::Config(
+                "timeout: must be greater than 0".to_owned(),
+            ));
+        }
+        if self.guard.failures == 0 || self.guard.open_for.is_zero() {
+            return Err(StoreError::Config(
+                "breaker: failures and open_for must be greater than 0".to_owned(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 enum Connection {
