@@ -2,6 +2,9 @@
 
 pub mod algorithm;
 mod body;
+#[cfg(feature = "axum")]
+#[doc = include_str!("cookbook.md")]
+pub mod cookbook {}
 mod decision;
 mod future;
 pub mod headers;
