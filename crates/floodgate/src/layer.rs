@@ -12,7 +12,7 @@ use crate::key::{DefaultIdentifier, IdentifyClient, RequestInfo};
 use crate::limit::{Limit, is_valid_name};
 use crate::lists::ClientList;
 use crate::plan::{LimitPlan, StaticPlan};
-use crate::response::{MakeLimitedResponse, ResponseSettings};
+use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
 use crate::service::{LocalFallback, RateLimit, RequestCost, Shared, UnknownIdentity};
 use crate::store::resilience::{LogObserver, StoreObserver};
@@ -186,7 +186,7 @@ pub struct RateLimitLayerBuilder {
     allowlist: ClientList,
     denylist: ClientList,
     responses: ResponseSettings,
-    limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+    limited_response: Option<LimitedResponseHook>,
     on_unknown_identity: UnknownIdentity,
     concurrency_retry_hint: Option<Duration>,
     /// Which of `rule` and `key_prefix` were set (they conflict with a plan).
@@ -397,7 +397,38 @@ impl RateLimitLayerBuilder {
 
     /// Replaces the 429 response. Closures `Fn(&Denial) -> Response<Bytes>` work.
     pub fn limited_response(mut self, make: impl MakeLimitedResponse) -> Self {
-        self.limited_response = Some(Arc::new(make));
+        self.limited_response = Some(LimitedResponseHook::Bytes(Arc::new(make)));
+        self
+    }
+
+    /// Replaces the 429 response with anything axum turns into a response (`Json(...)`, a
+    /// tuple of status, headers and body, `Html`, ...). Its body is read (up to 64 KiB) before
+    /// it is sent; the layer still adds the rate limit headers and `Retry-After`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum::http::{StatusCode, header};
+    /// use floodgate::{Denial, Limit, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::token_bucket("per-second", 10, Duration::from_secs(1))?)
+    ///     .limited_response_with(|denial: &Denial<'_>| {
+    ///         let body = format!("{{\"message\":\"slow down\",\"retry_in\":{:?}}}", denial.retry_after_secs);
+    ///         (StatusCode::TOO_MANY_REQUESTS, [(header::CONTENT_TYPE, "application/json")], body)
+    ///     })
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(feature = "axum")]
+    pub fn limited_response_with<F, R>(mut self, make: F) -> Self
+    where
+        F: Fn(&crate::Denial<'_>) -> R + Send + Sync + 'static,
+        R: axum::response::IntoResponse,
+    {
+        self.limited_response = Some(LimitedResponseHook::Axum(Arc::new(move |denial| {
+            make(denial).into_response()
+        })));
         self
     }
 

@@ -38,6 +38,43 @@ where
     }
 }
 
+/// The 429 hook of a layer: a response of bytes, or (with the `axum` feature) anything axum
+/// turns into a response, whose body is read once it is made.
+#[derive(Clone)]
+pub(crate) enum LimitedResponseHook {
+    Bytes(Arc<dyn MakeLimitedResponse>),
+    #[cfg(feature = "axum")]
+    Axum(Arc<dyn Fn(&Denial<'_>) -> axum::response::Response + Send + Sync>),
+}
+
+/// The largest body an `IntoResponse` 429 may have; a larger one is replaced by the default.
+#[cfg(feature = "axum")]
+const MAX_CUSTOM_BODY: usize = 64 * 1024;
+
+impl LimitedResponseHook {
+    /// The response the hook makes for `denial`.
+    pub(crate) async fn make(
+        &self,
+        denial: &Denial<'_>,
+        settings: &ResponseSettings,
+    ) -> Response<Bytes> {
+        match self {
+            LimitedResponseHook::Bytes(make) => make.make_response(denial),
+            #[cfg(feature = "axum")]
+            LimitedResponseHook::Axum(make) => {
+                let (parts, body) = make(denial).into_parts();
+                match axum::body::to_bytes(body, MAX_CUSTOM_BODY).await {
+                    Ok(bytes) => Response::from_parts(parts, bytes),
+                    Err(error) => {
+                        tracing::warn!(%error, "custom 429 body unreadable or over 64 KiB; the default 429 is sent");
+                        default_limited_response(denial, settings)
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// How the built-in responses look.
 #[derive(Clone, Debug)]
 pub(crate) struct ResponseSettings {

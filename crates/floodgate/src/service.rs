@@ -21,7 +21,7 @@ use crate::limit::Limit;
 use crate::lists::ClientList;
 use crate::plan::LimitPlan;
 use crate::response::{
-    Denial, MakeLimitedResponse, ResponseSettings, default_limited_response,
+    Denial, LimitedResponseHook, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
 };
 use crate::response::{forbidden_response, unidentified_response};
@@ -62,7 +62,7 @@ pub(crate) struct Shared {
     pub(crate) denylist: ClientList,
     pub(crate) baseline: Option<Arc<LimitedRateBaseline>>,
     pub(crate) responses: ResponseSettings,
-    pub(crate) limited_response: Option<Arc<dyn MakeLimitedResponse>>,
+    pub(crate) limited_response: Option<LimitedResponseHook>,
     pub(crate) on_unknown_identity: UnknownIdentity,
     pub(crate) concurrency_retry_hint: Option<Duration>,
     pub(crate) unidentified: Unidentified,
@@ -169,7 +169,7 @@ impl Shared {
         }
     }
 
-    fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
+    async fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
         let concurrency_bound = decision
             .binding_limit()
             .filter(|binding| binding.definition().algorithm() == crate::Algorithm::Concurrency);
@@ -184,7 +184,7 @@ impl Shared {
             }),
         };
         let mut response = match &self.limited_response {
-            Some(custom) => custom.make_response(&denial),
+            Some(hook) => hook.make(&denial, &self.responses).await,
             None => default_limited_response(&denial, &self.responses),
         };
         finish_limited_response(&mut response, &denial, &self.responses);
@@ -414,7 +414,7 @@ where
         return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
     }
     if !decision.is_allowed() {
-        return Ok(shared.limited_response(&decision));
+        return Ok(shared.limited_response(&decision).await);
     }
     // Held from here: if the client goes away mid-request, dropping the future releases them.
     let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());

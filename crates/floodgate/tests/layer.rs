@@ -1112,3 +1112,37 @@ async fn concurrency_denials_can_promise_a_short_retry() {
         drop(first);
     }
 }
+
+#[tokio::test]
+async fn the_429_hook_takes_anything_axum_turns_into_a_response() {
+    // Issue 12.4: `limited_response` could not return `impl IntoResponse`.
+    use axum::response::Html;
+    let service = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .limited_response_with(|denial: &Denial<'_>| {
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                Html(format!(
+                    "<p>retry in {}s</p>",
+                    denial.retry_after_secs.unwrap_or(0)
+                )),
+            )
+        })
+        .build()
+        .unwrap()
+        .layer(service_fn(ok_handler));
+    assert_eq!(
+        send(&service, from_peer("198.51.100.5:1")).await.status(),
+        StatusCode::OK
+    );
+    let denied = send(&service, from_peer("198.51.100.5:1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "content-type"), "text/html; charset=utf-8");
+    let retry = header(&denied, "retry-after").to_owned();
+    assert_eq!(
+        denied.body(),
+        format!("<p>retry in {retry}s</p>").as_str(),
+        "the body got the same Retry-After as the header"
+    );
+    assert_eq!(header(&denied, "x-ratelimit-limit"), "1");
+}
