@@ -52,7 +52,9 @@ pub(crate) enum LimitedResponseHook {
 const MAX_CUSTOM_BODY: usize = 64 * 1024;
 
 impl LimitedResponseHook {
-    /// The response the hook makes for `denial`.
+    /// The response the hook makes for `denial` (`settings` shape the default 429 that replaces
+    /// an unreadable custom body).
+    #[cfg_attr(not(feature = "axum"), allow(unused_variables))]
     pub(crate) async fn make(
         &self,
         denial: &Denial<'_>,
