@@ -14,6 +14,11 @@ use floodgate_gateway::runtime::{Gateway, ReloadError};
 use floodgate_gateway::tls::ReloadingCertificate;
 use floodgate_gateway::{server, watch};
 
+/// glibc's malloc takes an arena lock that the proxy's tasks contend on (issue 13's profile:
+/// `__lll_lock_wait_private`); mimalloc's thread-local heaps do not.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// floodgate: a distributed HTTP rate limiter in front of your API.
 #[derive(Parser)]
 #[command(name = "floodgate", version, about)]

@@ -185,6 +185,35 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: std::net::IpAddr) {
     }
 }
 
+/// Handles of the upstream metrics, looked up once: the `metrics!` macros hash the name and
+/// labels into the registry on every call (and the status label was a new `String` per
+/// request), which showed in the gateway's profile (issue 13).
+struct UpstreamMetrics {
+    duration: metrics::Histogram,
+    /// `floodgate_upstream_requests_total{status}` by status code, each registered on first use
+    /// so that /metrics lists only the statuses seen.
+    by_status: [std::sync::OnceLock<metrics::Counter>; 500],
+}
+
+impl UpstreamMetrics {
+    fn status(&self, status: StatusCode) -> &metrics::Counter {
+        let index = usize::from(status.as_u16()).saturating_sub(100).min(499);
+        self.by_status[index].get_or_init(|| {
+            metrics::counter!("floodgate_upstream_requests_total", "status" => status.as_str().to_owned())
+        })
+    }
+}
+
+/// The upstream metrics of the process. First used by a request, after `serve` installed the
+/// recorder (a handle taken before that would count into nothing).
+fn upstream_metrics() -> &'static UpstreamMetrics {
+    static METRICS: std::sync::OnceLock<UpstreamMetrics> = std::sync::OnceLock::new();
+    METRICS.get_or_init(|| UpstreamMetrics {
+        duration: metrics::histogram!("floodgate_upstream_duration_seconds"),
+        by_status: [const { std::sync::OnceLock::new() }; 500],
+    })
+}
+
 /// An error and its sources, `: `-separated.
 fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
@@ -300,7 +329,8 @@ async fn forward(
 
     let started = Instant::now();
     let result = tokio::time::timeout(config.upstream_timeout, client.request(outgoing)).await;
-    metrics::histogram!("floodgate_upstream_duration_seconds")
+    upstream_metrics()
+        .duration
         .record(started.elapsed().as_secs_f64());
     if result.as_ref().map_or(true, Result::is_err)
         && let Some(fault) = client_fault(&watch, result.is_err())
@@ -314,16 +344,20 @@ async fn forward(
             // that does not verify, a refused connection) is in its sources.
             let reason = error_chain(&error);
             tracing::warn!(upstream = %upstream.authority, error = %reason, "upstream request failed");
-            metrics::counter!("floodgate_upstream_requests_total", "status" => "502").increment(1);
+            upstream_metrics()
+                .status(StatusCode::BAD_GATEWAY)
+                .increment(1);
             return error_response(StatusCode::BAD_GATEWAY, "bad_gateway");
         }
         Err(_) => {
             tracing::warn!(upstream = %upstream.authority, timeout = ?config.upstream_timeout, "upstream timed out");
-            metrics::counter!("floodgate_upstream_requests_total", "status" => "504").increment(1);
+            upstream_metrics()
+                .status(StatusCode::GATEWAY_TIMEOUT)
+                .increment(1);
             return error_response(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout");
         }
     };
-    metrics::counter!("floodgate_upstream_requests_total", "status" => response.status().as_str().to_owned()).increment(1);
+    upstream_metrics().status(response.status()).increment(1);
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_upgrade) = client_upgrade else {
