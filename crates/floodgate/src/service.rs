@@ -362,7 +362,7 @@ where
                     (false, false) => DecisionLabel::Limited,
                     (false, true) => DecisionLabel::ShadowLimited,
                 };
-                telemetry::record_decision(&binding.rule, &binding.name, label);
+                telemetry::record_limit_decision(&binding.rule, &binding.name, label);
                 shared.observe(&identity, &decision, shadowed);
                 if label == DecisionLabel::ShadowLimited && shared.rollout.may_log_shadow() {
                     tracing::info!(

@@ -2,6 +2,7 @@
 //! next to nothing; the gateway installs a Prometheus one. No label ever carries a client
 //! identity, so the number of series is bounded by the configuration, not by the traffic.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::StoreError;
@@ -73,6 +74,18 @@ pub fn record_decision(rule: &str, limit: &str, decision: DecisionLabel) {
         DECISIONS_TOTAL,
         "rule" => rule.to_owned(),
         "limit" => limit.to_owned(),
+        "decision" => decision.as_str()
+    )
+    .increment(1);
+}
+
+/// Counts one decision of a limit whose rule and name are shared strings: the labels share
+/// them instead of copying them (this runs on every request).
+pub fn record_limit_decision(rule: &Arc<str>, limit: &Arc<str>, decision: DecisionLabel) {
+    metrics::counter!(
+        DECISIONS_TOTAL,
+        "rule" => metrics::SharedString::from_shared(rule.clone()),
+        "limit" => metrics::SharedString::from_shared(limit.clone()),
         "decision" => decision.as_str()
     )
     .increment(1);
