@@ -1146,3 +1146,52 @@ async fn the_429_hook_takes_anything_axum_turns_into_a_response() {
     );
     assert_eq!(header(&denied, "x-ratelimit-limit"), "1");
 }
+
+#[tokio::test]
+async fn one_identifier_serves_several_layers() {
+    // Issue 12.5: DefaultIdentifier was not Clone and `Arc<T>` was no identifier, so a per-route
+    // limit keyed like the global one needed a second identifier built the same way.
+    let identifier = Arc::new(
+        DefaultIdentifier::new()
+            .trusted_proxies(["10.0.0.0/8"])
+            .unwrap(),
+    );
+    let global = RateLimitLayer::builder()
+        .limit(per_second(10))
+        .identify(identifier.clone())
+        .build()
+        .unwrap();
+    let login = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("login", 1, Duration::from_secs(60)).unwrap())
+        .rule("login")
+        .identify(identifier.clone())
+        .build()
+        .unwrap();
+    let cloned = RateLimitLayer::builder()
+        .limit(per_second(10))
+        .identify(DefaultIdentifier::clone(&identifier))
+        .build()
+        .unwrap();
+    let service = cloned.layer(global.layer(login.layer(service_fn(ok_handler))));
+    let behind_proxy = || from_peer("10.0.0.1:1").header("x-forwarded-for", "198.51.100.40");
+    assert_eq!(
+        send(&service, behind_proxy()).await.status(),
+        StatusCode::OK
+    );
+    let denied = send(&service, behind_proxy()).await;
+    assert_eq!(
+        denied.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the client, not the proxy"
+    );
+    assert_eq!(
+        send(
+            &service,
+            from_peer("10.0.0.1:1").header("x-forwarded-for", "198.51.100.41")
+        )
+        .await
+        .status(),
+        StatusCode::OK,
+        "another client behind the same proxy"
+    );
+}

@@ -240,6 +240,16 @@ where
     }
 }
 
+impl<T: IdentifyClient> IdentifyClient for Arc<T> {
+    fn identify(&self, request: &RequestInfo<'_>) -> Identity {
+        (**self).identify(request)
+    }
+
+    fn client_addr(&self, request: &RequestInfo<'_>) -> Option<IpAddr> {
+        (**self).client_addr(request)
+    }
+}
+
 /// Why an identity configuration is invalid.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
