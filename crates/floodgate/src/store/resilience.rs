@@ -71,9 +71,9 @@ pub trait StoreObserver: Send + Sync + 'static {
         tracing::debug!(backend, policy = policy.as_str(), %error, allowed, "store failed; failure policy decided");
     }
 
-    /// A store call failed (after the deadline, or at once if the breaker is open).
+    /// A store call failed (after the deadline, or at once if the breaker is open). The
+    /// `floodgate_store_errors_total` metric is recorded whatever this does.
     fn store_failed(&self, backend: &'static str, error: &StoreError) {
-        crate::telemetry::record_store_error(error);
         tracing::debug!(backend, %error, "store call failed");
     }
 }
@@ -181,7 +181,7 @@ impl Guard {
         let probe = match self.admit() {
             Admission::Reject => {
                 let error = StoreError::BreakerOpen;
-                self.observer.store_failed(self.backend, &error);
+                self.failed(&error);
                 return Err(error);
             }
             Admission::Call => false,
@@ -203,9 +203,16 @@ impl Guard {
         // answered: it counts as a success, so it never opens the breaker.
         self.record(result.as_ref().err().filter(|error| error.is_transient()));
         if let Err(error) = &result {
-            self.observer.store_failed(self.backend, error);
+            self.failed(error);
         }
         result
+    }
+
+    /// Counts a failed call, then tells the observer. The metric is recorded here, not in the
+    /// observer's overridable default, so that a custom observer cannot drop it.
+    fn failed(&self, error: &StoreError) {
+        crate::telemetry::record_store_error(error);
+        self.observer.store_failed(self.backend, error);
     }
 
     fn admit(&self) -> Admission {
