@@ -51,9 +51,15 @@ impl RedisServer {
             Some((file, rest)) if !file.starts_with("--") => (Some(file), rest),
             _ => (None, extra),
         };
+        // Replicas write the RDB of a full resync into their working directory, even without
+        // persistence: keep it out of the source tree.
+        let dir = working_dir(port);
+        let _ = std::fs::create_dir_all(&dir);
         let mut child = Command::new("redis-server")
             .args(config_file)
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(&dir)
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .args(["--protected-mode", "no", "--logfile", ""])
             .args(options)
@@ -430,7 +436,13 @@ impl Drop for SentinelGroup {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_dir_all(working_dir(self.port));
     }
+}
+
+/// The working directory of the server on `port` (kept across its restarts).
+fn working_dir(port: u16) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("floodgate-redis-{port}"))
 }
 
 /// A store together with the servers it talks to, so the servers live as long as the store:
