@@ -191,8 +191,16 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             sync_lock: tokio::sync::Mutex::new(()),
             stats: Stats::default(),
         });
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(sync_periodically(Arc::downgrade(&shared), self.interval));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(sync_periodically(Arc::downgrade(&shared), self.interval));
+            }
+            // Easy to do by mistake (a store built in `main` before the runtime starts), and
+            // silent otherwise: the counts would never reach the shared store.
+            Err(_) => tracing::warn!(
+                "BatchedStore built outside a Tokio runtime: it will not sync on its own; \
+                 build it inside the runtime, or call BatchedStore::sync_now periodically"
+            ),
         }
         BatchedStore { shared }
     }
