@@ -622,3 +622,42 @@ async fn three_processes_on_one_redis_admit_exactly_the_limit() {
         "60 requests over 3 processes against a limit of 30"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_per_unit_zero_refuses_and_the_others_consume_nothing() {
+    let domain = "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 5 }\n  - key: blocked\n    rate_limit: { unit: day, requests_per_unit: 0 }\n";
+    let rls = Rls::start(&[("api.yaml", domain)], "", false);
+    let mut client = rls.client().await;
+    let answer = ask(
+        &mut client,
+        "api",
+        &[&[("tenant", "t")], &[("blocked", "b")]],
+    )
+    .await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32);
+    assert_eq!(answer.statuses[0].code, Code::Ok as i32);
+    assert_eq!(answer.statuses[1].code, Code::OverLimit as i32);
+    let tenant = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(
+        tenant.statuses[0].limit_remaining, 4,
+        "the refused request took nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_killed_local_decides_on_the_node() {
+    let mut redis = redis_support::RedisServer::start();
+    let domain = "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 3 }\n";
+    let rls = Rls::start(
+        &[("api.yaml", domain)],
+        &redis_store(&redis, "local"),
+        false,
+    );
+    let mut client = rls.client().await;
+    redis.kill();
+    assert_eq!(
+        admitted(&mut client, "api", &[("tenant", "t")], 5).await,
+        3,
+        "the per-node fallback holds the configured limit (fallback_share 1.0)"
+    );
+}

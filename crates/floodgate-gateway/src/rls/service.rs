@@ -297,6 +297,9 @@ impl RlsService {
                             .map(|state| (decision, state))
                     });
                     let label = match state {
+                        // Not asked: a `requests_per_unit: 0` descriptor refused the request.
+                        None if !admitted => DecisionLabel::Limited,
+                        // The store failed and `open` admitted.
                         None => DecisionLabel::FallbackAllowed,
                         Some((decision, state)) => {
                             let fallback = decision.source() == DecisionSource::LocalFallback;
