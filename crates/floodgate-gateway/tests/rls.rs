@@ -421,11 +421,25 @@ async fn answers_carry_the_rate_limit_headers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answers_carry_no_headers_unless_asked() {
+async fn answers_carry_no_headers_unless_asked_and_refunds_are_refused() {
     let rls = Rls::start(&[("api.yaml", TWO_LIMITS)], "", false);
     let mut client = rls.client().await;
     let answer = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
     assert!(answer.response_headers_to_add.is_empty());
+    // A refund through is_negative_hits is refused with a clear status, never half applied.
+    let mut refund = descriptor(&[("tenant", "t")]);
+    refund.is_negative_hits = true;
+    let status = client
+        .should_rate_limit(request("api", vec![refund], 1))
+        .await
+        .expect_err("is_negative_hits is refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("is_negative_hits"), "{status:?}");
+    let after = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(
+        after.statuses[0].limit_remaining, 3,
+        "the refused call counted nothing"
+    );
 }
 
 /// Polls `condition` on fresh answers every 20 ms for up to 10 s.
