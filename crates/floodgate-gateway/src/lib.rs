@@ -9,6 +9,7 @@ pub mod head;
 pub mod path;
 pub mod plan;
 pub mod proxy;
+pub mod rls;
 pub mod runtime;
 pub mod server;
 pub mod tls;

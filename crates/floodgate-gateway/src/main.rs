@@ -10,6 +10,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand, ValueEnum};
 use floodgate_gateway::admin::{self, AdminState};
 use floodgate_gateway::config::{self, Backend};
+use floodgate_gateway::rls::{self, RulesHandle};
 use floodgate_gateway::runtime::{Gateway, ReloadError};
 use floodgate_gateway::tls::ReloadingCertificate;
 use floodgate_gateway::{server, watch};
@@ -120,6 +121,29 @@ fn check(path: &std::path::Path) -> ExitCode {
             for warning in config.warnings(admin_token().is_some()) {
                 println!("  warning: {warning}");
             }
+            if let Some(rls) = &config.rls {
+                let directory = rls_dir(path, rls);
+                match floodgate_gateway::rls::rules::load_dir(&directory) {
+                    Ok(rules) => println!(
+                        "rls: valid. listen {}, {} domains from {} files in {}",
+                        rls.listen,
+                        rules.domain_count(),
+                        rules.files.len(),
+                        directory.display()
+                    ),
+                    Err(errors) => {
+                        eprintln!(
+                            "{}: invalid rate limit service rules ({} errors):",
+                            directory.display(),
+                            errors.len()
+                        );
+                        for error in &errors {
+                            eprintln!("  {error}");
+                        }
+                        return ExitCode::from(2);
+                    }
+                }
+            }
             ExitCode::SUCCESS
         }
         Err(errors) => {
@@ -133,6 +157,14 @@ fn check(path: &std::path::Path) -> ExitCode {
             }
             ExitCode::from(2)
         }
+    }
+}
+
+/// `rls.config_dir`, relative to the configuration file's directory unless absolute.
+fn rls_dir(config_path: &std::path::Path, rls: &config::RlsSettings) -> PathBuf {
+    match config_path.parent() {
+        Some(parent) if rls.config_dir.is_relative() => parent.join(&rls.config_dir),
+        _ => rls.config_dir.clone(),
     }
 }
 
@@ -179,6 +211,10 @@ fn describe_gateway_metrics() {
     describe_counter!(
         "floodgate_tls_reloads_total",
         "Listener certificate reloads, by result"
+    );
+    describe_counter!(
+        rls::reload::RLS_RELOADS_TOTAL,
+        "Reloads of the rate limit service's domain directory, by result"
     );
     describe_counter!(
         "floodgate_tls_handshake_failures_total",
@@ -264,6 +300,30 @@ async fn serve(path: PathBuf) -> Result<(), String> {
         }
         None => None,
     };
+    let rls = match &config.rls {
+        Some(settings) => {
+            let directory = rls_dir(&path, settings);
+            let rules = RulesHandle::load(&directory).map_err(|errors| {
+                format!(
+                    "{}: invalid rate limit service rules:\n{errors}",
+                    directory.display()
+                )
+            })?;
+            let watcher = rules
+                .watch()
+                .map_err(|error| format!("cannot watch {}: {error}", directory.display()))?;
+            let listener = bind(settings.listen).await?;
+            let serving = tokio::spawn(rls::serve(
+                listener,
+                gateway.clone(),
+                rules,
+                settings.clone(),
+            ));
+            tracing::info!(listen = %settings.listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
+            Some((watcher, serving))
+        }
+        None => None,
+    };
     let listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
     let _watcher = watch::watch_config(gateway.clone(), &path)
@@ -303,6 +363,9 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     });
     server::serve(listener, gateway, tls, shutdown_signal()).await;
     admin.abort();
+    if let Some((_watcher, serving)) = rls {
+        serving.abort();
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -136,3 +136,43 @@ fn the_dashboard_and_alerts_use_metrics_that_exist() {
         "shadow would-blocks panel"
     );
 }
+
+#[test]
+fn the_rate_limit_service_example_passes_check() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
+    let documents = yaml_documents(&root.join("kubernetes/envoy-ratelimit.yaml"));
+    let configmap = |name: &str| {
+        documents
+            .iter()
+            .find(|document| {
+                document["kind"] == "ConfigMap" && document["metadata"]["name"] == name
+            })
+            .unwrap_or_else(|| panic!("no ConfigMap {name}"))
+            .clone()
+    };
+    let directory =
+        std::env::temp_dir().join(format!("floodgate-deploy-rls-{}", std::process::id()));
+    let domains = directory.join("rls");
+    std::fs::create_dir_all(&domains).unwrap();
+    let config = configmap("floodgate-rls")["data"]["floodgate.yaml"]
+        .as_str()
+        .unwrap()
+        .replace("/etc/floodgate/rls", "rls");
+    std::fs::write(directory.join("floodgate.yaml"), config).unwrap();
+    let files = configmap("floodgate-rls-domains");
+    for (name, text) in files["data"].as_object().unwrap() {
+        std::fs::write(domains.join(name), text.as_str().unwrap()).unwrap();
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["check", "--config"])
+        .arg(directory.join("floodgate.yaml"))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&directory);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains("rls: valid"));
+}

@@ -5,12 +5,14 @@
 mod duration;
 mod endpoints;
 mod raw;
+mod rls;
 mod server;
 mod tls;
 
 pub use duration::{format_duration, parse_duration};
 pub use endpoints::{Endpoint, EndpointTable};
 pub use raw::RawConfig;
+pub use rls::RlsSettings;
 pub use server::{DESCRIPTOR_RESERVE, ServerLimits, open_file_limit};
 pub use tls::{ListenTls, UpstreamProtocol};
 
@@ -296,6 +298,8 @@ pub struct Config {
     pub denylist: ClientList,
     /// Responses.
     pub response: ResponseSettings,
+    /// Envoy's rate limit service (`rls:`), when configured.
+    pub rls: Option<RlsSettings>,
     /// The configuration as JSON with API keys replaced by their hashes and passwords in URLs
     /// by `***`, for `/admin/config`.
     pub redacted: serde_json::Value,
@@ -402,29 +406,26 @@ pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
             ),
         }]));
     }
+    let raw = parse_yaml::<RawConfig>(text).map_err(|error| ConfigErrors(vec![error]))?;
+    validate(raw)
+}
+
+/// Deserializes YAML `text` with the gateway's parser limits; an error carries the field path
+/// of a type error and never quotes the source (see [`yaml_options`]).
+pub(crate) fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, ConfigError> {
     // The field path of a type error, kept aside: the YAML layer only passes its own error up.
     let mut path = None;
-    let raw = serde_saphyr::with_deserializer_from_str_with_options(
-        text,
-        yaml_options(),
-        |deserializer| {
-            serde_path_to_error::deserialize::<_, RawConfig>(deserializer).map_err(|error| {
-                let at = error.path().to_string();
-                path = Some(if at == "." { String::new() } else { at });
-                error.into_inner()
-            })
-        },
-    );
-    let raw = match raw {
-        Ok(raw) => raw,
-        Err(error) => {
-            return Err(ConfigErrors(vec![ConfigError {
-                path: path.unwrap_or_default(),
-                message: error.to_string(),
-            }]));
-        }
-    };
-    validate(raw)
+    serde_saphyr::with_deserializer_from_str_with_options(text, yaml_options(), |deserializer| {
+        serde_path_to_error::deserialize::<_, T>(deserializer).map_err(|error| {
+            let at = error.path().to_string();
+            path = Some(if at == "." { String::new() } else { at });
+            error.into_inner()
+        })
+    })
+    .map_err(|error| ConfigError {
+        path: path.unwrap_or_default(),
+        message: error.to_string(),
+    })
 }
 
 /// Reads, parses and validates a configuration file.
@@ -985,6 +986,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             .parse::<HeaderStyle>()
             .map_err(|error| error.to_string()),
     );
+    let rls_settings = rls::rls(&mut errors, raw.rls.as_ref());
     if !(0.0..=10.0).contains(&raw.response.retry_after_jitter) {
         errors.push("response.retry_after_jitter", "must be between 0 and 10");
     }
@@ -1105,6 +1107,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             docs_url: raw.response.docs_url,
             problem_json: raw.response.problem_json,
         },
+        rls: rls_settings,
         redacted,
     })
 }

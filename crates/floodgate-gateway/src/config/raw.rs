@@ -133,6 +133,8 @@ pub struct RawConfig {
     pub denylist: RawLists,
     #[serde(default)]
     pub response: RawResponse,
+    #[serde(default)]
+    pub rls: Option<super::rls::RawRls>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -1,0 +1,39 @@
+//! floodgate as Envoy's rate limit service (SPEC §10): `envoy.service.ratelimit.v3.
+//! RateLimitService/ShouldRateLimit` over gRPC (h2c), deciding on the gateway's store under its
+//! failure policy, with rules from a directory of envoyproxy/ratelimit-format domain files.
+//!
+//! - [`rules`]: the domain file format and the descriptor tree a request walks.
+//! - [`reload`]: the directory in service and its hot reload.
+//! - [`service`]: `ShouldRateLimit` itself.
+
+pub mod reload;
+pub mod rules;
+pub mod service;
+
+pub use reload::RulesHandle;
+pub use service::RlsService;
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+
+use crate::config::RlsSettings;
+use crate::runtime::Gateway;
+
+/// Serves the rate limit service on `listener` until the task is dropped. The domain rules must
+/// have been loaded (and their watcher started) by the caller.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    gateway: Arc<Gateway>,
+    rules: Arc<RulesHandle>,
+    settings: RlsSettings,
+) {
+    let service = RlsService::new(gateway, rules, settings.response_headers);
+    let served = tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::new(service))
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+        .await;
+    if let Err(error) = served {
+        tracing::error!(%error, "rls: the rate limit service failed");
+    }
+}

@@ -1,0 +1,392 @@
+//! `ShouldRateLimit`: a request's descriptors matched against its domain's rules, and every
+//! counted one decided in one `check_and_consume` call, all or nothing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit as ProtoLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use floodgate::headers::RateLimitHeaders;
+use floodgate::key::{IdentityHash, storage_key};
+use floodgate::telemetry::{self, DecisionLabel};
+use floodgate::{Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, MemoryStore, Store};
+use sha2::{Digest, Sha256};
+
+use super::reload::RulesHandle;
+use super::rules::{Action, DescriptorLimit};
+use crate::runtime::Gateway;
+
+/// The rate limit service: the gateway's store and failure policy, the directory's rules.
+pub struct RlsService {
+    gateway: Arc<Gateway>,
+    rules: Arc<RulesHandle>,
+    response_headers: bool,
+    /// The per-node limiter of `on_store_error: local`.
+    fallback: MemoryStore,
+}
+
+impl RlsService {
+    /// A service deciding on `gateway`'s store under the rules of `rules`.
+    pub fn new(gateway: Arc<Gateway>, rules: Arc<RulesHandle>, response_headers: bool) -> Self {
+        RlsService {
+            gateway,
+            rules,
+            response_headers,
+            fallback: MemoryStore::builder()
+                .evict_every(Duration::from_secs(10))
+                .build(),
+        }
+    }
+}
+
+/// The scope of RLS identities in storage keys: `<prefix>:{rls:<hash>}:<domain>:<name>`.
+const SCOPE: &str = "rls";
+
+/// The identity of one request descriptor: the first 16 bytes of SHA-256 over the domain and
+/// every entry, each length-prefixed so that no two entry lists hash alike by concatenation.
+/// Descriptor values (client IPs, user ids) never appear raw in keys, logs or labels.
+fn descriptor_hash(domain: &str, descriptor: &RateLimitDescriptor) -> IdentityHash {
+    let mut hasher = Sha256::new();
+    let mut field = |text: &str| {
+        hasher.update((text.len() as u64).to_be_bytes());
+        hasher.update(text.as_bytes());
+    };
+    field(domain);
+    for entry in &descriptor.entries {
+        field(&entry.key);
+        field(&entry.value);
+    }
+    let digest = hasher.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    IdentityHash(bytes)
+}
+
+/// A domain's text as it may appear in a storage key (no `:`, `{` or `}`).
+fn key_safe(domain: &str) -> String {
+    domain
+        .chars()
+        .map(|c| if matches!(c, ':' | '{' | '}') { '_' } else { c })
+        .collect()
+}
+
+/// How one descriptor of the request is decided.
+enum Slot<'r> {
+    /// No configured descriptor matches: `OK`, no limit.
+    NoLimit,
+    /// Matched an `unlimited` one, or a counted one of `requests_per_unit: 0`.
+    Fixed(&'r DescriptorLimit),
+    /// Counted: index into the enforced (or shadow) checks.
+    Counted {
+        limit: &'r DescriptorLimit,
+        index: usize,
+    },
+}
+
+/// The decision of the enforced checks, or why there is none.
+enum Enforced {
+    Decided(Decision),
+    /// The store failed and `open` admits.
+    FailedOpen,
+}
+
+fn proto_duration(duration: Duration) -> ProtoDuration {
+    ProtoDuration {
+        seconds: i64::try_from(duration.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(duration.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+fn proto_limit(limit: &DescriptorLimit) -> ProtoLimit {
+    ProtoLimit {
+        name: limit.name.to_string(),
+        requests_per_unit: limit.requests_per_unit,
+        unit: limit.unit.proto(),
+    }
+}
+
+fn ok_status() -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok as i32,
+        ..DescriptorStatus::default()
+    }
+}
+
+impl RlsService {
+    /// Decides `checks` on the store, under the failure policy.
+    async fn decide(&self, checks: &[Check]) -> Result<Enforced, tonic::Status> {
+        let store = self.gateway.store();
+        let started = Instant::now();
+        let result = store.check_and_consume(checks, None).await;
+        telemetry::record_check_duration(store.backend(), started.elapsed());
+        let error = match result {
+            Ok(decision) => return Ok(Enforced::Decided(decision)),
+            Err(error) => error,
+        };
+        telemetry::record_store_error(&error);
+        let runtime = self.gateway.current();
+        let config = &runtime.config;
+        match config.on_store_error {
+            FailurePolicy::Open => {
+                tracing::debug!(%error, "rls: store failed; on_store_error open admits");
+                Ok(Enforced::FailedOpen)
+            }
+            FailurePolicy::Closed => Err(tonic::Status::unavailable(
+                "rate limit store unavailable (on_store_error: closed)",
+            )),
+            FailurePolicy::Local => {
+                let share = config.store.fallback_share;
+                let scaled: Vec<Check> = checks
+                    .iter()
+                    .map(|check| Check {
+                        limit: if share >= 1.0 {
+                            check.limit.clone()
+                        } else {
+                            Arc::new(check.limit.scaled(share))
+                        },
+                        ..check.clone()
+                    })
+                    .collect();
+                match self.fallback.check_and_consume(&scaled, None).await {
+                    Ok(decision) => Ok(Enforced::Decided(decision)),
+                    // The memory store does not fail; if it ever did, admit as `open` would.
+                    Err(_) => Ok(Enforced::FailedOpen),
+                }
+            }
+        }
+    }
+
+    /// The answer to one `ShouldRateLimit` request.
+    pub async fn should_rate_limit(
+        &self,
+        request: &RateLimitRequest,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        let rules = self.rules.current();
+        let Some(tree) = rules.domain(&request.domain) else {
+            // An unknown domain limits nothing (as envoyproxy/ratelimit answers).
+            return Ok(RateLimitResponse {
+                overall_code: Code::Ok as i32,
+                statuses: request.descriptors.iter().map(|_| ok_status()).collect(),
+                ..RateLimitResponse::default()
+            });
+        };
+        let runtime = self.gateway.current();
+        let config = &runtime.config;
+        let prefix = &config.store.prefix;
+        let rule: Arc<str> = Arc::from(request.domain.as_str());
+        let key_rule = key_safe(&request.domain);
+        let request_hits = u64::from(request.hits_addend.max(1));
+        let mut slots = Vec::with_capacity(request.descriptors.len());
+        let mut enforced: Vec<Check> = Vec::new();
+        let mut shadow: Vec<Check> = Vec::new();
+        let mut deny_all = false;
+        for descriptor in &request.descriptors {
+            if descriptor.is_negative_hits {
+                return Err(tonic::Status::invalid_argument(
+                    "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
+                ));
+            }
+            let entries = descriptor
+                .entries
+                .iter()
+                .map(|entry| (entry.key.as_str(), entry.value.as_str()));
+            let Some(limit) = tree.find(entries) else {
+                slots.push(Slot::NoLimit);
+                continue;
+            };
+            let counted = match &limit.action {
+                Action::Unlimited => None,
+                Action::DenyAll => {
+                    deny_all |= !limit.shadow_mode;
+                    None
+                }
+                Action::Limited(counted) => Some(counted),
+            };
+            let Some(counted) = counted else {
+                slots.push(Slot::Fixed(limit));
+                continue;
+            };
+            // hits_addend 0 (unset) means 1, at both levels.
+            let hits = descriptor
+                .hits_addend
+                .as_ref()
+                .map_or(request_hits, |hits| hits.value.max(1));
+            let key = storage_key(
+                prefix,
+                SCOPE,
+                &descriptor_hash(&request.domain, descriptor),
+                &key_rule,
+                counted.name(),
+            );
+            let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
+            let list = if limit.shadow_mode {
+                &mut shadow
+            } else {
+                &mut enforced
+            };
+            slots.push(Slot::Counted {
+                limit,
+                index: list.len(),
+            });
+            list.push(check);
+        }
+
+        // All or nothing: a request that a `requests_per_unit: 0` descriptor refuses consumes
+        // from none of the others, so the store is not asked.
+        let enforced_decision = if enforced.is_empty() || deny_all {
+            None
+        } else {
+            Some(self.decide(&enforced).await?)
+        };
+        // Shadow descriptors count on their own (as envoyproxy/ratelimit counts every
+        // descriptor), so that one over its limit never blocks the request nor the others.
+        let mut shadow_decisions = Vec::with_capacity(shadow.len());
+        for check in &shadow {
+            shadow_decisions.push(self.decide(std::slice::from_ref(check)).await?);
+        }
+
+        let admitted = !deny_all
+            && match &enforced_decision {
+                Some(Enforced::Decided(decision)) => decision.is_allowed(),
+                _ => true,
+            };
+        let mut statuses = Vec::with_capacity(slots.len());
+        for slot in &slots {
+            let status = match *slot {
+                Slot::NoLimit => ok_status(),
+                Slot::Fixed(limit) => {
+                    let over = matches!(limit.action, Action::DenyAll);
+                    let label = match (over, limit.shadow_mode) {
+                        (false, _) => DecisionLabel::Allowed,
+                        (true, true) => DecisionLabel::ShadowLimited,
+                        (true, false) => DecisionLabel::Limited,
+                    };
+                    telemetry::record_decision(&rule, &limit.key_path, label);
+                    DescriptorStatus {
+                        code: if over && !limit.shadow_mode {
+                            Code::OverLimit as i32
+                        } else {
+                            Code::Ok as i32
+                        },
+                        current_limit: over.then(|| proto_limit(limit)),
+                        limit_remaining: if over { 0 } else { u32::MAX },
+                        ..DescriptorStatus::default()
+                    }
+                }
+                Slot::Counted { limit, index } => {
+                    let decided = if limit.shadow_mode {
+                        shadow_decisions.get(index)
+                    } else {
+                        enforced_decision.as_ref()
+                    };
+                    let decision = match decided {
+                        Some(Enforced::Decided(decision)) => Some(decision),
+                        _ => None,
+                    };
+                    let position = if limit.shadow_mode { 0 } else { index };
+                    let state = decision.and_then(|decision| {
+                        decision
+                            .limits()
+                            .get(position)
+                            .map(|state| (decision, state))
+                    });
+                    let label = match state {
+                        // Not asked: a `requests_per_unit: 0` descriptor refused the request.
+                        None if !admitted => DecisionLabel::Limited,
+                        // The store failed and `open` admitted.
+                        None => DecisionLabel::FallbackAllowed,
+                        Some((decision, state)) => {
+                            let fallback = decision.source() == DecisionSource::LocalFallback;
+                            let allowed = if limit.shadow_mode {
+                                state.allowed
+                            } else {
+                                admitted
+                            };
+                            match (limit.shadow_mode, fallback, allowed) {
+                                (true, _, false) => DecisionLabel::ShadowLimited,
+                                (_, false, true) => DecisionLabel::Allowed,
+                                (false, false, false) => DecisionLabel::Limited,
+                                (_, true, true) => DecisionLabel::FallbackAllowed,
+                                (false, true, false) => DecisionLabel::FallbackLimited,
+                            }
+                        }
+                    };
+                    telemetry::record_decision(&rule, &limit.key_path, label);
+                    match state {
+                        None => DescriptorStatus {
+                            code: Code::Ok as i32,
+                            current_limit: Some(proto_limit(limit)),
+                            ..DescriptorStatus::default()
+                        },
+                        Some((_, state)) => DescriptorStatus {
+                            code: if state.allowed || limit.shadow_mode {
+                                Code::Ok as i32
+                            } else {
+                                Code::OverLimit as i32
+                            },
+                            current_limit: Some(proto_limit(limit)),
+                            limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
+                            duration_until_reset: Some(proto_duration(state.reset_after)),
+                            ..DescriptorStatus::default()
+                        },
+                    }
+                }
+            };
+            statuses.push(status);
+        }
+
+        let mut response_headers_to_add = Vec::new();
+        if self.response_headers
+            && let Some(Enforced::Decided(decision)) = &enforced_decision
+        {
+            let style = config.response.headers;
+            if style != HeaderStyle::None {
+                let mut headers = http::HeaderMap::new();
+                RateLimitHeaders::new(decision, style).apply(&mut headers);
+                if let Some(wait) = decision.retry_after() {
+                    let seconds = floodgate::headers::retry_after_secs(
+                        wait,
+                        config.response.retry_after_jitter,
+                        fastrand::f64(),
+                    );
+                    headers.insert(http::header::RETRY_AFTER, http::HeaderValue::from(seconds));
+                }
+                for (name, value) in &headers {
+                    response_headers_to_add.push(ProtoHeader {
+                        key: name.as_str().to_owned(),
+                        value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                        ..ProtoHeader::default()
+                    });
+                }
+            }
+        }
+        Ok(RateLimitResponse {
+            overall_code: if admitted {
+                Code::Ok as i32
+            } else {
+                Code::OverLimit as i32
+            },
+            statuses,
+            response_headers_to_add,
+            ..RateLimitResponse::default()
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RlsService {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        RlsService::should_rate_limit(self, request.get_ref())
+            .await
+            .map(tonic::Response::new)
+    }
+}
