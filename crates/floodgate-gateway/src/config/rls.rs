@@ -15,9 +15,14 @@ pub struct RawRls {
     pub listen: String,
     /// The directory of envoyproxy/ratelimit-format domain files.
     pub config_dir: String,
-    /// Whether answers carry rate limit headers in `response_headers_to_add`.
-    #[serde(default)]
+    /// Whether answers carry rate limit headers in `response_headers_to_add` (default true, as
+    /// SPEC §10's example shows).
+    #[serde(default = "default_response_headers")]
     pub response_headers: bool,
+}
+
+fn default_response_headers() -> bool {
+    true
 }
 
 /// `rls:`, validated.
@@ -42,4 +47,19 @@ pub(super) fn rls(errors: &mut Errors, raw: Option<&RawRls>) -> Option<RlsSettin
         config_dir: PathBuf::from(&raw.config_dir),
         response_headers: raw.response_headers,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn answers_carry_headers_unless_switched_off() {
+        let on =
+            super::super::parse("rls: { listen: \"127.0.0.1:8081\", config_dir: rls }\n").unwrap();
+        assert!(on.rls.as_ref().unwrap().response_headers, "SPEC §10: true");
+        let off = super::super::parse(
+            "rls: { listen: \"127.0.0.1:8081\", config_dir: rls, response_headers: false }\n",
+        )
+        .unwrap();
+        assert!(!off.rls.as_ref().unwrap().response_headers);
+    }
 }
