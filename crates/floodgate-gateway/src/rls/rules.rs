@@ -182,12 +182,30 @@ impl Node {
             node = node
                 .children
                 .get(&child_key(entry.0, Some(entry.1)))
+                .or_else(|| node.wildcard_child(entry.0, entry.1))
                 .or_else(|| node.children.get(entry.0))?;
             match entries.next() {
                 Some(next) => entry = next,
                 None => return node.limit.as_ref(),
             }
         }
+    }
+}
+
+impl Node {
+    /// The child whose `value` ends in `*` and is a prefix of `value` (envoyproxy/ratelimit's
+    /// wildcard values: `value: "user_*"`), the longest such prefix if several match. Tried
+    /// after the exact value, before the value-less key.
+    fn wildcard_child(&self, key: &str, value: &str) -> Option<&Node> {
+        self.children
+            .iter()
+            .filter_map(|(name, child)| {
+                let (child_key, pattern) = name.split_once('\0')?;
+                let prefix = pattern.strip_suffix('*')?;
+                (child_key == key && value.starts_with(prefix)).then_some((prefix.len(), child))
+            })
+            .max_by_key(|(length, _)| *length)
+            .map(|(_, child)| child)
     }
 }
 
@@ -534,6 +552,42 @@ descriptors:
             "no limit on the parent"
         );
         assert!(find(&root, &[]).is_none());
+    }
+
+    #[test]
+    fn wildcard_values_match_by_prefix_after_exact_values() {
+        let (_, root) = parse_domain(
+            "wild.yaml",
+            r#"
+domain: wild
+descriptors:
+  - key: user
+    value: "premium_*"
+    rate_limit: { unit: second, requests_per_unit: 100, name: premium }
+  - key: user
+    value: "premium_gold_*"
+    rate_limit: { unit: second, requests_per_unit: 1000, name: gold }
+  - key: user
+    value: premium_special
+    rate_limit: { unit: second, requests_per_unit: 7, name: special }
+  - key: user
+    rate_limit: { unit: second, requests_per_unit: 10, name: anyone }
+"#,
+        )
+        .unwrap();
+        let name = |value: &str| {
+            find(&root, &[("user", value)])
+                .map(|limit| limit.name.to_string())
+                .unwrap()
+        };
+        assert_eq!(name("premium_42"), "premium");
+        assert_eq!(name("premium_gold_1"), "gold", "the longest prefix wins");
+        assert_eq!(
+            name("premium_special"),
+            "special",
+            "an exact value beats a wildcard"
+        );
+        assert_eq!(name("basic_1"), "anyone", "then the value-less key");
     }
 
     #[test]
