@@ -675,3 +675,51 @@ async fn with_redis_killed_local_decides_on_the_node() {
         "the per-node fallback holds the configured limit (fallback_share 1.0)"
     );
 }
+
+/// envoyproxy/ratelimit's `replaces`: a premium limit sets aside the standard one when both
+/// match one request.
+const REPLACES: &str = r#"
+domain: api
+descriptors:
+  - key: user
+    rate_limit: { unit: day, requests_per_unit: 2, name: standard }
+  - key: plan
+    value: premium
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+      name: premium
+      replaces: [ { name: standard } ]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_that_replaces_another_sets_it_aside() {
+    let rls = Rls::start(&[("api.yaml", REPLACES)], "", false);
+    let mut client = rls.client().await;
+    let mut premium = Vec::new();
+    for _ in 0..4 {
+        let answer = ask(
+            &mut client,
+            "api",
+            &[&[("user", "u1")], &[("plan", "premium")]],
+        )
+        .await;
+        premium.push(answer.overall_code == Code::Ok as i32);
+        assert_eq!(answer.statuses[0].code, Code::Ok as i32);
+        assert!(
+            answer.statuses[0].current_limit.is_none(),
+            "standard is set aside"
+        );
+    }
+    assert_eq!(
+        premium,
+        [true, true, true, true],
+        "premium's 100, not standard's 2"
+    );
+    let mut standard = Vec::new();
+    for _ in 0..3 {
+        let answer = ask(&mut client, "api", &[&[("user", "u2")]]).await;
+        standard.push(answer.overall_code == Code::Ok as i32);
+    }
+    assert_eq!(standard, [true, true, false], "alone, standard applies");
+}

@@ -60,6 +60,15 @@ struct RawRateLimit {
     name: Option<String>,
     #[serde(default)]
     unlimited: bool,
+    /// Named limits that this one replaces when both match one request.
+    #[serde(default)]
+    replaces: Vec<RawReplace>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReplace {
+    name: String,
 }
 
 /// The time units of envoyproxy/ratelimit, in the protocol's numbering.
@@ -151,6 +160,9 @@ pub struct DescriptorLimit {
     pub action: Action,
     /// Counted, but always answered `OK`.
     pub shadow_mode: bool,
+    /// `rate_limit.replaces`: the names of limits this one sets aside when both match one
+    /// request (those descriptors are answered `OK` and not counted).
+    pub replaces: Vec<Arc<str>>,
 }
 
 /// One level of a domain's descriptor tree.
@@ -383,6 +395,11 @@ fn descriptor(
                     unit,
                     action,
                     shadow_mode: raw.shadow_mode,
+                    replaces: rate_limit
+                        .replaces
+                        .iter()
+                        .map(|replaced| Arc::from(limit_name(&replaced.name)))
+                        .collect(),
                 });
             }
         }

@@ -186,17 +186,37 @@ impl RlsService {
         let mut enforced: Vec<Check> = Vec::new();
         let mut shadow: Vec<Check> = Vec::new();
         let mut deny_all = false;
-        for descriptor in &request.descriptors {
+        let matched: Vec<Option<&DescriptorLimit>> = request
+            .descriptors
+            .iter()
+            .map(|descriptor| {
+                tree.find(
+                    descriptor
+                        .entries
+                        .iter()
+                        .map(|entry| (entry.key.as_str(), entry.value.as_str())),
+                )
+            })
+            .collect();
+        // `replaces`: a matched limit sets aside the limits it names (not itself).
+        let replaced: Vec<&str> = matched
+            .iter()
+            .flatten()
+            .flat_map(|limit| {
+                limit
+                    .replaces
+                    .iter()
+                    .filter(|name| **name != limit.name)
+                    .map(|name| &**name)
+            })
+            .collect();
+        for (descriptor, limit) in request.descriptors.iter().zip(&matched) {
             if descriptor.is_negative_hits {
                 return Err(tonic::Status::invalid_argument(
                     "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
                 ));
             }
-            let entries = descriptor
-                .entries
-                .iter()
-                .map(|entry| (entry.key.as_str(), entry.value.as_str()));
-            let Some(limit) = tree.find(entries) else {
+            let Some(limit) = limit.filter(|limit| !replaced.contains(&&*limit.name)) else {
                 slots.push(Slot::NoLimit);
                 continue;
             };
