@@ -20,7 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use support::{Gateway, TempDir, addresses, config_text};
+use support::{Gateway, TempDir};
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -71,6 +71,15 @@ impl Pki {
         std::fs::write(&cert_path, cert.pem()).unwrap();
         std::fs::write(&key_path, key.serialize_pem()).unwrap();
         (cert_path, key_path)
+    }
+
+    /// A client configuration trusting this CA only.
+    fn client_config(&self) -> rustls::ClientConfig {
+        rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(self.roots())
+            .with_no_client_auth()
     }
 
     fn roots(&self) -> rustls::RootCertStore {
@@ -296,11 +305,7 @@ fn tls_client(
     pki: &Pki,
     http2: bool,
 ) -> Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>> {
-    let config = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(pki.roots())
-        .with_no_client_auth();
+    let config = pki.client_config();
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(config)
         .https_only();
@@ -317,11 +322,7 @@ fn tls_client(
 
 /// The certificate the listener presents to a fresh handshake.
 async fn presented_certificate(pki: &Pki, listen: SocketAddr) -> Option<CertificateDer<'static>> {
-    let config = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(pki.roots())
-        .with_no_client_auth();
+    let config = pki.client_config();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let stream = tokio::net::TcpStream::connect(listen).await.ok()?;
     let tls = connector
@@ -329,6 +330,16 @@ async fn presented_certificate(pki: &Pki, listen: SocketAddr) -> Option<Certific
         .await
         .ok()?;
     tls.get_ref().1.peer_certificates()?.first().cloned()
+}
+
+/// A gateway with `listen_tls` serving `cert`/`key`, in front of `upstream`.
+fn start_tls_gateway(upstream: &support::Upstream, cert: &Path, key: &Path) -> (Gateway, TempDir) {
+    let rest = format!(
+        "listen_tls: {{ cert: \"{}\", key: \"{}\" }}\n",
+        cert.display(),
+        key.display()
+    );
+    support::start_gateway(&upstream.url(), &rest)
 }
 
 fn replace(path: &Path, contents: &[u8]) {
@@ -342,16 +353,8 @@ async fn the_tls_listener_serves_h1_and_h2_and_follows_certificate_rotation() {
     let upstream = support::Upstream::start().await;
     let pki = Pki::new("listener");
     let (cert, key_path) = pki.issue("listener", &["127.0.0.1"]);
-    let directory = TempDir::new("tls-listener");
-    let (listen, admin) = addresses();
-    let config = directory.file("floodgate.yaml");
-    let rest = format!(
-        "listen_tls: {{ cert: \"{}\", key: \"{}\" }}\n",
-        cert.display(),
-        key_path.display()
-    );
-    std::fs::write(&config, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
-    let gateway = Gateway::start(&config, listen, admin);
+    let (gateway, _directory) = start_tls_gateway(&upstream, &cert, &key_path);
+    let listen = gateway.listen;
     let url = format!("https://127.0.0.1:{}/over-tls", listen.port());
     for http2 in [false, true] {
         let client = tls_client(&pki, http2);
@@ -553,21 +556,9 @@ async fn websocket_and_streaming_work_over_the_tls_listener() {
     let upstream = support::Upstream::start().await;
     let pki = Pki::new("ws");
     let (cert, key_path) = pki.issue("listener", &["127.0.0.1"]);
-    let directory = TempDir::new("tls-ws");
-    let (listen, admin) = addresses();
-    let config = directory.file("floodgate.yaml");
-    let rest = format!(
-        "listen_tls: {{ cert: \"{}\", key: \"{}\" }}\n",
-        cert.display(),
-        key_path.display()
-    );
-    std::fs::write(&config, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
-    let _gateway = Gateway::start(&config, listen, admin);
-    let tls_config = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(pki.roots())
-        .with_no_client_auth();
+    let (gateway, _directory) = start_tls_gateway(&upstream, &cert, &key_path);
+    let listen = gateway.listen;
+    let tls_config = pki.client_config();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(tls_config));
     let tcp = tokio::net::TcpStream::connect(listen).await.unwrap();
     let mut stream = connector
