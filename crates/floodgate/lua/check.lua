@@ -3,8 +3,11 @@
 -- KEYS: one per limit (all on one hash slot in Redis Cluster).
 -- ARGV[1]: mode: 'check' (all-or-nothing), 'refund' (give back what a 'check' took), 'peek'
 --          (evaluate at the request's cost and consume nothing: limits on slots after one that
---          denied), or 'sync' (batched mode: add what a node admitted locally, unconditionally,
---          and read back the state every node contributed to).
+--          denied, and operators inspecting a client), 'charge' (add each cost
+--          unconditionally: a post-charge once the response told the request's real cost; never
+--          denies, may leave debt; concurrency limits are skipped), or 'sync' (batched mode:
+--          add what a node admitted locally, unconditionally, and read back the state every
+--          node contributed to).
 -- ARGV[2]: now in microseconds, or '' to use the server's clock (TIME), so that gateways with
 --          skewed clocks agree.
 -- Then 7 values per limit: algorithm, limit, window, burst, emission, cost, and a token: the
@@ -14,7 +17,8 @@
 -- Reply to 'check' (and 'peek', never admitted): { now, admitted, then per limit: allowed,
 -- remaining, reset_after, retry_after (-1: none), delay, token }. Reply to 'refund': { now,
 -- then per limit the same five outcome fields as evaluated after the refund, without charge,
--- and '' }. Reply to 'sync' (cost: the units to add): { now, then per limit: present (0/1) and
+-- and '' }. Reply to 'charge': the same as to 'refund', evaluated after the charge. Reply to
+-- 'sync' (cost: the units to add): { now, then per limit: present (0/1) and
 -- three state fields }.
 
 local PER_LIMIT = 7
@@ -75,6 +79,19 @@ if mode == 'sync' then
         reply[#reply + 1] = 0
       end
     end
+  end
+  return reply
+end
+
+if mode == 'charge' then
+  local reply = { now, 0 }
+  for i = 1, #KEYS do
+    local p = params[i]
+    local algorithm = ALGORITHMS[p.algorithm]
+    if p.cost > 0 and p.algorithm ~= 'concurrency' then
+      algorithm.consume(KEYS[i], algorithm.load(KEYS[i], p, now), p, now, p.cost)
+    end
+    append(reply, algorithm.evaluate(algorithm.load(KEYS[i], p, now), p, now, 0), '')
   end
   return reply
 end

@@ -7,16 +7,18 @@ use std::time::Duration;
 
 use tower_layer::Layer;
 
+use crate::decision::Decision;
 use crate::headers::HeaderStyle;
-use crate::key::{DefaultIdentifier, IdentifyClient, RequestInfo};
+use crate::key::{DefaultIdentifier, IdentifyClient, Identity, RequestInfo};
 use crate::limit::{Limit, is_valid_name};
 use crate::lists::ClientList;
 use crate::plan::{LimitPlan, StaticPlan};
+use crate::post_charge::ResponseCost;
 use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
 use crate::service::{LocalFallback, RateLimit, RequestCost, Shared, UnknownIdentity};
 use crate::store::resilience::{LogObserver, StoreObserver};
-use crate::store::{MemoryStore, Store};
+use crate::store::{Check, MemoryStore, Store};
 use crate::telemetry::LimitedRateBaseline;
 use crate::top::TopClients;
 
@@ -157,6 +159,67 @@ impl RateLimitLayer {
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.shared.store
     }
+
+    /// Who `request` is from and the checks it would meet, decided by nothing: build a
+    /// request that stands for a client (its API key header, a [`crate::PeerAddr`]) to look
+    /// that client up. `None` when no limit applies (allowlisted, or no check) or the request
+    /// would be answered before any check (denylisted, unidentified under
+    /// [`UnknownIdentity::Reject`]).
+    pub fn checks_for<B>(&self, request: &http::Request<B>) -> Option<(Identity, Vec<Check>)> {
+        match self.shared.checks(request) {
+            Ok((checks, _, identity)) if !checks.is_empty() => Some((identity, checks)),
+            _ => None,
+        }
+    }
+
+    /// What the client of `request` has left on every limit it meets, read from the store
+    /// without consuming anything (an operator's "why is this client limited?"). With the
+    /// batched store, this node's view.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use floodgate::{Limit, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::fixed_window("per-minute", 100, Duration::from_secs(60))?)
+    ///     .build()?;
+    /// // A request standing for the client with API key "k1".
+    /// let client = http::Request::get("/").header("x-api-key", "k1").body(())?;
+    /// let decision = layer.peek(&client).await?.expect("a limit applies");
+    /// assert_eq!(decision.limits()[0].remaining, 100);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn peek<B>(
+        &self,
+        request: &http::Request<B>,
+    ) -> Result<Option<Decision>, crate::StoreError> {
+        let Some((_, checks)) = self.checks_for(request) else {
+            return Ok(None);
+        };
+        self.shared.store.peek(&checks, None).await.map(Some)
+    }
+
+    /// Resets the state of every limit the client of `request` meets, or only of the limit
+    /// named `only`, on whichever store is in use (leases included); returns how many keys held
+    /// state. Log who asked: this unblocks a client at once.
+    pub async fn reset<B>(
+        &self,
+        request: &http::Request<B>,
+        only: Option<&str>,
+    ) -> Result<u64, crate::StoreError> {
+        let Some((_, checks)) = self.checks_for(request) else {
+            return Ok(0);
+        };
+        let keys: Vec<Arc<str>> = checks
+            .iter()
+            .filter(|check| only.is_none_or(|name| check.limit.name() == name))
+            .map(|check| check.key.clone())
+            .collect();
+        self.shared.store.reset(&keys).await
+    }
 }
 
 impl<S> Layer<S> for RateLimitLayer {
@@ -189,6 +252,7 @@ pub struct RateLimitLayerBuilder {
     limited_response: Option<LimitedResponseHook>,
     on_unknown_identity: UnknownIdentity,
     concurrency_retry_hint: Option<Duration>,
+    response_cost: Option<Arc<dyn ResponseCost>>,
     /// Which of `rule` and `key_prefix` were set (they conflict with a plan).
     rule_set: bool,
     prefix_set: bool,
@@ -216,6 +280,7 @@ impl Default for RateLimitLayerBuilder {
             limited_response: None,
             on_unknown_identity: UnknownIdentity::default(),
             concurrency_retry_hint: None,
+            response_cost: None,
             rule_set: false,
             prefix_set: false,
         }
@@ -432,6 +497,15 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// Charges each request's real cost once its response tells it (SPEC §9): the request
+    /// is admitted at its up-front cost, and what the response reports beyond it is charged
+    /// to the same limits without denying anything; a client left in debt waits it out. See
+    /// [`crate::post_charge`]. Costs one more store call per response that reports a cost.
+    pub fn charge_from_response(mut self, cost: impl ResponseCost) -> Self {
+        self.response_cost = Some(Arc::new(cost));
+        self
+    }
+
     /// Validates the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer, BuildError> {
         if !is_valid_name(&self.rule) {
@@ -524,6 +598,7 @@ impl RateLimitLayerBuilder {
                 on_unknown_identity: self.on_unknown_identity,
                 concurrency_retry_hint: self.concurrency_retry_hint,
                 unidentified: Default::default(),
+                response_cost: self.response_cost,
             }),
         })
     }

@@ -13,6 +13,7 @@ mod layer;
 mod limit;
 mod lists;
 pub mod plan;
+pub mod post_charge;
 mod response;
 mod rollout;
 mod service;
@@ -33,6 +34,7 @@ pub use limit::{
 };
 pub use lists::{ClientList, api_key_digest};
 pub use plan::{LimitPlan, StaticPlan, TieredPlan};
+pub use post_charge::{CostHeader, ReportedCost, ResponseCost};
 pub use response::{
     Denial, MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
 };

@@ -20,6 +20,7 @@ use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
 use crate::lists::ClientList;
 use crate::plan::LimitPlan;
+use crate::post_charge::{self, ReportedCost, ResponseCost};
 use crate::response::{
     Denial, LimitedResponseHook, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
@@ -66,6 +67,7 @@ pub(crate) struct Shared {
     pub(crate) on_unknown_identity: UnknownIdentity,
     pub(crate) concurrency_retry_hint: Option<Duration>,
     pub(crate) unidentified: Unidentified,
+    pub(crate) response_cost: Option<Arc<dyn ResponseCost>>,
 }
 
 /// What happens to a request whose client cannot be identified: no API key, no user, and no
@@ -85,7 +87,7 @@ pub enum UnknownIdentity {
 }
 
 /// A request answered before any limit is checked.
-enum EarlyAnswer {
+pub(crate) enum EarlyAnswer {
     /// 403.
     Denylisted,
     /// 500 under [`UnknownIdentity::Reject`].
@@ -115,7 +117,10 @@ impl Shared {
     /// The checks for a request, whether it is shadowed (counted, never blocked), and who it is;
     /// or the answer it gets without any check (403 denylisted, 500 unidentified under
     /// [`UnknownIdentity::Reject`]). Allowlisted clients get no checks.
-    fn checks<B>(&self, request: &Request<B>) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
+    pub(crate) fn checks<B>(
+        &self,
+        request: &Request<B>,
+    ) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
         if identity == Identity::Unknown {
@@ -167,6 +172,20 @@ impl Shared {
                 );
             }
         }
+    }
+
+    /// Charges what the response says the request cost beyond its up-front cost: reported
+    /// by the inner service in the response's extensions, or read by the layer's
+    /// [`ResponseCost`]. Without either, nothing happens.
+    async fn post_charge<B>(&self, checks: &[Check], response: &mut Response<B>) {
+        let reported = match response.extensions_mut().remove::<ReportedCost>() {
+            Some(reported) => reported,
+            None => match &self.response_cost {
+                Some(cost) => cost.reported_cost(response.headers_mut()),
+                None => return,
+            },
+        };
+        post_charge::charge(&*self.store, checks, reported).await;
     }
 
     async fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
@@ -406,11 +425,16 @@ where
             }
         }
     };
+    // Only what the store decided is post-charged: a fallback decision has nothing to charge.
+    let post_charged = decision.source() == DecisionSource::Store;
     if shadowed {
         // Invisible to the client: no denial, no delay, no rate limit headers.
         let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
         request.extensions_mut().insert(decision);
-        let response = inner.call(request).await?;
+        let mut response = inner.call(request).await?;
+        if post_charged {
+            shared.post_charge(&checks, &mut response).await;
+        }
         return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
     }
     if !decision.is_allowed() {
@@ -424,6 +448,10 @@ where
     let headers = RateLimitHeaders::new(&decision, shared.responses.headers);
     request.extensions_mut().insert(decision);
     let mut response = inner.call(request).await?;
+    if post_charged {
+        // Before the head goes out, so that the client's next request sees the charge.
+        shared.post_charge(&checks, &mut response).await;
+    }
     headers.apply_to_response(&mut response);
     Ok(response.map(|body| RateLimitBody::inner(body, leases)))
 }

@@ -3,6 +3,8 @@
 //! identity, so the number of series is bounded by the configuration, not by the traffic.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use crate::store::StoreError;
@@ -27,6 +29,22 @@ pub const BATCHED_DROPPED_UNITS_TOTAL: &str = "floodgate_batched_dropped_units_t
 pub fn record_batched_sync(succeeded: bool) {
     let result = if succeeded { "ok" } else { "error" };
     metrics::counter!(BATCHED_SYNCS_TOTAL, "result" => result).increment(1);
+}
+
+/// `floodgate_post_charge_units_total`: units charged after the response (SPEC §9).
+pub const POST_CHARGE_UNITS_TOTAL: &str = "floodgate_post_charge_units_total";
+/// `floodgate_post_charge_skipped_total{reason}`: responses whose cost was `missing`,
+/// `malformed`, or not recorded because of a `store_error`.
+pub const POST_CHARGE_SKIPPED_TOTAL: &str = "floodgate_post_charge_skipped_total";
+
+/// Counts units post-charged for one response.
+pub fn record_post_charge_units(units: u64) {
+    metrics::counter!(POST_CHARGE_UNITS_TOTAL).increment(units);
+}
+
+/// Counts a response whose cost charged nothing more, by reason.
+pub fn record_post_charge_skipped(reason: &'static str) {
+    metrics::counter!(POST_CHARGE_SKIPPED_TOTAL, "reason" => reason).increment(1);
 }
 
 /// Counts units dropped by batched mode.
@@ -54,6 +72,17 @@ pub enum DecisionLabel {
 }
 
 impl DecisionLabel {
+    /// Every outcome, in the order of [`decision_totals`].
+    pub const ALL: [DecisionLabel; 7] = [
+        DecisionLabel::Allowed,
+        DecisionLabel::Limited,
+        DecisionLabel::ShadowLimited,
+        DecisionLabel::Bypassed,
+        DecisionLabel::Denylisted,
+        DecisionLabel::FallbackAllowed,
+        DecisionLabel::FallbackLimited,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -68,8 +97,18 @@ impl DecisionLabel {
     }
 }
 
+/// Decisions of this process by outcome, readable in place (the metrics recorder's counters
+/// are not): what a status page shows without scraping itself.
+static DECISION_TOTALS: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+
+/// Decisions made in this process so far, by outcome, in the order of [`DecisionLabel::ALL`].
+pub fn decision_totals() -> [(DecisionLabel, u64); 7] {
+    DecisionLabel::ALL.map(|label| (label, DECISION_TOTALS[label as usize].load(Relaxed)))
+}
+
 /// Counts one decision.
 pub fn record_decision(rule: &str, limit: &str, decision: DecisionLabel) {
+    DECISION_TOTALS[decision as usize].fetch_add(1, Relaxed);
     metrics::counter!(
         DECISIONS_TOTAL,
         "rule" => rule.to_owned(),
@@ -82,6 +121,7 @@ pub fn record_decision(rule: &str, limit: &str, decision: DecisionLabel) {
 /// Counts one decision of a limit whose rule and name are shared strings: the labels share
 /// them instead of copying them (this runs on every request).
 pub fn record_limit_decision(rule: &Arc<str>, limit: &Arc<str>, decision: DecisionLabel) {
+    DECISION_TOTALS[decision as usize].fetch_add(1, Relaxed);
     metrics::counter!(
         DECISIONS_TOTAL,
         "rule" => metrics::SharedString::from_shared(rule.clone()),
@@ -105,6 +145,7 @@ pub fn record_store_error(error: &StoreError) {
         StoreError::BreakerOpen => "breaker_open",
         StoreError::Protocol(_) => "protocol",
         StoreError::Config(_) => "config",
+        StoreError::Unsupported(_) => "unsupported",
     };
     metrics::counter!(STORE_ERRORS_TOTAL, "kind" => kind).increment(1);
 }
@@ -190,7 +231,6 @@ impl LimitedRateBaseline {
 
     /// Counts one decision.
     pub fn record(&self, limited: bool) {
-        use std::sync::atomic::Ordering::Relaxed;
         self.decisions.fetch_add(1, Relaxed);
         if limited {
             self.limited.fetch_add(1, Relaxed);
@@ -200,7 +240,6 @@ impl LimitedRateBaseline {
     /// Closes an interval: returns its limited ratio and whether it is an anomaly (more than
     /// 2σ from the mean of the trailing intervals, with at least 5 of them), and sets the gauges.
     pub fn tick(&self) -> (f64, bool) {
-        use std::sync::atomic::Ordering::Relaxed;
         let decisions = self.decisions.swap(0, Relaxed);
         let limited = self.limited.swap(0, Relaxed);
         let ratio = if decisions == 0 {
@@ -281,6 +320,14 @@ pub fn describe_metrics() {
     describe_gauge!(
         LIMITED_RATIO_ANOMALY,
         "1 while the 429 share is more than 2 sigma from its trailing 5-minute baseline"
+    );
+    describe_counter!(
+        POST_CHARGE_UNITS_TOTAL,
+        "Units charged after the response, from the cost it reported"
+    );
+    describe_counter!(
+        POST_CHARGE_SKIPPED_TOTAL,
+        "Responses whose reported cost charged nothing more, by reason (missing, malformed, store_error)"
     );
     describe_counter!(
         UNIDENTIFIED_REQUESTS_TOTAL,

@@ -56,6 +56,29 @@ impl<T: SyncTarget> Store for SyncedAfterEveryDecision<T> {
     fn backend(&self) -> &'static str {
         "batched"
     }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        self.node.peek(checks, now)
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        self.node.reset(keys)
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.node.charge(checks, now).await?;
+            self.node.sync_now(now).await
+        })
+    }
 }
 
 async fn synced_node() -> SyncedAfterEveryDecision {

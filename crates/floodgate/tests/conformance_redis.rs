@@ -134,6 +134,30 @@ mod cluster {
         fn backend(&self) -> &'static str {
             "redis_cluster"
         }
+
+        fn peek<'a>(
+            &'a self,
+            checks: &'a [Check],
+            now: Option<floodgate::Timestamp>,
+        ) -> floodgate::store::BoxFuture<'a, Result<floodgate::Decision, floodgate::StoreError>>
+        {
+            self.store.peek(checks, now)
+        }
+
+        fn reset<'a>(
+            &'a self,
+            keys: &'a [Arc<str>],
+        ) -> floodgate::store::BoxFuture<'a, Result<u64, floodgate::StoreError>> {
+            self.store.reset(keys)
+        }
+
+        fn charge<'a>(
+            &'a self,
+            checks: &'a [Check],
+            now: Option<floodgate::Timestamp>,
+        ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
+            self.store.charge(checks, now)
+        }
     }
 
     fn on(cluster: RedisCluster) -> ClusterStore {

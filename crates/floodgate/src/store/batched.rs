@@ -348,6 +348,100 @@ impl<T: SyncTarget> BatchedStore<T> {
 }
 
 impl<T: SyncTarget> Shared<T> {
+    /// What `checks` would decide on this node, changing nothing: a key this node holds is
+    /// read from its local copy (this node's view, up to one interval behind the others); any
+    /// other key from the shared store, without adopting it.
+    async fn peek(&self, checks: &[Check], now: Option<Timestamp>) -> Result<Decision, StoreError> {
+        let decided_at = self.now(now);
+        let mut states: Vec<Option<Option<State>>> = checks
+            .iter()
+            .map(
+                |check| match self.lock_shard_of(&check.key).get(&*check.key) {
+                    Some(Slot::Ready(entry)) => Some(entry.state.clone()),
+                    _ => None,
+                },
+            )
+            .collect();
+        let missing: Vec<usize> = (0..checks.len())
+            .filter(|&index| states[index].is_none())
+            .collect();
+        if !missing.is_empty() {
+            let reads: Vec<Check> = missing
+                .iter()
+                .map(|&index| sync_check(&checks[index].key, &checks[index].limit, 0))
+                .collect();
+            let synced = self.target.sync(&reads, now).await?;
+            for (&index, state) in missing.iter().zip(synced.states) {
+                states[index] = Some(state);
+            }
+        }
+        let outcomes: Vec<LimitOutcome> = checks
+            .iter()
+            .zip(&states)
+            .map(|(check, state)| {
+                let state = state.as_ref().and_then(Option::as_ref);
+                let outcome = algorithm::evaluate(&check.limit, state, decided_at, check.cost);
+                if outcome.allowed {
+                    algorithm::evaluate(&check.limit, state, decided_at, 0)
+                } else {
+                    outcome
+                }
+            })
+            .collect();
+        Ok(Decision::from_outcomes(
+            Timestamp::from_micros(decided_at),
+            checks,
+            &outcomes,
+            Vec::new(),
+        ))
+    }
+
+    /// Post-charges `checks`: on this node's copy, sent with the next sync, for keys it holds;
+    /// straight to the shared store for the others.
+    async fn charge(&self, checks: &[Check], now: Option<Timestamp>) -> Result<(), StoreError> {
+        let decided_at = self.now(now);
+        let mut direct = Vec::new();
+        for check in checks {
+            if check.cost == 0 || !supports(check.limit.algorithm()) {
+                continue;
+            }
+            let mut shard = self.lock_shard_of(&check.key);
+            match shard.get_mut(&*check.key) {
+                Some(Slot::Ready(entry)) => {
+                    algorithm::consume(
+                        &entry.limit.clone(),
+                        &mut entry.state,
+                        decided_at,
+                        check.cost,
+                        0,
+                    );
+                    if entry.pending == 0 {
+                        entry.pending_since = self.clock.now().as_micros();
+                    }
+                    entry.pending += check.cost;
+                }
+                _ => direct.push(sync_check(&check.key, &check.limit, check.cost)),
+            }
+        }
+        if !direct.is_empty() {
+            self.target.sync(&direct, now).await?;
+        }
+        Ok(())
+    }
+
+    /// Drops this node's copies of `keys` and their unsent counts, then resets them in the
+    /// shared store. Other nodes adopt the fresh state at their next sync.
+    async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
+        for key in keys {
+            let mut shard = self.lock_shard_of(key);
+            if matches!(shard.get(&**key), Some(Slot::Ready(_))) {
+                shard.remove(&**key);
+                self.keys.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.target.reset(keys).await
+    }
+
     fn shard_index(&self, key: &str) -> usize {
         (self.hasher.hash_one(key) >> 40) as usize % SHARDS
     }
@@ -724,6 +818,26 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
 
     fn backend(&self) -> &'static str {
         "batched"
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(self.shared.peek(checks, now))
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.shared.charge(checks, now))
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(self.shared.reset(keys))
     }
 
     fn supports(&self, algorithm: Algorithm) -> bool {

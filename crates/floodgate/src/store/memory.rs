@@ -163,7 +163,19 @@ impl MemoryStore {
     /// The synchronous form of [`Store::check_and_consume`]: the memory store never waits.
     pub fn check_and_consume_now(&self, checks: &[Check], now: Option<Timestamp>) -> Decision {
         let now = now.unwrap_or_else(|| self.inner.clock.now());
-        self.inner.check_and_consume(checks, now)
+        self.inner.decide(checks, now, false)
+    }
+
+    /// The synchronous form of [`Store::peek`].
+    pub fn peek_now(&self, checks: &[Check], now: Option<Timestamp>) -> Decision {
+        let now = now.unwrap_or_else(|| self.inner.clock.now());
+        self.inner.decide(checks, now, true)
+    }
+
+    /// The synchronous form of [`Store::charge`].
+    pub fn charge_now(&self, checks: &[Check], now: Option<Timestamp>) {
+        let now = now.unwrap_or_else(|| self.inner.clock.now());
+        self.inner.charge(checks, now.as_micros());
     }
 
     /// Decides a single limit for a single key and returns just its outcome (and the lease id
@@ -248,9 +260,11 @@ impl Inner {
         }
     }
 
-    fn check_and_consume(&self, checks: &[Check], now: Timestamp) -> Decision {
+    /// Decides `checks` all-or-nothing; with `peek`, reports the same outcomes and changes
+    /// nothing.
+    fn decide(&self, checks: &[Check], now: Timestamp, peek: bool) -> Decision {
         let now_micros = now.as_micros();
-        if let [check] = checks {
+        if let ([check], false) = (checks, peek) {
             let (outcome, lease) = self.check_one(check, now_micros);
             let leases = lease
                 .map(|id| Lease {
@@ -283,7 +297,7 @@ impl Inner {
             .zip(&hashes)
             .map(|(check, &hash)| evaluate(check, hash, check.cost))
             .collect();
-        let admitted = outcomes.iter().all(|outcome| outcome.allowed);
+        let admitted = !peek && outcomes.iter().all(|outcome| outcome.allowed);
         if !admitted {
             // The limits that would have admitted were not charged: report them as they stand.
             for ((check, &hash), outcome) in checks.iter().zip(&hashes).zip(&mut outcomes) {
@@ -310,6 +324,33 @@ impl Inner {
             self.sweep_if_due(shard, now_micros);
         }
         Decision::from_outcomes(now, checks, &outcomes, leases)
+    }
+
+    /// Adds each check's cost unconditionally (a post-charge); `concurrency` limits are left
+    /// alone.
+    fn charge(&self, checks: &[Check], now: u64) {
+        for check in checks {
+            if check.cost == 0 || check.limit.algorithm() == crate::Algorithm::Concurrency {
+                continue;
+            }
+            let hash = self.hasher.hash_one(&*check.key);
+            let mut shard = lock(&self.shards[self.shard_of(hash)]);
+            self.consume(&mut shard, check, hash, now);
+        }
+    }
+
+    /// Drops the entries of `keys`; returns how many there were.
+    fn reset(&self, keys: &[Arc<str>]) -> u64 {
+        let mut removed = 0;
+        for key in keys {
+            let hash = self.hasher.hash_one(&**key);
+            let mut shard = lock(&self.shards[self.shard_of(hash)]);
+            if let Ok(entry) = shard.entries.find_entry(hash, |entry| *entry.key == **key) {
+                entry.remove();
+                removed += 1;
+            }
+        }
+        removed
     }
 
     fn release(&self, leases: &[Lease]) {
@@ -378,5 +419,26 @@ impl Store for MemoryStore {
 
     fn backend(&self) -> &'static str {
         "memory"
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.peek_now(checks, now))))
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.inner.reset(keys))))
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.charge_now(checks, now);
+        Box::pin(std::future::ready(Ok(())))
     }
 }

@@ -108,13 +108,20 @@ pub enum StoreError {
     /// when the store is built, never transient. URLs in the message carry no password.
     #[error("invalid store settings: {0}")]
     Config(String),
+    /// The store does not provide this operation (a custom store that implements only
+    /// decisions is asked to [`Store::peek`], [`Store::reset`] or [`Store::charge`]).
+    #[error("this store does not support {0}")]
+    Unsupported(&'static str),
 }
 
 impl StoreError {
     /// Whether retrying later may succeed (connection trouble, timeouts), as opposed to a
     /// problem that repeats on every call.
     pub fn is_transient(&self) -> bool {
-        !matches!(self, StoreError::Protocol(_) | StoreError::Config(_))
+        !matches!(
+            self,
+            StoreError::Protocol(_) | StoreError::Config(_) | StoreError::Unsupported(_)
+        )
     }
 }
 
@@ -158,6 +165,42 @@ pub trait Store: Send + Sync + 'static {
     /// A short name for logs and metrics (`memory`, `redis`).
     fn backend(&self) -> &'static str;
 
+    /// Reads what `checks` would decide, changing nothing (operators inspecting a client).
+    ///
+    /// Each limit reports `remaining` and `reset_after` as the limit stands now, as if nothing
+    /// were charged; a limit that would deny a request of the check's cost reports
+    /// `retry_after`, the wait before it would admit one. No lease is taken, no log entry
+    /// written, no expiry touched.
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        let _ = (checks, now);
+        Box::pin(std::future::ready(Err(StoreError::Unsupported("peek"))))
+    }
+
+    /// Forgets the state of `keys` (operators unblocking a client): each starts again as a
+    /// fresh key, and a `concurrency` key's leases are all freed (their holders' later
+    /// releases find nothing, which is harmless). Returns how many keys held state.
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        let _ = keys;
+        Box::pin(std::future::ready(Err(StoreError::Unsupported("reset"))))
+    }
+
+    /// Adds each check's `cost` to its limit unconditionally: a post-charge for a request
+    /// already admitted whose real cost was known only from its response (SPEC §9). It never
+    /// denies; a limit charged beyond what it holds is left in debt, which later requests wait
+    /// out (their `retry_after` includes it). `concurrency` limits are not charged.
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = (checks, now);
+        Box::pin(std::future::ready(Err(StoreError::Unsupported("charge"))))
+    }
+
     /// Whether this store can decide limits of `algorithm` (all of them, unless a store says
     /// otherwise: a batched store only counts). Layers check their limits at build time.
     fn supports(&self, algorithm: crate::Algorithm) -> bool {
@@ -199,6 +242,26 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn backend(&self) -> &'static str {
         (**self).backend()
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        (**self).peek(checks, now)
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        (**self).reset(keys)
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).charge(checks, now)
     }
 
     fn supports(&self, algorithm: crate::Algorithm) -> bool {

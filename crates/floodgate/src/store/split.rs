@@ -107,6 +107,47 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         self.exact.backend()
     }
 
+    /// The hot limits as this node sees them, then the exact ones.
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move {
+            let (hot, exact): (Vec<Check>, Vec<Check>) = checks
+                .iter()
+                .cloned()
+                .partition(|check| self.runs_batched(check));
+            let hot = self.hot.peek(&hot, now).await?;
+            let exact = self.exact.peek(&exact, now).await?;
+            Ok(Decision::joined(exact.decided_at(), vec![hot, exact]))
+        })
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let (hot, exact): (Vec<Check>, Vec<Check>) = checks
+                .iter()
+                .cloned()
+                .partition(|check| self.runs_batched(check));
+            self.hot.charge(&hot, now).await?;
+            self.exact.charge(&exact, now).await
+        })
+    }
+
+    /// Both halves: a hot key's local copy and its shared state, and the exact keys.
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let hot = self.hot.reset(keys).await?;
+            let exact = self.exact.reset(keys).await?;
+            Ok(hot.max(exact))
+        })
+    }
+
     fn breaker_state(&self) -> Option<BreakerState> {
         self.exact.breaker_state()
     }

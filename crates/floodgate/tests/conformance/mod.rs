@@ -603,6 +603,176 @@ pub async fn leases_on_different_slots_are_all_released(store: impl Store) {
     );
 }
 
+async fn peek_now(store: &dyn Store, checks: &[Check], now: Timestamp) -> Decision {
+    store.peek(checks, Some(now)).await.expect("store peeks")
+}
+
+/// Issue 15: a peek reads a limit as it stands and changes nothing. After three admissions,
+/// it shows what the last one's answer showed (twice the same); the key then decides exactly
+/// as a twin that was never peeked at, admitted or, once exhausted, denied with the very
+/// answer the peek gave.
+async fn peeks_change_nothing(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(7));
+    for &algorithm in algorithms {
+        let name = format!("peek-{algorithm}");
+        let limit = named(&name, algorithm, 5, secs(60));
+        let peeked = [Check::new(key("peeked", &name), limit.clone(), 1)];
+        let twin = [Check::new(key("twin", &name), limit.clone(), 1)];
+        let fresh = peek_now(store, &peeked, now).await;
+        assert!(fresh.is_allowed(), "{algorithm}: a fresh key admits");
+        let mut last = None;
+        for _ in 0..3 {
+            last = Some(hit_all(store, &peeked, now).await);
+            hit_all(store, &twin, now).await;
+        }
+        let last = last.expect("three admissions");
+        let first_look = peek_now(store, &peeked, now).await;
+        let second_look = peek_now(store, &peeked, now).await;
+        assert_eq!(summary(&first_look), summary(&second_look), "{algorithm}");
+        assert!(
+            first_look.leases().is_empty(),
+            "{algorithm}: a peek takes no lease"
+        );
+        assert_eq!(
+            first_look.limits()[0].remaining,
+            last.limits()[0].remaining,
+            "{algorithm}: the remaining the last answer showed"
+        );
+        loop {
+            let on_peeked = hit_all(store, &peeked, now).await;
+            let on_twin = hit_all(store, &twin, now).await;
+            assert_eq!(summary(&on_peeked), summary(&on_twin), "{algorithm}");
+            if !on_peeked.is_allowed() {
+                let look = peek_now(store, &peeked, now).await;
+                assert_eq!(summary(&look), summary(&on_peeked), "{algorithm}: denied");
+                assert!(!look.is_allowed());
+                break;
+            }
+        }
+    }
+}
+
+every_algorithm_and_the_batchable!(peeks_change_nothing =>
+    a_peek_changes_nothing,
+    a_batchable_peek_changes_nothing);
+
+/// Issue 15: a reset key starts again as a fresh one; other keys keep their state; keys that
+/// hold nothing count for nothing.
+async fn resets_forget_a_key(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(9));
+    for &algorithm in algorithms {
+        let name = format!("reset-{algorithm}");
+        let limit = named(&name, algorithm, 2, secs(60));
+        let [reset, kept, fresh] =
+            ["reset", "kept", "fresh"].map(|side| [Check::new(key(side, &name), limit.clone(), 1)]);
+        for checks in [&reset, &kept] {
+            while hit_all(store, checks, now).await.is_allowed() {}
+        }
+        let removed = store
+            .reset(&[reset[0].key.clone(), key("never-used", &name).into()])
+            .await
+            .expect("store resets");
+        assert_eq!(removed, 1, "{algorithm}: one key held state");
+        let after = hit_all(store, &reset, now).await;
+        assert!(
+            after.is_allowed(),
+            "{algorithm}: admitted right after the reset"
+        );
+        assert_eq!(
+            summary(&after),
+            summary(&hit_all(store, &fresh, now).await),
+            "{algorithm}: as a fresh key"
+        );
+        assert!(
+            !hit_all(store, &kept, now).await.is_allowed(),
+            "{algorithm}: other keys untouched"
+        );
+    }
+}
+
+every_algorithm_and_the_batchable!(resets_forget_a_key =>
+    a_reset_key_starts_fresh,
+    a_reset_batchable_key_starts_fresh);
+
+/// Issue 15: a reset frees a concurrency key's leases; the release its old holder sends later
+/// frees nothing of the new holder's.
+pub async fn a_reset_frees_leases(store: impl Store) {
+    let limit = limit(Algorithm::Concurrency, 1, secs(30));
+    let checks = [Check::new(key("leases", "test"), limit, 1)];
+    let old = hit_all(&store, &checks, at(ms(0))).await;
+    assert!(old.is_allowed());
+    assert!(!hit_all(&store, &checks, at(ms(1))).await.is_allowed());
+    store.reset(&[checks[0].key.clone()]).await.expect("reset");
+    let new = hit_all(&store, &checks, at(ms(2))).await;
+    assert!(new.is_allowed(), "the lease was freed");
+    store.release(old.leases().to_vec()).await.expect("release");
+    assert!(
+        !hit_all(&store, &checks, at(ms(3))).await.is_allowed(),
+        "the new holder's lease is still held"
+    );
+}
+
+/// Issue 15 (SPEC §9): post-charges never deny, may leave debt, and the wait a later denial
+/// promises covers the debt exactly: denied just before it, admitted at it. A concurrency
+/// limit is never post-charged.
+async fn post_charges_leave_debt(store: &dyn Store, algorithms: &[Algorithm]) {
+    let now = at(secs(11));
+    for &algorithm in algorithms {
+        let name = format!("charge-{algorithm}");
+        let limit = named(&name, algorithm, 100, secs(100));
+        let checks = [Check::new(key("charged", &name), limit.clone(), 1)];
+        let mut admitted = 0;
+        while hit_all(store, &checks, now).await.is_allowed() {
+            admitted += 1;
+            let post = [Check::new(checks[0].key.clone(), limit.clone(), 39)];
+            store.charge(&post, Some(now)).await.expect("store charges");
+            assert!(admitted <= 100, "{algorithm}: never denied");
+        }
+        if algorithm == Algorithm::Concurrency {
+            assert_eq!(admitted, 100, "concurrency: leases only");
+            continue;
+        }
+        let denied = hit_all(store, &checks, now).await;
+        let wait = denied.retry_after().expect("a wait is promised");
+        assert!(wait > Duration::ZERO, "{algorithm}");
+        let just_before = Timestamp::from_micros(now.as_micros() + wait.as_micros() as u64 - 1_000);
+        assert!(
+            !hit_all(store, &checks, just_before).await.is_allowed(),
+            "{algorithm}: admitted {admitted}, wait {wait:?}: denied before it ends"
+        );
+        let at_wait = Timestamp::from_micros(now.as_micros() + wait.as_micros() as u64);
+        assert!(
+            hit_all(store, &checks, at_wait).await.is_allowed(),
+            "{algorithm}: admitted {admitted}, wait {wait:?}: admitted once it ends"
+        );
+    }
+}
+
+every_algorithm_and_the_batchable!(post_charges_leave_debt =>
+    post_charges_leave_a_debt_that_the_promised_wait_covers,
+    batchable_post_charges_leave_a_debt_that_the_promised_wait_covers);
+
+/// Issue 15: the token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
+/// cost 40: three admitted (the third leaves 20 tokens of debt), the fourth told to wait for 21
+/// tokens at one a second.
+pub async fn a_token_budget_admits_three_forty_token_requests(store: impl Store) {
+    let limit = named("tokens", Algorithm::TokenBucket, 100, secs(100));
+    let checks = [Check::new(key("llm", "tokens"), limit.clone(), 1)];
+    let post = [Check::new(key("llm", "tokens"), limit, 39)];
+    let now = at(secs(1));
+    for request in 0..3 {
+        assert!(
+            hit_all(&store, &checks, now).await.is_allowed(),
+            "request {request}"
+        );
+        store.charge(&post, Some(now)).await.expect("charged");
+    }
+    let denied = hit_all(&store, &checks, now).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.retry_after(), Some(secs(21)));
+    assert_eq!(denied.limits()[0].remaining, 0);
+}
+
 /// Stamps out every test above for one store. `$make_store` is an async expression that
 /// yields a fresh, empty store.
 #[macro_export]
@@ -626,6 +796,10 @@ macro_rules! conformance_suite {
             an_algorithm_change_starts_from_fresh_state,
             limits_on_different_slots_are_refunded_when_a_later_one_denies,
             leases_on_different_slots_are_all_released,
+            a_peek_changes_nothing,
+            a_reset_key_starts_fresh,
+            a_reset_frees_leases,
+            post_charges_leave_a_debt_that_the_promised_wait_covers,
         );
     };
 }
@@ -650,6 +824,10 @@ macro_rules! batchable_conformance_suite {
             a_batchable_algorithm_change_starts_from_fresh_state,
             batchable_limits_on_different_slots_are_refunded,
             the_longest_wait_across_slots_is_promised,
+            a_batchable_peek_changes_nothing,
+            a_reset_batchable_key_starts_fresh,
+            batchable_post_charges_leave_a_debt_that_the_promised_wait_covers,
+            a_token_budget_admits_three_forty_token_requests,
         );
     };
 }

@@ -506,4 +506,27 @@ impl<S: Store> Store for ServedStore<S> {
     fn backend(&self) -> &'static str {
         self.store.backend()
     }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        self.store.peek(checks, now)
+    }
+
+    fn reset<'a>(
+        &'a self,
+        keys: &'a [std::sync::Arc<str>],
+    ) -> BoxFuture<'a, Result<u64, StoreError>> {
+        self.store.reset(keys)
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.store.charge(checks, now)
+    }
 }

@@ -763,6 +763,62 @@ async fn decide_groups(
     ))
 }
 
+/// Reads `checks` by one peek call per group, changing nothing.
+async fn peek_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Decision, StoreError> {
+    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+    let mut decided_at = now;
+    for Group { node, members } in groups {
+        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
+        let tokens = vec![String::new(); members.len()];
+        let reply = node
+            .guarded_call(Mode::Peek, &group_checks, &tokens, decided_at)
+            .await?;
+        decided_at.get_or_insert(reply.now);
+        for (&index, outcome) in members.iter().zip(reply.outcomes) {
+            outcomes[index] = Some(outcome);
+        }
+    }
+    let outcomes: Vec<LimitOutcome> = outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Decision::from_outcomes(
+        decided_at.unwrap_or_else(Timestamp::now),
+        checks,
+        &outcomes,
+        Vec::new(),
+    ))
+}
+
+/// Post-charges `checks` by one call per group, concurrently.
+async fn charge_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<(), StoreError> {
+    let calls = groups.iter().map(|Group { node, members }| async move {
+        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
+        // A log entry is made unique by a random id, as on admission.
+        let tokens: Vec<String> = group_checks
+            .iter()
+            .map(|check| match check.limit.algorithm() {
+                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
+                _ => String::new(),
+            })
+            .collect();
+        node.guarded_call(Mode::Charge, &group_checks, &tokens, now)
+            .await
+            .map(drop)
+    });
+    futures_util::future::try_join_all(calls).await.map(drop)
+}
+
 /// The leases a decision's scripts may have taken, by node. Dropped before
 /// [`TakenLeases::hand_over`], it releases them in the background: releasing a lease that was
 /// never taken does nothing.
@@ -926,6 +982,53 @@ impl Store for RedisStore {
 
     fn backend(&self) -> &'static str {
         "redis"
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move { peek_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker.
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let mut by_slot: Vec<Vec<&str>> = Vec::new();
+            for key in keys {
+                let slot = hash_slot(key);
+                match by_slot
+                    .iter_mut()
+                    .find(|group| !self.inner.cluster_compatible || hash_slot(group[0]) == slot)
+                {
+                    Some(group) => group.push(key),
+                    None => by_slot.push(vec![key]),
+                }
+            }
+            let mut removed = 0;
+            for group in by_slot {
+                let mut command = redis::cmd("DEL");
+                for key in group {
+                    command.arg(key);
+                }
+                match self.query(&command).await? {
+                    Value::Int(count) => removed += u64::try_from(count).unwrap_or(0),
+                    other => {
+                        return Err(StoreError::Protocol(format!("DEL answered {other:?}")));
+                    }
+                }
+            }
+            Ok(removed)
+        })
     }
 
     /// `PING`, outside the breaker.

@@ -45,6 +45,8 @@ pub(crate) enum Mode {
     Peek,
     /// Batched mode: add each cost unconditionally and return the resulting states.
     Sync,
+    /// A post-charge: add each cost unconditionally (never denies; may leave debt).
+    Charge,
 }
 
 /// The reply of one script call.
@@ -70,6 +72,7 @@ pub(crate) fn invocation<'s>(
         Mode::Refund => "refund",
         Mode::Peek => "peek",
         Mode::Sync => "sync",
+        Mode::Charge => "charge",
     });
     invocation.arg(now.map_or_else(String::new, |now| now.as_micros().to_string()));
     for (index, check) in checks.iter().enumerate() {

@@ -3,7 +3,9 @@
 //! losing a node affects only its share of identities, under the failure policy, and adding or
 //! removing a node moves only the identities that land on or came from it.
 
-use super::{Group, RedisStore, decide_groups, sync_groups};
+use std::sync::Arc;
+
+use super::{Group, RedisStore, charge_groups, decide_groups, peek_groups, sync_groups};
 use crate::decision::Decision;
 use crate::store::batched::{SyncTarget, Synced};
 use crate::store::resilience::BreakerState;
@@ -136,6 +138,38 @@ impl Store for ShardedRedisStore {
 
     fn backend(&self) -> &'static str {
         "redis_sharded"
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async move { peek_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let mut by_node: Vec<Vec<Arc<str>>> = vec![Vec::new(); self.nodes.len()];
+            for key in keys {
+                by_node[self.node_of(key)].push(key.clone());
+            }
+            let mut removed = 0;
+            for (node, keys) in self.nodes.iter().zip(by_node) {
+                if !keys.is_empty() {
+                    removed += node.reset(&keys).await?;
+                }
+            }
+            Ok(removed)
+        })
     }
 
     /// Every node answers, or the first failure.

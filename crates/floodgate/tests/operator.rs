@@ -1,0 +1,201 @@
+//! Issue 15 through the layer: an operator's peek and reset of one client, and costs known only
+//! after the response (SPEC §9).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use floodgate::{
+    CostHeader, FakeClock, Limit, MemoryStore, PeerAddr, RateLimitLayer, ReportedCost, Timestamp,
+};
+use http::{HeaderName, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+const START: Timestamp = Timestamp::from_secs(1_700_006_400);
+const TOKENS_USED: HeaderName = HeaderName::from_static("x-tokens-used");
+
+fn client(key: &str) -> http::request::Builder {
+    let peer: SocketAddr = "203.0.113.9:4000".parse().unwrap();
+    Request::builder()
+        .uri("/v1/completions")
+        .header("x-api-key", key)
+        .extension(PeerAddr(peer))
+}
+
+async fn send<S, B>(service: &S, request: http::request::Builder) -> Response<Bytes>
+where
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible> + Clone,
+    B: http_body::Body<Data = Bytes>,
+    B::Error: std::fmt::Debug,
+{
+    let response = service
+        .clone()
+        .oneshot(request.body(()).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
+}
+
+fn remaining(response: &Response<Bytes>) -> u64 {
+    response.headers()["x-ratelimit-remaining"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// An upstream that reports `used` in `x-tokens-used`.
+fn reporting(
+    used: &'static str,
+) -> impl Fn(Request<()>) -> std::future::Ready<Result<Response<Full<Bytes>>, Infallible>> + Clone {
+    move |_| {
+        let mut response = Response::new(Full::new(Bytes::from_static(b"done")));
+        response
+            .headers_mut()
+            .insert(TOKENS_USED, http::HeaderValue::from_static(used));
+        std::future::ready(Ok(response))
+    }
+}
+
+fn token_budget(clock: &FakeClock) -> floodgate::RateLimitLayerBuilder {
+    RateLimitLayer::builder()
+        .limit(Limit::token_bucket("tokens", 100, Duration::from_secs(100)).unwrap())
+        .store(MemoryStore::builder().clock(clock.clone()).build())
+        .retry_after_jitter(0.0)
+}
+
+#[tokio::test]
+async fn a_hundred_token_budget_admits_three_forty_token_requests_then_waits_out_the_debt() {
+    let clock = FakeClock::new(START);
+    let layer = token_budget(&clock)
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(reporting("40")));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let response = send(&service, client("k1")).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(
+            !response.headers().contains_key(&TOKENS_USED),
+            "the upstream's accounting is not the client's"
+        );
+        seen.push(remaining(&response));
+    }
+    // Each admission shows the state before its own post-charge: 99, then 99 − 40, then 59 − 40.
+    assert_eq!(seen, [99, 59, 19]);
+    let denied = send(&service, client("k1")).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    // 20 tokens of debt and 1 for the request, at one token a second.
+    assert_eq!(denied.headers()["retry-after"], "21");
+    clock.advance(Duration::from_secs(20));
+    assert_eq!(
+        send(&service, client("k1")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the debt is not paid yet"
+    );
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(send(&service, client("k1")).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_visible_cost_header_reaches_the_client() {
+    let clock = FakeClock::new(START);
+    let layer = token_budget(&clock)
+        .charge_from_response(CostHeader::new(TOKENS_USED).visible(true))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(reporting("40")));
+    let response = send(&service, client("k1")).await;
+    assert_eq!(response.headers()[&TOKENS_USED], "40");
+}
+
+#[tokio::test]
+async fn malformed_or_missing_costs_charge_nothing_more() {
+    let clock = FakeClock::new(START);
+    for used in ["forty", "-3", ""] {
+        let layer = token_budget(&clock)
+            .charge_from_response(CostHeader::new(TOKENS_USED))
+            .build()
+            .unwrap();
+        let service = layer.layer(service_fn(reporting(used)));
+        let remaining: Vec<u64> = {
+            let mut seen = Vec::new();
+            for _ in 0..3 {
+                seen.push(remaining(&send(&service, client("k1")).await));
+            }
+            seen
+        };
+        assert_eq!(remaining, [99, 98, 97], "x-tokens-used: {used:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_inner_service_can_report_the_cost_in_the_response_extensions() {
+    let clock = FakeClock::new(START);
+    let layer = token_budget(&clock).build().unwrap();
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        let mut response = Response::new(Full::new(Bytes::new()));
+        response.extensions_mut().insert(ReportedCost::Total(50));
+        Ok::<_, Infallible>(response)
+    }));
+    assert_eq!(remaining(&send(&service, client("k1")).await), 99);
+    assert_eq!(remaining(&send(&service, client("k1")).await), 49);
+}
+
+#[tokio::test]
+async fn peek_reads_a_client_without_consuming_and_reset_unblocks_it() {
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("per-minute", 3, Duration::from_secs(60)).unwrap())
+        .store(MemoryStore::builder().clock(clock.clone()).build())
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    let last = send(&service, client("blocked")).await;
+    send(&service, client("other")).await;
+    for _ in 0..2 {
+        let look = layer
+            .peek(&client("blocked").body(()).unwrap())
+            .await
+            .unwrap()
+            .expect("a limit applies");
+        assert_eq!(look.limits()[0].remaining, remaining(&last));
+    }
+    assert_eq!(remaining(&send(&service, client("blocked")).await), 1);
+    send(&service, client("blocked")).await;
+    let look = layer
+        .peek(&client("blocked").body(()).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!look.is_allowed());
+    assert_eq!(look.retry_after(), Some(Duration::from_secs(60)));
+
+    let reset = layer
+        .reset(&client("blocked").body(()).unwrap(), None)
+        .await
+        .unwrap();
+    assert_eq!(reset, 1);
+    assert_eq!(
+        send(&service, client("blocked")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        remaining(&send(&service, client("other")).await),
+        1,
+        "another client is untouched"
+    );
+    assert_eq!(
+        layer
+            .reset(&client("blocked").body(()).unwrap(), Some("no-such-limit"))
+            .await
+            .unwrap(),
+        0
+    );
+}
