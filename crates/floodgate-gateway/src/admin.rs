@@ -1,10 +1,12 @@
-//! The admin API (SPEC §7): health, readiness, metrics, reload, active configuration.
+//! The admin API (SPEC §7): health, readiness, metrics, reload, active configuration, top
+//! clients, a client's inspection and reset, and the status page.
 
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
 use axum::Json;
 use axum::Router;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware;
@@ -15,6 +17,7 @@ use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
+use crate::inspect::{ClientQuery, SelectError, Selected, limit_json};
 use crate::runtime::{Gateway, ReloadError};
 
 /// What the admin handlers share.
@@ -30,14 +33,17 @@ pub struct AdminState {
 
 /// The admin router. Every `/admin/*` route (reads included: they show client data and
 /// configuration) needs the token when one is set; `/healthz`, `/readyz` and `/metrics` stay
-/// open for probes and scrapers.
+/// open for probes and scrapers, and `/` (the status page, which holds no data) for browsers.
 pub fn router(state: AdminState) -> Router {
     let guarded = Router::new()
         .route("/admin/reload", post(reload))
         .route("/admin/config", get(active_config))
         .route("/admin/top", get(top))
+        .route("/admin/status", get(status))
+        .route("/admin/clients", get(inspect_client).delete(reset_client))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
+        .route("/", get(status_page))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -184,6 +190,192 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
         "window_seconds": 300,
         "by_denials": render(by_denials),
         "by_closeness": render(by_closeness),
+    }))
+    .into_response()
+}
+
+/// The status page: static, open (it holds no data; it asks for the token and sends it with
+/// its data calls).
+async fn status_page() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (axum::http::header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("status.html"),
+    )
+        .into_response()
+}
+
+/// What the status page polls: the version in service, the store, the decision rates.
+async fn status(State(state): State<AdminState>) -> Response {
+    let runtime = state.gateway.current();
+    let store = state.gateway.store();
+    let loaded_at = runtime
+        .loaded_at
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let breaker = store.breaker_state().map(|state| match state {
+        BreakerState::Closed => "closed",
+        BreakerState::Open => "open",
+        BreakerState::HalfOpen => "half_open",
+    });
+    let mode = match runtime.config.rollout.mode {
+        crate::config::RolloutMode::Enforce => "enforce",
+        crate::config::RolloutMode::Shadow => "shadow",
+        crate::config::RolloutMode::Off => "off",
+    };
+    let mut report = state.gateway.observers.status.report();
+    report.insert("version".to_owned(), json!(runtime.version));
+    report.insert("loaded_at".to_owned(), json!(loaded_at));
+    report.insert("mode".to_owned(), json!(mode));
+    report.insert(
+        "store".to_owned(),
+        json!({"backend": store.backend(), "breaker": breaker}),
+    );
+    Json(serde_json::Value::Object(report)).into_response()
+}
+
+/// A client named by the query, or the answer that says why not.
+fn selected(
+    runtime: &crate::runtime::Runtime,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+) -> Result<Selected, Response> {
+    let Query(query) = query.map_err(|rejection| {
+        (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": rejection.body_text()})),
+        )
+            .into_response()
+    })?;
+    query
+        .select(&runtime.config)
+        .map_err(|error| match error {
+            SelectError::BadQuery(message) => {
+                (StatusCode::BAD_REQUEST, Json(json!({"error": message}))).into_response()
+            }
+            SelectError::UnknownKey => (
+                StatusCode::NOT_FOUND,
+                Json(
+                    json!({"error": "unknown_api_key: refused under clients.unknown_keys: reject"}),
+                ),
+            )
+                .into_response(),
+        })
+        .map(|selected| (selected, query.limit))
+        .map(|(mut selected, only)| {
+            if let Some(name) = only {
+                selected.checks.retain(|check| check.limit.name() == name);
+            }
+            selected
+        })
+}
+
+fn store_failure(error: &StoreError) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"error": "store_unavailable", "detail": error.to_string()})),
+    )
+        .into_response()
+}
+
+/// `GET /admin/clients`: a client's limits as they stand, read without consuming.
+async fn inspect_client(
+    State(state): State<AdminState>,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+) -> Response {
+    let runtime = state.gateway.current();
+    let selected = match selected(&runtime, query) {
+        Ok(selected) => selected,
+        Err(answer) => return answer,
+    };
+    let store = state.gateway.store();
+    let decision = match store.peek(&selected.checks, None).await {
+        Ok(decision) => decision,
+        Err(error) => return store_failure(&error),
+    };
+    let settings = &runtime.config.store;
+    let limits: Vec<serde_json::Value> = decision
+        .limits()
+        .iter()
+        .zip(&selected.checks)
+        .map(|(status, check)| {
+            let batched = settings.sync_interval.is_some()
+                || (settings.global_sync_interval.is_some()
+                    && crate::plan::is_global_ceiling(check));
+            limit_json(status, check, batched)
+        })
+        .collect();
+    Json(json!({
+        "identity": selected.hash.to_string(),
+        "scope": selected.scope,
+        "plan": &*selected.plan,
+        "listed": selected.listed,
+        "store": store.backend(),
+        "limits": limits,
+    }))
+    .into_response()
+}
+
+/// `DELETE /admin/clients`: forgets a client's counters (and leases), all of its limits or
+/// the one named by `limit`. Global ceilings are every client's, and are never reset here.
+async fn reset_client(
+    State(state): State<AdminState>,
+    parts: axum::http::request::Parts,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+) -> Response {
+    let runtime = state.gateway.current();
+    let mut selected = match selected(&runtime, query) {
+        Ok(selected) => selected,
+        Err(answer) => return answer,
+    };
+    selected
+        .checks
+        .retain(|check| !crate::plan::is_global_ceiling(check));
+    if selected.checks.is_empty() {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no limit of this client matches"})),
+        )
+            .into_response();
+    }
+    let keys: Vec<Arc<str>> = selected
+        .checks
+        .iter()
+        .map(|check| check.key.clone())
+        .collect();
+    let store = state.gateway.store();
+    let held = match store.reset(&keys).await {
+        Ok(held) => held,
+        Err(error) => return store_failure(&error),
+    };
+    let names: Vec<String> = selected
+        .checks
+        .iter()
+        .map(|check| format!("{}/{}", check.rule, check.limit.name()))
+        .collect();
+    let caller = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map_or_else(|| "unknown".to_owned(), |info| info.0.to_string());
+    tracing::warn!(
+        identity = %selected.hash,
+        plan = %selected.plan,
+        limits = ?names,
+        caller,
+        "client counters reset through the admin API"
+    );
+    metrics::counter!("floodgate_admin_resets_total").increment(1);
+    let reset: Vec<serde_json::Value> = selected
+        .checks
+        .iter()
+        .map(|check| json!({"rule": &*check.rule, "name": check.limit.name()}))
+        .collect();
+    Json(json!({
+        "identity": selected.hash.to_string(),
+        "plan": &*selected.plan,
+        "reset": reset,
+        "keys_with_state": held,
     }))
     .into_response()
 }

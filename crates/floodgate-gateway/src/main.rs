@@ -189,6 +189,10 @@ fn describe_gateway_metrics() {
         "Time until the upstream's response head"
     );
     describe_counter!(
+        "floodgate_admin_resets_total",
+        "Clients whose counters an operator reset (DELETE /admin/clients)"
+    );
+    describe_counter!(
         "floodgate_rejected_requests_total",
         "Requests refused before any limit, by reason (bad host, path, unknown API key, ...)"
     );
@@ -337,12 +341,14 @@ async fn serve(path: PathBuf) -> Result<(), String> {
 
     // The 429-rate baseline: one interval every 10 s.
     let baseline = gateway.observers.baseline.clone();
+    let board = gateway.observers.status.clone();
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(std::time::Duration::from_secs(10));
         ticks.tick().await;
         loop {
             ticks.tick().await;
             let (ratio, anomaly) = baseline.tick();
+            board.record_limited_share(ratio, anomaly);
             if anomaly {
                 tracing::warn!(
                     limited_ratio = ratio,
@@ -351,13 +357,24 @@ async fn serve(path: PathBuf) -> Result<(), String> {
             }
         }
     });
+    // The status page's decision rates: one sample a second.
+    let board = gateway.observers.status.clone();
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            ticks.tick().await;
+            board.sample();
+        }
+    });
     let admin_router = admin::router(AdminState {
         gateway: gateway.clone(),
         metrics,
         token: token.map(Arc::from),
     });
     let admin = tokio::spawn(async move {
-        if let Err(error) = axum::serve(admin_listener, admin_router).await {
+        // The peer address names the caller in the log of a reset.
+        let service = admin_router.into_make_service_with_connect_info::<std::net::SocketAddr>();
+        if let Err(error) = axum::serve(admin_listener, service).await {
             tracing::error!(%error, "admin server failed");
         }
     });

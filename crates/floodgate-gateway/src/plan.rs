@@ -1,10 +1,12 @@
 //! Which limits a request meets, in SPEC §1's fixed order: global ceilings, then per IP, then
 //! the client's plan, then the plan's endpoint limits.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use floodgate::key::storage_key;
-use floodgate::{Check, Identity, LimitPlan, RequestInfo};
+use floodgate::{Check, Identity, IdentityHash, LimitPlan, RequestInfo};
+use http::Method;
 
 use crate::client::ResolvedClient;
 use crate::config::Config;
@@ -29,20 +31,46 @@ impl GatewayPlan {
     }
 }
 
-impl LimitPlan for GatewayPlan {
-    fn checks(&self, request: &RequestInfo<'_>, identity: &Identity, cost: u64) -> Vec<Check> {
-        let Some(client) = request.extensions.get::<ResolvedClient>() else {
-            return Vec::new();
-        };
-        if client.bypass {
-            return Vec::new();
+/// Who a client is as far as storage keys go.
+#[derive(Clone, Copy, Debug)]
+pub enum ClientKeys<'a> {
+    /// Its identity (hashed only if a plan limit needs it).
+    Identity(&'a Identity),
+    /// The hash and scope (`key`, `user`, `ip`, `unknown`) of an identity known only by them.
+    Hashed {
+        /// The identity's hash.
+        hash: IdentityHash,
+        /// The identity's scope.
+        scope: &'a str,
+    },
+}
+
+impl ClientKeys<'_> {
+    fn hash_and_scope(&self) -> (IdentityHash, &str) {
+        match self {
+            ClientKeys::Identity(identity) => (identity.hash(), identity.scope()),
+            ClientKeys::Hashed { hash, scope } => (*hash, scope),
         }
+    }
+}
+
+impl GatewayPlan {
+    /// The checks of a request `method path` from a client of `plan` at `client_ip`, in SPEC
+    /// §1's order: the request path and the admin API's client inspection share it.
+    pub fn client_checks(
+        &self,
+        method: &Method,
+        path: &str,
+        client_ip: Option<IpAddr>,
+        plan: &str,
+        client: ClientKeys<'_>,
+        cost: u64,
+    ) -> Vec<Check> {
         let config = &self.config;
         let prefix = config.store.prefix.as_str();
-        let path = request.uri.path();
         let mut checks = Vec::new();
 
-        if let Some((endpoint, global)) = config.global.find(request.method, path) {
+        if let Some((endpoint, global)) = config.global.find(method, path) {
             // One counter for all clients: the endpoint is the identity.
             let hash = Identity::Custom {
                 scope: Arc::from("global"),
@@ -54,7 +82,7 @@ impl LimitPlan for GatewayPlan {
                 checks.push(Check::new(key, limit.clone(), cost).with_rule(global.rule.clone()));
             }
         }
-        if let Some(ip) = client.client_ip
+        if let Some(ip) = client_ip
             && !config.per_ip.is_empty()
         {
             let hash = Identity::Ip(ip).hash();
@@ -64,13 +92,12 @@ impl LimitPlan for GatewayPlan {
                     .push(Check::new(key, limit.clone(), cost).with_rule(self.per_ip_rule.clone()));
             }
         }
-        if let Some(plan) = config.plans.get(&*client.plan) {
-            let endpoint = plan.endpoints.find(request.method, path);
+        if let Some(plan) = config.plans.get(plan) {
+            let endpoint = plan.endpoints.find(method, path);
             if plan.limits.is_empty() && endpoint.is_none() {
                 return checks;
             }
-            let hash = identity.hash();
-            let scope = identity.scope();
+            let (hash, scope) = client.hash_and_scope();
             for limit in &plan.limits {
                 let key = storage_key(prefix, scope, &hash, &plan.rule, limit.name());
                 checks.push(Check::new(key, limit.clone(), cost).with_rule(plan.rule.clone()));
@@ -85,5 +112,29 @@ impl LimitPlan for GatewayPlan {
             }
         }
         checks
+    }
+}
+
+/// Whether `check` is a `global` ceiling: one counter every client writes.
+pub fn is_global_ceiling(check: &Check) -> bool {
+    check.key.contains(":{global:")
+}
+
+impl LimitPlan for GatewayPlan {
+    fn checks(&self, request: &RequestInfo<'_>, identity: &Identity, cost: u64) -> Vec<Check> {
+        let Some(client) = request.extensions.get::<ResolvedClient>() else {
+            return Vec::new();
+        };
+        if client.bypass {
+            return Vec::new();
+        }
+        self.client_checks(
+            request.method,
+            request.uri.path(),
+            client.client_ip,
+            &client.plan,
+            ClientKeys::Identity(identity),
+            cost,
+        )
     }
 }

@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use floodgate::PeerAddr;
+use floodgate::{CostHeader, PeerAddr, ResponseCost};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{Either, Full};
@@ -273,10 +273,12 @@ async fn forward(
     config: Arc<Config>,
     mut request: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    let upstream = config
+    let route = config
         .routes
         .find(request.method(), request.uri().path())
-        .and_then(|(_, route)| route.upstream.as_ref())
+        .map(|(_, route)| route);
+    let upstream = route
+        .and_then(|route| route.upstream.as_ref())
         .unwrap_or(&config.upstream);
     let Some(uri) = target_uri(upstream, request.uri()) else {
         return error_response(StatusCode::BAD_REQUEST, "bad_request");
@@ -381,6 +383,13 @@ async fn forward(
         return Response::from_parts(parts, Either::Left(body));
     }
     remove_hop_by_hop(response.headers_mut());
+    if let Some((name, visible)) = route.and_then(|route| route.cost_header.as_ref()) {
+        // The rate limit layer post-charges what the upstream reports (SPEC §9).
+        let reported = CostHeader::new(name.clone())
+            .visible(*visible)
+            .reported_cost(response.headers_mut());
+        response.extensions_mut().insert(reported);
+    }
     response.map(Either::Left)
 }
 

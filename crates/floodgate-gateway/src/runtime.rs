@@ -13,7 +13,6 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use floodgate::Check;
 use floodgate::store::batched::SyncTarget;
 use floodgate::store::{
     BatchedStore, ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore, SplitStore,
@@ -30,7 +29,7 @@ use tower::{Layer, ServiceExt};
 
 use crate::client::{Resolution, ResolvedClient, resolve};
 use crate::config::{self, Backend, Config, ConfigErrors, StoreSettings};
-use crate::plan::GatewayPlan;
+use crate::plan::{GatewayPlan, is_global_ceiling};
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClient, upstream_client};
 
 /// The body of every gateway response.
@@ -220,6 +219,8 @@ pub struct Observers {
     pub top: Arc<TopClients>,
     /// The 429-rate baseline.
     pub baseline: Arc<LimitedRateBaseline>,
+    /// What the status page shows.
+    pub status: Arc<crate::status::StatusBoard>,
 }
 
 /// The running gateway: the current version and how to replace it.
@@ -341,11 +342,6 @@ fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
     }
 }
 
-/// Storage keys of `global` ceilings: one counter that every client writes.
-fn is_global_ceiling(check: &Check) -> bool {
-    check.key.contains(":{global:")
-}
-
 fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
     let Some(shared) = shared_store(settings)? else {
         return Ok(Arc::new(
@@ -442,7 +438,8 @@ impl Gateway {
                 tracing::info!(version, path = %self.config_path.display(), "configuration applied")
             }
             Err(error) => {
-                tracing::error!(path = %self.config_path.display(), error = %error, "configuration rejected; previous rules stay active")
+                tracing::error!(path = %self.config_path.display(), error = %error, "configuration rejected; previous rules stay active");
+                self.observers.status.record_reload_error(error.to_string());
             }
         }
         metrics::counter!("floodgate_config_reloads_total", "result" => label).increment(1);

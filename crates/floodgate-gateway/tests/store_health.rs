@@ -7,25 +7,8 @@
 mod redis_support;
 mod support;
 
-use std::time::{Duration, Instant};
-
 use http::StatusCode;
 use support::{Gateway, TempDir, Upstream, addresses, client, config_text, get};
-
-fn wait_for_log(gateway: &Gateway, what: impl Fn(&str) -> bool, description: &str) -> String {
-    let started = Instant::now();
-    loop {
-        if let Some(line) = gateway.log.lock().unwrap().iter().find(|line| what(line)) {
-            return line.clone();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "no log line {description}:\n{}",
-            gateway.log.lock().unwrap().join("\n")
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_redis_password_is_seen_at_start_on_readyz_and_in_the_breaker_log() {
@@ -43,8 +26,7 @@ async fn a_wrong_redis_password_is_seen_at_start_on_readyz_and_in_the_breaker_lo
     std::fs::write(&path, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
     let gateway = Gateway::start(&path, listen, admin);
 
-    let at_start = wait_for_log(
-        &gateway,
+    let at_start = gateway.wait_for_log(
         |line| line.contains("\"ERROR\"") && line.contains("store"),
         "at ERROR about the store",
     );
@@ -66,8 +48,7 @@ async fn a_wrong_redis_password_is_seen_at_start_on_readyz_and_in_the_breaker_lo
             StatusCode::OK
         );
     }
-    let opened = wait_for_log(
-        &gateway,
+    let opened = gateway.wait_for_log(
         |line| line.contains("store circuit breaker opened"),
         "about the breaker opening",
     );

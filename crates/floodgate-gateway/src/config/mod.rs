@@ -83,6 +83,9 @@ pub struct RouteTarget {
     pub upstream: Option<Upstream>,
     /// The request cost, if not 1.
     pub cost: Option<u64>,
+    /// The upstream's response header that reports the request's real cost (SPEC §9), and
+    /// whether the client still sees it.
+    pub cost_header: Option<(http::HeaderName, bool)>,
 }
 
 /// Which store backs the limits.
@@ -796,11 +799,24 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         if route.cost == Some(0) {
             errors.push(format!("{path}.cost"), "must be at least 1");
         }
+        let cost_header = match &route.cost_header {
+            Some(name) => errors
+                .ok(
+                    format!("{path}.cost_header"),
+                    http::HeaderName::try_from(name.as_str())
+                        .map_err(|_| format!("`{name}` is not a valid header name")),
+                )
+                .map(|name| Some((name, route.cost_header_visible))),
+            None => Some(None),
+        };
         let endpoint = errors.ok(format!("{path}.match"), Endpoint::parse(&route.pattern));
-        if let (Some(endpoint), Some(target_upstream)) = (endpoint, target_upstream) {
+        if let (Some(endpoint), Some(target_upstream), Some(cost_header)) =
+            (endpoint, target_upstream, cost_header)
+        {
             let target = RouteTarget {
                 upstream: target_upstream,
                 cost: route.cost,
+                cost_header,
             };
             errors.ok(format!("{path}.match"), routes.insert(endpoint, target));
         }

@@ -161,6 +161,12 @@ pub struct RawRoute {
     pub upstream: Option<String>,
     #[serde(default)]
     pub cost: Option<u64>,
+    /// A response header holding the request's real cost (SPEC §9), post-charged.
+    #[serde(default)]
+    pub cost_header: Option<String>,
+    /// Whether the client still sees `cost_header` (default false: removed).
+    #[serde(default)]
+    pub cost_header_visible: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -357,6 +363,12 @@ pub struct RawLimit {
     pub burst: Option<u64>,
     #[serde(default)]
     pub cost: Option<u64>,
+    /// A response header holding the request's real cost (SPEC §9), post-charged.
+    #[serde(default)]
+    pub cost_header: Option<String>,
+    /// Whether the client still sees `cost_header` (default false: removed).
+    #[serde(default)]
+    pub cost_header_visible: bool,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

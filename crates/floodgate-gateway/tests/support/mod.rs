@@ -178,6 +178,23 @@ impl Gateway {
         assert!(status.success());
     }
 
+    /// The first log line for which `what` holds, waiting up to 5 s for it (the process
+    /// writes its log as it goes; a line may follow the answer that caused it).
+    pub fn wait_for_log(&self, what: impl Fn(&str) -> bool, description: &str) -> String {
+        let started = std::time::Instant::now();
+        loop {
+            if let Some(line) = self.log.lock().unwrap().iter().find(|line| what(line)) {
+                return line.clone();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "no log line {description}:\n{}",
+                self.log.lock().unwrap().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Peak resident memory of the gateway process, in KiB.
     pub fn peak_rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
@@ -289,6 +306,20 @@ async fn upstream_handler(
                 }
             }
             Ok(Response::new(full(received.to_string())))
+        }
+        "/tokens" => {
+            // Reports the query's `used` (any text) as the request's real cost.
+            let used = request
+                .uri()
+                .query()
+                .and_then(|query| query.split('&').find_map(|pair| pair.strip_prefix("used=")))
+                .unwrap_or("")
+                .to_owned();
+            let mut response = Response::new(full("completion".to_owned()));
+            response
+                .headers_mut()
+                .insert("x-tokens-used", used.parse().unwrap());
+            Ok(response)
         }
         "/slow" => {
             slow_arrived.notify_one();

@@ -1,0 +1,227 @@
+//! One client as an operator names it (`/admin/clients?api_key=K`, SPEC §7): who it is, which
+//! plan it gets, and the checks a request of it would meet, worked out the way the request path
+//! works them out ([`crate::client::resolve`], [`GatewayPlan::client_checks`]).
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use floodgate::{Check, Identity, IdentityHash, LimitStatus};
+use http::Method;
+use serde_json::{Value, json};
+
+use crate::config::{Config, UnknownKeys, key_digest};
+use crate::plan::{ClientKeys, GatewayPlan, is_global_ceiling};
+
+/// The query of `/admin/clients`: one of `api_key`, `user`, `identity` (with `scope`, default
+/// `key`) or `ip` names the client; `ip` alongside another adds its per-IP limits; `plan`
+/// overrides the plan (clients whose plan a trusted proxy names); `method` and `path` select
+/// endpoint and global limits; `limit` restricts a reset to one limit name.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientQuery {
+    api_key: Option<String>,
+    user: Option<String>,
+    identity: Option<String>,
+    scope: Option<String>,
+    ip: Option<String>,
+    plan: Option<String>,
+    method: Option<String>,
+    path: Option<String>,
+    /// Only this limit (reset).
+    pub limit: Option<String>,
+}
+
+/// Why a query names no client.
+#[derive(Debug)]
+pub enum SelectError {
+    /// The query is wrong (400).
+    BadQuery(String),
+    /// An API key the configuration does not know, under `clients.unknown_keys: reject`
+    /// (404: such a client is refused, it has no counters).
+    UnknownKey,
+}
+
+/// A client, resolved.
+#[derive(Debug)]
+pub struct Selected {
+    /// The identity's hash, as logs and `/admin/top` show it.
+    pub hash: IdentityHash,
+    /// The identity's scope.
+    pub scope: String,
+    /// The plan.
+    pub plan: Arc<str>,
+    /// `allowlist` or `denylist` when a list decides the client's requests (no limit applies).
+    pub listed: Option<&'static str>,
+    /// The checks a request of it meets, at the request's cost.
+    pub checks: Vec<Check>,
+}
+
+impl ClientQuery {
+    /// Resolves the client and the checks of `method path` under `config`.
+    pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
+        let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
+        let identifier = &config.identity.identifier;
+        let exact_ip = match &self.ip {
+            Some(text) => match text.trim().parse::<IpAddr>() {
+                Ok(ip) => Some(ip),
+                Err(_) => return bad("ip: not an IP address"),
+            },
+            None => None,
+        };
+        let client_ip = exact_ip.map(|ip| identifier.client_ip().group(ip));
+        let named = [&self.api_key, &self.user, &self.identity]
+            .iter()
+            .filter(|selector| selector.is_some())
+            .count();
+        if named > 1 {
+            return bad("name the client by one of api_key, user and identity");
+        }
+        if named == 0 && exact_ip.is_none() {
+            return bad("name the client: api_key, user, identity or ip");
+        }
+        if self.scope.is_some() && self.identity.is_none() {
+            return bad("scope: only with identity");
+        }
+        let key_digest = self.api_key.as_deref().map(key_digest);
+        let listed =
+            if config
+                .denylist
+                .contains(exact_ip, key_digest.as_ref(), self.user.as_deref())
+            {
+                Some("denylist")
+            } else if config
+                .allowlist
+                .contains(exact_ip, key_digest.as_ref(), self.user.as_deref())
+            {
+                Some("allowlist")
+            } else {
+                None
+            };
+        let known_plan = key_digest.and_then(|digest| config.api_keys.get(&digest));
+        let identity = match (&self.api_key, &self.user, client_ip) {
+            (Some(key), _, _) if known_plan.is_some() => Some(Identity::ApiKey(key.clone())),
+            (Some(key), _, ip) => match config.unknown_keys {
+                UnknownKeys::DefaultPlan => Some(Identity::ApiKey(key.clone())),
+                UnknownKeys::Anonymous => match ip {
+                    Some(ip) => Some(Identity::Ip(ip)),
+                    None => return bad("this key is unknown and counted by IP: add ip"),
+                },
+                UnknownKeys::Reject if listed.is_none() => return Err(SelectError::UnknownKey),
+                UnknownKeys::Reject => Some(Identity::ApiKey(key.clone())),
+            },
+            (None, Some(user), _) => Some(Identity::User(user.clone())),
+            (None, None, Some(ip)) if self.identity.is_none() => Some(Identity::Ip(ip)),
+            _ => None,
+        };
+        let (hash, scope) = match (&identity, &self.identity) {
+            (Some(identity), _) => (identity.hash(), identity.scope().to_owned()),
+            (None, Some(hex)) => {
+                let Some(hash) = parse_hash(hex) else {
+                    return bad("identity: 32 hexadecimal digits, as /admin/top shows");
+                };
+                let scope = self.scope.as_deref().unwrap_or("key");
+                if !["key", "user", "ip", "unknown"].contains(&scope) {
+                    return bad("scope: one of key, user, ip, unknown");
+                }
+                (hash, scope.to_owned())
+            }
+            (None, None) => return bad("name the client: api_key, user, identity or ip"),
+        };
+        let default_plan = match scope.as_str() {
+            "ip" | "unknown" => &config.anonymous_plan,
+            _ => known_plan.unwrap_or(&config.default_plan),
+        };
+        let plan = match &self.plan {
+            Some(plan) if config.plans.contains_key(plan) => plan.as_str(),
+            Some(_) => return bad("plan: no such plan"),
+            None => default_plan.as_str(),
+        };
+        let method = match &self.method {
+            Some(text) => match Method::from_bytes(text.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => method,
+                Err(_) => return bad("method: not an HTTP method"),
+            },
+            None => Method::GET,
+        };
+        let path = self.path.as_deref().unwrap_or("/");
+        if !path.starts_with('/') {
+            return bad("path: must start with /");
+        }
+        let checks = if listed.is_some() {
+            Vec::new()
+        } else {
+            let cost = config
+                .routes
+                .find(&method, path)
+                .and_then(|(_, route)| route.cost)
+                .unwrap_or(1);
+            let keys = match &identity {
+                Some(identity) => ClientKeys::Identity(identity),
+                None => ClientKeys::Hashed {
+                    hash,
+                    scope: &scope,
+                },
+            };
+            GatewayPlan::new(config.clone())
+                .client_checks(&method, path, client_ip, plan, keys, cost)
+        };
+        Ok(Selected {
+            hash,
+            scope,
+            plan: Arc::from(plan),
+            listed,
+            checks,
+        })
+    }
+}
+
+/// 32 hex digits.
+fn parse_hash(hex: &str) -> Option<IdentityHash> {
+    let hex = hex.trim().as_bytes();
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut bytes = [0u8; 16];
+    for (index, pair) in hex.chunks_exact(2).enumerate() {
+        let text = std::str::from_utf8(pair).ok()?;
+        bytes[index] = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(IdentityHash(bytes))
+}
+
+/// Seconds with millisecond precision.
+fn seconds(duration: std::time::Duration) -> f64 {
+    (duration.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+/// One limit of an inspected client. `view` says whose state it is: `shared` (every gateway's)
+/// or `node` (this gateway's batched copy, up to one sync interval behind the others).
+pub fn limit_json(status: &LimitStatus, check: &Check, batched: bool) -> Value {
+    let global = is_global_ceiling(check);
+    json!({
+        "rule": &*status.rule,
+        "name": &*status.name,
+        "algorithm": status.definition().algorithm().as_str(),
+        "limit": status.limit,
+        "window_seconds": seconds(status.window),
+        "remaining": status.remaining,
+        "reset_after": seconds(status.reset_after),
+        "retry_after": status.retry_after.map(seconds),
+        "allowed": status.allowed,
+        "shared_by_all_clients": global,
+        "view": if batched { "node" } else { "shared" },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashes_round_trip_through_their_hex_form() {
+        let hash = Identity::ApiKey("k".into()).hash();
+        assert_eq!(parse_hash(&hash.to_string()), Some(hash));
+        assert_eq!(parse_hash("xyz"), None);
+        assert_eq!(parse_hash(&"g".repeat(32)), None);
+    }
+}

@@ -1,0 +1,185 @@
+//! What the status page shows (SPEC §7 `GET /`): decisions per second by outcome over the last
+//! minute, the latest 429 share and its anomaly flag, and the recent reload errors. Sampled
+//! once a second from the process's decision totals; bounded memory.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use floodgate::telemetry::{DecisionLabel, decision_totals};
+use serde_json::{Map, Value, json};
+
+/// One-second samples kept: a minute of history, plus the one the first difference needs.
+const SAMPLES: usize = 61;
+/// The window of the `per_second` means.
+const RATE_WINDOW: usize = 10;
+/// Reload errors kept.
+const RELOAD_ERRORS: usize = 10;
+
+/// The page's shared state; the gateway keeps one across configuration versions.
+#[derive(Debug)]
+pub struct StatusBoard {
+    started: Instant,
+    samples: Mutex<VecDeque<Sample>>,
+    limited_share: Mutex<(f64, bool)>,
+    reload_errors: Mutex<VecDeque<(u64, String)>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    at: u64,
+    totals: [u64; 7],
+}
+
+impl Default for StatusBoard {
+    fn default() -> Self {
+        StatusBoard {
+            started: Instant::now(),
+            samples: Mutex::new(VecDeque::with_capacity(SAMPLES)),
+            limited_share: Mutex::new((0.0, false)),
+            reload_errors: Mutex::new(VecDeque::with_capacity(RELOAD_ERRORS)),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs())
+}
+
+impl StatusBoard {
+    /// Takes this second's sample of the decision totals (called once a second).
+    pub fn sample(&self) {
+        let totals = decision_totals().map(|(_, count)| count);
+        let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        if samples.len() == SAMPLES {
+            samples.pop_front();
+        }
+        samples.push_back(Sample {
+            at: unix_now(),
+            totals,
+        });
+    }
+
+    /// Records the 429 share of the interval that just closed, and whether it is an anomaly.
+    pub fn record_limited_share(&self, share: f64, anomaly: bool) {
+        *self
+            .limited_share
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = (share, anomaly);
+    }
+
+    /// Records a rejected reload (its message names the field; no secret is in it).
+    pub fn record_reload_error(&self, error: String) {
+        let mut errors = self
+            .reload_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if errors.len() == RELOAD_ERRORS {
+            errors.pop_front();
+        }
+        errors.push_back((unix_now(), error));
+    }
+
+    /// The `decisions`, `limited_share`, `reload_errors` and `uptime_seconds` parts of
+    /// `/admin/status`.
+    pub fn report(&self) -> Map<String, Value> {
+        let samples: Vec<Sample> = self
+            .samples
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect();
+        let by_outcome = |counts: [f64; 7]| -> Value {
+            let mut outcomes = Map::new();
+            for (label, count) in DecisionLabel::ALL.iter().zip(counts) {
+                outcomes.insert(label.as_str().to_owned(), json!(count));
+            }
+            Value::Object(outcomes)
+        };
+        let difference = |older: &Sample, newer: &Sample| -> [f64; 7] {
+            std::array::from_fn(|index| {
+                newer.totals[index].saturating_sub(older.totals[index]) as f64
+            })
+        };
+        let series: Vec<Value> = samples
+            .windows(2)
+            .map(|pair| {
+                let mut point = match by_outcome(difference(&pair[0], &pair[1])) {
+                    Value::Object(point) => point,
+                    _ => Map::new(),
+                };
+                point.insert("at".to_owned(), json!(pair[1].at));
+                Value::Object(point)
+            })
+            .collect();
+        let per_second = match samples.len() {
+            0 | 1 => [0.0; 7],
+            len => {
+                let newest = &samples[len - 1];
+                let oldest = &samples[len.saturating_sub(RATE_WINDOW + 1)];
+                let seconds = newest.at.saturating_sub(oldest.at).max(1) as f64;
+                difference(oldest, newest).map(|count| (count / seconds * 10.0).round() / 10.0)
+            }
+        };
+        let (share, anomaly) = *self
+            .limited_share
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let reload_errors: Vec<Value> = self
+            .reload_errors
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(at, error)| json!({"at": at, "error": error}))
+            .collect();
+        let mut report = Map::new();
+        report.insert(
+            "uptime_seconds".to_owned(),
+            json!(self.started.elapsed().as_secs()),
+        );
+        report.insert(
+            "decisions".to_owned(),
+            json!({"per_second": by_outcome(per_second), "series": series}),
+        );
+        report.insert(
+            "limited_share".to_owned(),
+            json!({"last_interval": share, "anomaly": anomaly}),
+        );
+        report.insert("reload_errors".to_owned(), Value::Array(reload_errors));
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reload_errors_are_bounded_and_kept_in_order() {
+        let board = StatusBoard::default();
+        for index in 0..15 {
+            board.record_reload_error(format!("error {index}"));
+        }
+        let report = board.report();
+        let errors = report["reload_errors"].as_array().unwrap();
+        assert_eq!(errors.len(), RELOAD_ERRORS);
+        assert_eq!(errors[0]["error"], "error 5");
+        assert_eq!(errors[9]["error"], "error 14");
+    }
+
+    #[test]
+    fn the_series_is_bounded_to_a_minute() {
+        let board = StatusBoard::default();
+        for _ in 0..100 {
+            board.sample();
+        }
+        let report = board.report();
+        assert_eq!(
+            report["decisions"]["series"].as_array().unwrap().len(),
+            SAMPLES - 1
+        );
+    }
+}

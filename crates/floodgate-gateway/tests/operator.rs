@@ -1,0 +1,454 @@
+//! Issue 15 through the `floodgate` binary: inspecting and resetting one client from the admin
+//! API on every store, and costs the upstream reports after the response (SPEC §7, §9).
+
+#[path = "../../floodgate/tests/support/mod.rs"]
+mod redis_support;
+mod support;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use serde_json::Value;
+use support::{Gateway, TempDir, TestClient, Upstream, client, get, start_gateway};
+
+const KNOWN_KEYS: &str = r#"
+clients:
+  api_keys: { "k-one": free, "k-two": free }
+"#;
+
+/// Five an hour for the `free` plan, on `store`.
+fn hourly_five(store: &str) -> String {
+    format!(
+        "{KNOWN_KEYS}{store}plans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 5, window: 1h }} ]\n  anonymous: {{}}\n"
+    )
+}
+
+async fn admin(
+    client: &TestClient,
+    gateway: &Gateway,
+    method: Method,
+    path_and_query: &str,
+    token: Option<&str>,
+) -> (StatusCode, Value) {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(gateway.admin_url(path_and_query));
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let response = client
+        .request(request.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .expect("admin answers");
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+fn remaining(response: &http::Response<Bytes>) -> u64 {
+    response.headers()["x-ratelimit-remaining"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+async fn as_client(client: &TestClient, gateway: &Gateway, key: &str) -> http::Response<Bytes> {
+    get(client, &gateway.url("/v1/things"), &[("x-api-key", key)]).await
+}
+
+/// The inspection shows what the last answer showed, twice over, and the next request is
+/// admitted as if nobody had looked.
+async fn inspection_changes_nothing(store: &str) {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start_gateway(&upstream.url(), &hourly_five(store));
+    let client = client();
+    as_client(&client, &gateway, "k-one").await;
+    let last = remaining(&as_client(&client, &gateway, "k-one").await);
+    assert_eq!(last, 3);
+    for _ in 0..2 {
+        let (status, body) = admin(
+            &client,
+            &gateway,
+            Method::GET,
+            "/admin/clients?api_key=k-one",
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["plan"], "free");
+        assert_eq!(body["scope"], "key");
+        assert_eq!(body["limits"][0]["name"], "hourly");
+        assert_eq!(body["limits"][0]["limit"], 5);
+        assert_eq!(body["limits"][0]["remaining"], last, "{body}");
+        assert_eq!(body["limits"][0]["retry_after"], Value::Null);
+    }
+    assert_eq!(remaining(&as_client(&client, &gateway, "k-one").await), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_changes_nothing_on_memory() {
+    inspection_changes_nothing("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_changes_nothing_on_redis() {
+    let redis = redis_support::RedisServer::start();
+    inspection_changes_nothing(&format!(
+        "store: {{ backend: redis, url: \"{}\" }}\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_changes_nothing_on_a_cluster() {
+    let cluster = redis_support::RedisCluster::start(3);
+    let nodes: Vec<String> = cluster
+        .urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    inspection_changes_nothing(&format!(
+        "store: {{ backend: redis_cluster, nodes: [{}], timeout: 2s }}\n",
+        nodes.join(", ")
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_changes_nothing_in_batched_mode() {
+    let redis = redis_support::RedisServer::start();
+    inspection_changes_nothing(&format!(
+        "store: {{ backend: redis, url: \"{}\", sync_interval: 50ms }}\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_client_shows_when_it_will_be_admitted() {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start_gateway(&upstream.url(), &hourly_five(""));
+    let client = client();
+    for _ in 0..6 {
+        as_client(&client, &gateway, "k-one").await;
+    }
+    let (_, body) = admin(
+        &client,
+        &gateway,
+        Method::GET,
+        "/admin/clients?api_key=k-one",
+        None,
+    )
+    .await;
+    let limit = &body["limits"][0];
+    assert_eq!(limit["remaining"], 0);
+    assert_eq!(limit["allowed"], false);
+    let retry = limit["retry_after"].as_f64().expect("a wait");
+    assert!(retry > 0.0 && retry <= 3600.0, "{retry}");
+    // The hash /admin/top shows names the same client.
+    let identity = body["identity"].as_str().unwrap().to_owned();
+    let (status, by_hash) = admin(
+        &client,
+        &gateway,
+        Method::GET,
+        &format!("/admin/clients?identity={identity}&plan=free"),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{by_hash}");
+    assert_eq!(by_hash["limits"][0]["remaining"], 0);
+    for bad in [
+        "/admin/clients",
+        "/admin/clients?api_key=a&user=b",
+        "/admin/clients?identity=xyz",
+        "/admin/clients?ip=not-an-ip",
+        "/admin/clients?api_key=k-one&plan=nope",
+        "/admin/clients?api_key=k-one&bogus=1",
+    ] {
+        let (status, body) = admin(&client, &gateway, Method::GET, bad, None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {body}");
+        assert!(body["error"].is_string(), "{bad}: {body}");
+    }
+}
+
+/// A reset admits a client at 0 remaining at once, and touches no other client; with a token
+/// set, neither inspection nor reset works without it.
+async fn reset_unblocks_one_client(store: &str) {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("gw");
+    let (listen, admin_addr) = support::addresses();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(
+        &path,
+        support::config_text(listen, admin_addr, &upstream.url(), &hourly_five(store)),
+    )
+    .unwrap();
+    let gateway = Gateway::start_with_env(
+        &path,
+        listen,
+        admin_addr,
+        &[("FLOODGATE_ADMIN_TOKEN", "op-secret")],
+    );
+    let client = client();
+    for key in ["k-one", "k-two"] {
+        for _ in 0..5 {
+            as_client(&client, &gateway, key).await;
+        }
+        assert_eq!(
+            as_client(&client, &gateway, key).await.status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    }
+    for method in [Method::GET, Method::DELETE] {
+        let (status, _) = admin(
+            &client,
+            &gateway,
+            method.clone(),
+            "/admin/clients?api_key=k-one",
+            None,
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{method} without the token"
+        );
+        let (status, _) = admin(
+            &client,
+            &gateway,
+            method.clone(),
+            "/admin/clients?api_key=k-one",
+            Some("wrong"),
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{method} with a wrong token"
+        );
+    }
+    assert_eq!(
+        as_client(&client, &gateway, "k-one").await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a refused reset reset nothing"
+    );
+    let (status, body) = admin(
+        &client,
+        &gateway,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one",
+        Some("op-secret"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["reset"][0]["name"], "hourly");
+    assert_eq!(body["keys_with_state"], 1);
+    let after = as_client(&client, &gateway, "k-one").await;
+    assert_eq!(
+        after.status(),
+        StatusCode::OK,
+        "admitted right after the reset"
+    );
+    assert_eq!(remaining(&after), 4);
+    assert_eq!(
+        as_client(&client, &gateway, "k-two").await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "another client is untouched"
+    );
+    let (status, _) = admin(
+        &client,
+        &gateway,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one&limit=no-such-limit",
+        Some("op-secret"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let line = gateway.wait_for_log(
+        |line| line.contains("client counters reset through the admin API"),
+        "of the reset",
+    );
+    let identity = floodgate::Identity::ApiKey("k-one".into())
+        .hash()
+        .to_string();
+    assert!(
+        line.contains(&identity),
+        "logged with the hashed identity: {line}"
+    );
+    assert!(
+        line.contains("\"caller\":\"127.0.0.1:"),
+        "logged with the caller: {line}"
+    );
+    assert!(!line.contains("k-one"), "never the raw key: {line}");
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(metrics.body()).into_owned();
+    assert!(text.contains("floodgate_admin_resets_total 1"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_unblocks_one_client_on_memory() {
+    reset_unblocks_one_client("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_unblocks_one_client_on_redis() {
+    let redis = redis_support::RedisServer::start();
+    reset_unblocks_one_client(&format!(
+        "store: {{ backend: redis, url: \"{}\" }}\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_frees_the_leases_of_requests_in_flight() {
+    let upstream = Upstream::start().await;
+    let rest = format!(
+        "{KNOWN_KEYS}plans:\n  free:\n    endpoints:\n      \"GET /slow\": [ {{ name: streams, algorithm: concurrency, limit: 1, window: 30s }} ]\n  anonymous: {{}}\n"
+    );
+    let (gateway, _directory) = start_gateway(&upstream.url(), &rest);
+    let client = client();
+    let slow_url = gateway.url("/slow?ms=3000");
+    let holder = {
+        let client = client.clone();
+        let url = slow_url.clone();
+        tokio::spawn(async move { get(&client, &url, &[("x-api-key", "k-one")]).await })
+    };
+    upstream.slow_arrived.notified().await;
+    assert_eq!(
+        get(&client, &slow_url, &[("x-api-key", "k-one")])
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the lease is held"
+    );
+    let (_, before) = admin(
+        &client,
+        &gateway,
+        Method::GET,
+        "/admin/clients?api_key=k-one&method=GET&path=/slow",
+        None,
+    )
+    .await;
+    assert_eq!(before["limits"][0]["name"], "streams");
+    assert_eq!(before["limits"][0]["remaining"], 0);
+    let (status, body) = admin(
+        &client,
+        &gateway,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one&method=GET&path=/slow&limit=streams",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let second = {
+        let client = client.clone();
+        tokio::spawn(async move { get(&client, &slow_url, &[("x-api-key", "k-one")]).await })
+    };
+    upstream.slow_arrived.notified().await;
+    assert_eq!(holder.await.unwrap().status(), StatusCode::OK);
+    assert_eq!(second.await.unwrap().status(), StatusCode::OK);
+}
+
+/// SPEC §9: a 100-token budget, completions that report 40 tokens each.
+const TOKEN_BUDGET: &str = r#"
+routes:
+  - { match: "GET /tokens", cost_header: "x-tokens-used" }
+response: { retry_after_jitter: 0 }
+plans:
+  free:
+    limits: [ { name: tokens, algorithm: token_bucket, limit: 100, window: 100s } ]
+  anonymous: {}
+"#;
+
+async fn costs_after_the_response(store: &str) {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start_gateway(
+        &upstream.url(),
+        &format!("{KNOWN_KEYS}{store}{TOKEN_BUDGET}"),
+    );
+    let client = client();
+    let completion = |used: &str| gateway.url(&format!("/tokens?used={used}"));
+    for request in 0..3 {
+        let response = get(&client, &completion("40"), &[("x-api-key", "k-one")]).await;
+        assert_eq!(response.status(), StatusCode::OK, "request {request}");
+        assert!(
+            !response.headers().contains_key("x-tokens-used"),
+            "the header is stripped from the client's response"
+        );
+    }
+    let denied = get(&client, &completion("40"), &[("x-api-key", "k-one")]).await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    // 20 tokens of debt and 1 for the request, at one token a second; a whole second may
+    // pass during the test.
+    let retry: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((20..=21).contains(&retry), "Retry-After {retry}");
+
+    // Malformed and missing values: counted, nothing more charged.
+    let mut seen = Vec::new();
+    for used in ["abc", "-5", "4.5"] {
+        let response = get(&client, &completion(used), &[("x-api-key", "k-two")]).await;
+        seen.push(remaining(&response));
+    }
+    assert_eq!(seen, [99, 98, 97]);
+    let missing = get(
+        &client,
+        &gateway.url("/v1/other"),
+        &[("x-api-key", "k-two")],
+    )
+    .await;
+    assert_eq!(
+        remaining(&missing),
+        96,
+        "routes without cost_header charge 1"
+    );
+
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(metrics.body()).into_owned();
+    assert!(
+        text.contains("floodgate_post_charge_units_total 117"),
+        "{text}"
+    );
+    assert!(
+        text.contains("floodgate_post_charge_skipped_total{reason=\"malformed\"} 3"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_known_after_the_response_on_memory() {
+    costs_after_the_response("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_known_after_the_response_on_redis() {
+    let redis = redis_support::RedisServer::start();
+    costs_after_the_response(&format!(
+        "store: {{ backend: redis, url: \"{}\" }}\n",
+        redis.url()
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_visible_cost_header_reaches_the_client() {
+    let upstream = Upstream::start().await;
+    let rest = TOKEN_BUDGET.replace(
+        "cost_header: \"x-tokens-used\"",
+        "cost_header: \"x-tokens-used\", cost_header_visible: true",
+    );
+    let (gateway, _directory) = start_gateway(&upstream.url(), &format!("{KNOWN_KEYS}{rest}"));
+    let response = get(
+        &client(),
+        &gateway.url("/tokens?used=7"),
+        &[("x-api-key", "k-one")],
+    )
+    .await;
+    assert_eq!(response.headers()["x-tokens-used"], "7");
+}
