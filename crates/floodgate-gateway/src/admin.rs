@@ -236,39 +236,29 @@ async fn status(State(state): State<AdminState>) -> Response {
     Json(serde_json::Value::Object(report)).into_response()
 }
 
-/// A client named by the query, or the answer that says why not.
+/// A client named by the query (only the limit it names, if it names one), or the status and
+/// message that say why not.
 fn selected(
     runtime: &crate::runtime::Runtime,
     query: Result<Query<ClientQuery>, QueryRejection>,
-) -> Result<Selected, Response> {
-    let Query(query) = query.map_err(|rejection| {
-        (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": rejection.body_text()})),
-        )
-            .into_response()
+) -> Result<Selected, (StatusCode, String)> {
+    let Query(query) =
+        query.map_err(|rejection| (StatusCode::BAD_REQUEST, rejection.body_text()))?;
+    let mut selected = query.select(&runtime.config).map_err(|error| match error {
+        SelectError::BadQuery(message) => (StatusCode::BAD_REQUEST, message),
+        SelectError::UnknownKey => (
+            StatusCode::NOT_FOUND,
+            "unknown_api_key: refused under clients.unknown_keys: reject".to_owned(),
+        ),
     })?;
-    query
-        .select(&runtime.config)
-        .map_err(|error| match error {
-            SelectError::BadQuery(message) => {
-                (StatusCode::BAD_REQUEST, Json(json!({"error": message}))).into_response()
-            }
-            SelectError::UnknownKey => (
-                StatusCode::NOT_FOUND,
-                Json(
-                    json!({"error": "unknown_api_key: refused under clients.unknown_keys: reject"}),
-                ),
-            )
-                .into_response(),
-        })
-        .map(|selected| (selected, query.limit))
-        .map(|(mut selected, only)| {
-            if let Some(name) = only {
-                selected.checks.retain(|check| check.limit.name() == name);
-            }
-            selected
-        })
+    if let Some(name) = &query.limit {
+        selected.checks.retain(|check| check.limit.name() == name);
+    }
+    Ok(selected)
+}
+
+fn refusal((status, message): (StatusCode, String)) -> Response {
+    (status, Json(json!({"error": message}))).into_response()
 }
 
 fn store_failure(error: &StoreError) -> Response {
@@ -287,7 +277,7 @@ async fn inspect_client(
     let runtime = state.gateway.current();
     let selected = match selected(&runtime, query) {
         Ok(selected) => selected,
-        Err(answer) => return answer,
+        Err(refused) => return refusal(refused),
     };
     let store = state.gateway.store();
     let decision = match store.peek(&selected.checks, None).await {
@@ -327,17 +317,16 @@ async fn reset_client(
     let runtime = state.gateway.current();
     let mut selected = match selected(&runtime, query) {
         Ok(selected) => selected,
-        Err(answer) => return answer,
+        Err(refused) => return refusal(refused),
     };
     selected
         .checks
         .retain(|check| !crate::plan::is_global_ceiling(check));
     if selected.checks.is_empty() {
-        return (
+        return refusal((
             StatusCode::NOT_FOUND,
-            Json(json!({"error": "no limit of this client matches"})),
-        )
-            .into_response();
+            "no limit of this client matches".to_owned(),
+        ));
     }
     let keys: Vec<Arc<str>> = selected
         .checks
