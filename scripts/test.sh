@@ -22,6 +22,8 @@ need_package cargo cargo
 need_package redis-server redis-server
 # Creating the Redis Cluster of the cluster tests.
 need_package redis-cli redis-tools
+# The status page test loads the page in a real (headless) browser.
+need_package chromium chromium
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -348,7 +348,7 @@ async fn serve(path: PathBuf) -> Result<(), String> {
         loop {
             ticks.tick().await;
             let (ratio, anomaly) = baseline.tick();
-            board.record_limited_share(ratio, anomaly);
+            board.record_anomaly(anomaly);
             if anomaly {
                 tracing::warn!(
                     limited_ratio = ratio,

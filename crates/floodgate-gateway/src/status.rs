@@ -1,6 +1,7 @@
 //! What the status page shows (SPEC §7 `GET /`): decisions per second by outcome over the last
-//! minute, the latest 429 share and its anomaly flag, and the recent reload errors. Sampled
-//! once a second from the process's decision totals; bounded memory.
+//! minute, the 429 share of the last ten seconds with the baseline's anomaly flag, and the
+//! recent reload errors. Sampled once a second from the process's decision totals; bounded
+//! memory.
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
@@ -21,7 +22,8 @@ const RELOAD_ERRORS: usize = 10;
 pub struct StatusBoard {
     started: Instant,
     samples: Mutex<VecDeque<Sample>>,
-    limited_share: Mutex<(f64, bool)>,
+    /// Whether the 429 share of the baseline's last interval was an anomaly.
+    anomaly: std::sync::atomic::AtomicBool,
     reload_errors: Mutex<VecDeque<(u64, String)>>,
 }
 
@@ -36,7 +38,7 @@ impl Default for StatusBoard {
         StatusBoard {
             started: Instant::now(),
             samples: Mutex::new(VecDeque::with_capacity(SAMPLES)),
-            limited_share: Mutex::new((0.0, false)),
+            anomaly: std::sync::atomic::AtomicBool::new(false),
             reload_errors: Mutex::new(VecDeque::with_capacity(RELOAD_ERRORS)),
         }
     }
@@ -62,12 +64,11 @@ impl StatusBoard {
         });
     }
 
-    /// Records the 429 share of the interval that just closed, and whether it is an anomaly.
-    pub fn record_limited_share(&self, share: f64, anomaly: bool) {
-        *self
-            .limited_share
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = (share, anomaly);
+    /// Records whether the 429 share of the baseline's interval that just closed is an
+    /// anomaly (more than 2σ from its trailing five minutes).
+    pub fn record_anomaly(&self, anomaly: bool) {
+        self.anomaly
+            .store(anomaly, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records a rejected reload (its message names the field; no secret is in it).
@@ -115,19 +116,35 @@ impl StatusBoard {
                 Value::Object(point)
             })
             .collect();
-        let per_second = match samples.len() {
-            0 | 1 => [0.0; 7],
+        // Decisions of the last ten seconds (or fewer, right after start), and over how long.
+        let (recent, seconds) = match samples.len() {
+            0 | 1 => ([0.0; 7], 1.0),
             len => {
                 let newest = &samples[len - 1];
                 let oldest = &samples[len.saturating_sub(RATE_WINDOW + 1)];
                 let seconds = newest.at.saturating_sub(oldest.at).max(1) as f64;
-                difference(oldest, newest).map(|count| (count / seconds * 10.0).round() / 10.0)
+                (difference(oldest, newest), seconds)
             }
         };
-        let (share, anomaly) = *self
-            .limited_share
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let per_second = recent.map(|count| (count / seconds * 10.0).round() / 10.0);
+        // The 429 share of the same ten seconds: denied over decided (bypassed and
+        // denylisted requests were never decided by a limit).
+        let [
+            allowed,
+            limited,
+            shadow_limited,
+            _,
+            _,
+            fallback_allowed,
+            fallback_limited,
+        ] = per_second;
+        let decided = allowed + limited + shadow_limited + fallback_allowed + fallback_limited;
+        let share = if decided > 0.0 {
+            ((limited + fallback_limited) / decided * 1000.0).round() / 1000.0
+        } else {
+            0.0
+        };
+        let anomaly = self.anomaly.load(std::sync::atomic::Ordering::Relaxed);
         let reload_errors: Vec<Value> = self
             .reload_errors
             .lock()
