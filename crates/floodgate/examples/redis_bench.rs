@@ -17,8 +17,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use floodgate::store::Check;
 use floodgate::store::{ConnectionMode, RedisStore};
-use floodgate::{Check, Limit, Store};
+use floodgate::{Limit, Store};
 
 fn usage() -> ! {
     eprintln!(

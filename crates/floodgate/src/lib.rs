@@ -5,41 +5,66 @@ mod body;
 #[cfg(feature = "axum")]
 #[doc = include_str!("cookbook.md")]
 pub mod cookbook {}
-mod decision;
+pub mod decision;
 mod future;
 pub mod headers;
 pub mod key;
 mod layer;
-mod limit;
-mod lists;
+pub mod limit;
+pub mod lists;
 pub mod plan;
 pub mod post_charge;
-mod response;
-mod rollout;
-mod service;
+pub mod response;
+pub mod rollout;
+pub mod service;
 pub mod store;
 pub mod telemetry;
-mod time;
-mod top;
+pub mod time;
+pub mod top;
 
-pub use body::RateLimitBody;
-pub use decision::{Decision, DecisionSource, LimitStatus};
-pub use future::ResponseFuture;
+// What an app writes: the layer, its limits, who a client is, what was decided, the stores.
+// Everything else lives in its module (`floodgate::time::FakeClock`, `floodgate::rollout::Mode`).
+pub use decision::Decision;
 pub use headers::HeaderStyle;
-pub use key::{Identity, IdentityHash, PeerAddr, RequestInfo, UserId};
+pub use key::{Identity, PeerAddr, RequestInfo, UserId};
 pub use layer::{BuildError, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder};
+pub use limit::{Algorithm, Limit};
+pub use plan::TieredPlan;
+pub use response::Denial;
+pub use service::RateLimit;
+pub use store::{MemoryStore, Store, StoreError};
+
+// The crate root's earlier names, kept so that code written against them still compiles; not
+// shown in the documentation. Use the module paths.
+#[doc(hidden)]
+pub use body::RateLimitBody;
+#[doc(hidden)]
+pub use decision::{DecisionSource, LimitStatus};
+#[doc(hidden)]
+pub use future::ResponseFuture;
+#[doc(hidden)]
+pub use key::IdentityHash;
+#[doc(hidden)]
 pub use limit::{
-    Algorithm, DEFAULT_LEASE_TTL, Limit, LimitBuilder, LimitError, MAX_NAME_LEN, MAX_QUANTITY,
-    MAX_WINDOW,
+    DEFAULT_LEASE_TTL, LimitBuilder, LimitError, MAX_NAME_LEN, MAX_QUANTITY, MAX_WINDOW,
 };
+#[doc(hidden)]
 pub use lists::{ClientList, api_key_digest};
-pub use plan::{LimitPlan, StaticPlan, TieredPlan};
+#[doc(hidden)]
+pub use plan::{LimitPlan, StaticPlan};
+#[doc(hidden)]
 pub use post_charge::{CostHeader, ReportedCost, ResponseCost};
+#[doc(hidden)]
 pub use response::{
-    Denial, MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
+    MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
 };
+#[doc(hidden)]
 pub use rollout::{Mode, Rollout};
-pub use service::{RateLimit, RequestCost, UnknownIdentity};
-pub use store::{Check, Lease, MemoryStore, Store, StoreError};
+#[doc(hidden)]
+pub use service::{RequestCost, UnknownIdentity};
+#[doc(hidden)]
+pub use store::{Check, Lease};
+#[doc(hidden)]
 pub use time::{Clock, FakeClock, SystemClock, Timestamp};
+#[doc(hidden)]
 pub use top::{TopClients, TopEntry};

@@ -64,7 +64,8 @@ where
 ///
 /// ```
 /// use std::time::Duration;
-/// use floodgate::{CostHeader, Limit, RateLimitLayer};
+/// use floodgate::post_charge::CostHeader;
+/// use floodgate::{Limit, RateLimitLayer};
 ///
 /// let layer = RateLimitLayer::builder()
 ///     .limit(Limit::token_bucket("tokens", 10_000, Duration::from_secs(60))?)

@@ -221,7 +221,7 @@ pub fn unavailable_response() -> Response<Bytes> {
 }
 
 /// 500 for a request whose client could not be identified, under
-/// [`UnknownIdentity::Reject`](crate::UnknownIdentity::Reject).
+/// [`UnknownIdentity::Reject`](crate::service::UnknownIdentity::Reject).
 pub fn unidentified_response() -> Response<Bytes> {
     json_response(
         StatusCode::INTERNAL_SERVER_ERROR,

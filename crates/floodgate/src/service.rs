@@ -1,5 +1,8 @@
 //! The [`RateLimit`] service: decides in `call`, then answers 429 or calls the inner service.
 
+pub use crate::body::RateLimitBody;
+pub use crate::future::ResponseFuture;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
@@ -11,9 +14,8 @@ use http_body::Body;
 use tower_service::Service;
 
 use crate::FailurePolicy;
-use crate::body::{LeaseGuard, RateLimitBody};
+use crate::body::LeaseGuard;
 use crate::decision::{Decision, DecisionSource};
-use crate::future::ResponseFuture;
 use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
 use crate::key::{IdentifyClient, RequestInfo};

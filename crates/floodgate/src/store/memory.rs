@@ -60,7 +60,7 @@ pub struct MemoryStoreBuilder {
 }
 
 impl MemoryStoreBuilder {
-    /// The clock (default: the system clock). Tests pass a [`crate::FakeClock`].
+    /// The clock (default: the system clock). Tests pass a [`crate::time::FakeClock`].
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
