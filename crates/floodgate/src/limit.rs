@@ -104,48 +104,34 @@ impl FromStr for Algorithm {
     }
 }
 
-/// Why a limit could not be built. The message starts with the offending field.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// Why a limit could not be built: [`field`](LimitError::field) says which setting,
+/// [`problem`](LimitError::problem) what is wrong with it; the message is `field: problem`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LimitError {
     /// The name is empty, too long or has characters other than `A-Z a-z 0-9 - _ .`.
-    #[error("name: `{0}` is not a valid limit name (1 to 64 characters among A-Z a-z 0-9 - _ .)")]
     InvalidName(String),
     /// No algorithm of that name.
-    #[error(
-        "algorithm: unknown algorithm `{0}`; expected one of token_bucket, gcra, fixed_window, \
-         sliding_window_log, sliding_window_counter, leaky_bucket, concurrency"
-    )]
     UnknownAlgorithm(String),
     /// `limit` is zero.
-    #[error("limit: must be greater than 0")]
     ZeroLimit,
     /// `limit` was never set on the builder.
-    #[error("limit: is required (LimitBuilder::limit)")]
     MissingLimit,
     /// `limit` is larger than [`MAX_QUANTITY`].
-    #[error("limit: must be at most {MAX_QUANTITY}")]
     LimitTooLarge,
     /// `window` was not given (only `concurrency` has a default).
-    #[error("window: is required for {0}")]
     MissingWindow(Algorithm),
     /// `window` is shorter than a millisecond.
-    #[error("window: must be greater than 0 (at least 1ms)")]
     WindowTooShort,
     /// `window` is longer than [`MAX_WINDOW`].
-    #[error("window: must be at most 366 days")]
     WindowTooLong,
     /// `burst` is zero.
-    #[error("burst: must be at least 1")]
     ZeroBurst,
     /// `burst` is larger than [`MAX_QUANTITY`], or so large that refilling it takes over a year.
-    #[error("burst: too large; refilling it at limit/window must take at most 366 days")]
     BurstTooLarge,
     /// `burst` was given for an algorithm that has none.
-    #[error("burst: not used by {0}; remove it")]
     BurstNotSupported(Algorithm),
     /// `cost` is zero.
-    #[error("cost: must be at least 1")]
     ZeroCost,
 }
 
@@ -165,7 +151,43 @@ impl LimitError {
             LimitError::ZeroCost => "cost",
         }
     }
+
+    /// What is wrong with the field, without its name (a configuration file prefixes its own
+    /// path: `plans.free.limits[1].window: must be greater than 0 (at least 1ms)`).
+    pub fn problem(&self) -> String {
+        match self {
+            LimitError::InvalidName(name) => format!(
+                "`{name}` is not a valid limit name (1 to 64 characters among A-Z a-z 0-9 - _ .)"
+            ),
+            LimitError::UnknownAlgorithm(name) => format!(
+                "unknown algorithm `{name}`; expected one of token_bucket, gcra, fixed_window, \
+                 sliding_window_log, sliding_window_counter, leaky_bucket, concurrency"
+            ),
+            LimitError::ZeroLimit => "must be greater than 0".to_owned(),
+            LimitError::MissingLimit => "is required (LimitBuilder::limit)".to_owned(),
+            LimitError::LimitTooLarge => format!("must be at most {MAX_QUANTITY}"),
+            LimitError::MissingWindow(algorithm) => format!("is required for {algorithm}"),
+            LimitError::WindowTooShort => "must be greater than 0 (at least 1ms)".to_owned(),
+            LimitError::WindowTooLong => "must be at most 366 days".to_owned(),
+            LimitError::ZeroBurst => "must be at least 1".to_owned(),
+            LimitError::BurstTooLarge => {
+                "too large; refilling it at limit/window must take at most 366 days".to_owned()
+            }
+            LimitError::BurstNotSupported(algorithm) => {
+                format!("not used by {algorithm}; remove it")
+            }
+            LimitError::ZeroCost => "must be at least 1".to_owned(),
+        }
+    }
 }
+
+impl std::fmt::Display for LimitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field(), self.problem())
+    }
+}
+
+impl std::error::Error for LimitError {}
 
 /// A validated limit: `limit` requests (or cost units) per `window` under one algorithm.
 ///

@@ -1,25 +1,26 @@
 //! Durations as the configuration writes them: `500ms`, `1s`, `2m`, `1h30m`, `1d`.
 
+use super::errors::Problem;
 use std::time::Duration;
 
 /// Parses `<number><unit>` pairs (units `us`, `ms`, `s`, `m`, `h`, `d`), concatenated.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub fn parse_duration(text: &str) -> Result<Duration, Problem> {
     let text = text.trim();
     if text.is_empty() {
-        return Err("is empty; expected a duration such as 500ms, 1s or 1d".to_owned());
+        return Err("is empty; expected a duration such as 500ms, 1s or 1d".into());
     }
     let mut total = Duration::ZERO;
     let mut rest = text;
     while !rest.is_empty() {
         let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
         if digits == 0 {
-            return Err(format!(
+            return Err(problem!(
                 "`{text}` is not a duration; expected e.g. 500ms, 1s, 1h30m, 1d"
             ));
         }
         let number: u64 = rest[..digits]
             .parse()
-            .map_err(|_| format!("`{text}`: number too large"))?;
+            .map_err(|_| problem!("`{text}`: number too large"))?;
         rest = &rest[digits..];
         let unit_len = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
         let unit = &rest[..unit_len];
@@ -32,12 +33,12 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             "h" => Duration::from_secs(number.saturating_mul(3600)),
             "d" => Duration::from_secs(number.saturating_mul(86_400)),
             "" => {
-                return Err(format!(
+                return Err(problem!(
                     "`{text}` has no unit; write e.g. {number}s or {number}ms"
                 ));
             }
             other => {
-                return Err(format!(
+                return Err(problem!(
                     "`{text}`: unknown unit `{other}`; use us, ms, s, m, h or d"
                 ));
             }

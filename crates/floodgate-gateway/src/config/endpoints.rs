@@ -1,6 +1,7 @@
 //! Endpoint patterns (`"METHOD /path"` or `"/path"`, with `{param}` and `{*rest}` segments as in
 //! axum's router) and the table that finds a request's endpoint.
 
+use super::errors::Problem;
 use std::collections::HashMap;
 
 use http::Method;
@@ -16,18 +17,18 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Parses `"POST /v1/things/{id}"` or `"/health"`.
-    pub fn parse(text: &str) -> Result<Endpoint, String> {
+    pub fn parse(text: &str) -> Result<Endpoint, Problem> {
         let text = text.trim();
         let (method, path) = match text.split_once(' ') {
             Some((method, path)) => {
                 let method = Method::from_bytes(method.as_bytes())
-                    .map_err(|_| format!("`{method}` is not an HTTP method"))?;
+                    .map_err(|_| problem!("`{method}` is not an HTTP method"))?;
                 (Some(method), path.trim())
             }
             None => (None, text),
         };
         if !path.starts_with('/') {
-            return Err(format!(
+            return Err(problem!(
                 "`{text}`: the path must start with `/` (pattern: \"METHOD /path\" or \"/path\")"
             ));
         }
@@ -75,7 +76,7 @@ impl<T> Default for EndpointTable<T> {
 
 impl<T> EndpointTable<T> {
     /// Adds `value` under `endpoint`; fails if the pattern is malformed or conflicts.
-    pub fn insert(&mut self, endpoint: Endpoint, value: T) -> Result<(), String> {
+    pub fn insert(&mut self, endpoint: Endpoint, value: T) -> Result<(), Problem> {
         let index = self.entries.len();
         let router = match &endpoint.method {
             Some(method) => self.by_method.entry(method.clone()).or_default(),

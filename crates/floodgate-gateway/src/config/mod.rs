@@ -1,256 +1,56 @@
 //! The gateway configuration (SPEC §5): parsed from YAML, then validated into library types.
 //! Every error carries its field path (`plans.free.limits[1].window: must be greater than 0`);
 //! `load` returns all of them, never a partial configuration, and never panics.
+//!
+//! One module per section of the file: [`routes`] (upstreams), [`store`], [`limits`] (plans,
+//! `per_ip`, `global`), [`clients`] (identity, API keys, lists), [`rollout`] (rollout and failure
+//! policies), [`response`], [`server`], [`tls`] and [`rls`]; each validates its section and
+//! returns it. This module reads the file and assembles the sections into a [`Config`].
 
+/// A [`Problem`] from `format!` arguments.
+macro_rules! problem {
+    ($($argument:tt)*) => {
+        $crate::config::Problem(format!($($argument)*))
+    };
+}
+
+mod clients;
 mod duration;
 mod endpoints;
+mod errors;
+mod limits;
 mod raw;
+mod response;
 mod rls;
+mod rollout;
+mod routes;
 mod server;
+mod store;
 mod tls;
 
+pub use clients::{IdentitySettings, UnknownKeys};
 pub use duration::{format_duration, parse_duration};
 pub use endpoints::{Endpoint, EndpointTable};
+pub use errors::{ConfigError, ConfigErrors, Problem};
+pub use limits::{EndpointLimits, PlanLimits};
 pub use raw::RawConfig;
+pub use response::ResponseSettings;
 pub use rls::RlsSettings;
+pub use rollout::{Rollout, RolloutMode};
+pub use routes::{RouteTarget, Upstream};
 pub use server::{DESCRIPTOR_RESERVE, ServerLimits, open_file_limit};
+pub use store::{Backend, StoreSettings};
 pub use tls::{ListenTls, UpstreamProtocol};
 
-use std::collections::{HashMap, HashSet};
-use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate::key::DefaultIdentifier;
-use floodgate::{ClientList, FailurePolicy, HeaderStyle, Limit};
-use http::Uri;
-use http::header::HeaderName;
-use ipnet::IpNet;
+use floodgate::{ClientList, FailurePolicy, Limit};
 
-use raw::{RawLimit, RawLists};
-
-/// One problem in a configuration file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    /// Where: `plans.free.limits[1].window`, or empty for the file as a whole.
-    pub path: String,
-    /// What is wrong.
-    pub message: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.path.is_empty() {
-            f.write_str(&self.message)
-        } else {
-            write!(f, "{}: {}", self.path, self.message)
-        }
-    }
-}
-
-/// Every problem found in a configuration file.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ConfigErrors(pub Vec<ConfigError>);
-
-impl fmt::Display for ConfigErrors {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (index, error) in self.0.iter().enumerate() {
-            if index > 0 {
-                f.write_str("\n")?;
-            }
-            write!(f, "{error}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ConfigErrors {}
-
-/// Where requests go upstream.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upstream {
-    /// `http` or `https`.
-    pub scheme: http::uri::Scheme,
-    /// `host:port`.
-    pub authority: http::uri::Authority,
-}
-
-/// What a route sets for matching requests.
-#[derive(Clone, Debug)]
-pub struct RouteTarget {
-    /// The upstream, if not the default.
-    pub upstream: Option<Upstream>,
-    /// The request cost, if not 1.
-    pub cost: Option<u64>,
-    /// The upstream's response header that reports the request's real cost (SPEC §9), and
-    /// whether the client still sees it.
-    pub cost_header: Option<(http::HeaderName, bool)>,
-}
-
-/// Which store backs the limits.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Backend {
-    /// In-process memory (one node).
-    Memory,
-    /// One Redis server shared by all gateways.
-    Redis {
-        /// `redis://host:port/db`.
-        url: String,
-        /// `None`: one multiplexed connection; `Some(n)`: a pool of n connections.
-        pool_size: Option<usize>,
-    },
-    /// Independent Redis nodes, identities placed by rendezvous hashing.
-    RedisSharded {
-        /// `redis://` URLs; every gateway must list the same ones.
-        nodes: Vec<String>,
-        /// As for `Redis`, per node.
-        pool_size: Option<usize>,
-    },
-    /// A Redis Cluster, reached through these seed nodes.
-    RedisCluster {
-        /// `redis://` URLs of some of its masters.
-        nodes: Vec<String>,
-        /// `None`: one multiplexed cluster connection; `Some(n)`: deadpool's cluster pool.
-        pool_size: Option<usize>,
-    },
-    /// The master that Redis Sentinel elects (`store.sentinel`).
-    RedisSentinel {
-        /// The monitored master's name.
-        master: String,
-        /// `redis://` URLs of the sentinels.
-        sentinels: Vec<String>,
-        /// As for `Redis`.
-        pool_size: Option<usize>,
-    },
-}
-
-impl Backend {
-    /// Whether the state is shared between gateways (everything but `memory`).
-    pub fn is_shared(&self) -> bool {
-        !matches!(self, Backend::Memory)
-    }
-}
-
-/// `store.*`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StoreSettings {
-    /// The backend.
-    pub backend: Backend,
-    /// Deadline of every store call.
-    pub timeout: Duration,
-    /// Storage key prefix.
-    pub prefix: String,
-    /// Failures that open the breaker.
-    pub breaker_failures: u32,
-    /// How long the breaker stays open.
-    pub breaker_open_for: Duration,
-    /// Share of each limit a node enforces alone under `on_store_error: local`.
-    pub fallback_share: f64,
-    /// Batched mode: every limit decided from local counters synced on this interval.
-    pub sync_interval: Option<Duration>,
-    /// In exact mode on a shared store: the interval on which `global` ceilings (hot keys)
-    /// run batched; `None` keeps them exact.
-    pub global_sync_interval: Option<Duration>,
-    /// Batched mode: most keys cached at once.
-    pub max_keys: usize,
-}
-
-/// `rollout.mode`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RolloutMode {
-    /// Limits are enforced (for `enforce_percent` of identities).
-    Enforce,
-    /// Counted and reported, never enforced.
-    Shadow,
-    /// Kill switch: no limiting and no store calls at all.
-    Off,
-}
-
-/// `rollout`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Rollout {
-    /// The mode.
-    pub mode: RolloutMode,
-    /// Share of identities enforced, by stable hash; the rest are shadowed.
-    pub enforce_percent: f64,
-}
-
-/// Limits on one endpoint, with the rule name their counters are kept under.
-#[derive(Debug)]
-pub struct EndpointLimits {
-    /// `plan.<plan>.<endpoint>` or `global.<endpoint>`.
-    pub rule: Arc<str>,
-    /// The limits.
-    pub limits: Vec<Arc<Limit>>,
-}
-
-/// One plan's limits.
-#[derive(Debug, Default)]
-pub struct PlanLimits {
-    /// `plan.<name>`: the rule of the plan's limits in keys, metrics and logs.
-    pub rule: Arc<str>,
-    /// Limits on every request of the plan's clients.
-    pub limits: Vec<Arc<Limit>>,
-    /// Limits on particular endpoints.
-    pub endpoints: EndpointTable<EndpointLimits>,
-    /// The plan's own failure policy, if it overrides the global one.
-    pub on_store_error: Option<FailurePolicy>,
-    /// The plan's own rollout, if it overrides the global one.
-    pub rollout: Option<Rollout>,
-}
-
-/// `response.*`.
-#[derive(Clone, Debug)]
-pub struct ResponseSettings {
-    /// Header style.
-    pub headers: HeaderStyle,
-    /// Retry-After jitter.
-    pub retry_after_jitter: f64,
-    /// Docs link in 429 bodies.
-    pub docs_url: Option<String>,
-    /// RFC 9457 bodies.
-    pub problem_json: bool,
-}
-
-/// `clients.unknown_keys`: what an API key not in `clients.api_keys` gets (SPEC §3).
-///
-/// Any string in the key header is an identity, so under `default_plan` a client can invent a
-/// key, and a fresh budget, per request; `per_ip` limits still cap it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UnknownKeys {
-    /// Limited under `clients.default_plan`, as its own identity (the default).
-    #[default]
-    DefaultPlan,
-    /// Limited as its client IP, under `clients.anonymous_plan`.
-    Anonymous,
-    /// Answered 401 `{"error":"unknown_api_key"}`.
-    Reject,
-}
-
-impl std::str::FromStr for UnknownKeys {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "default_plan" => Ok(UnknownKeys::DefaultPlan),
-            "anonymous" => Ok(UnknownKeys::Anonymous),
-            "reject" => Ok(UnknownKeys::Reject),
-            other => Err(format!(
-                "`{other}` is not one of default_plan, anonymous, reject"
-            )),
-        }
-    }
-}
-
-/// `identity.*` beyond what the identifier holds.
-#[derive(Debug)]
-pub struct IdentitySettings {
-    /// The identifier (API key, user header, trusted proxies, IPv6 grouping).
-    pub identifier: Arc<DefaultIdentifier>,
-    /// The header a trusted proxy uses to name the client's plan.
-    pub plan_header: Option<HeaderName>,
-}
+use clients::{hex, key_entry};
+use errors::Errors;
 
 /// A validated configuration.
 #[derive(Debug)]
@@ -309,6 +109,7 @@ pub struct Config {
 }
 
 pub use floodgate::api_key_digest as key_digest;
+
 pub use floodgate::store::redact_url;
 
 impl Config {
@@ -334,49 +135,6 @@ impl Config {
             ));
         }
         warnings
-    }
-}
-
-/// Parses `sha256:<64 hex>`, or hashes a raw key.
-fn key_entry(text: &str) -> Result<[u8; 32], String> {
-    let Some(hex) = text.strip_prefix("sha256:") else {
-        return Ok(key_digest(text));
-    };
-    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err("`sha256:` must be followed by 64 hex digits".to_owned());
-    }
-    let mut digest = [0u8; 32];
-    for (index, byte) in digest.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * index..2 * index + 2], 16)
-            .map_err(|_| "bad hex".to_owned())?;
-    }
-    Ok(digest)
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
-/// Collects errors with their paths.
-#[derive(Default)]
-struct Errors(Vec<ConfigError>);
-
-impl Errors {
-    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(ConfigError {
-            path: path.into(),
-            message: message.into(),
-        });
-    }
-
-    fn ok<T>(&mut self, path: impl Into<String>, result: Result<T, String>) -> Option<T> {
-        match result {
-            Ok(value) => Some(value),
-            Err(message) => {
-                self.push(path, message);
-                None
-            }
-        }
     }
 }
 
@@ -442,275 +200,17 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigErrors> {
     parse(&text)
 }
 
-fn socket_addr(text: &str) -> Result<SocketAddr, String> {
+fn socket_addr(text: &str) -> Result<SocketAddr, Problem> {
     text.parse()
-        .map_err(|_| format!("`{text}` is not an address such as 0.0.0.0:8080"))
+        .map_err(|_| problem!("`{text}` is not an address such as 0.0.0.0:8080"))
 }
 
-fn upstream(url: &str) -> Result<Upstream, String> {
-    // Messages quote the URL without its password.
-    let text = redact_url(url);
-    let uri: Uri = url
-        .parse()
-        .map_err(|_| format!("`{text}` is not a URL such as http://127.0.0.1:3000"))?;
-    let scheme = uri
-        .scheme()
-        .cloned()
-        .ok_or_else(|| format!("`{text}` has no scheme; write http://..."))?;
-    if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
-        return Err(format!("`{text}`: an upstream is http:// or https://"));
-    }
-    let authority = uri
-        .authority()
-        .cloned()
-        .ok_or_else(|| format!("`{text}` has no host"))?;
-    if authority.as_str().contains('@') {
-        return Err(format!(
-            "`{text}`: credentials in an upstream URL are not supported"
-        ));
-    }
-    if uri.path() != "/" && !uri.path().is_empty() {
-        return Err(format!(
-            "`{text}`: an upstream is scheme://host:port, without a path"
-        ));
-    }
-    Ok(Upstream { scheme, authority })
-}
-
-fn positive_duration(text: &str) -> Result<Duration, String> {
+fn positive_duration(text: &str) -> Result<Duration, Problem> {
     let value = parse_duration(text)?;
     if value.is_zero() {
-        return Err("must be greater than 0".to_owned());
+        return Err("must be greater than 0".into());
     }
     Ok(value)
-}
-
-/// The longest batched sync interval: beyond it the overshoot bound (a node's admissions until
-/// the next sync) stops meaning anything, and a huge value would overflow the timer.
-const MAX_SYNC_INTERVAL: Duration = Duration::from_secs(60);
-
-/// A positive duration no longer than [`MAX_SYNC_INTERVAL`].
-fn bounded_sync_interval(text: &str) -> Result<Duration, String> {
-    let value = positive_duration(text)?;
-    if value > MAX_SYNC_INTERVAL {
-        return Err("must be at most 1m".to_owned());
-    }
-    Ok(value)
-}
-
-fn policy(text: &str) -> Result<FailurePolicy, String> {
-    text.parse::<FailurePolicy>()
-        .map_err(|_| format!("unknown policy `{text}`; expected open, closed or local"))
-}
-
-fn limit(
-    errors: &mut Errors,
-    path: &str,
-    raw: &RawLimit,
-    names: &mut HashSet<String>,
-) -> Option<Arc<Limit>> {
-    let mut builder = Limit::builder(raw.name.clone())
-        .algorithm_name(&raw.algorithm)
-        .limit(raw.limit);
-    if let Some(window) = &raw.window {
-        match positive_duration(window) {
-            Ok(window) => builder = builder.window(window),
-            Err(message) => {
-                errors.push(format!("{path}.window"), message);
-                return None;
-            }
-        }
-    }
-    if let Some(burst) = raw.burst {
-        builder = builder.burst(burst);
-    }
-    if let Some(cost) = raw.cost {
-        builder = builder.cost(cost);
-    }
-    if !names.insert(raw.name.clone()) {
-        errors.push(
-            format!("{path}.name"),
-            format!("`{}` is used twice in this list", raw.name),
-        );
-        return None;
-    }
-    match builder.build() {
-        Ok(limit) => Some(Arc::new(limit)),
-        Err(error) => {
-            errors.push(
-                format!("{path}.{}", error.field()),
-                error
-                    .to_string()
-                    .split_once(": ")
-                    .map_or(error.to_string(), |(_, message)| message.to_owned()),
-            );
-            None
-        }
-    }
-}
-
-fn limits(errors: &mut Errors, path: &str, raws: &[RawLimit]) -> Vec<Arc<Limit>> {
-    let mut names = HashSet::new();
-    raws.iter()
-        .enumerate()
-        .filter_map(|(index, raw)| limit(errors, &format!("{path}[{index}]"), raw, &mut names))
-        .collect()
-}
-
-fn endpoint_limits(
-    errors: &mut Errors,
-    path: &str,
-    rule_prefix: &str,
-    raw: &std::collections::BTreeMap<String, Vec<RawLimit>>,
-) -> EndpointTable<EndpointLimits> {
-    let mut table = EndpointTable::default();
-    for (pattern, raws) in raw {
-        let entry_path = format!("{path}.\"{pattern}\"");
-        let parsed = limits(errors, &entry_path, raws);
-        if let Some(endpoint) = errors.ok(entry_path.clone(), Endpoint::parse(pattern)) {
-            let entry = EndpointLimits {
-                rule: Arc::from(format!("{rule_prefix}.{}", endpoint.key_id())),
-                limits: parsed,
-            };
-            errors.ok(entry_path, table.insert(endpoint, entry));
-        }
-    }
-    table
-}
-
-/// `store.backend` with its URLs, checked.
-fn store_backend(errors: &mut Errors, store: &raw::RawStore) -> Option<Backend> {
-    let urls: Vec<(String, &String)> = match store.backend.as_str() {
-        "memory" => Vec::new(),
-        "redis" => match &store.sentinel {
-            Some(sentinel) => {
-                if sentinel.master.is_empty() {
-                    errors.push("store.sentinel.master", "must not be empty");
-                }
-                if sentinel.nodes.is_empty() {
-                    errors.push("store.sentinel.nodes", "needs at least one sentinel");
-                }
-                indexed("store.sentinel.nodes", &sentinel.nodes)
-            }
-            None => vec![("store.url".to_owned(), &store.url)],
-        },
-        "redis_sharded" | "redis_cluster" => {
-            if store.nodes.is_empty() {
-                errors.push(
-                    "store.nodes",
-                    format!("{} needs at least one node", store.backend),
-                );
-            }
-            indexed("store.nodes", &store.nodes)
-        }
-        other => {
-            errors.push(
-                "store.backend",
-                format!(
-                    "unknown backend `{other}`; expected memory, redis, redis_cluster or \
-                     redis_sharded"
-                ),
-            );
-            return None;
-        }
-    };
-    if store.sentinel.is_some() && store.backend != "redis" {
-        errors.push(
-            "store.sentinel",
-            "only applies to backend: redis (Sentinel elects one master)",
-        );
-    }
-    for (path, url) in &urls {
-        if !url.starts_with("redis://") && !url.starts_with("rediss://") {
-            errors.push(
-                path.clone(),
-                format!("`{}` is not a redis:// URL", redact_url(url)),
-            );
-        }
-    }
-    let pool_size = match store.connection.as_str() {
-        "multiplexed" => None,
-        "pool" if store.pool_size >= 1 => Some(store.pool_size),
-        "pool" => {
-            errors.push("store.pool_size", "must be at least 1");
-            return None;
-        }
-        other => {
-            errors.push(
-                "store.connection",
-                format!("unknown connection `{other}`; expected multiplexed or pool"),
-            );
-            return None;
-        }
-    };
-    Some(match (store.backend.as_str(), &store.sentinel) {
-        ("memory", _) => Backend::Memory,
-        ("redis", Some(sentinel)) => Backend::RedisSentinel {
-            master: sentinel.master.clone(),
-            sentinels: sentinel.nodes.clone(),
-            pool_size,
-        },
-        ("redis", None) => Backend::Redis {
-            url: store.url.clone(),
-            pool_size,
-        },
-        ("redis_cluster", _) => Backend::RedisCluster {
-            nodes: store.nodes.clone(),
-            pool_size,
-        },
-        _ => Backend::RedisSharded {
-            nodes: store.nodes.clone(),
-            pool_size,
-        },
-    })
-}
-
-fn indexed<'a>(path: &str, urls: &'a [String]) -> Vec<(String, &'a String)> {
-    urls.iter()
-        .enumerate()
-        .map(|(index, url)| (format!("{path}[{index}]"), url))
-        .collect()
-}
-
-/// Every list of limits in the file, with its path: plans, their endpoints, per IP, global.
-fn all_limit_lists(raw: &RawConfig) -> Vec<(String, &[RawLimit])> {
-    let mut lists: Vec<(String, &[RawLimit])> = Vec::new();
-    for (name, plan) in &raw.plans {
-        lists.push((format!("plans.{name}.limits"), &plan.limits));
-        for (pattern, limits) in &plan.endpoints {
-            lists.push((format!("plans.{name}.endpoints.\"{pattern}\""), limits));
-        }
-    }
-    lists.push(("per_ip".to_owned(), &raw.per_ip));
-    for (pattern, limits) in &raw.global {
-        lists.push((format!("global.\"{pattern}\""), limits));
-    }
-    lists
-}
-
-fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
-    let mut list = ClientList::new();
-    for (index, text) in raw.ips.iter().enumerate() {
-        let parsed = text
-            .parse::<IpNet>()
-            .ok()
-            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
-        match parsed {
-            Some(net) => list = list.ip(net),
-            None => errors.push(
-                format!("{path}.ips[{index}]"),
-                format!("`{text}` is not an IP address or CIDR"),
-            ),
-        }
-    }
-    for (index, key) in raw.api_keys.iter().enumerate() {
-        if let Some(digest) = errors.ok(format!("{path}.api_keys[{index}]"), key_entry(key)) {
-            list = list.api_key_digest(digest);
-        }
-    }
-    raw.users
-        .iter()
-        .fold(list, |list, user| list.user(user.clone()))
 }
 
 fn redact(raw: &RawConfig) -> serde_json::Value {
@@ -749,216 +249,22 @@ fn redact(raw: &RawConfig) -> serde_json::Value {
     serde_json::to_value(&redacted).unwrap_or(serde_json::Value::Null)
 }
 
-fn rollout(errors: &mut Errors, path: &str, raw: &raw::RawRollout) -> Option<Rollout> {
-    let mode = match raw.mode.as_str() {
-        "enforce" => Some(RolloutMode::Enforce),
-        "shadow" => Some(RolloutMode::Shadow),
-        "off" => Some(RolloutMode::Off),
-        other => {
-            errors.push(
-                format!("{path}.mode"),
-                format!("unknown mode `{other}`; expected enforce, shadow or off"),
-            );
-            None
-        }
-    };
-    if !(0.0..=100.0).contains(&raw.enforce_percent) {
-        errors.push(
-            format!("{path}.enforce_percent"),
-            "must be between 0 and 100",
-        );
-        return None;
-    }
-    mode.map(|mode| Rollout {
-        mode,
-        enforce_percent: raw.enforce_percent,
-    })
-}
-
 /// Validates a parsed file into a [`Config`], collecting every error.
 pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
     let listen = errors.ok("listen", socket_addr(&raw.listen));
     let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));
-    let default_upstream = errors.ok("upstream", upstream(&raw.upstream));
+    let upstream = errors.ok("upstream", routes::upstream(&raw.upstream));
     let upstream_timeout = errors.ok("upstream_timeout", positive_duration(&raw.upstream_timeout));
     let server_limits = server::validate(&mut errors, &raw.server);
     let listen_tls = tls::listen_tls(&mut errors, raw.listen_tls.as_ref());
     let upstream_tls = tls::upstream_tls(&mut errors, raw.upstream_tls.as_ref());
     let upstream_protocol = tls::upstream_protocol(&mut errors, &raw.upstream_protocol);
-
-    let mut routes = EndpointTable::default();
-    for (index, route) in raw.routes.iter().enumerate() {
-        let path = format!("routes[{index}]");
-        let target_upstream = match &route.upstream {
-            Some(text) => errors
-                .ok(format!("{path}.upstream"), upstream(text))
-                .map(Some),
-            None => Some(None),
-        };
-        if route.cost == Some(0) {
-            errors.push(format!("{path}.cost"), "must be at least 1");
-        }
-        let cost_header = match &route.cost_header {
-            Some(name) => errors
-                .ok(
-                    format!("{path}.cost_header"),
-                    http::HeaderName::try_from(name.as_str())
-                        .map_err(|_| format!("`{name}` is not a valid header name")),
-                )
-                .map(|name| Some((name, route.cost_header_visible))),
-            None => Some(None),
-        };
-        let endpoint = errors.ok(format!("{path}.match"), Endpoint::parse(&route.pattern));
-        if let (Some(endpoint), Some(target_upstream), Some(cost_header)) =
-            (endpoint, target_upstream, cost_header)
-        {
-            let target = RouteTarget {
-                upstream: target_upstream,
-                cost: route.cost,
-                cost_header,
-            };
-            errors.ok(format!("{path}.match"), routes.insert(endpoint, target));
-        }
-    }
-
-    let store = &raw.store;
-    let backend = store_backend(&mut errors, store);
-    let sync_interval = store
-        .sync_interval
-        .as_deref()
-        .and_then(|text| errors.ok("store.sync_interval", bounded_sync_interval(text)));
-    if sync_interval.is_some() {
-        if store.backend == "memory" {
-            errors.push(
-                "store.sync_interval",
-                "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
-                 is local already",
-            );
-        }
-        for (path, raws) in all_limit_lists(&raw) {
-            for (index, limit) in raws.iter().enumerate() {
-                if let Ok(algorithm) = limit.algorithm.parse::<floodgate::Algorithm>()
-                    && !floodgate::store::batched::supports(algorithm)
-                {
-                    errors.push(
-                        format!("{path}[{index}].algorithm"),
-                        format!(
-                            "{} cannot run with store.sync_interval (batched counters keep \
-                             counts, not each request); use token_bucket, gcra, fixed_window or \
-                             sliding_window_counter, or remove store.sync_interval",
-                            algorithm.as_str()
-                        ),
-                    );
-                }
-            }
-        }
-    }
-    if store.max_keys == 0 {
-        errors.push("store.max_keys", "must be at least 1");
-    }
-    let global_sync_interval = match store.global_sync_interval.as_str() {
-        "exact" => Some(None),
-        text => errors
-            .ok("store.global_sync_interval", bounded_sync_interval(text))
-            .map(Some),
-    }
-    .flatten();
-    let store_timeout = errors.ok("store.timeout", positive_duration(&store.timeout));
-    let open_for = errors.ok(
-        "store.breaker.open_for",
-        positive_duration(&store.breaker.open_for),
-    );
-    if store.breaker.failures == 0 {
-        errors.push("store.breaker.failures", "must be at least 1");
-    }
-    if store.prefix.is_empty() || store.prefix.contains(['{', '}', ':']) {
-        errors.push(
-            "store.prefix",
-            "must be non-empty, without braces or colons",
-        );
-    }
-    if !(store.fallback_share > 0.0 && store.fallback_share <= 1.0) {
-        errors.push(
-            "store.fallback_share",
-            "must be greater than 0 and at most 1",
-        );
-    }
-    if !(store.share > 0.0 && store.share <= 1.0) {
-        errors.push("store.share", "must be greater than 0 and at most 1");
-    }
-    let on_store_error = errors.ok("on_store_error", policy(&raw.on_store_error));
-
-    let identity = &raw.identity;
-    let identifier = match DefaultIdentifier::new()
-        .bearer(identity.api_key.bearer)
-        .api_key_header(Some(&identity.api_key.header))
-        .and_then(|next| next.user_header(identity.user_header.as_deref()))
-        .and_then(|next| next.trusted_proxies(&identity.trusted_proxies))
-        .and_then(|next| next.ipv6_prefix(identity.ipv6_prefix))
-    {
-        Ok(built) => match identity
-            .forwarded
-            .parse::<floodgate::key::ForwardedHeader>()
-        {
-            Ok(forwarded) => Some(built.forwarded(forwarded)),
-            Err(problem) => {
-                errors.push("identity.forwarded", problem);
-                None
-            }
-        },
-        Err(error) => {
-            let message = error.to_string();
-            let (field, problem) = message.split_once(": ").unwrap_or(("", &message));
-            errors.push(
-                format!("identity.{}", field.trim_start_matches("identity.")),
-                problem.to_owned(),
-            );
-            None
-        }
-    };
-    let plan_header = match &identity.plan_header {
-        Some(name) => errors
-            .ok(
-                "identity.plan_header",
-                HeaderName::try_from(name.as_str())
-                    .map_err(|_| format!("`{name}` is not a header name")),
-            )
-            .map(Some),
-        None => Some(None),
-    };
-
-    let mut plans = HashMap::new();
-    for (name, raw_plan) in &raw.plans {
-        let path = format!("plans.{name}");
-        if !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-            || name.is_empty()
-        {
-            errors.push(path.clone(), "plan names are made of A-Z a-z 0-9 - _ .");
-        }
-        let rule = format!("plan.{name}");
-        let plan = PlanLimits {
-            limits: limits(&mut errors, &format!("{path}.limits"), &raw_plan.limits),
-            endpoints: endpoint_limits(
-                &mut errors,
-                &format!("{path}.endpoints"),
-                &rule,
-                &raw_plan.endpoints,
-            ),
-            rule: Arc::from(rule),
-            on_store_error: raw_plan
-                .on_store_error
-                .as_deref()
-                .and_then(|text| errors.ok(format!("{path}.on_store_error"), policy(text))),
-            rollout: raw_plan
-                .rollout
-                .as_ref()
-                .and_then(|raw| rollout(&mut errors, &format!("{path}.rollout"), raw)),
-        };
-        plans.insert(name.clone(), plan);
-    }
+    let routes = routes::routes(&mut errors, &raw.routes);
+    let store = store::store(&mut errors, &raw);
+    let on_store_error = errors.ok("on_store_error", rollout::policy(&raw.on_store_error));
+    let identity = clients::identity(&mut errors, &raw);
+    let plans = limits::plans(&mut errors, &raw);
     if !raw.plans.is_empty() {
         for (field, plan) in [
             ("clients.default_plan", &raw.clients.default_plan),
@@ -969,77 +275,43 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
             }
         }
     }
-    let mut api_keys = HashMap::new();
-    for (key, plan) in &raw.clients.api_keys {
-        // The path names the key by its hash: error messages must not print secrets.
-        let shown = if key.starts_with("sha256:") {
-            key.clone()
-        } else {
-            format!("sha256:{}…", &hex(&key_digest(key))[..12])
-        };
-        let path = format!("clients.api_keys[{shown}]");
-        if let Some(digest) = errors.ok(path.clone(), key_entry(key)) {
-            api_keys.insert(digest, plan.clone());
-        }
-        if !raw.plans.contains_key(plan) {
-            errors.push(path, format!("plan `{plan}` is not defined under plans"));
-        }
-    }
-
+    let api_keys = clients::api_keys(&mut errors, &raw);
     let unknown_keys = errors.ok("clients.unknown_keys", raw.clients.unknown_keys.parse());
-
-    let per_ip = limits(&mut errors, "per_ip", &raw.per_ip);
-    let global = endpoint_limits(&mut errors, "global", "global", &raw.global);
-
-    let rollout_settings = rollout(&mut errors, "rollout", &raw.rollout);
-    let allowlist = client_list(&mut errors, "allowlist", &raw.allowlist);
-    let denylist = client_list(&mut errors, "denylist", &raw.denylist);
-
-    let headers = errors.ok(
-        "response.headers",
-        raw.response
-            .headers
-            .parse::<HeaderStyle>()
-            .map_err(|error| error.to_string()),
-    );
+    let per_ip = limits::limits(&mut errors, "per_ip", &raw.per_ip);
+    let global = limits::endpoint_limits(&mut errors, "global", "global", &raw.global);
+    let rollout_settings = rollout::rollout(&mut errors, "rollout", &raw.rollout);
+    let allowlist = clients::client_list(&mut errors, "allowlist", &raw.allowlist);
+    let denylist = clients::client_list(&mut errors, "denylist", &raw.denylist);
+    let response = response::response(&mut errors, &raw);
     let rls_settings = rls::rls(&mut errors, raw.rls.as_ref());
-    if !(0.0..=10.0).contains(&raw.response.retry_after_jitter) {
-        errors.push("response.retry_after_jitter", "must be between 0 and 10");
-    }
 
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
     }
-    // Every value below was checked above: an error there returned before this point.
+    // Every section below was checked above: an error there returned before this point.
     let (
         Some(listen),
         Some(admin_listen),
         Some(upstream),
         Some(upstream_timeout),
         Some(server_limits),
-        Some(backend),
-        Some(timeout),
-        Some(open_for),
+        Some(store),
         Some(on_store_error),
-        Some(identifier),
-        Some(plan_header),
+        Some(identity),
         Some(rollout_settings),
-        Some(headers),
+        Some(response),
         Some(unknown_keys),
     ) = (
         listen,
         admin_listen,
-        default_upstream,
+        upstream,
         upstream_timeout,
         server_limits,
-        backend,
-        store_timeout,
-        open_for,
+        store,
         on_store_error,
-        identifier,
-        plan_header,
+        identity,
         rollout_settings,
-        headers,
+        response,
         unknown_keys,
     )
     else {
@@ -1050,27 +322,18 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     };
     let redacted = redact(&raw);
     let share = raw.store.share;
-    let scale = |limits: Vec<Arc<Limit>>| -> Vec<Arc<Limit>> {
-        if share >= 1.0 {
-            return limits;
-        }
-        limits
-            .into_iter()
-            .map(|limit| Arc::new(limit.scaled(share)))
-            .collect()
-    };
-    let per_ip = scale(per_ip);
     let plans = plans
         .into_iter()
         .map(|(name, plan)| {
             let endpoints = plan.endpoints.map(|entry| EndpointLimits {
                 rule: entry.rule,
-                limits: scale(entry.limits),
+                limits: limits::scaled(entry.limits, share),
             });
+            let limits = limits::scaled(plan.limits, share);
             (
                 name,
                 PlanLimits {
-                    limits: scale(plan.limits),
+                    limits,
                     endpoints,
                     ..plan
                 },
@@ -1079,7 +342,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         .collect();
     let global = global.map(|entry| EndpointLimits {
         rule: entry.rule,
-        limits: scale(entry.limits),
+        limits: limits::scaled(entry.limits, share),
     });
     Ok(Config {
         listen,
@@ -1091,38 +354,20 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         upstream_tls,
         upstream_protocol,
         routes,
-        store: StoreSettings {
-            backend,
-            timeout,
-            prefix: raw.store.prefix,
-            breaker_failures: raw.store.breaker.failures,
-            breaker_open_for: open_for,
-            fallback_share: raw.store.fallback_share,
-            sync_interval,
-            global_sync_interval,
-            max_keys: raw.store.max_keys,
-        },
+        store,
         on_store_error,
-        identity: IdentitySettings {
-            identifier: Arc::new(identifier),
-            plan_header,
-        },
+        identity,
         default_plan: raw.clients.default_plan,
         anonymous_plan: raw.clients.anonymous_plan,
         unknown_keys,
         api_keys,
         plans,
-        per_ip,
+        per_ip: limits::scaled(per_ip, share),
         global,
         rollout: rollout_settings,
         allowlist,
         denylist,
-        response: ResponseSettings {
-            headers,
-            retry_after_jitter: raw.response.retry_after_jitter,
-            docs_url: raw.response.docs_url,
-            problem_json: raw.response.problem_json,
-        },
+        response,
         rls: rls_settings,
         redacted,
     })

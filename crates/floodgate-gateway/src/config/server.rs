@@ -106,8 +106,8 @@ pub fn open_file_limit() -> Option<usize> {
 pub(super) fn validate(errors: &mut Errors, raw: &RawServer) -> Option<ServerLimits> {
     let duration = |errors: &mut Errors, field: &str, text: &str, max: Option<Duration>| {
         let parsed = parse_duration(text).and_then(|value| match max {
-            _ if value.is_zero() => Err("must be greater than 0".to_owned()),
-            Some(max) if value > max => Err(format!("must be at most {}s", max.as_secs())),
+            _ if value.is_zero() => Err("must be greater than 0".into()),
+            Some(max) if value > max => Err(problem!("must be at most {}s", max.as_secs())),
             _ => Ok(value),
         });
         errors.ok(format!("server.{field}"), parsed)

@@ -1,0 +1,168 @@
+//! Who clients are: `identity` (the identifier and the plan header), `clients` (API keys and
+//! their plans, unknown keys) and the allow and deny lists.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use floodgate::ClientList;
+use floodgate::key::DefaultIdentifier;
+use http::header::HeaderName;
+use ipnet::IpNet;
+
+use super::errors::{Errors, Problem};
+use super::key_digest;
+use super::raw::{RawConfig, RawLists};
+
+/// `clients.unknown_keys`: what an API key not in `clients.api_keys` gets (SPEC §3).
+///
+/// Any string in the key header is an identity, so under `default_plan` a client can invent a
+/// key, and a fresh budget, per request; `per_ip` limits still cap it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnknownKeys {
+    /// Limited under `clients.default_plan`, as its own identity (the default).
+    #[default]
+    DefaultPlan,
+    /// Limited as its client IP, under `clients.anonymous_plan`.
+    Anonymous,
+    /// Answered 401 `{"error":"unknown_api_key"}`.
+    Reject,
+}
+
+impl std::str::FromStr for UnknownKeys {
+    type Err = Problem;
+
+    fn from_str(text: &str) -> Result<Self, Problem> {
+        match text {
+            "default_plan" => Ok(UnknownKeys::DefaultPlan),
+            "anonymous" => Ok(UnknownKeys::Anonymous),
+            "reject" => Ok(UnknownKeys::Reject),
+            other => Err(problem!(
+                "`{other}` is not one of default_plan, anonymous, reject"
+            )),
+        }
+    }
+}
+
+/// `identity.*` beyond what the identifier holds.
+#[derive(Debug)]
+pub struct IdentitySettings {
+    /// The identifier (API key, user header, trusted proxies, IPv6 grouping).
+    pub identifier: Arc<DefaultIdentifier>,
+    /// The header a trusted proxy uses to name the client's plan.
+    pub plan_header: Option<HeaderName>,
+}
+
+/// Parses `sha256:<64 hex>`, or hashes a raw key.
+pub(super) fn key_entry(text: &str) -> Result<[u8; 32], Problem> {
+    let Some(hex) = text.strip_prefix("sha256:") else {
+        return Ok(key_digest(text));
+    };
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("`sha256:` must be followed by 64 hex digits".into());
+    }
+    let mut digest = [0u8; 32];
+    for (index, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * index..2 * index + 2], 16)
+            .map_err(|_| "bad hex".to_owned())?;
+    }
+    Ok(digest)
+}
+
+pub(super) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+pub(super) fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> ClientList {
+    let mut list = ClientList::new();
+    for (index, text) in raw.ips.iter().enumerate() {
+        let parsed = text
+            .parse::<IpNet>()
+            .ok()
+            .or_else(|| text.parse::<IpAddr>().ok().map(IpNet::from));
+        match parsed {
+            Some(net) => list = list.ip(net),
+            None => errors.push(
+                format!("{path}.ips[{index}]"),
+                format!("`{text}` is not an IP address or CIDR"),
+            ),
+        }
+    }
+    for (index, key) in raw.api_keys.iter().enumerate() {
+        if let Some(digest) = errors.ok(format!("{path}.api_keys[{index}]"), key_entry(key)) {
+            list = list.api_key_digest(digest);
+        }
+    }
+    raw.users
+        .iter()
+        .fold(list, |list, user| list.user(user.clone()))
+}
+
+/// `identity`: the identifier and the plan header.
+pub(super) fn identity(errors: &mut Errors, raw: &RawConfig) -> Option<IdentitySettings> {
+    let identity = &raw.identity;
+    let identifier = match DefaultIdentifier::new()
+        .bearer(identity.api_key.bearer)
+        .api_key_header(Some(&identity.api_key.header))
+        .and_then(|next| next.user_header(identity.user_header.as_deref()))
+        .and_then(|next| next.trusted_proxies(&identity.trusted_proxies))
+        .and_then(|next| next.ipv6_prefix(identity.ipv6_prefix))
+    {
+        Ok(built) => match identity
+            .forwarded
+            .parse::<floodgate::key::ForwardedHeader>()
+        {
+            Ok(forwarded) => Some(built.forwarded(forwarded)),
+            Err(problem) => {
+                errors.push("identity.forwarded", problem);
+                None
+            }
+        },
+        Err(error) => {
+            let message = error.to_string();
+            let (field, problem) = message.split_once(": ").unwrap_or(("", &message));
+            errors.push(
+                format!("identity.{}", field.trim_start_matches("identity.")),
+                problem.to_owned(),
+            );
+            None
+        }
+    };
+    let plan_header = match &identity.plan_header {
+        Some(name) => errors
+            .ok(
+                "identity.plan_header",
+                HeaderName::try_from(name.as_str())
+                    .map_err(|_| problem!("`{name}` is not a header name")),
+            )
+            .map(Some),
+        None => Some(None),
+    };
+
+    Some(IdentitySettings {
+        identifier: Arc::new(identifier?),
+        plan_header: plan_header?,
+    })
+}
+
+/// `clients.api_keys`: plan by key digest; every plan named must exist.
+pub(super) fn api_keys(errors: &mut Errors, raw: &RawConfig) -> HashMap<[u8; 32], String> {
+    let mut api_keys = HashMap::new();
+    for (key, plan) in &raw.clients.api_keys {
+        // The path names the key by its hash: error messages must not print secrets.
+        let shown = if key.starts_with("sha256:") {
+            key.clone()
+        } else {
+            format!("sha256:{}…", &hex(&key_digest(key))[..12])
+        };
+        let path = format!("clients.api_keys[{shown}]");
+        if let Some(digest) = errors.ok(path.clone(), key_entry(key)) {
+            api_keys.insert(digest, plan.clone());
+        }
+        if !raw.plans.contains_key(plan) {
+            errors.push(path, format!("plan `{plan}` is not defined under plans"));
+        }
+    }
+
+    api_keys
+}

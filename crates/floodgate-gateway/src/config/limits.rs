@@ -1,0 +1,180 @@
+//! Limits: `plans` (their limits and endpoints), `per_ip` and `global`, each limit built and
+//! validated by the library's `Limit` builder.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use floodgate::Limit;
+
+use super::errors::Errors;
+use super::raw::{RawConfig, RawLimit};
+use super::rollout::{policy, rollout};
+use super::{Endpoint, EndpointTable, Rollout, positive_duration};
+use floodgate::FailurePolicy;
+
+/// Limits on one endpoint, with the rule name their counters are kept under.
+#[derive(Debug)]
+pub struct EndpointLimits {
+    /// `plan.<plan>.<endpoint>` or `global.<endpoint>`.
+    pub rule: Arc<str>,
+    /// The limits.
+    pub limits: Vec<Arc<Limit>>,
+}
+
+/// One plan's limits.
+#[derive(Debug, Default)]
+pub struct PlanLimits {
+    /// `plan.<name>`: the rule of the plan's limits in keys, metrics and logs.
+    pub rule: Arc<str>,
+    /// Limits on every request of the plan's clients.
+    pub limits: Vec<Arc<Limit>>,
+    /// Limits on particular endpoints.
+    pub endpoints: EndpointTable<EndpointLimits>,
+    /// The plan's own failure policy, if it overrides the global one.
+    pub on_store_error: Option<FailurePolicy>,
+    /// The plan's own rollout, if it overrides the global one.
+    pub rollout: Option<Rollout>,
+}
+
+pub(super) fn limit(
+    errors: &mut Errors,
+    path: &str,
+    raw: &RawLimit,
+    names: &mut HashSet<String>,
+) -> Option<Arc<Limit>> {
+    let mut builder = Limit::builder(raw.name.clone())
+        .algorithm_name(&raw.algorithm)
+        .limit(raw.limit);
+    if let Some(window) = &raw.window {
+        match positive_duration(window) {
+            Ok(window) => builder = builder.window(window),
+            Err(message) => {
+                errors.push(format!("{path}.window"), message);
+                return None;
+            }
+        }
+    }
+    if let Some(burst) = raw.burst {
+        builder = builder.burst(burst);
+    }
+    if let Some(cost) = raw.cost {
+        builder = builder.cost(cost);
+    }
+    if !names.insert(raw.name.clone()) {
+        errors.push(
+            format!("{path}.name"),
+            format!("`{}` is used twice in this list", raw.name),
+        );
+        return None;
+    }
+    match builder.build() {
+        Ok(limit) => Some(Arc::new(limit)),
+        Err(error) => {
+            errors.push(format!("{path}.{}", error.field()), error.problem());
+            None
+        }
+    }
+}
+
+pub(super) fn limits(errors: &mut Errors, path: &str, raws: &[RawLimit]) -> Vec<Arc<Limit>> {
+    let mut names = HashSet::new();
+    raws.iter()
+        .enumerate()
+        .filter_map(|(index, raw)| limit(errors, &format!("{path}[{index}]"), raw, &mut names))
+        .collect()
+}
+
+pub(super) fn endpoint_limits(
+    errors: &mut Errors,
+    path: &str,
+    rule_prefix: &str,
+    raw: &BTreeMap<String, Vec<RawLimit>>,
+) -> EndpointTable<EndpointLimits> {
+    let mut table = EndpointTable::default();
+    for (pattern, raws) in raw {
+        let entry_path = format!("{path}.\"{pattern}\"");
+        let parsed = limits(errors, &entry_path, raws);
+        if let Some(endpoint) = errors.ok(entry_path.clone(), Endpoint::parse(pattern)) {
+            let entry = EndpointLimits {
+                rule: Arc::from(format!("{rule_prefix}.{}", endpoint.key_id())),
+                limits: parsed,
+            };
+            errors.ok(entry_path, table.insert(endpoint, entry));
+        }
+    }
+    table
+}
+
+/// Every list of limits in the file, with its path: plans, their endpoints, per IP, global.
+pub(super) fn all_limit_lists(raw: &RawConfig) -> Vec<(String, &[RawLimit])> {
+    let mut lists: Vec<(String, &[RawLimit])> = Vec::new();
+    for (name, plan) in &raw.plans {
+        lists.push((format!("plans.{name}.limits"), &plan.limits));
+        for (pattern, limits) in &plan.endpoints {
+            lists.push((format!("plans.{name}.endpoints.\"{pattern}\""), limits));
+        }
+    }
+    lists.push(("per_ip".to_owned(), &raw.per_ip));
+    for (pattern, limits) in &raw.global {
+        lists.push((format!("global.\"{pattern}\""), limits));
+    }
+    lists
+}
+
+/// `plans`, each with its rule, limits, endpoint limits and overrides.
+pub(super) fn plans(errors: &mut Errors, raw: &RawConfig) -> HashMap<String, PlanLimits> {
+    let mut plans = HashMap::new();
+    for (name, raw_plan) in &raw.plans {
+        let path = format!("plans.{name}");
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            || name.is_empty()
+        {
+            errors.push(path.clone(), "plan names are made of A-Z a-z 0-9 - _ .");
+        }
+        let rule = format!("plan.{name}");
+        let plan = PlanLimits {
+            limits: limits(errors, &format!("{path}.limits"), &raw_plan.limits),
+            endpoints: endpoint_limits(
+                errors,
+                &format!("{path}.endpoints"),
+                &rule,
+                &raw_plan.endpoints,
+            ),
+            rule: Arc::from(rule),
+            on_store_error: raw_plan
+                .on_store_error
+                .as_deref()
+                .and_then(|text| errors.ok(format!("{path}.on_store_error"), policy(text))),
+            rollout: raw_plan
+                .rollout
+                .as_ref()
+                .and_then(|raw| rollout(errors, &format!("{path}.rollout"), raw)),
+        };
+        plans.insert(name.clone(), plan);
+    }
+    if !raw.plans.is_empty() {
+        for (field, plan) in [
+            ("clients.default_plan", &raw.clients.default_plan),
+            ("clients.anonymous_plan", &raw.clients.anonymous_plan),
+        ] {
+            if !raw.plans.contains_key(plan) {
+                errors.push(field, format!("plan `{plan}` is not defined under plans"));
+            }
+        }
+    }
+    plans
+}
+
+/// `limits` with `limit` and `burst` scaled by the regional `share` (`store.share`): each
+/// region enforces its part of a limit.
+pub(super) fn scaled(limits: Vec<Arc<Limit>>, share: f64) -> Vec<Arc<Limit>> {
+    if share >= 1.0 {
+        return limits;
+    }
+    limits
+        .into_iter()
+        .map(|limit| Arc::new(limit.scaled(share)))
+        .collect()
+}

@@ -1,0 +1,263 @@
+//! `store`: the backend and its URLs, deadlines, breaker and batched mode.
+
+use std::time::Duration;
+
+use super::errors::{Errors, Problem};
+use super::limits::all_limit_lists;
+use super::raw::{self, RawConfig};
+use super::{positive_duration, redact_url};
+
+/// Which store backs the limits.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Backend {
+    /// In-process memory (one node).
+    Memory,
+    /// One Redis server shared by all gateways.
+    Redis {
+        /// `redis://host:port/db`.
+        url: String,
+        /// `None`: one multiplexed connection; `Some(n)`: a pool of n connections.
+        pool_size: Option<usize>,
+    },
+    /// Independent Redis nodes, identities placed by rendezvous hashing.
+    RedisSharded {
+        /// `redis://` URLs; every gateway must list the same ones.
+        nodes: Vec<String>,
+        /// As for `Redis`, per node.
+        pool_size: Option<usize>,
+    },
+    /// A Redis Cluster, reached through these seed nodes.
+    RedisCluster {
+        /// `redis://` URLs of some of its masters.
+        nodes: Vec<String>,
+        /// `None`: one multiplexed cluster connection; `Some(n)`: deadpool's cluster pool.
+        pool_size: Option<usize>,
+    },
+    /// The master that Redis Sentinel elects (`store.sentinel`).
+    RedisSentinel {
+        /// The monitored master's name.
+        master: String,
+        /// `redis://` URLs of the sentinels.
+        sentinels: Vec<String>,
+        /// As for `Redis`.
+        pool_size: Option<usize>,
+    },
+}
+
+impl Backend {
+    /// Whether the state is shared between gateways (everything but `memory`).
+    pub fn is_shared(&self) -> bool {
+        !matches!(self, Backend::Memory)
+    }
+}
+
+/// `store.*`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoreSettings {
+    /// The backend.
+    pub backend: Backend,
+    /// Deadline of every store call.
+    pub timeout: Duration,
+    /// Storage key prefix.
+    pub prefix: String,
+    /// Failures that open the breaker.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open.
+    pub breaker_open_for: Duration,
+    /// Share of each limit a node enforces alone under `on_store_error: local`.
+    pub fallback_share: f64,
+    /// Batched mode: every limit decided from local counters synced on this interval.
+    pub sync_interval: Option<Duration>,
+    /// In exact mode on a shared store: the interval on which `global` ceilings (hot keys)
+    /// run batched; `None` keeps them exact.
+    pub global_sync_interval: Option<Duration>,
+    /// Batched mode: most keys cached at once.
+    pub max_keys: usize,
+}
+
+/// The longest batched sync interval: beyond it the overshoot bound (a node's admissions until
+/// the next sync) stops meaning anything, and a huge value would overflow the timer.
+pub(super) const MAX_SYNC_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A positive duration no longer than [`MAX_SYNC_INTERVAL`].
+pub(super) fn bounded_sync_interval(text: &str) -> Result<Duration, Problem> {
+    let value = positive_duration(text)?;
+    if value > MAX_SYNC_INTERVAL {
+        return Err("must be at most 1m".into());
+    }
+    Ok(value)
+}
+
+/// `store.backend` with its URLs, checked.
+pub(super) fn store_backend(errors: &mut Errors, store: &raw::RawStore) -> Option<Backend> {
+    let urls: Vec<(String, &String)> = match store.backend.as_str() {
+        "memory" => Vec::new(),
+        "redis" => match &store.sentinel {
+            Some(sentinel) => {
+                if sentinel.master.is_empty() {
+                    errors.push("store.sentinel.master", "must not be empty");
+                }
+                if sentinel.nodes.is_empty() {
+                    errors.push("store.sentinel.nodes", "needs at least one sentinel");
+                }
+                indexed("store.sentinel.nodes", &sentinel.nodes)
+            }
+            None => vec![("store.url".to_owned(), &store.url)],
+        },
+        "redis_sharded" | "redis_cluster" => {
+            if store.nodes.is_empty() {
+                errors.push(
+                    "store.nodes",
+                    format!("{} needs at least one node", store.backend),
+                );
+            }
+            indexed("store.nodes", &store.nodes)
+        }
+        other => {
+            errors.push(
+                "store.backend",
+                format!(
+                    "unknown backend `{other}`; expected memory, redis, redis_cluster or \
+                     redis_sharded"
+                ),
+            );
+            return None;
+        }
+    };
+    if store.sentinel.is_some() && store.backend != "redis" {
+        errors.push(
+            "store.sentinel",
+            "only applies to backend: redis (Sentinel elects one master)",
+        );
+    }
+    for (path, url) in &urls {
+        if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+            errors.push(
+                path.clone(),
+                format!("`{}` is not a redis:// URL", redact_url(url)),
+            );
+        }
+    }
+    let pool_size = match store.connection.as_str() {
+        "multiplexed" => None,
+        "pool" if store.pool_size >= 1 => Some(store.pool_size),
+        "pool" => {
+            errors.push("store.pool_size", "must be at least 1");
+            return None;
+        }
+        other => {
+            errors.push(
+                "store.connection",
+                format!("unknown connection `{other}`; expected multiplexed or pool"),
+            );
+            return None;
+        }
+    };
+    Some(match (store.backend.as_str(), &store.sentinel) {
+        ("memory", _) => Backend::Memory,
+        ("redis", Some(sentinel)) => Backend::RedisSentinel {
+            master: sentinel.master.clone(),
+            sentinels: sentinel.nodes.clone(),
+            pool_size,
+        },
+        ("redis", None) => Backend::Redis {
+            url: store.url.clone(),
+            pool_size,
+        },
+        ("redis_cluster", _) => Backend::RedisCluster {
+            nodes: store.nodes.clone(),
+            pool_size,
+        },
+        _ => Backend::RedisSharded {
+            nodes: store.nodes.clone(),
+            pool_size,
+        },
+    })
+}
+
+pub(super) fn indexed<'a>(path: &str, urls: &'a [String]) -> Vec<(String, &'a String)> {
+    urls.iter()
+        .enumerate()
+        .map(|(index, url)| (format!("{path}[{index}]"), url))
+        .collect()
+}
+
+/// `store`, checked; `None` if any of it is invalid (the errors say why).
+pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSettings> {
+    let store = &raw.store;
+    let backend = store_backend(errors, store);
+    let sync_interval = store
+        .sync_interval
+        .as_deref()
+        .and_then(|text| errors.ok("store.sync_interval", bounded_sync_interval(text)));
+    if sync_interval.is_some() {
+        if store.backend == "memory" {
+            errors.push(
+                "store.sync_interval",
+                "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
+                 is local already",
+            );
+        }
+        for (path, raws) in all_limit_lists(raw) {
+            for (index, limit) in raws.iter().enumerate() {
+                if let Ok(algorithm) = limit.algorithm.parse::<floodgate::Algorithm>()
+                    && !floodgate::store::batched::supports(algorithm)
+                {
+                    errors.push(
+                        format!("{path}[{index}].algorithm"),
+                        format!(
+                            "{} cannot run with store.sync_interval (batched counters keep \
+                             counts, not each request); use token_bucket, gcra, fixed_window or \
+                             sliding_window_counter, or remove store.sync_interval",
+                            algorithm.as_str()
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    if store.max_keys == 0 {
+        errors.push("store.max_keys", "must be at least 1");
+    }
+    let global_sync_interval = match store.global_sync_interval.as_str() {
+        "exact" => Some(None),
+        text => errors
+            .ok("store.global_sync_interval", bounded_sync_interval(text))
+            .map(Some),
+    }
+    .flatten();
+    let store_timeout = errors.ok("store.timeout", positive_duration(&store.timeout));
+    let open_for = errors.ok(
+        "store.breaker.open_for",
+        positive_duration(&store.breaker.open_for),
+    );
+    if store.breaker.failures == 0 {
+        errors.push("store.breaker.failures", "must be at least 1");
+    }
+    if store.prefix.is_empty() || store.prefix.contains(['{', '}', ':']) {
+        errors.push(
+            "store.prefix",
+            "must be non-empty, without braces or colons",
+        );
+    }
+    if !(store.fallback_share > 0.0 && store.fallback_share <= 1.0) {
+        errors.push(
+            "store.fallback_share",
+            "must be greater than 0 and at most 1",
+        );
+    }
+    if !(store.share > 0.0 && store.share <= 1.0) {
+        errors.push("store.share", "must be greater than 0 and at most 1");
+    }
+    Some(StoreSettings {
+        backend: backend?,
+        timeout: store_timeout?,
+        prefix: store.prefix.clone(),
+        breaker_failures: store.breaker.failures,
+        breaker_open_for: open_for?,
+        fallback_share: store.fallback_share,
+        sync_interval,
+        global_sync_interval,
+        max_keys: store.max_keys,
+    })
+}
