@@ -166,3 +166,30 @@ pub(super) fn api_keys(errors: &mut Errors, raw: &RawConfig) -> HashMap<[u8; 32]
 
     api_keys
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::*;
+
+    #[test]
+    fn keys_may_be_given_as_hashes_and_are_redacted() {
+        let config = parse(
+            "plans: { free: {}, anonymous: {}, gold: {} }\nclients:\n  api_keys:\n    \"secret-1\": gold\n    \"sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\": gold\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config
+                .api_keys
+                .get(&key_digest("secret-1"))
+                .map(String::as_str),
+            Some("gold")
+        );
+        assert_eq!(
+            config.api_keys.get(&key_digest("test")).map(String::as_str),
+            Some("gold"),
+            "sha256 of `test`"
+        );
+        let redacted = config.redacted.to_string();
+        assert!(!redacted.contains("secret-1"), "{redacted}");
+    }
+}

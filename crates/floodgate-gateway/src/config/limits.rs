@@ -178,3 +178,38 @@ pub(super) fn scaled(limits: Vec<Arc<Limit>>, share: f64) -> Vec<Arc<Limit>> {
         .map(|limit| Arc::new(limit.scaled(share)))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::errors_of;
+    use crate::config::*;
+
+    #[test]
+    fn a_regional_share_scales_every_limit() {
+        let config = parse(
+            r#"
+store: { share: 0.25 }
+plans:
+  free:
+    limits: [ { name: per-second, algorithm: token_bucket, limit: 100, window: 1s, burst: 200 } ]
+    endpoints: { "POST /x": [ { name: x, algorithm: fixed_window, limit: 8, window: 60s } ] }
+  anonymous: {}
+per_ip: [ { name: ip, algorithm: gcra, limit: 40, window: 1s } ]
+global: { "/search": [ { name: g, algorithm: sliding_window_counter, limit: 1000, window: 1s } ] }
+"#,
+        )
+        .unwrap();
+        let free = &config.plans["free"];
+        assert_eq!((free.limits[0].limit(), free.limits[0].burst()), (25, 50));
+        let (_, endpoint) = free.endpoints.find(&http::Method::POST, "/x").unwrap();
+        assert_eq!(endpoint.limits[0].limit(), 2);
+        assert_eq!(config.per_ip[0].limit(), 10);
+        let (_, global) = config.global.find(&http::Method::GET, "/search").unwrap();
+        assert_eq!(global.limits[0].limit(), 250);
+        assert!(
+            errors_of("store: { share: 0 }")
+                .iter()
+                .any(|error| error.starts_with("store.share:"))
+        );
+    }
+}

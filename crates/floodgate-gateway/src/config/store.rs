@@ -261,3 +261,131 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
         max_keys: store.max_keys,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::errors_of;
+    use crate::config::*;
+
+    #[test]
+    fn batched_mode_needs_a_shared_store_and_countable_limits() {
+        let config = parse(
+            r#"
+store: { backend: redis, sync_interval: 100ms }
+plans: { free: { limits: [ { name: s, algorithm: gcra, limit: 10, window: 1s } ] }, anonymous: {} }
+"#,
+        )
+        .unwrap();
+        assert_eq!(config.store.sync_interval, Some(Duration::from_millis(100)));
+        let errors = errors_of(
+            r#"
+store: { backend: memory, sync_interval: 100ms }
+plans:
+  free:
+    limits:
+      - { name: ok, algorithm: token_bucket, limit: 10, window: 1s }
+      - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
+    endpoints: { "POST /x": [ { name: c, algorithm: concurrency, limit: 2 } ] }
+  anonymous: {}
+"#,
+        );
+        assert!(errors[0].starts_with("store.sync_interval: needs a shared store"));
+        assert!(
+            errors.iter().any(|error| error
+                .starts_with("plans.free.limits[1].algorithm: sliding_window_log cannot run")),
+            "{errors:?}"
+        );
+        assert!(
+            errors.iter().any(|error| error
+                .starts_with("plans.free.endpoints.\"POST /x\"[0].algorithm: concurrency")),
+            "{errors:?}"
+        );
+        assert!(
+            errors_of("store: { backend: redis, sync_interval: 0s }")
+                .iter()
+                .any(|error| error.starts_with("store.sync_interval: "))
+        );
+    }
+
+    #[test]
+    fn sync_intervals_are_bounded() {
+        for field in ["sync_interval", "global_sync_interval"] {
+            let errors = errors_of(&format!(
+                "store: {{ backend: redis, {field}: 999999999999999d }}"
+            ));
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error == &format!("store.{field}: must be at most 1m")),
+                "{errors:?}"
+            );
+            let config = parse(&format!("store: {{ backend: redis, {field}: 1m }}")).unwrap();
+            assert!(
+                config.store.sync_interval.is_some()
+                    || config.store.global_sync_interval == Some(Duration::from_secs(60))
+            );
+        }
+    }
+
+    #[test]
+    fn global_ceilings_are_batched_by_default_unless_exact() {
+        let config = parse("store: { backend: redis }").unwrap();
+        assert_eq!(
+            config.store.global_sync_interval,
+            Some(Duration::from_millis(100))
+        );
+        assert_eq!(config.store.max_keys, 1_000_000);
+        assert!(
+            errors_of("store: { max_keys: 0 }")
+                .iter()
+                .any(|error| error.starts_with("store.max_keys: "))
+        );
+        let config = parse("store: { backend: redis, global_sync_interval: exact }").unwrap();
+        assert_eq!(config.store.global_sync_interval, None);
+        assert!(
+            errors_of("store: { global_sync_interval: soon }")
+                .iter()
+                .any(|error| error.starts_with("store.global_sync_interval: "))
+        );
+    }
+
+    #[test]
+    fn cluster_and_sentinel_backends() {
+        let config = parse(
+            "store: { backend: redis_cluster, nodes: [\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"] }",
+        )
+        .unwrap();
+        assert!(
+            matches!(config.store.backend, Backend::RedisCluster { ref nodes, .. } if nodes.len() == 2)
+        );
+        let config = parse(
+            "store: { backend: redis, sentinel: { master: mymaster, nodes: [\"redis://10.0.0.1:26379\"] } }",
+        )
+        .unwrap();
+        assert!(matches!(
+            config.store.backend,
+            Backend::RedisSentinel { ref master, .. } if master == "mymaster"
+        ));
+        let errors = errors_of(
+            "store: { backend: redis_sharded, nodes: [\"redis://a:1\"], sentinel: { master: m, nodes: [\"tcp://b\"] } }",
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|error| error.starts_with("store.sentinel: only applies")),
+            "{errors:?}"
+        );
+        let errors = errors_of("store: { backend: redis_cluster }");
+        assert_eq!(
+            errors,
+            vec!["store.nodes: redis_cluster needs at least one node"]
+        );
+        let errors = errors_of(
+            "store: { backend: redis, sentinel: { master: m, nodes: [\"http://s:1\"] } }",
+        );
+        assert_eq!(
+            errors,
+            vec!["store.sentinel.nodes[0]: `http://s:1` is not a redis:// URL"]
+        );
+    }
+}
