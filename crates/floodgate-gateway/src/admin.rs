@@ -18,7 +18,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
 use crate::inspect::{ClientQuery, SelectError, Selected, limit_json};
-use crate::runtime::{Gateway, ReloadError};
+use crate::runtime::Gateway;
 
 /// What the admin handlers share.
 #[derive(Clone)]
@@ -133,14 +133,11 @@ async fn reload(State(state): State<AdminState>) -> Response {
     let gateway = state.gateway.clone();
     match tokio::task::spawn_blocking(move || gateway.reload(false)).await {
         Ok(Ok(version)) => Json(json!({"status": "applied", "version": version})).into_response(),
-        Ok(Err(ReloadError::Invalid(errors))) => (
+        Ok(Err(error)) => (
             StatusCode::BAD_REQUEST,
-            Json(json!({"error": errors.to_string()})),
+            Json(json!({"error": error.to_string()})),
         )
             .into_response(),
-        Ok(Err(ReloadError::Failed(message))) => {
-            (StatusCode::BAD_REQUEST, Json(json!({"error": message}))).into_response()
-        }
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             Json(json!({"error": "reload failed"})),

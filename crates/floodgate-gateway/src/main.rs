@@ -10,8 +10,9 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand, ValueEnum};
 use floodgate_gateway::admin::{self, AdminState};
 use floodgate_gateway::config::{self, Backend};
+use floodgate_gateway::error::GatewayError;
 use floodgate_gateway::rls::{self, RulesHandle};
-use floodgate_gateway::runtime::{Gateway, ReloadError};
+use floodgate_gateway::runtime::Gateway;
 use floodgate_gateway::tls::ReloadingCertificate;
 use floodgate_gateway::{server, watch};
 
@@ -252,7 +253,7 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(path: PathBuf) -> Result<(), String> {
+async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     // Buckets make the latencies Prometheus histograms (the exporter's default is a summary).
     let latency_buckets = [
         0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -260,9 +261,9 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     ];
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .set_buckets(&latency_buckets)
-        .map_err(|error| format!("metrics: {error}"))?
+        .map_err(|error| GatewayError::Metrics(error.to_string()))?
         .install_recorder()
-        .map_err(|error| format!("metrics: {error}"))?;
+        .map_err(|error| GatewayError::Metrics(error.to_string()))?;
     floodgate::telemetry::describe_metrics();
     describe_gateway_metrics();
     // The recorder keeps histogram samples until upkeep folds them in: without it, memory and
@@ -275,30 +276,24 @@ async fn serve(path: PathBuf) -> Result<(), String> {
             upkeep.run_upkeep();
         }
     });
-    let gateway = Gateway::start(&path).map_err(|error| match error {
-        ReloadError::Invalid(errors) => {
-            format!("{}: invalid configuration:\n{errors}", path.display())
-        }
-        ReloadError::Failed(message) => message,
-    })?;
+    let gateway = Gateway::start(&path)?;
     let config = gateway.current().config.clone();
     let token = admin_token();
     for warning in config.warnings(token.is_some()) {
         tracing::warn!("{warning}");
     }
     if !config.admin_listen.ip().is_loopback() && token.is_none() {
-        return Err(format!(
-            "admin.listen {} is not a loopback address: set FLOODGATE_ADMIN_TOKEN to protect the admin API",
-            config.admin_listen
-        ));
+        return Err(GatewayError::AdminUnprotected(config.admin_listen));
     }
     let tls = match &config.listen_tls {
         Some(files) => {
+            let listen_tls = |source| GatewayError::Tls {
+                context: "listen_tls",
+                source: Box::new(source),
+            };
             let certificate = ReloadingCertificate::load(files.cert.clone(), files.key.clone())
-                .map_err(|error| format!("listen_tls: {error}"))?;
-            let server_config = certificate
-                .server_config()
-                .map_err(|error| format!("listen_tls: {error}"))?;
+                .map_err(listen_tls)?;
+            let server_config = certificate.server_config().map_err(listen_tls)?;
             certificate.watch(CERTIFICATE_POLL_INTERVAL);
             Some(tokio_rustls::TlsAcceptor::from(Arc::new(server_config)))
         }
@@ -307,15 +302,14 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     let rls = match &config.rls {
         Some(settings) => {
             let directory = rls_dir(&path, settings);
-            let rules = RulesHandle::load(&directory).map_err(|errors| {
-                format!(
-                    "{}: invalid rate limit service rules:\n{errors}",
-                    directory.display()
-                )
+            let rules = RulesHandle::load(&directory).map_err(|errors| GatewayError::RlsRules {
+                directory: directory.clone(),
+                errors,
             })?;
-            let watcher = rules
-                .watch()
-                .map_err(|error| format!("cannot watch {}: {error}", directory.display()))?;
+            let watcher = rules.watch().map_err(|error| GatewayError::Watch {
+                path: directory.clone(),
+                reason: error.to_string(),
+            })?;
             let listener = bind(settings.listen).await?;
             let serving = tokio::spawn(rls::serve(
                 listener,
@@ -330,9 +324,12 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     };
     let listener = bind(config.listen).await?;
     let admin_listener = bind(config.admin_listen).await?;
-    let _watcher = watch::watch_config(gateway.clone(), &path)
-        .map_err(|error| format!("cannot watch {}: {error}", path.display()))?;
-    watch::reload_on_sighup(gateway.clone()).map_err(|error| format!("SIGHUP: {error}"))?;
+    let _watcher =
+        watch::watch_config(gateway.clone(), &path).map_err(|error| GatewayError::Watch {
+            path: path.clone(),
+            reason: error.to_string(),
+        })?;
+    watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
     // A change written between the first read and the watch would otherwise go unseen.
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
@@ -387,10 +384,13 @@ async fn serve(path: PathBuf) -> Result<(), String> {
     Ok(())
 }
 
-async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, GatewayError> {
     tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|error| format!("cannot listen on {addr}: {error}"))
+        .map_err(|source| GatewayError::Bind {
+            address: addr,
+            source,
+        })
 }
 
 fn main() -> ExitCode {
@@ -409,10 +409,17 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match runtime.block_on(serve(config)) {
+            match runtime.block_on(serve(config.clone())) {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(message) => {
-                    eprintln!("floodgate: {message}");
+                Err(GatewayError::Invalid(errors)) => {
+                    eprintln!(
+                        "floodgate: {}: invalid configuration:\n{errors}",
+                        config.display()
+                    );
+                    ExitCode::FAILURE
+                }
+                Err(error) => {
+                    eprintln!("floodgate: {error}");
                     ExitCode::FAILURE
                 }
             }

@@ -25,8 +25,9 @@ use tower_service::Service;
 
 use crate::client_body::{BodyWatch, ClientBody, ClientFault};
 use crate::config::{Config, Upstream, UpstreamProtocol};
+use crate::error::GatewayError;
 use crate::server::OverTls;
-use crate::tls::{UpstreamTls, upstream_client_config};
+use crate::tls::{TlsError, UpstreamTls, upstream_client_config};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use rustls::pki_types::ServerName;
 
@@ -57,20 +58,24 @@ impl ClientSettings {
 }
 
 /// A pooled client for http and https upstreams.
-pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClient, String> {
+pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClient, GatewayError> {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     // The TLS layer above decides the scheme.
     http.enforce_http(false);
-    let tls =
-        upstream_client_config(&settings.tls).map_err(|error| format!("upstream_tls: {error}"))?;
+    let tls = upstream_client_config(&settings.tls).map_err(|source| GatewayError::Tls {
+        context: "upstream_tls",
+        source: Box::new(source),
+    })?;
     let builder = HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http();
     let builder = match &settings.tls.server_name {
         Some(name) => {
-            let name = ServerName::try_from(name.clone())
-                .map_err(|_| format!("upstream_tls.server_name: `{name}` is not a name"))?;
+            let name = ServerName::try_from(name.clone()).map_err(|_| GatewayError::Tls {
+                context: "upstream_tls.server_name",
+                source: Box::new(TlsError::ServerName(name.clone())),
+            })?;
             builder.with_server_name_resolver(FixedServerNameResolver::new(name))
         }
         None => builder,

@@ -9,18 +9,14 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use floodgate::store::batched::SyncTarget;
-use floodgate::store::{
-    BatchedStore, ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore, SplitStore,
-};
 use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
-    FailurePolicy, MemoryStore, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo,
-    Rollout, Store, TopClients,
+    FailurePolicy, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
+    TopClients,
 };
 use http::{Request, Response};
 use http_body_util::{Either, Full};
@@ -28,9 +24,11 @@ use hyper::body::Incoming;
 use tower::{Layer, ServiceExt};
 
 use crate::client::{Resolution, ResolvedClient, resolve};
-use crate::config::{self, Backend, Config, ConfigErrors, StoreSettings};
-use crate::plan::{GatewayPlan, is_global_ceiling};
+use crate::config::{self, Config, StoreSettings};
+use crate::error::GatewayError;
+use crate::plan::GatewayPlan;
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClient, upstream_client};
+use crate::stores::{build_store, builds_the_same_store};
 
 /// The body of every gateway response.
 pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
@@ -54,11 +52,11 @@ impl Runtime {
         store: Arc<dyn Store>,
         client: UpstreamClient,
         observers: &Observers,
-    ) -> Result<Runtime, String> {
+    ) -> Result<Runtime, GatewayError> {
         let proxy = Proxy::new(client, config.clone());
         let make = |policy: FailurePolicy,
                     settings: &config::Rollout|
-         -> Result<RateLimit<Proxy>, String> {
+         -> Result<RateLimit<Proxy>, GatewayError> {
             let mode = match settings.mode {
                 config::RolloutMode::Enforce => Mode::Enforce,
                 config::RolloutMode::Shadow => Mode::Shadow,
@@ -95,10 +93,7 @@ impl Runtime {
                 Some(url) => layer.docs_url(url.clone()),
                 None => layer,
             };
-            Ok(layer
-                .build()
-                .map_err(|error| error.to_string())?
-                .layer(proxy.clone()))
+            Ok(layer.build()?.layer(proxy.clone()))
         };
         let mut services = HashMap::new();
         for (name, plan) in &config.plans {
@@ -256,132 +251,16 @@ fn is_empty(text: &str) -> bool {
         .all(|line| line.is_empty() || line.starts_with('#'))
 }
 
-/// Why a reload was not applied.
-#[derive(Debug)]
-pub enum ReloadError {
-    /// The file is invalid; the previous rules stay active.
-    Invalid(ConfigErrors),
-    /// The file is valid but could not be put in service.
-    Failed(String),
-}
-
-impl std::fmt::Display for ReloadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ReloadError::Invalid(errors) => write!(f, "{errors}"),
-            ReloadError::Failed(message) => f.write_str(message),
-        }
-    }
-}
-
-/// A Redis store with the settings' deadline and breaker, before its deployment is chosen.
-fn tuned(
-    settings: &StoreSettings,
-    builder: RedisStoreBuilder,
-    pool_size: Option<usize>,
-) -> Result<RedisStore, String> {
-    builder
-        .connection_mode(pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool))
-        .timeout(settings.timeout)
-        .breaker(settings.breaker_failures, settings.breaker_open_for)
-        .build()
-        .map_err(|error| format!("store: {error}"))
-}
-
-/// The shared store, as both an exact store and a target for batched sync.
-fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>, String> {
-    Ok(Some(match &settings.backend {
-        Backend::Memory => return Ok(None),
-        Backend::Redis { url, pool_size } => Arc::new(tuned(
-            settings,
-            RedisStore::builder(url.clone()),
-            *pool_size,
-        )?),
-        Backend::RedisCluster { nodes, pool_size } => Arc::new(tuned(
-            settings,
-            RedisStore::cluster(nodes.clone()),
-            *pool_size,
-        )?),
-        Backend::RedisSentinel {
-            master,
-            sentinels,
-            pool_size,
-        } => Arc::new(tuned(
-            settings,
-            RedisStore::sentinel(master.clone(), sentinels.clone()),
-            *pool_size,
-        )?),
-        Backend::RedisSharded { nodes, pool_size } => {
-            let nodes = nodes
-                .iter()
-                .map(|url| {
-                    let node = tuned(settings, RedisStore::builder(url.clone()), *pool_size)?;
-                    Ok((url.clone(), node))
-                })
-                .collect::<Result<Vec<_>, String>>()?;
-            Arc::new(ShardedRedisStore::new(nodes).map_err(|error| format!("store: {error}"))?)
-        }
-    }))
-}
-
-/// Whether a store built from `new` would be the one built from `current`: then the reload keeps
-/// it, and its counters. The memory store is built from nothing but its backend; the prefix and
-/// `fallback_share` are the layer's, not the store's.
-fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
-    match (&current.backend, &new.backend) {
-        (Backend::Memory, Backend::Memory) => true,
-        _ => {
-            current.backend == new.backend
-                && current.timeout == new.timeout
-                && current.breaker_failures == new.breaker_failures
-                && current.breaker_open_for == new.breaker_open_for
-                && current.sync_interval == new.sync_interval
-                && current.global_sync_interval == new.global_sync_interval
-                && current.max_keys == new.max_keys
-        }
-    }
-}
-
-fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, String> {
-    let Some(shared) = shared_store(settings)? else {
-        return Ok(Arc::new(
-            MemoryStore::builder()
-                .evict_every(Duration::from_secs(10))
-                .build(),
-        ));
-    };
-    let batched = |interval: Duration| {
-        BatchedStore::builder(shared.clone())
-            .sync_interval(interval)
-            .max_keys(settings.max_keys)
-            .build()
-    };
-    Ok(
-        match (settings.sync_interval, settings.global_sync_interval) {
-            (Some(interval), _) => Arc::new(batched(interval)),
-            (None, Some(interval)) => Arc::new(SplitStore::new(
-                batched(interval),
-                shared.clone() as Arc<dyn Store>,
-                is_global_ceiling,
-            )),
-            (None, None) => shared,
-        },
-    )
-}
-
 impl Gateway {
     /// Loads `config_path` and builds the first version.
-    pub fn start(config_path: &Path) -> Result<Arc<Gateway>, ReloadError> {
-        let text = std::fs::read_to_string(config_path).map_err(|error| {
-            ReloadError::Failed(format!("cannot read {}: {error}", config_path.display()))
-        })?;
-        let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
-        let store = build_store(&config.store).map_err(ReloadError::Failed)?;
+    pub fn start(config_path: &Path) -> Result<Arc<Gateway>, GatewayError> {
+        let text = read_config(config_path)?;
+        let config = Arc::new(config::parse(&text)?);
+        let store = build_store(&config.store)?;
         let client_settings = ClientSettings::of(&config);
-        let client = upstream_client(&client_settings).map_err(ReloadError::Failed)?;
+        let client = upstream_client(&client_settings)?;
         let observers = Observers::default();
-        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone(), &observers)
-            .map_err(ReloadError::Failed)?;
+        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone(), &observers)?;
         metrics::gauge!("floodgate_config_version").set(1.0);
         Ok(Arc::new(Gateway {
             observers,
@@ -426,7 +305,7 @@ impl Gateway {
     /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed` (the
     /// watcher), a file whose text the last reload already read is left alone, silently:
     /// only a reload that read new text (or was asked for) is logged and counted.
-    pub fn reload(&self, only_if_changed: bool) -> Result<u64, ReloadError> {
+    pub fn reload(&self, only_if_changed: bool) -> Result<u64, GatewayError> {
         let result = match self.try_reload(only_if_changed) {
             Ok(None) => return Ok(self.current().version),
             Ok(Some(version)) => Ok(version),
@@ -467,13 +346,8 @@ impl Gateway {
     }
 
     /// The new version, or `None` if `only_if_changed` and the text is the one last read.
-    fn try_reload(&self, only_if_changed: bool) -> Result<Option<u64>, ReloadError> {
-        let text = std::fs::read_to_string(&self.config_path).map_err(|error| {
-            ReloadError::Failed(format!(
-                "cannot read {}: {error}",
-                self.config_path.display()
-            ))
-        })?;
+    fn try_reload(&self, only_if_changed: bool) -> Result<Option<u64>, GatewayError> {
+        let text = read_config(&self.config_path)?;
         let mut last_seen = self
             .last_seen
             .lock()
@@ -484,12 +358,11 @@ impl Gateway {
         // Held to the end: reloads from the watcher, SIGHUP and the admin API take turns.
         last_seen.clone_from(&text);
         if is_empty(&text) {
-            return Err(ReloadError::Failed(format!(
-                "{} is empty: an empty file never replaces the configuration",
-                self.config_path.display()
-            )));
+            return Err(GatewayError::Empty {
+                path: self.config_path.clone(),
+            });
         }
-        let config = Arc::new(config::parse(&text).map_err(ReloadError::Invalid)?);
+        let config = Arc::new(config::parse(&text)?);
         let current = self.current();
         if config.listen != current.config.listen
             || config.admin_listen != current.config.admin_listen
@@ -502,10 +375,7 @@ impl Gateway {
                 // New store settings: a new store (counters start afresh only then).
                 let replaced = std::mem::replace(
                     &mut *store,
-                    (
-                        config.store.clone(),
-                        build_store(&config.store).map_err(ReloadError::Failed)?,
-                    ),
+                    (config.store.clone(), build_store(&config.store)?),
                 );
                 flush_in_background(replaced.1);
             } else {
@@ -518,18 +388,25 @@ impl Gateway {
             let settings = ClientSettings::of(&config);
             if client.0 != settings {
                 // New TLS settings or protocol: a new pool (connections in use finish on the old).
-                let built = upstream_client(&settings).map_err(ReloadError::Failed)?;
+                let built = upstream_client(&settings)?;
                 *client = (settings, built);
             }
             client.1.clone()
         };
         let version = current.version + 1;
-        let runtime = Runtime::build(version, config, store, client, &self.observers)
-            .map_err(ReloadError::Failed)?;
+        let runtime = Runtime::build(version, config, store, client, &self.observers)?;
         self.current.store(Arc::new(runtime));
         metrics::gauge!("floodgate_config_version").set(version as f64);
         Ok(Some(version))
     }
+}
+
+/// The configuration file's text.
+fn read_config(path: &Path) -> Result<String, GatewayError> {
+    std::fs::read_to_string(path).map_err(|source| GatewayError::Read {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// Sends a replaced store's batched counts where they belong. Requests still finishing under the

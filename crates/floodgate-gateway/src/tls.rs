@@ -22,37 +22,120 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// Why a certificate, a key or a TLS configuration could not be loaded. Messages name the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// The file cannot be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not PEM.
+    #[error("{}: not a PEM certificate file: {source}", path.display())]
+    NotPem {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: rustls::pki_types::pem::Error,
+    },
+    /// A PEM file without any certificate.
+    #[error("{}: holds no certificate", path.display())]
+    NoCertificate {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A PEM file without a private key.
+    #[error("{}: no private key found: {source}", path.display())]
+    NoKey {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: rustls::pki_types::pem::Error,
+    },
+    /// A certificate and a key that do not belong together (or that rustls cannot use).
+    #[error("{} and {} do not make a usable pair: {source}", cert.display(), key.display())]
+    Pair {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// A CA certificate rustls refuses as a root.
+    #[error("{}: {source}", path.display())]
+    Root {
+        /// The CA file.
+        path: PathBuf,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// A client certificate rustls refuses.
+    #[error("client certificate {}: {source}", path.display())]
+    ClientCertificate {
+        /// The certificate file.
+        path: PathBuf,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// `upstream_tls.server_name` is no name.
+    #[error("`{0}` is not a name")]
+    ServerName(String),
+    /// rustls refused the configuration itself.
+    #[error(transparent)]
+    Rustls(#[from] rustls::Error),
+}
+
+impl From<TlsError> for crate::config::Problem {
+    fn from(error: TlsError) -> Self {
+        crate::config::Problem(error.to_string())
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// The certificates of a PEM file, at least one.
-pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    let text =
-        std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))?;
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let text = read(path)?;
     let certs = CertificateDer::pem_slice_iter(&text)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| format!("{}: not a PEM certificate file: {error}", path.display()))?;
+        .map_err(|source| TlsError::NotPem {
+            path: path.to_owned(),
+            source,
+        })?;
     if certs.is_empty() {
-        return Err(format!("{}: holds no certificate", path.display()));
+        return Err(TlsError::NoCertificate {
+            path: path.to_owned(),
+        });
     }
     Ok(certs)
 }
 
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
-pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
-    let text =
-        std::fs::read(path).map_err(|error| format!("cannot read {}: {error}", path.display()))?;
-    PrivateKeyDer::from_pem_slice(&text)
-        .map_err(|error| format!("{}: no private key found: {error}", path.display()))
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let text = read(path)?;
+    PrivateKeyDer::from_pem_slice(&text).map_err(|source| TlsError::NoKey {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// A certificate chain and its key, checked to belong together.
-pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
+pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     let chain = load_certs(cert)?;
     let key_der = load_key(key)?;
-    CertifiedKey::from_der(chain, key_der, &provider()).map_err(|error| {
-        format!(
-            "{} and {} do not make a usable pair: {error}",
-            cert.display(),
-            key.display()
-        )
+    CertifiedKey::from_der(chain, key_der, &provider()).map_err(|source| TlsError::Pair {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        source,
     })
 }
 
@@ -70,7 +153,7 @@ pub struct UpstreamTls {
 
 /// The rustls configuration of the upstream client: the system's roots plus `ca`, and the
 /// client certificate when set.
-pub fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, String> {
+pub fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();
     let (added, _ignored) = roots.add_parsable_certificates(native.certs);
@@ -81,19 +164,22 @@ pub fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, St
     }
     if let Some(ca) = &settings.ca {
         for cert in load_certs(ca)? {
-            roots
-                .add(cert)
-                .map_err(|error| format!("{}: {error}", ca.display()))?;
+            roots.add(cert).map_err(|source| TlsError::Root {
+                path: ca.clone(),
+                source,
+            })?;
         }
     }
     let builder = ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|error| error.to_string())?
+        .with_safe_default_protocol_versions()?
         .with_root_certificates(roots);
     match &settings.client_auth {
         Some((cert, key)) => builder
             .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
-            .map_err(|error| format!("client certificate {}: {error}", cert.display())),
+            .map_err(|source| TlsError::ClientCertificate {
+                path: cert.clone(),
+                source,
+            }),
         None => Ok(builder.with_no_client_auth()),
     }
 }
@@ -110,7 +196,7 @@ pub struct ReloadingCertificate {
 
 impl ReloadingCertificate {
     /// Loads the pair once; fails if it does not load.
-    pub fn load(cert_path: PathBuf, key_path: PathBuf) -> Result<Arc<Self>, String> {
+    pub fn load(cert_path: PathBuf, key_path: PathBuf) -> Result<Arc<Self>, TlsError> {
         let pair = load_pair(&cert_path, &key_path)?;
         Ok(Arc::new(ReloadingCertificate {
             cert_path,
@@ -120,10 +206,9 @@ impl ReloadingCertificate {
     }
 
     /// A server configuration that offers h2 and HTTP/1.1 by ALPN and serves the current pair.
-    pub fn server_config(self: &Arc<Self>) -> Result<ServerConfig, String> {
+    pub fn server_config(self: &Arc<Self>) -> Result<ServerConfig, TlsError> {
         let mut config = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|error| error.to_string())?
+            .with_safe_default_protocol_versions()?
             .with_no_client_auth()
             .with_cert_resolver(self.clone());
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];

@@ -58,7 +58,9 @@ async fn as_client(client: &TestClient, gateway: &Gateway, key: &str) -> http::R
 }
 
 /// The inspection shows what the last answer showed, twice over, and the next request is
-/// admitted as if nobody had looked.
+/// admitted as if nobody had looked. Redis stores get a 2 s deadline: on a loaded machine the
+/// first connection can take longer than the default 50 ms, and a request that fails open
+/// would not count.
 async fn inspection_changes_nothing(store: &str) {
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start_gateway(&upstream.url(), &hourly_five(store));
@@ -95,7 +97,7 @@ async fn inspection_changes_nothing_on_memory() {
 async fn inspection_changes_nothing_on_redis() {
     let redis = redis_support::RedisServer::start();
     inspection_changes_nothing(&format!(
-        "store: {{ backend: redis, url: \"{}\" }}\n",
+        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
         redis.url()
     ))
     .await;
@@ -120,7 +122,7 @@ async fn inspection_changes_nothing_on_a_cluster() {
 async fn inspection_changes_nothing_in_batched_mode() {
     let redis = redis_support::RedisServer::start();
     inspection_changes_nothing(&format!(
-        "store: {{ backend: redis, url: \"{}\", sync_interval: 50ms }}\n",
+        "store: {{ backend: redis, url: \"{}\", timeout: 2s, sync_interval: 50ms }}\n",
         redis.url()
     ))
     .await;
@@ -296,7 +298,7 @@ async fn a_reset_unblocks_one_client_on_memory() {
 async fn a_reset_unblocks_one_client_on_redis() {
     let redis = redis_support::RedisServer::start();
     reset_unblocks_one_client(&format!(
-        "store: {{ backend: redis, url: \"{}\" }}\n",
+        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
         redis.url()
     ))
     .await;
@@ -430,7 +432,7 @@ async fn costs_known_after_the_response_on_memory() {
 async fn costs_known_after_the_response_on_redis() {
     let redis = redis_support::RedisServer::start();
     costs_after_the_response(&format!(
-        "store: {{ backend: redis, url: \"{}\" }}\n",
+        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
         redis.url()
     ))
     .await;

@@ -67,14 +67,14 @@ pub(super) fn listen_tls(errors: &mut Errors, raw: Option<&RawListenTls>) -> Opt
         ("listen_tls.key", crate::tls::load_key(&key).map(drop)),
     ] {
         if let Err(problem) = result {
-            errors.push(field, problem);
+            errors.push(field, problem.to_string());
             return None;
         }
     }
     match load_pair(&cert, &key) {
         Ok(_) => Some(ListenTls { cert, key }),
         Err(problem) => {
-            errors.push("listen_tls", problem);
+            errors.push("listen_tls", problem.to_string());
             None
         }
     }
@@ -88,7 +88,7 @@ pub(super) fn upstream_tls(errors: &mut Errors, raw: Option<&RawUpstreamTls>) ->
     if let Some(ca) = &ca
         && let Err(problem) = load_certs(ca)
     {
-        errors.push("upstream_tls.ca", problem);
+        errors.push("upstream_tls.ca", problem.to_string());
     }
     if let Some(name) = &raw.server_name
         && rustls::pki_types::ServerName::try_from(name.as_str()).is_err()
@@ -104,7 +104,7 @@ pub(super) fn upstream_tls(errors: &mut Errors, raw: Option<&RawUpstreamTls>) ->
             match load_pair(&cert, &key) {
                 Ok(_) => Some((cert, key)),
                 Err(problem) => {
-                    errors.push("upstream_tls.client_cert", problem);
+                    errors.push("upstream_tls.client_cert", problem.to_string());
                     None
                 }
             }
