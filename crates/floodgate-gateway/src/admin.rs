@@ -217,11 +217,7 @@ async fn status(State(state): State<AdminState>) -> Response {
         BreakerState::Open => "open",
         BreakerState::HalfOpen => "half_open",
     });
-    let mode = match runtime.config.rollout.mode {
-        crate::config::RolloutMode::Enforce => "enforce",
-        crate::config::RolloutMode::Shadow => "shadow",
-        crate::config::RolloutMode::Off => "off",
-    };
+    let mode = runtime.config.rollout.mode().as_str();
     let mut report = state.gateway.observers.status.report();
     report.insert("version".to_owned(), json!(runtime.version));
     report.insert("loaded_at".to_owned(), json!(loaded_at));

@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
-    FailurePolicy, Mode, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
+    FailurePolicy, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
     TopClients,
 };
 use http::{Request, Response};
@@ -54,47 +54,35 @@ impl Runtime {
         observers: &Observers,
     ) -> Result<Runtime, GatewayError> {
         let proxy = Proxy::new(client, config.clone());
-        let make = |policy: FailurePolicy,
-                    settings: &config::Rollout|
-         -> Result<RateLimit<Proxy>, GatewayError> {
-            let mode = match settings.mode {
-                config::RolloutMode::Enforce => Mode::Enforce,
-                config::RolloutMode::Shadow => Mode::Shadow,
-                config::RolloutMode::Off => Mode::Off,
+        let make =
+            |policy: FailurePolicy, rollout: &Rollout| -> Result<RateLimit<Proxy>, GatewayError> {
+                let routes = config.clone();
+                let layer = RateLimitLayer::builder()
+                    .plan(GatewayPlan::new(config.clone()))
+                    .shared_store(store.clone())
+                    .identify(|request: &RequestInfo<'_>| {
+                        request
+                            .extensions
+                            .get::<ResolvedClient>()
+                            .map_or(floodgate::Identity::Unknown, |client| {
+                                client.identity.clone()
+                            })
+                    })
+                    .cost(move |request: &RequestInfo<'_>| {
+                        routes
+                            .routes
+                            .find(request.method, request.uri.path())
+                            .and_then(|(_, route)| route.cost)
+                            .unwrap_or(1)
+                    })
+                    .on_store_error(policy)
+                    .rollout(rollout.clone())
+                    .top_clients(observers.top.clone())
+                    .limited_rate_baseline(observers.baseline.clone())
+                    .fallback_share(config.store.fallback_share)
+                    .responses(config.response.clone());
+                Ok(layer.build()?.layer(proxy.clone()))
             };
-            let routes = config.clone();
-            let layer = RateLimitLayer::builder()
-                .plan(GatewayPlan::new(config.clone()))
-                .shared_store(store.clone())
-                .identify(|request: &RequestInfo<'_>| {
-                    request
-                        .extensions
-                        .get::<ResolvedClient>()
-                        .map_or(floodgate::Identity::Unknown, |client| {
-                            client.identity.clone()
-                        })
-                })
-                .cost(move |request: &RequestInfo<'_>| {
-                    routes
-                        .routes
-                        .find(request.method, request.uri.path())
-                        .and_then(|(_, route)| route.cost)
-                        .unwrap_or(1)
-                })
-                .on_store_error(policy)
-                .rollout(Rollout::new(mode, settings.enforce_percent))
-                .top_clients(observers.top.clone())
-                .limited_rate_baseline(observers.baseline.clone())
-                .fallback_share(config.store.fallback_share)
-                .headers(config.response.headers)
-                .retry_after_jitter(config.response.retry_after_jitter)
-                .problem_json(config.response.problem_json);
-            let layer = match &config.response.docs_url {
-                Some(url) => layer.docs_url(url.clone()),
-                None => layer,
-            };
-            Ok(layer.build()?.layer(proxy.clone()))
-        };
         let mut services = HashMap::new();
         for (name, plan) in &config.plans {
             let policy = plan.on_store_error.unwrap_or(config.on_store_error);

@@ -111,6 +111,27 @@ pub enum BuildError {
     Limit(#[from] crate::limit::LimitError),
 }
 
+/// Checks a storage key prefix: 1 to 64 characters, without `{`, `}` or `:` (they delimit the
+/// parts of a key). Plans that build their own keys (a gateway's) use the same rule.
+pub fn check_key_prefix(prefix: &str) -> Result<(), BuildError> {
+    let valid = !prefix.is_empty() && prefix.len() <= 64 && !prefix.contains(['{', '}', ':']);
+    if valid {
+        Ok(())
+    } else {
+        Err(BuildError::InvalidPrefix(prefix.to_owned()))
+    }
+}
+
+/// Checks a rule name: 1 to 64 characters among `A-Z a-z 0-9 - _ .` (rules name counters in
+/// keys, metric labels and logs).
+pub fn check_rule_name(rule: &str) -> Result<(), BuildError> {
+    if is_valid_name(rule) {
+        Ok(())
+    } else {
+        Err(BuildError::InvalidRule(rule.to_owned()))
+    }
+}
+
 /// Applies rate limiting to a service. Clones (and the services they make) share one state.
 ///
 /// ```
@@ -506,17 +527,17 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// All of the built-in responses' settings at once (headers, jitter, docs link, body
+    /// format), as a configuration file gives them; checked by [`build`](Self::build).
+    pub fn responses(mut self, settings: ResponseSettings) -> Self {
+        self.responses = settings;
+        self
+    }
+
     /// Validates the configuration and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer, BuildError> {
-        if !is_valid_name(&self.rule) {
-            return Err(BuildError::InvalidRule(self.rule));
-        }
-        let prefix_ok = !self.prefix.is_empty()
-            && self.prefix.len() <= 64
-            && !self.prefix.contains(['{', '}', ':']);
-        if !prefix_ok {
-            return Err(BuildError::InvalidPrefix(self.prefix));
-        }
+        check_rule_name(&self.rule)?;
+        check_key_prefix(&self.prefix)?;
         let jitter = self.responses.retry_after_jitter;
         if !(0.0..=10.0).contains(&jitter) {
             return Err(BuildError::InvalidJitter(jitter));

@@ -77,13 +77,21 @@ impl LimitedResponseHook {
     }
 }
 
-/// How the built-in responses look.
-#[derive(Clone, Debug)]
-pub(crate) struct ResponseSettings {
-    pub(crate) headers: HeaderStyle,
-    pub(crate) retry_after_jitter: f64,
-    pub(crate) docs_url: Option<Arc<str>>,
-    pub(crate) problem_json: bool,
+/// How the built-in responses look (SPEC §2; `response:` in the gateway's configuration).
+/// Set them one by one on [`RateLimitLayerBuilder`](crate::RateLimitLayerBuilder), or all at
+/// once with its `responses`; the builder checks them.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ResponseSettings {
+    /// Which rate limit headers are sent (default both styles).
+    pub headers: HeaderStyle,
+    /// `Retry-After` is the exact wait times a random factor in `[1, 1 + jitter]` (0 to 10,
+    /// default 0.2), so that denied clients do not all come back at once.
+    pub retry_after_jitter: f64,
+    /// A link to the API's rate limit documentation, in 429 bodies.
+    pub docs_url: Option<Arc<str>>,
+    /// RFC 9457 problem details instead of the plain JSON body.
+    pub problem_json: bool,
 }
 
 impl Default for ResponseSettings {

@@ -19,6 +19,15 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The name configuration files use: `enforce`, `shadow`, `off`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+            Mode::Off => "off",
+        }
+    }
+
     fn from_u8(value: u8) -> Mode {
         match value {
             1 => Mode::Shadow,
@@ -61,6 +70,22 @@ impl Default for Rollout {
     }
 }
 
+impl std::str::FromStr for Mode {
+    type Err = String;
+
+    /// `enforce`, `shadow` or `off`; the error says which names exist.
+    fn from_str(text: &str) -> Result<Mode, String> {
+        match text {
+            "enforce" => Ok(Mode::Enforce),
+            "shadow" => Ok(Mode::Shadow),
+            "off" => Ok(Mode::Off),
+            other => Err(format!(
+                "unknown mode `{other}`; expected enforce, shadow or off"
+            )),
+        }
+    }
+}
+
 impl Rollout {
     /// Controls starting in `mode`, enforcing `enforce_percent` of identities (clamped to 0..=100).
     pub fn new(mode: Mode, enforce_percent: f64) -> Self {
@@ -95,6 +120,11 @@ impl Rollout {
         self.inner
             .enforce_basis_points
             .store(basis_points, Ordering::Relaxed);
+    }
+
+    /// The enforced share of identities, in percent.
+    pub fn enforce_percent(&self) -> f64 {
+        f64::from(self.inner.enforce_basis_points.load(Ordering::Relaxed)) / 100.0
     }
 
     /// Whether every identity is enforced (no canary), so no identity needs hashing.

@@ -126,14 +126,14 @@ pub(super) fn plans(errors: &mut Errors, raw: &RawConfig) -> HashMap<String, Pla
     let mut plans = HashMap::new();
     for (name, raw_plan) in &raw.plans {
         let path = format!("plans.{name}");
-        if !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-            || name.is_empty()
-        {
-            errors.push(path.clone(), "plan names are made of A-Z a-z 0-9 - _ .");
-        }
         let rule = format!("plan.{name}");
+        // The plan's rule names its counters: the library's rule for rule names applies.
+        if name.is_empty() || floodgate::plan::check_rule_name(&rule).is_err() {
+            errors.push(
+                path.clone(),
+                "plan names are made of A-Z a-z 0-9 - _ . (at most 59 characters)",
+            );
+        }
         let plan = PlanLimits {
             limits: limits(errors, &format!("{path}.limits"), &raw_plan.limits),
             endpoints: endpoint_limits(
@@ -210,6 +210,22 @@ global: { "/search": [ { name: g, algorithm: sliding_window_counter, limit: 1000
             errors_of("store: { share: 0 }")
                 .iter()
                 .any(|error| error.starts_with("store.share:"))
+        );
+    }
+
+    #[test]
+    fn plan_names_follow_the_library_rule_for_rule_names() {
+        let plan = |name: &str| {
+            format!(
+                "clients: {{ default_plan: {name}, anonymous_plan: {name} }}\nplans:\n  {name}: {{}}\n"
+            )
+        };
+        // `plan.` and 59 characters make a 64-character rule.
+        assert!(errors_of(&plan(&"a".repeat(59))).is_empty());
+        let errors = errors_of(&plan(&"a".repeat(60)));
+        assert!(
+            errors.iter().any(|error| error.starts_with("plans.aaaa")),
+            "{errors:?}"
         );
     }
 }

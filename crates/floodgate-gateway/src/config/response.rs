@@ -1,22 +1,12 @@
 //! `response`: header style, `Retry-After` jitter, the docs link and the body format.
 
+use std::sync::Arc;
+
 use floodgate::HeaderStyle;
+use floodgate::response::ResponseSettings;
 
 use super::errors::Errors;
 use super::raw::RawConfig;
-
-/// `response.*`.
-#[derive(Clone, Debug)]
-pub struct ResponseSettings {
-    /// Header style.
-    pub headers: HeaderStyle,
-    /// Retry-After jitter.
-    pub retry_after_jitter: f64,
-    /// Docs link in 429 bodies.
-    pub docs_url: Option<String>,
-    /// RFC 9457 bodies.
-    pub problem_json: bool,
-}
 
 /// `response`, checked.
 pub(super) fn response(errors: &mut Errors, raw: &RawConfig) -> Option<ResponseSettings> {
@@ -31,10 +21,10 @@ pub(super) fn response(errors: &mut Errors, raw: &RawConfig) -> Option<ResponseS
         errors.push("response.retry_after_jitter", "must be between 0 and 10");
     }
 
-    Some(ResponseSettings {
-        headers: headers?,
-        retry_after_jitter: raw.response.retry_after_jitter,
-        docs_url: raw.response.docs_url.clone(),
-        problem_json: raw.response.problem_json,
-    })
+    let mut settings = ResponseSettings::default();
+    settings.headers = headers?;
+    settings.retry_after_jitter = raw.response.retry_after_jitter;
+    settings.docs_url = raw.response.docs_url.as_deref().map(Arc::from);
+    settings.problem_json = raw.response.problem_json;
+    Some(settings)
 }

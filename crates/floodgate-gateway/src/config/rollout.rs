@@ -2,48 +2,19 @@
 //! policies (`on_store_error`, globally and per plan).
 
 use floodgate::FailurePolicy;
+use floodgate::rollout::{Mode, Rollout};
 
 use super::errors::{Errors, Problem};
 use super::raw;
-
-/// `rollout.mode`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RolloutMode {
-    /// Limits are enforced (for `enforce_percent` of identities).
-    Enforce,
-    /// Counted and reported, never enforced.
-    Shadow,
-    /// Kill switch: no limiting and no store calls at all.
-    Off,
-}
-
-/// `rollout`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Rollout {
-    /// The mode.
-    pub mode: RolloutMode,
-    /// Share of identities enforced, by stable hash; the rest are shadowed.
-    pub enforce_percent: f64,
-}
 
 pub(super) fn policy(text: &str) -> Result<FailurePolicy, Problem> {
     text.parse::<FailurePolicy>()
         .map_err(|_| problem!("unknown policy `{text}`; expected open, closed or local"))
 }
 
+/// `rollout` (or a plan's): the library's live rollout controls, starting as the file says.
 pub(super) fn rollout(errors: &mut Errors, path: &str, raw: &raw::RawRollout) -> Option<Rollout> {
-    let mode = match raw.mode.as_str() {
-        "enforce" => Some(RolloutMode::Enforce),
-        "shadow" => Some(RolloutMode::Shadow),
-        "off" => Some(RolloutMode::Off),
-        other => {
-            errors.push(
-                format!("{path}.mode"),
-                format!("unknown mode `{other}`; expected enforce, shadow or off"),
-            );
-            None
-        }
-    };
+    let mode = errors.ok(format!("{path}.mode"), raw.mode.parse::<Mode>());
     if !(0.0..=100.0).contains(&raw.enforce_percent) {
         errors.push(
             format!("{path}.enforce_percent"),
@@ -51,8 +22,5 @@ pub(super) fn rollout(errors: &mut Errors, path: &str, raw: &raw::RawRollout) ->
         );
         return None;
     }
-    mode.map(|mode| Rollout {
-        mode,
-        enforce_percent: raw.enforce_percent,
-    })
+    mode.map(|mode| Rollout::new(mode, raw.enforce_percent))
 }

@@ -234,10 +234,11 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
     if store.breaker.failures == 0 {
         errors.push("store.breaker.failures", "must be at least 1");
     }
-    if store.prefix.is_empty() || store.prefix.contains(['{', '}', ':']) {
+    // The library's rule for the keys it lays out: the gateway's plan builds keys the same way.
+    if floodgate::plan::check_key_prefix(&store.prefix).is_err() {
         errors.push(
             "store.prefix",
-            "must be non-empty, without braces or colons",
+            "must be 1 to 64 characters, without braces or colons",
         );
     }
     if !(store.fallback_share > 0.0 && store.fallback_share <= 1.0) {
@@ -387,5 +388,18 @@ plans:
             errors,
             vec!["store.sentinel.nodes[0]: `http://s:1` is not a redis:// URL"]
         );
+    }
+
+    #[test]
+    fn the_prefix_follows_the_library_rule_for_keys() {
+        let long = "p".repeat(65);
+        let errors = errors_of(&format!("store: {{ prefix: \"{long}\" }}\n"));
+        assert!(
+            errors
+                .iter()
+                .any(|error| error.starts_with("store.prefix:")),
+            "{errors:?}"
+        );
+        assert!(errors_of(&format!("store: {{ prefix: \"{}\" }}\n", "p".repeat(64))).is_empty());
     }
 }
