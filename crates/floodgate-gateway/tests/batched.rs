@@ -3,8 +3,7 @@
 //! for 10 s. What they admit in all must stay within 5% above the limit's allowance (and the
 //! documented bound), and the Redis work must follow the interval, not the traffic.
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use std::time::{Duration, Instant};

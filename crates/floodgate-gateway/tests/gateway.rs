@@ -1,8 +1,7 @@
 //! Black-box tests of the `floodgate` binary: real gateway processes, a real upstream, real
 //! sockets (and real redis-server processes for the shared-store test).
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use std::process::Command;

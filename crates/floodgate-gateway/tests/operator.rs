@@ -1,8 +1,7 @@
 //! Issue 15 through the `floodgate` binary: inspecting and resetting one client from the admin
 //! API on every store, and costs the upstream reports after the response (SPEC §7, §9).
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use bytes::Bytes;

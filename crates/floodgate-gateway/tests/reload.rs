@@ -9,8 +9,7 @@
 //! Everything else waits for a signal: a log line, a response, a header, polled every 10ms with
 //! generous upper bounds (2s for a change the SPEC wants in force within 1s).
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use std::io::Write;

@@ -8,8 +8,7 @@
 //! answer every 20 ms for up to 10 s; a store failure must be answered within 2 s (the store
 //! deadline is 100 ms; the rest is process and CI slack).
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use std::net::SocketAddr;

@@ -1,8 +1,7 @@
 //! Safe rollout and observability through the real binary: shadow mode, the kill switch, the
 //! lists, the metrics endpoint and the top clients.
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use std::net::SocketAddr;

@@ -3,8 +3,7 @@
 //!
 //! Timing: log lines are waited for by polling the captured log every 10ms for up to 5s.
 
-#[path = "../../floodgate/tests/support/mod.rs"]
-mod redis_support;
+use floodgate_test_support as redis_support;
 mod support;
 
 use http::StatusCode;

@@ -2,7 +2,7 @@
 //! interval, debt carried by the shared state, replay after an outage.
 
 mod conformance;
-mod support;
+use floodgate_test_support as support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! Misuse that used to show only at run time is a build error with the field named (issue 12,
 //! items 2 and 6).
 
-mod support;
+use floodgate_test_support as support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The store conformance suite, unchanged, against a real redis-server.
 
 mod conformance;
-mod support;
+use floodgate_test_support as support;
 
 use support::ServedStore;
 

@@ -1,7 +1,7 @@
 //! Differential test: each Lua script and its Rust algorithm give identical outcomes on random
 //! schedules with explicit `now`, run against a real redis-server.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::sync::Arc;
 use std::time::Duration;

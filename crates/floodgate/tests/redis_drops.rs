@@ -7,7 +7,7 @@
 //! not depend on them. Background releases are waited for by polling Redis every 50ms for up to
 //! 2s, and the paused-server test waits for the server's own count of script calls.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! the script does not. And distributed exactness: 4 separate connection pools × 32 tasks on
 //! one key admit exactly the capacity, for every algorithm.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! layer; meanwhile the failure policy answers (here `closed`: 503), and within 10 s the
 //! store decides again, on the promoted replica.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -4,7 +4,7 @@
 //! Timing bounds: the deadline is 50ms and calls must fail within deadline + 10ms, as the issue
 //! requires; breaker rejections within 1ms. Recovery is polled every 10ms up to open_for + 1s.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

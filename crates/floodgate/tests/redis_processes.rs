@@ -6,7 +6,7 @@
 //! time: each connects, says `ready`, and waits on its stdin until the parent has heard every
 //! child ready and tells them all to go.
 
-mod support;
+use floodgate_test_support as support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};

@@ -1,7 +1,6 @@
-//! Test support: real `redis-server` processes on free ports, owned by the test that starts
-//! them and killed when it ends (even on panic).
-
-#![allow(dead_code, unreachable_pub)]
+//! Test support for floodgate's crates (dev-only, not published): real `redis-server`
+//! processes and clusters on free ports, owned by the test that starts them and killed when it
+//! ends (even on panic), and stores that keep their servers alive.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -218,11 +217,13 @@ pub fn wait_until(within: Duration, what: &str, mut condition: impl FnMut() -> b
 /// `redis-cli --cluster create`, no replicas. `cluster-require-full-coverage no` lets the
 /// surviving masters serve their slots when one dies.
 pub struct RedisCluster {
+    /// The masters, in the order they were created.
     pub masters: Vec<RedisServer>,
     config_dir: std::path::PathBuf,
 }
 
 impl RedisCluster {
+    /// Starts a cluster of `masters` masters (no replicas) on free ports and waits until it is up.
     pub fn start(masters: usize) -> RedisCluster {
         let config_dir = std::env::temp_dir().join(format!(
             "floodgate-cluster-{}-{}",
@@ -339,15 +340,20 @@ impl Drop for RedisCluster {
 /// A master, one replica and three sentinels (quorum 2) watching it as `fgmaster`, with
 /// failover tuned to seconds.
 pub struct SentinelGroup {
+    /// The master the sentinels watch.
     pub master: RedisServer,
+    /// Its replica, promoted on failover.
     pub replica: RedisServer,
+    /// The sentinels.
     pub sentinels: Vec<RedisServer>,
     config_dir: std::path::PathBuf,
 }
 
+/// The name the sentinels know the master by.
 pub const SENTINEL_MASTER: &str = "fgmaster";
 
 impl SentinelGroup {
+    /// Starts a master, a replica and the sentinels, and waits until they agree.
     pub fn start() -> SentinelGroup {
         let master = RedisServer::start();
         let master_port = master.port();
@@ -412,6 +418,7 @@ impl SentinelGroup {
         group
     }
 
+    /// `redis://` URLs of the sentinels.
     pub fn sentinel_urls(&self) -> Vec<String> {
         self.sentinels.iter().map(RedisServer::url).collect()
     }
@@ -448,7 +455,9 @@ fn working_dir(port: u16) -> std::path::PathBuf {
 /// A store together with the servers it talks to, so the servers live as long as the store:
 /// what the conformance suite gets.
 pub struct ServedStore<S = RedisStore> {
+    /// The servers, kept alive as long as the store.
     pub servers: Vec<RedisServer>,
+    /// The store.
     pub store: S,
 }
 
