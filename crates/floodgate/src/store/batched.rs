@@ -102,16 +102,9 @@ impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
     }
 }
 
-/// Whether `algorithm` can be decided from batched counters. The logs, the leaky bucket's
-/// queue and concurrency leases need every request at the shared store, so they cannot.
+/// Whether `algorithm` can be decided from batched counters ([`Algorithm::is_batchable`]).
 pub fn supports(algorithm: Algorithm) -> bool {
-    matches!(
-        algorithm,
-        Algorithm::TokenBucket
-            | Algorithm::Gcra
-            | Algorithm::FixedWindow
-            | Algorithm::SlidingWindowCounter
-    )
+    algorithm.is_batchable()
 }
 
 /// A state from the three integer fields the sync script exports for `algorithm`.

@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use super::{Group, RedisStore, charge_groups, decide_groups, peek_groups, sync_groups};
+use super::RedisStore;
+use super::groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
 use crate::decision::Decision;
 use crate::key::storage::hash_tag;
 use crate::store::batched::{SyncTarget, Synced};
