@@ -117,7 +117,7 @@ impl GatewayPlan {
 
 /// Whether `check` is a `global` ceiling: one counter every client writes.
 pub fn is_global_ceiling(check: &Check) -> bool {
-    check.key.contains(":{global:")
+    floodgate::key::storage::scope(&check.key) == Some("global")
 }
 
 impl LimitPlan for GatewayPlan {

@@ -1,12 +1,61 @@
-//! The decision for one request across all the limits that apply to it.
+//! The decision for one request across all the limits that apply to it, and what it is made
+//! from: the [`Check`]s a plan asks a store for, and the [`Lease`]s an admission holds.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::LimitOutcome;
 use crate::limit::Limit;
-use crate::store::{Check, Lease};
 use crate::time::Timestamp;
+
+/// The rule of checks that were not given one.
+static DEFAULT_RULE: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| Arc::from("default"));
+
+/// One limit to check for one request: which counter, under which limit, at what cost.
+#[derive(Clone, Debug)]
+pub struct Check {
+    /// The storage key, as laid out by [`crate::key::storage_key`].
+    pub key: Arc<str>,
+    /// The rule the limit belongs to (metrics and logs label decisions with it).
+    pub rule: Arc<str>,
+    /// The limit.
+    pub limit: Arc<Limit>,
+    /// Units this request costs against this limit.
+    pub cost: u64,
+}
+
+impl Check {
+    /// A check of `limit` under `key` for a request costing `request_cost` (the limit's own
+    /// cost override wins).
+    pub fn new(key: impl Into<Arc<str>>, limit: Arc<Limit>, request_cost: u64) -> Check {
+        let cost = limit.cost_for(request_cost);
+        Check {
+            key: key.into(),
+            rule: DEFAULT_RULE.clone(),
+            limit,
+            cost,
+        }
+    }
+}
+
+impl Check {
+    /// The same check, labelled with `rule`.
+    pub fn with_rule(self, rule: Arc<str>) -> Check {
+        Check { rule, ..self }
+    }
+}
+
+/// A concurrency lease held by an admitted request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The key of the `concurrency` limit.
+    pub key: Arc<str>,
+    /// The lease's identifier within that key.
+    pub id: u64,
+    /// Units the lease holds.
+    pub cost: u64,
+}
 
 /// Where a decision came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,35 +17,13 @@ use crate::post_charge::ResponseCost;
 use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
 use crate::service::{LocalFallback, RateLimit, RequestCost, Shared, UnknownIdentity};
+pub use crate::store::resilience::FailurePolicy;
 use crate::store::resilience::{LogObserver, StoreObserver};
 use crate::store::{Check, MemoryStore, Store};
 use crate::telemetry::LimitedRateBaseline;
 use crate::top::TopClients;
 
-/// What to do when the store cannot decide (`on_store_error`, SPEC §4).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum FailurePolicy {
-    /// Let the request through, as most production APIs do (the default).
-    #[default]
-    Open,
-    /// Refuse with 503 `{"error":"rate_limiter_unavailable"}` and `Retry-After: 1`.
-    Closed,
-    /// Decide with a per-node in-memory limiter whose limits are the configured ones ×
-    /// `fallback_share` (see [`RateLimitLayerBuilder::fallback_share`]).
-    Local,
-}
-
-impl FailurePolicy {
-    /// The configuration name (`open`, `closed`, `local`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailurePolicy::Open => "open",
-            FailurePolicy::Closed => "closed",
-            FailurePolicy::Local => "local",
-        }
-    }
-}
-
+// Parsed here rather than beside the policy: a bad name is a layer build error.
 impl FromStr for FailurePolicy {
     type Err = BuildError;
 

@@ -85,6 +85,20 @@ impl Algorithm {
             Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket
         )
     }
+
+    /// Whether limits of this algorithm can be decided from batched counters (batched mode):
+    /// their state is a few counters that a node can take from locally and settle with the
+    /// shared store later. The sliding log, the leaky bucket's queue and concurrency leases
+    /// need every request at the shared store, so they cannot.
+    pub const fn is_batchable(self) -> bool {
+        matches!(
+            self,
+            Algorithm::TokenBucket
+                | Algorithm::Gcra
+                | Algorithm::FixedWindow
+                | Algorithm::SlidingWindowCounter
+        )
+    }
 }
 
 impl fmt::Display for Algorithm {

@@ -7,8 +7,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use crate::store::StoreError;
-use crate::store::resilience::BreakerState;
+// The leaf of store types: it imports nothing of the crate, so the store's failure machinery
+// can record here without a module cycle.
+use crate::store::error::{BreakerState, StoreError};
 
 /// `floodgate_decisions_total{rule,limit,decision}`.
 pub const DECISIONS_TOTAL: &str = "floodgate_decisions_total";
@@ -138,15 +139,11 @@ pub fn record_check_duration(store: &'static str, elapsed: Duration) {
 
 /// Counts a store error by kind.
 pub fn record_store_error(error: &StoreError) {
-    let kind = match error {
-        StoreError::Timeout(_) => "timeout",
-        StoreError::Unavailable(_) => "unavailable",
-        StoreError::Rejected(_) => "rejected",
-        StoreError::BreakerOpen => "breaker_open",
-        StoreError::Protocol(_) => "protocol",
-        StoreError::Config(_) => "config",
-        StoreError::Unsupported(_) => "unsupported",
-    };
+    record_store_error_kind(error.kind());
+}
+
+/// Counts a store error by its `kind` label ([`StoreError::kind`]).
+pub fn record_store_error_kind(kind: &'static str) {
     metrics::counter!(STORE_ERRORS_TOTAL, "kind" => kind).increment(1);
 }
 

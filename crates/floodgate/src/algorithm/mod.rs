@@ -224,6 +224,34 @@ pub fn idle_at(limit: &Limit, state: &State) -> u64 {
     }
 }
 
+/// A state from the three integer fields the batched sync exports for `algorithm` (the
+/// `export` of its script in `lua/`); `None` for an algorithm that cannot run batched.
+pub(crate) fn import(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
+    Some(match algorithm {
+        Algorithm::TokenBucket => State::TokenBucket(token_bucket::import(fields)),
+        Algorithm::Gcra => State::Gcra(gcra::import(fields)),
+        Algorithm::FixedWindow => State::FixedWindow(fixed_window::import(fields)),
+        Algorithm::SlidingWindowCounter => {
+            State::SlidingWindowCounter(sliding_window_counter::import(fields))
+        }
+        _ => return None,
+    })
+}
+
+/// Gives `units` back to a batched node's local `state` (a later store denied the request).
+pub(crate) fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
+    let credit = units * limit.emission_micros();
+    match state {
+        State::TokenBucket(bucket) => token_bucket::unconsume(limit, bucket, now, credit),
+        State::Gcra(gcra) => gcra::unconsume(gcra, credit),
+        State::FixedWindow(window) => fixed_window::unconsume(limit, window, now, units),
+        State::SlidingWindowCounter(counters) => {
+            sliding_window_counter::unconsume(limit, counters, now, units)
+        }
+        _ => {}
+    }
+}
+
 impl State {
     fn as_token_bucket(&self) -> Option<&TokenBucketState> {
         match self {

@@ -141,3 +141,24 @@ pub(super) fn consume(
 pub(super) fn idle_at(limit: &Limit, state: &SlidingWindowCounterState) -> u64 {
     state.window_start + 2 * limit.window_micros()
 }
+
+/// The state from the fields `export` in `lua/sliding_window_counter.lua` sends to batched mode.
+pub(super) fn import([window_start, current, previous]: [u64; 3]) -> SlidingWindowCounterState {
+    SlidingWindowCounterState {
+        window_start,
+        current,
+        previous,
+    }
+}
+
+/// Gives `units` back to a batched node's local copy, if its window is still the current one.
+pub(super) fn unconsume(
+    limit: &Limit,
+    counters: &mut SlidingWindowCounterState,
+    now: u64,
+    units: u64,
+) {
+    if counters.window_start == now - now % limit.window_micros() {
+        counters.current = counters.current.saturating_sub(units);
+    }
+}

@@ -49,10 +49,7 @@ use tokio::sync::watch;
 use super::resilience::BreakerState;
 use super::shards::{LockedShards, lock};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
-use crate::algorithm::{
-    self, FixedWindowState, GcraState, LimitOutcome, SlidingWindowCounterState, State,
-    TokenBucketState,
-};
+use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::Decision;
 use crate::limit::{Algorithm, Limit};
 use crate::telemetry;
@@ -102,38 +99,14 @@ impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
     }
 }
 
-/// Whether `algorithm` can be decided from batched counters. The logs, the leaky bucket's
-/// queue and concurrency leases need every request at the shared store, so they cannot.
+/// Whether `algorithm` can be decided from batched counters ([`Algorithm::is_batchable`]).
 pub fn supports(algorithm: Algorithm) -> bool {
-    matches!(
-        algorithm,
-        Algorithm::TokenBucket
-            | Algorithm::Gcra
-            | Algorithm::FixedWindow
-            | Algorithm::SlidingWindowCounter
-    )
+    algorithm.is_batchable()
 }
 
 /// A state from the three integer fields the sync script exports for `algorithm`.
 pub fn state_from_fields(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
-    let [a, b, c] = fields;
-    Some(match algorithm {
-        Algorithm::TokenBucket => State::TokenBucket(TokenBucketState {
-            level: a,
-            updated_at: b,
-        }),
-        Algorithm::Gcra => State::Gcra(GcraState { tat: a }),
-        Algorithm::FixedWindow => State::FixedWindow(FixedWindowState {
-            window_start: a,
-            count: b,
-        }),
-        Algorithm::SlidingWindowCounter => State::SlidingWindowCounter(SlidingWindowCounterState {
-            window_start: a,
-            current: b,
-            previous: c,
-        }),
-        _ => return None,
-    })
+    algorithm::import(algorithm, fields)
 }
 
 /// Configures a [`BatchedStore`].
@@ -340,7 +313,7 @@ impl<T: SyncTarget> BatchedStore<T> {
                 let units = check.cost.min(entry.pending);
                 entry.pending -= units;
                 if let Some(state) = &mut entry.state {
-                    unconsume(&check.limit, state, now, units);
+                    algorithm::unconsume(&check.limit, state, now, units);
                 }
             }
         }
@@ -738,30 +711,6 @@ fn sync_check(key: &Arc<str>, limit: &Arc<Limit>, units: u64) -> Check {
         rule: limit.shared_name().clone(),
         limit: limit.clone(),
         cost: units,
-    }
-}
-
-/// Gives `units` back to a local state.
-fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
-    let credit = units * limit.emission_micros();
-    match state {
-        State::TokenBucket(bucket) => {
-            // Debt (refill still to come) is paid back first.
-            let debt = bucket.updated_at.saturating_sub(now).min(credit);
-            bucket.updated_at -= debt;
-            let full = limit.capacity() * limit.emission_micros();
-            bucket.level = (bucket.level + credit - debt).min(full);
-        }
-        State::Gcra(gcra) => gcra.tat = gcra.tat.saturating_sub(credit),
-        State::FixedWindow(window) if window.window_start == now - now % limit.window_micros() => {
-            window.count = window.count.saturating_sub(units);
-        }
-        State::SlidingWindowCounter(counters)
-            if counters.window_start == now - now % limit.window_micros() =>
-        {
-            counters.current = counters.current.saturating_sub(units);
-        }
-        _ => {}
     }
 }
 

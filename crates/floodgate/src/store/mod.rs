@@ -6,6 +6,7 @@
 
 #[cfg(feature = "redis")]
 pub mod batched;
+pub(crate) mod error;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -22,128 +23,20 @@ pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore
 #[cfg(feature = "redis")]
 pub use split::SplitStore;
 
+// Defined where the store's dependencies can reach them without a cycle (a decision is made
+// of checks; the error module imports nothing), and re-exported at the paths apps know.
+pub use crate::decision::{Check, Lease};
+pub use error::{StoreError, redact_url};
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::decision::Decision;
-use crate::limit::Limit;
 use crate::time::Timestamp;
 
 /// A boxed future, as returned by [`Store`] methods so that stores can be trait objects.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// The rule of checks that were not given one.
-static DEFAULT_RULE: std::sync::LazyLock<Arc<str>> =
-    std::sync::LazyLock::new(|| Arc::from("default"));
-
-/// One limit to check for one request: which counter, under which limit, at what cost.
-#[derive(Clone, Debug)]
-pub struct Check {
-    /// The storage key, as laid out by [`crate::key::storage_key`].
-    pub key: Arc<str>,
-    /// The rule the limit belongs to (metrics and logs label decisions with it).
-    pub rule: Arc<str>,
-    /// The limit.
-    pub limit: Arc<Limit>,
-    /// Units this request costs against this limit.
-    pub cost: u64,
-}
-
-impl Check {
-    /// A check of `limit` under `key` for a request costing `request_cost` (the limit's own
-    /// cost override wins).
-    pub fn new(key: impl Into<Arc<str>>, limit: Arc<Limit>, request_cost: u64) -> Check {
-        let cost = limit.cost_for(request_cost);
-        Check {
-            key: key.into(),
-            rule: DEFAULT_RULE.clone(),
-            limit,
-            cost,
-        }
-    }
-}
-
-impl Check {
-    /// The same check, labelled with `rule`.
-    pub fn with_rule(self, rule: Arc<str>) -> Check {
-        Check { rule, ..self }
-    }
-}
-
-/// A concurrency lease held by an admitted request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Lease {
-    /// The key of the `concurrency` limit.
-    pub key: Arc<str>,
-    /// The lease's identifier within that key.
-    pub id: u64,
-    /// Units the lease holds.
-    pub cost: u64,
-}
-
-/// Why a store could not decide.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum StoreError {
-    /// The store did not answer within its deadline.
-    #[error("store call timed out after {0:?}")]
-    Timeout(Duration),
-    /// The store could not be reached or failed to answer.
-    #[error("store unavailable: {0}")]
-    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The store refused this client: wrong or missing credentials, or no permission (Redis
-    /// `WRONGPASS`, `NOAUTH`, `NOPERM`). A configuration error, not an outage: readiness
-    /// checks report it. Transient only in that a credential change may cure it.
-    #[error("store refused the client: {0}")]
-    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// The circuit breaker is open: the store is not being called.
-    #[error("circuit breaker open; store not called")]
-    BreakerOpen,
-    /// The store answered something this version does not understand.
-    #[error("unexpected store reply: {0}")]
-    Protocol(String),
-    /// The store's settings cannot work (a URL that does not parse, a zero deadline): found
-    /// when the store is built, never transient. URLs in the message carry no password.
-    #[error("invalid store settings: {0}")]
-    Config(String),
-    /// The store does not provide this operation (a custom store that implements only
-    /// decisions is asked to [`Store::peek`], [`Store::reset`] or [`Store::charge`]).
-    #[error("this store does not support {0}")]
-    Unsupported(&'static str),
-}
-
-impl StoreError {
-    /// Whether retrying later may succeed (connection trouble, timeouts), as opposed to a
-    /// problem that repeats on every call.
-    pub fn is_transient(&self) -> bool {
-        !matches!(
-            self,
-            StoreError::Protocol(_) | StoreError::Config(_) | StoreError::Unsupported(_)
-        )
-    }
-}
-
-/// `url` with the password of its user-info replaced by `***` (`redis://:***@host:6379`,
-/// `redis://user:***@host`); a URL without one is returned as it is. For logs and errors.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let (user_info, host) = authority.split_at(at);
-    // A lone user-info may be a password too (some clients read `redis://secret@host` so).
-    let user_info = match user_info.split_once(':') {
-        Some((user, _)) => format!("{user}:***"),
-        None => "***".to_owned(),
-    };
-    format!("{scheme}://{user_info}{host}{tail}")
-}
 
 /// Where limit state lives.
 ///

@@ -3,22 +3,38 @@
 //! The breaker opens after `failures` consecutive failed calls, stays open for `open_for`
 //! (every call fails at once with [`StoreError::BreakerOpen`], without touching the network),
 //! then lets exactly one probe through: its success closes the breaker, its failure reopens it.
+//! What happens to a request the store could not decide is the [`FailurePolicy`].
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::StoreError;
+pub use super::error::BreakerState;
+use super::error::StoreError;
 
-/// The breaker's state, as reported to observers and metrics (0 closed, 1 open, 2 half-open).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BreakerState {
-    /// Calls go to the store.
-    Closed = 0,
-    /// Calls fail at once.
-    Open = 1,
-    /// One probe call is going to the store; the others fail at once.
-    HalfOpen = 2,
+/// What to do when the store cannot decide (`on_store_error`, SPEC §4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Let the request through, as most production APIs do (the default).
+    #[default]
+    Open,
+    /// Refuse with 503 `{"error":"rate_limiter_unavailable"}` and `Retry-After: 1`.
+    Closed,
+    /// Decide with a per-node in-memory limiter whose limits are the configured ones ×
+    /// `fallback_share` (see
+    /// [`RateLimitLayerBuilder::fallback_share`](crate::RateLimitLayerBuilder::fallback_share)).
+    Local,
+}
+
+impl FailurePolicy {
+    /// The configuration name (`open`, `closed`, `local`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailurePolicy::Open => "open",
+            FailurePolicy::Closed => "closed",
+            FailurePolicy::Local => "local",
+        }
+    }
 }
 
 /// Told about what the failure machinery does, so that none of it is silent. The default
@@ -64,7 +80,7 @@ pub trait StoreObserver: Send + Sync + 'static {
     fn fallback_decision(
         &self,
         backend: &'static str,
-        policy: crate::FailurePolicy,
+        policy: FailurePolicy,
         error: &StoreError,
         allowed: bool,
     ) {

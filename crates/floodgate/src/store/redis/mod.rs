@@ -11,6 +11,8 @@
 //! agree. Every call has a deadline and goes through a circuit breaker ([`Guard`]).
 
 mod cluster;
+mod connection;
+mod groups;
 mod script;
 mod sharded;
 mod slot;
@@ -27,22 +29,16 @@ pub fn check_script_source() -> String {
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_redis::redis::aio::{
-    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
-};
-use deadpool_redis::redis::cluster::ClusterClient;
-use deadpool_redis::redis::cluster_async::ClusterConnection;
-use deadpool_redis::redis::sentinel::{SentinelClient, SentinelServerType};
-use deadpool_redis::redis::{self, Client, RedisError, Value};
+use deadpool_redis::redis::{self, Client, Value};
 
 use super::batched::{SyncTarget, Synced};
 use super::resilience::{BreakerState, Guard, GuardConfig, LogObserver, StoreObserver};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
-use crate::algorithm::LimitOutcome;
 use crate::decision::Decision;
-use crate::limit::Algorithm;
 use crate::time::Timestamp;
 use cluster::ClusterBreakers;
+use connection::Connection;
+use groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
 use script::{Mode, Reply};
 
 /// How the store talks to Redis.
@@ -118,86 +114,10 @@ impl RedisStoreBuilder {
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
         self.check_settings()?;
-        let pool_size = match self.mode {
-            ConnectionMode::Multiplexed => 1,
-            ConnectionMode::Pool(size) => size.max(1),
-        };
-        let guard = &self.guard;
-        // The three pools share their tuning: waits and creation bounded by the deadline.
-        macro_rules! tuned {
-            ($builder:expr) => {
-                $builder
-                    .map_err(|error| StoreError::Unavailable(error.into()))?
-                    .max_size(pool_size)
-                    .runtime(deadpool_redis::Runtime::Tokio1)
-                    .wait_timeout(Some(guard.timeout))
-                    .create_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
-                    .recycle_timeout(Some(guard.timeout))
-                    .build()
-                    .map_err(|error| StoreError::Unavailable(error.into()))?
-            };
-        }
-        let mut cluster_compatible = self.cluster_compatible;
-        let connection = match (&self.deployment, self.mode) {
-            (Deployment::Single(url), ConnectionMode::Multiplexed) => {
-                let client = Client::open(url.as_str()).map_err(invalid_url)?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
-                    .set_response_timeout(None)
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(200));
-                Connection::Multiplexed(Box::new(LazyManager {
-                    client,
-                    config,
-                    manager: tokio::sync::OnceCell::new(),
-                }))
-            }
-            (Deployment::Single(url), ConnectionMode::Pool(_)) => Connection::Pool(tuned!(
-                deadpool_redis::Config::from_url(url.as_str()).builder()
-            )),
-            (Deployment::Cluster(nodes), mode) => {
-                // Every call must stay on one slot.
-                cluster_compatible = true;
-                match mode {
-                    ConnectionMode::Multiplexed => {
-                        let client = ClusterClient::builder(nodes.clone())
-                            .connection_timeout(guard.timeout.max(Duration::from_millis(100)))
-                            .retries(1)
-                            .build()
-                            .map_err(invalid_url)?;
-                        Connection::Cluster(Box::new(LazyCluster {
-                            client,
-                            connection: tokio::sync::OnceCell::new(),
-                        }))
-                    }
-                    ConnectionMode::Pool(_) => Connection::ClusterPool(tuned!(
-                        deadpool_redis::cluster::Config::from_urls(nodes.clone()).builder()
-                    )),
-                }
-            }
-            (Deployment::Sentinel { master, sentinels }, mode) => match mode {
-                ConnectionMode::Multiplexed => Connection::Sentinel(Box::new(SentinelMaster {
-                    client: tokio::sync::Mutex::new(
-                        SentinelClient::build(
-                            sentinels.clone(),
-                            master.clone(),
-                            None,
-                            SentinelServerType::Master,
-                        )
-                        .map_err(invalid_url)?,
-                    ),
-                    current: std::sync::Mutex::new(None),
-                })),
-                ConnectionMode::Pool(_) => Connection::SentinelPool(tuned!(
-                    deadpool_redis::sentinel::Config::from_urls(
-                        sentinels.clone(),
-                        master.clone(),
-                        deadpool_redis::sentinel::SentinelServerType::Master,
-                    )
-                    .builder()
-                )),
-            },
-        };
+        let connection = connection::connect(&self.deployment, self.mode, &self.guard)?;
+        // Every call on a cluster must stay on one slot.
+        let cluster_compatible =
+            self.cluster_compatible || matches!(self.deployment, Deployment::Cluster(_));
         let cluster_breakers = matches!(self.deployment, Deployment::Cluster(_))
             .then(|| ClusterBreakers::new(self.guard, self.observer.clone()));
         Ok(RedisStore {
@@ -209,22 +129,6 @@ impl RedisStoreBuilder {
             }),
         })
     }
-}
-
-fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Unavailable(Box::new(error))
-}
-
-/// A pool that could not hand out a connection: a refusal or error of Redis keeps its class.
-fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
-    match error {
-        deadpool_redis::PoolError::Backend(error) => classify(error),
-        other => unavailable(other),
-    }
-}
-
-fn invalid_url(error: RedisError) -> StoreError {
-    StoreError::Config(error.to_string())
 }
 
 impl RedisStoreBuilder {
@@ -261,101 +165,6 @@ impl RedisStoreBuilder {
     }
 }
 
-enum Connection {
-    Multiplexed(Box<LazyManager>),
-    Pool(deadpool_redis::Pool),
-    /// One multiplexed cluster connection: routes each call by its first key's slot, follows
-    /// MOVED / ASK redirections and refreshes the slot map when nodes change.
-    Cluster(Box<LazyCluster>),
-    /// deadpool-redis's cluster pool: the same, n connections.
-    ClusterPool(deadpool_redis::cluster::Pool),
-    /// The master the sentinels name, re-asked after any connection failure.
-    Sentinel(Box<SentinelMaster>),
-    /// deadpool-redis's sentinel pool: new connections ask the sentinels for the master.
-    SentinelPool(deadpool_redis::sentinel::Pool),
-}
-
-/// A cluster connection created on first use.
-struct LazyCluster {
-    client: ClusterClient,
-    connection: tokio::sync::OnceCell<ClusterConnection>,
-}
-
-impl LazyCluster {
-    /// A handle on the shared cluster connection (multiplexed: clones share it).
-    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
-        self.connection
-            .get_or_try_init(|| self.client.get_async_connection())
-            .await
-            .cloned()
-            .map_err(classify)
-    }
-}
-
-/// A multiplexed connection to the master the sentinels name. A failed call drops it, so the
-/// next call asks the sentinels again and, after a failover, reaches the promoted replica.
-struct SentinelMaster {
-    client: tokio::sync::Mutex<SentinelClient>,
-    current: std::sync::Mutex<Option<MultiplexedConnection>>,
-}
-
-impl SentinelMaster {
-    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
-        if let Some(connection) = self.current() {
-            return Ok(connection);
-        }
-        let mut client = self.client.lock().await;
-        // Another call may have connected while this one waited for the client.
-        if let Some(connection) = self.current() {
-            return Ok(connection);
-        }
-        let connection = client.get_async_connection().await.map_err(classify)?;
-        *self
-            .current
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(connection.clone());
-        Ok(connection)
-    }
-
-    fn current(&self) -> Option<MultiplexedConnection> {
-        self.current
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    fn forget(&self) {
-        *self
-            .current
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-    }
-}
-
-/// A multiplexed connection created on first use, inside the runtime that will drive it.
-struct LazyManager {
-    client: Client,
-    config: ConnectionManagerConfig,
-    manager: tokio::sync::OnceCell<ConnectionManager>,
-}
-
-impl LazyManager {
-    /// A handle on the shared connection (multiplexed: clones share it). Before the first
-    /// one, a plain connection is opened and dropped, so that a refusal (a wrong password) is
-    /// the caller's error, with its reason, rather than a deadline running out while the
-    /// manager's own connection retries.
-    async fn manager(&self) -> Result<ConnectionManager, StoreError> {
-        self.manager
-            .get_or_try_init(|| async {
-                drop(self.client.get_multiplexed_async_connection().await?);
-                ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
-            })
-            .await
-            .cloned()
-            .map_err(classify)
-    }
-}
-
 struct Inner {
     connection: Connection,
     guard: Arc<Guard>,
@@ -376,35 +185,6 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("guard", &self.inner.guard)
             .finish_non_exhaustive()
-    }
-}
-
-/// Whether the store is failing (transient: connections, timeouts, a cluster or a server in
-/// trouble, refused credentials) or the call itself is at fault. The latter repeats on every
-/// call however healthy Redis is, so it is not transient and never opens the breaker (SPEC §3):
-/// a Lua error (the script's bug, or corrupted data), `WRONGTYPE`, a call across slots.
-fn classify(error: RedisError) -> StoreError {
-    use redis::{ErrorKind, ServerErrorKind};
-    let is_script_error = error
-        .detail()
-        .is_some_and(|detail| detail.contains("user_script") || detail.starts_with("floodgate:"));
-    let the_call_is_at_fault = match error.kind() {
-        ErrorKind::Server(ServerErrorKind::CrossSlot | ServerErrorKind::ExecAbort) => true,
-        ErrorKind::Server(ServerErrorKind::ResponseError) => is_script_error,
-        ErrorKind::Extension => error.code() == Some("WRONGTYPE") || is_script_error,
-        ErrorKind::UnexpectedReturnType => true,
-        _ => false,
-    };
-    let refused = matches!(
-        error.kind(),
-        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm)
-    ) || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
-    if the_call_is_at_fault {
-        StoreError::Protocol(error.to_string())
-    } else if refused {
-        StoreError::Rejected(Box::new(error))
-    } else {
-        StoreError::Unavailable(Box::new(error))
     }
 }
 
@@ -501,8 +281,7 @@ impl RedisStore {
     }
 
     /// Runs a command outside the decisions (slot map, probes): within the deadline (at least
-    /// 100ms), outside the breaker. In multiplexed mode on a connection of its own, since the
-    /// shared one may be retrying in the background and would hide why it fails.
+    /// 100ms), outside the breaker.
     async fn query(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
         let deadline = self
             .inner
@@ -510,76 +289,12 @@ impl RedisStore {
             .config()
             .timeout
             .max(Duration::from_millis(100));
-        let query = async {
-            match &self.inner.connection {
-                Connection::Multiplexed(lazy) => {
-                    let mut connection = lazy
-                        .client
-                        .get_multiplexed_async_connection()
-                        .await
-                        .map_err(classify)?;
-                    command.query_async::<Value>(&mut connection).await
-                }
-                Connection::Pool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
-                    command.query_async::<Value>(&mut *connection).await
-                }
-                Connection::Cluster(lazy) => {
-                    command
-                        .query_async::<Value>(&mut lazy.connection().await?)
-                        .await
-                }
-                Connection::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
-                    command.query_async::<Value>(&mut *connection).await
-                }
-                Connection::Sentinel(master) => {
-                    let mut connection = master.connection().await?;
-                    command.query_async::<Value>(&mut connection).await
-                }
-                Connection::SentinelPool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
-                    command.query_async::<Value>(&mut *connection).await
-                }
-            }
-            .map_err(classify)
-        };
-        match tokio::time::timeout(deadline, query).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(deadline)),
-        }
+        self.inner.connection.query(command, deadline).await
     }
 
     /// Runs one script invocation on a connection.
     async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
-        match &self.inner.connection {
-            Connection::Multiplexed(lazy) => {
-                let mut connection = lazy.manager().await?;
-                invoke_on(&mut connection, invocation).await
-            }
-            Connection::Pool(pool) => {
-                let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
-            }
-            Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
-            Connection::ClusterPool(pool) => {
-                let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
-            }
-            Connection::Sentinel(master) => {
-                let mut connection = master.connection().await?;
-                let result = invoke_on(&mut connection, invocation).await;
-                if result.is_err() {
-                    // Maybe a failover: ask the sentinels again next time.
-                    master.forget();
-                }
-                result
-            }
-            Connection::SentinelPool(pool) => {
-                let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
-            }
-        }
+        self.inner.connection.invoke(invocation).await
     }
 
     /// One script call under this store's deadline and breaker.
@@ -640,273 +355,6 @@ impl RedisStore {
         }
         groups.into_iter().map(|(_, members)| members).collect()
     }
-}
-
-/// Decides `checks` by one script call per group, in group order; a group's node is the store
-/// that runs its call. When a group denies, what earlier groups took is refunded, and every
-/// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
-async fn decide_groups(
-    groups: &[Group<'_>],
-    checks: &[Check],
-    now: Option<Timestamp>,
-) -> Result<Decision, StoreError> {
-    if checks.is_empty() {
-        return Ok(Decision::from_outcomes(
-            now.unwrap_or_else(Timestamp::now),
-            checks,
-            &[],
-            Vec::new(),
-        ));
-    }
-    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
-    let mut tokens: Vec<String> = vec![String::new(); checks.len()];
-    // Every lease a script may take, released unless this decision ends: on an error (a
-    // deadline that fired after the script ran) or a drop (the request went away) mid-way.
-    let mut taken = TakenLeases::default();
-    // Later calls use the first call's server time, so every group decides at one instant.
-    let mut decided_at = now;
-    let mut denied_group = None;
-    for (
-        position,
-        Group {
-            node,
-            members: group,
-        },
-    ) in groups.iter().enumerate()
-    {
-        let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-        // Concurrency limits take a lease under a fresh random id; a log entry is made unique
-        // by one (its position in the log is not: a refund can remove an older entry).
-        let lease_ids: Vec<String> = group_checks
-            .iter()
-            .map(|check| match check.limit.algorithm() {
-                Algorithm::Concurrency => {
-                    let id = fastrand::u64(1..);
-                    taken.add(node, check, id);
-                    id.to_string()
-                }
-                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
-                _ => String::new(),
-            })
-            .collect();
-        let reply = node
-            .guarded_call(Mode::Check, &group_checks, &lease_ids, decided_at)
-            .await?;
-        decided_at.get_or_insert(reply.now);
-        for ((&index, outcome), token) in group.iter().zip(reply.outcomes).zip(reply.tokens) {
-            outcomes[index] = Some(outcome);
-            tokens[index] = token;
-        }
-        if !reply.admitted {
-            denied_group = Some(position);
-            break;
-        }
-    }
-    if let Some(denied) = denied_group {
-        // Give back what earlier groups took, then report them (and the groups never
-        // reached) as they stand.
-        for Group {
-            node,
-            members: group,
-        } in groups[..denied].iter().chain(&groups[denied + 1..])
-        {
-            let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-            let was_charged = outcomes[group[0]].is_some();
-            let group_tokens: Vec<String> =
-                group.iter().map(|&index| tokens[index].clone()).collect();
-            let (mode, tokens) = if was_charged {
-                (Mode::Refund, group_tokens)
-            } else {
-                // Never reached: evaluated at the request's cost, so that one that would deny
-                // too reports its (perhaps longer) wait, as on a single call.
-                (Mode::Peek, vec![String::new(); group.len()])
-            };
-            let reply = node
-                .guarded_call(mode, &group_checks, &tokens, decided_at)
-                .await?;
-            for (&index, outcome) in group.iter().zip(reply.outcomes) {
-                // A refunded limit had admitted the request.
-                let allowed = was_charged || outcome.allowed;
-                outcomes[index] = Some(LimitOutcome { allowed, ..outcome });
-            }
-        }
-    }
-    let outcomes: Vec<LimitOutcome> = outcomes
-        .into_iter()
-        .map(|outcome| {
-            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
-        })
-        .collect::<Result<_, _>>()?;
-    let admitted = denied_group.is_none();
-    // Decided: an admission's leases go to the caller; a denial's were refunded.
-    taken.hand_over();
-    let leases = if admitted {
-        checks
-            .iter()
-            .zip(&tokens)
-            .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
-            .filter_map(|(check, token)| {
-                let (id, _) = token.split_once(':')?;
-                Some(Lease {
-                    key: check.key.clone(),
-                    id: id.parse().ok()?,
-                    cost: check.cost,
-                })
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let decided_at = decided_at.unwrap_or_else(Timestamp::now);
-    Ok(Decision::from_outcomes(
-        decided_at, checks, &outcomes, leases,
-    ))
-}
-
-/// Reads `checks` by one peek call per group, changing nothing.
-async fn peek_groups(
-    groups: &[Group<'_>],
-    checks: &[Check],
-    now: Option<Timestamp>,
-) -> Result<Decision, StoreError> {
-    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
-    let mut decided_at = now;
-    for Group { node, members } in groups {
-        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
-        let tokens = vec![String::new(); members.len()];
-        let reply = node
-            .guarded_call(Mode::Peek, &group_checks, &tokens, decided_at)
-            .await?;
-        decided_at.get_or_insert(reply.now);
-        for (&index, outcome) in members.iter().zip(reply.outcomes) {
-            outcomes[index] = Some(outcome);
-        }
-    }
-    let outcomes: Vec<LimitOutcome> = outcomes
-        .into_iter()
-        .map(|outcome| {
-            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(Decision::from_outcomes(
-        decided_at.unwrap_or_else(Timestamp::now),
-        checks,
-        &outcomes,
-        Vec::new(),
-    ))
-}
-
-/// Post-charges `checks` by one call per group, concurrently.
-async fn charge_groups(
-    groups: &[Group<'_>],
-    checks: &[Check],
-    now: Option<Timestamp>,
-) -> Result<(), StoreError> {
-    let calls = groups.iter().map(|Group { node, members }| async move {
-        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
-        // A log entry is made unique by a random id, as on admission.
-        let tokens: Vec<String> = group_checks
-            .iter()
-            .map(|check| match check.limit.algorithm() {
-                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
-                _ => String::new(),
-            })
-            .collect();
-        node.guarded_call(Mode::Charge, &group_checks, &tokens, now)
-            .await
-            .map(drop)
-    });
-    futures_util::future::try_join_all(calls).await.map(drop)
-}
-
-/// The leases a decision's scripts may have taken, by node. Dropped before
-/// [`TakenLeases::hand_over`], it releases them in the background: releasing a lease that was
-/// never taken does nothing.
-#[derive(Default)]
-struct TakenLeases {
-    leases: Vec<(RedisStore, Lease)>,
-}
-
-impl TakenLeases {
-    fn add(&mut self, node: &RedisStore, check: &Check, id: u64) {
-        let lease = Lease {
-            key: check.key.clone(),
-            id,
-            cost: check.cost,
-        };
-        self.leases.push((node.clone(), lease));
-    }
-
-    fn hand_over(&mut self) {
-        self.leases.clear();
-    }
-}
-
-impl Drop for TakenLeases {
-    fn drop(&mut self) {
-        if self.leases.is_empty() {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let mut by_node: Vec<(RedisStore, Vec<Lease>)> = Vec::new();
-        for (node, lease) in self.leases.drain(..) {
-            match by_node
-                .iter_mut()
-                .find(|(known, _)| Arc::ptr_eq(&known.inner, &node.inner))
-            {
-                Some((_, leases)) => leases.push(lease),
-                None => by_node.push((node, vec![lease])),
-            }
-        }
-        for (node, leases) in by_node {
-            runtime.spawn(async move {
-                if let Err(error) = node.release(leases).await {
-                    tracing::warn!(%error, "could not release the leases of an abandoned decision; they expire with their window");
-                }
-            });
-        }
-    }
-}
-
-/// Syncs `checks` by one call per group, concurrently (pipelined on a multiplexed
-/// connection), and puts the states back in the order of `checks`.
-async fn sync_groups(
-    groups: &[Group<'_>],
-    checks: &[Check],
-    now: Option<Timestamp>,
-) -> Result<Synced, StoreError> {
-    let calls = groups.iter().map(|group| async move {
-        let members: Vec<&Check> = group.members.iter().map(|&index| &checks[index]).collect();
-        group.node.guarded_sync(&members, now).await
-    });
-    let replies = futures_util::future::try_join_all(calls).await?;
-    let mut states = vec![None; checks.len()];
-    let mut latest = now.unwrap_or(Timestamp::EPOCH);
-    for (group, reply) in groups.iter().zip(replies) {
-        latest = latest.max(reply.now);
-        for (&index, state) in group.members.iter().zip(reply.states) {
-            states[index] = state;
-        }
-    }
-    Ok(Synced {
-        now: latest,
-        states,
-    })
-}
-
-/// Checks decided together by one script call on `node`.
-struct Group<'s> {
-    node: &'s RedisStore,
-    members: Vec<usize>,
-}
-
-async fn invoke_on<C: ConnectionLike + Send>(
-    connection: &mut C,
-    invocation: &redis::ScriptInvocation<'_>,
-) -> Result<Value, StoreError> {
-    invocation.invoke_async(connection).await.map_err(classify)
 }
 
 impl RedisStore {

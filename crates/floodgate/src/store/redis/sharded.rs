@@ -5,23 +5,14 @@
 
 use std::sync::Arc;
 
-use super::{Group, RedisStore, charge_groups, decide_groups, peek_groups, sync_groups};
+use super::RedisStore;
+use super::groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
 use crate::decision::Decision;
+use crate::key::storage::hash_tag;
 use crate::store::batched::{SyncTarget, Synced};
 use crate::store::resilience::BreakerState;
 use crate::store::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::time::Timestamp;
-
-/// The `{…}` tag of a key, or the whole key without one.
-fn tag(key: &str) -> &str {
-    key.find('{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            let close = rest.find('}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(key)
-}
 
 /// FNV-1a, then a SplitMix64 finaliser: stable across processes and versions, so that every
 /// gateway picks the same node.
@@ -42,7 +33,7 @@ fn stable_hash(parts: &[&[u8]]) -> u64 {
 
 /// The node (index into `nodes`) that owns `key`: the highest score of (node, tag).
 pub fn rendezvous(key: &str, nodes: &[String]) -> usize {
-    let tag = tag(key).as_bytes();
+    let tag = hash_tag(key).as_bytes();
     (0..nodes.len())
         .max_by_key(|&index| stable_hash(&[nodes[index].as_bytes(), tag]))
         .unwrap_or(0)

@@ -1,5 +1,7 @@
 //! Redis Cluster hash slots: which keys can share one script call.
 
+use crate::key::storage::hash_tag;
+
 /// CRC16-CCITT (XMODEM), as Redis Cluster uses for key slots.
 fn crc16(bytes: &[u8]) -> u16 {
     let mut crc: u16 = 0;
@@ -16,20 +18,10 @@ fn crc16(bytes: &[u8]) -> u16 {
     crc
 }
 
-/// The cluster slot of `key`: the CRC16 of its `{hash tag}` if it has a non-empty one, else of
-/// the whole key, modulo 16384.
+/// The cluster slot of `key`: the CRC16 of its [`hash_tag`] (its `{hash tag}` if it has a
+/// non-empty one, else the whole key), modulo 16384.
 pub fn hash_slot(key: &str) -> u16 {
-    let bytes = key.as_bytes();
-    let tagged = bytes
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &bytes[open + 1..];
-            let close = rest.iter().position(|&b| b == b'}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(bytes);
-    crc16(tagged) % 16384
+    crc16(hash_tag(key).as_bytes()) % 16384
 }
 
 #[cfg(test)]

@@ -1,0 +1,190 @@
+//! The storage key format, in one place: `<prefix>:{<scope>:<identity-hash>}:<rule>:<limit>`.
+//!
+//! The `{…}` part is a Redis Cluster hash tag: Redis hashes only it, so one identity's limits
+//! share one slot and can be decided in one script call; the sharded store places identities
+//! by the same tag. Everything that reads a key's parts back reads them here, so the layout
+//! and its readers cannot drift apart.
+//!
+//! Keys built by the layer cannot be misread: the builder refuses a prefix with `{`, `}` or
+//! `:` (`RateLimitLayerBuilder::build`, `BuildError::InvalidPrefix`), and rule and limit names
+//! are `A-Z a-z 0-9 - _ .` only (`limit::is_valid_name`), so the first `{` of a key opens its
+//! tag and the tag's last `:` ends the scope (the hash is 32 hex digits).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use super::{IdentityHash, StackText};
+
+/// The storage key of one limit for one identity:
+/// `<prefix>:{<scope>:<identity-hash>}:<rule>:<limit-name>`. The `{…}` hash tag keeps one
+/// identity's limits on one Redis Cluster slot, so they can be decided in one script call.
+pub fn storage_key(
+    prefix: &str,
+    scope: &str,
+    hash: &IdentityHash,
+    rule: &str,
+    limit: &str,
+) -> Arc<str> {
+    // Formatted on the stack, then copied once into the shared string: one allocation per key
+    // on the request path instead of two.
+    let mut text = StackText::<256>::new();
+    match write!(text, "{prefix}:{{{scope}:{hash}}}:{rule}:{limit}") {
+        Ok(()) => Arc::from(text.as_str()),
+        Err(_) => Arc::from(format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")),
+    }
+}
+
+/// The part of `key` that Redis Cluster hashes, by Redis's own rule: what lies between the
+/// first `{` and the next `}` if that is not empty, else the whole key. Redis Cluster slots
+/// (`store::redis::hash_slot`) and sharded placement (`store::redis::rendezvous`) both hash
+/// this, so one identity's limits land together under either.
+pub fn hash_tag(key: &str) -> &str {
+    tag(key).unwrap_or(key)
+}
+
+/// The scope inside `key`'s hash tag (`global`, `ip`, `key`, `user`, a custom scope), or
+/// `None` for a key without a `<scope>:<hash>` tag.
+pub fn scope(key: &str) -> Option<&str> {
+    // The hash never holds a `:`, so the last one ends the scope (a custom scope may hold one).
+    tag(key)?.rsplit_once(':').map(|(scope, _)| scope)
+}
+
+/// The non-empty text between the first `{` and the next `}`. `{` and `}` are ASCII, so the
+/// byte positions `find` returns are character boundaries.
+fn tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let rest = &key[open + 1..];
+    let close = rest.find('}')?;
+    (close > 0).then(|| &rest[..close])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::Identity;
+
+    #[test]
+    fn storage_key_layout_keeps_identity_in_a_hash_tag() {
+        let hash = Identity::ApiKey("secret-key".into()).hash();
+        let key = storage_key("fg", "key", &hash, "api", "per-second");
+        assert_eq!(&*key, format!("fg:{{key:{hash}}}:api:per-second"));
+        let long_rule = "r".repeat(300);
+        let long = storage_key("fg", "key", &hash, &long_rule, "x");
+        assert_eq!(
+            &*long,
+            format!("fg:{{key:{hash}}}:{long_rule}:x"),
+            "falls back to the heap"
+        );
+        assert!(!key.contains("secret-key"));
+        assert_eq!(hash.to_string().len(), 32);
+    }
+
+    #[test]
+    fn a_built_key_reads_back_its_tag_and_scope() {
+        let hash = Identity::ApiKey("secret-key".into()).hash();
+        for scope_name in ["global", "ip", "key", "user", "unknown", "tenant", "org:eu"] {
+            let key = storage_key("fg", scope_name, &hash, "plan.free", "per-second");
+            assert_eq!(hash_tag(&key), format!("{scope_name}:{hash}"));
+            assert_eq!(scope(&key), Some(scope_name));
+        }
+    }
+
+    #[test]
+    fn keys_without_a_tag_hash_whole_and_have_no_scope() {
+        for key in ["", "plain", "{}", "a{}b", "a{b", "a}b{", "}{"] {
+            assert_eq!(hash_tag(key), key, "{key:?}");
+            assert_eq!(scope(key), None, "{key:?}");
+        }
+        assert_eq!(hash_tag("{a}{b}"), "a");
+        assert_eq!(
+            hash_tag("foo{}{bar}"),
+            "foo{}{bar}",
+            "an empty first tag counts"
+        );
+        assert_eq!(hash_tag("foo{{bar}}zap"), "{bar");
+        assert_eq!(scope("{tagonly}"), None, "a tag without `:` has no scope");
+    }
+
+    /// The rule `slot.rs` applied on bytes before this module existed.
+    fn slot_rule(key: &str) -> &[u8] {
+        let bytes = key.as_bytes();
+        bytes
+            .iter()
+            .position(|&b| b == b'{')
+            .and_then(|open| {
+                let rest = &bytes[open + 1..];
+                let close = rest.iter().position(|&b| b == b'}')?;
+                (close > 0).then(|| &rest[..close])
+            })
+            .unwrap_or(bytes)
+    }
+
+    /// The rule `sharded.rs` applied on `str` before this module existed.
+    fn sharded_rule(key: &str) -> &str {
+        key.find('{')
+            .and_then(|open| {
+                let rest = &key[open + 1..];
+                let close = rest.find('}')?;
+                (close > 0).then(|| &rest[..close])
+            })
+            .unwrap_or(key)
+    }
+
+    #[test]
+    fn hash_tag_is_the_rule_both_slots_and_shards_used() {
+        // Placement must not move: the one rule gives what each call site computed before.
+        let mut keys: Vec<String> = [
+            "",
+            "{",
+            "}",
+            "{}",
+            "}{",
+            "{}{}",
+            "a{b",
+            "a}b",
+            "{a}{b}",
+            "{{a}}",
+            "{}{a}",
+            "a{}b{c}",
+            "{a",
+            "a}",
+            "é{ü}ß",
+            "{ü}",
+            "x{é}",
+            "{}é",
+            "fg:{ip:0123}:r:l",
+            "foo{{bar}}zap",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+        // Every string of up to five characters over an alphabet with both braces, a colon
+        // and a multi-byte character.
+        let alphabet = ['{', '}', 'a', ':', 'é'];
+        let mut layer = vec![String::new()];
+        for _ in 0..5 {
+            layer = layer
+                .iter()
+                .flat_map(|prefix| alphabet.iter().map(move |c| format!("{prefix}{c}")))
+                .collect();
+            keys.extend(layer.iter().cloned());
+        }
+        let mut random = fastrand::Rng::with_seed(17);
+        for _ in 0..10_000 {
+            let len = random.usize(0..24);
+            let key: String = (0..len)
+                .map(|_| match random.u8(0..8) {
+                    0 => '{',
+                    1 => '}',
+                    2 => 'é',
+                    _ => random.alphanumeric(),
+                })
+                .collect();
+            keys.push(key);
+        }
+        for key in &keys {
+            assert_eq!(hash_tag(key).as_bytes(), slot_rule(key), "{key:?}");
+            assert_eq!(hash_tag(key), sharded_rule(key), "{key:?}");
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! Reaching Redis: the connection of each deployment and mode (single server, cluster,
+//! sentinel; multiplexed or pooled), running commands and scripts on it, and sorting Redis's
+//! errors into the store's failure classes.
+
+use std::time::Duration;
+
+use deadpool_redis::redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use deadpool_redis::redis::cluster::ClusterClient;
+use deadpool_redis::redis::cluster_async::ClusterConnection;
+use deadpool_redis::redis::sentinel::{SentinelClient, SentinelServerType};
+use deadpool_redis::redis::{self, Client, RedisError, Value};
+
+use super::{ConnectionMode, Deployment};
+use crate::store::StoreError;
+use crate::store::resilience::GuardConfig;
+
+/// The connection a store opens on `deployment`: nothing is dialled yet (lazy connections and
+/// pools connect on first use), so a Redis that is down at start-up is not an error here.
+pub(super) fn connect(
+    deployment: &Deployment,
+    mode: ConnectionMode,
+    guard: &GuardConfig,
+) -> Result<Connection, StoreError> {
+    let pool_size = match mode {
+        ConnectionMode::Multiplexed => 1,
+        ConnectionMode::Pool(size) => size.max(1),
+    };
+    // The three pools share their tuning: waits and creation bounded by the deadline.
+    macro_rules! tuned {
+        ($builder:expr) => {
+            $builder
+                .map_err(|error| StoreError::Unavailable(error.into()))?
+                .max_size(pool_size)
+                .runtime(deadpool_redis::Runtime::Tokio1)
+                .wait_timeout(Some(guard.timeout))
+                .create_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
+                .recycle_timeout(Some(guard.timeout))
+                .build()
+                .map_err(|error| StoreError::Unavailable(error.into()))?
+        };
+    }
+    let connection = match (deployment, mode) {
+        (Deployment::Single(url), ConnectionMode::Multiplexed) => {
+            let client = Client::open(url.as_str()).map_err(invalid_url)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
+                .set_response_timeout(None)
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(200));
+            Connection::Multiplexed(Box::new(LazyManager {
+                client,
+                config,
+                manager: tokio::sync::OnceCell::new(),
+            }))
+        }
+        (Deployment::Single(url), ConnectionMode::Pool(_)) => Connection::Pool(tuned!(
+            deadpool_redis::Config::from_url(url.as_str()).builder()
+        )),
+        (Deployment::Cluster(nodes), mode) => match mode {
+            ConnectionMode::Multiplexed => {
+                let client = ClusterClient::builder(nodes.clone())
+                    .connection_timeout(guard.timeout.max(Duration::from_millis(100)))
+                    .retries(1)
+                    .build()
+                    .map_err(invalid_url)?;
+                Connection::Cluster(Box::new(LazyCluster {
+                    client,
+                    connection: tokio::sync::OnceCell::new(),
+                }))
+            }
+            ConnectionMode::Pool(_) => Connection::ClusterPool(tuned!(
+                deadpool_redis::cluster::Config::from_urls(nodes.clone()).builder()
+            )),
+        },
+        (Deployment::Sentinel { master, sentinels }, mode) => match mode {
+            ConnectionMode::Multiplexed => Connection::Sentinel(Box::new(SentinelMaster {
+                client: tokio::sync::Mutex::new(
+                    SentinelClient::build(
+                        sentinels.clone(),
+                        master.clone(),
+                        None,
+                        SentinelServerType::Master,
+                    )
+                    .map_err(invalid_url)?,
+                ),
+                current: std::sync::Mutex::new(None),
+            })),
+            ConnectionMode::Pool(_) => Connection::SentinelPool(tuned!(
+                deadpool_redis::sentinel::Config::from_urls(
+                    sentinels.clone(),
+                    master.clone(),
+                    deadpool_redis::sentinel::SentinelServerType::Master,
+                )
+                .builder()
+            )),
+        },
+    };
+    Ok(connection)
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
+}
+
+/// A pool that could not hand out a connection: a refusal or error of Redis keeps its class.
+fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
+    match error {
+        deadpool_redis::PoolError::Backend(error) => classify(error),
+        other => unavailable(other),
+    }
+}
+
+fn invalid_url(error: RedisError) -> StoreError {
+    StoreError::Config(error.to_string())
+}
+
+/// How a store reaches Redis, by deployment and connection mode.
+pub(super) enum Connection {
+    Multiplexed(Box<LazyManager>),
+    Pool(deadpool_redis::Pool),
+    /// One multiplexed cluster connection: routes each call by its first key's slot, follows
+    /// MOVED / ASK redirections and refreshes the slot map when nodes change.
+    Cluster(Box<LazyCluster>),
+    /// deadpool-redis's cluster pool: the same, n connections.
+    ClusterPool(deadpool_redis::cluster::Pool),
+    /// The master the sentinels name, re-asked after any connection failure.
+    Sentinel(Box<SentinelMaster>),
+    /// deadpool-redis's sentinel pool: new connections ask the sentinels for the master.
+    SentinelPool(deadpool_redis::sentinel::Pool),
+}
+
+/// A cluster connection created on first use.
+pub(super) struct LazyCluster {
+    client: ClusterClient,
+    connection: tokio::sync::OnceCell<ClusterConnection>,
+}
+
+impl LazyCluster {
+    /// A handle on the shared cluster connection (multiplexed: clones share it).
+    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        self.connection
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await
+            .cloned()
+            .map_err(classify)
+    }
+}
+
+/// A multiplexed connection to the master the sentinels name. A failed call drops it, so the
+/// next call asks the sentinels again and, after a failover, reaches the promoted replica.
+pub(super) struct SentinelMaster {
+    client: tokio::sync::Mutex<SentinelClient>,
+    current: std::sync::Mutex<Option<MultiplexedConnection>>,
+}
+
+impl SentinelMaster {
+    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        if let Some(connection) = self.current() {
+            return Ok(connection);
+        }
+        let mut client = self.client.lock().await;
+        // Another call may have connected while this one waited for the client.
+        if let Some(connection) = self.current() {
+            return Ok(connection);
+        }
+        let connection = client.get_async_connection().await.map_err(classify)?;
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(connection.clone());
+        Ok(connection)
+    }
+
+    fn current(&self) -> Option<MultiplexedConnection> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn forget(&self) {
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
+/// A multiplexed connection created on first use, inside the runtime that will drive it.
+pub(super) struct LazyManager {
+    client: Client,
+    config: ConnectionManagerConfig,
+    manager: tokio::sync::OnceCell<ConnectionManager>,
+}
+
+impl LazyManager {
+    /// A handle on the shared connection (multiplexed: clones share it). Before the first
+    /// one, a plain connection is opened and dropped, so that a refusal (a wrong password) is
+    /// the caller's error, with its reason, rather than a deadline running out while the
+    /// manager's own connection retries.
+    async fn manager(&self) -> Result<ConnectionManager, StoreError> {
+        self.manager
+            .get_or_try_init(|| async {
+                drop(self.client.get_multiplexed_async_connection().await?);
+                ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+            })
+            .await
+            .cloned()
+            .map_err(classify)
+    }
+}
+
+impl Connection {
+    /// Runs a command outside the decisions (slot map, probes): within `deadline`, outside the
+    /// breaker. In multiplexed mode on a connection of its own, since the
+    /// shared one may be retrying in the background and would hide why it fails.
+    pub(super) async fn query(
+        &self,
+        command: &redis::Cmd,
+        deadline: Duration,
+    ) -> Result<Value, StoreError> {
+        let query = async {
+            match self {
+                Connection::Multiplexed(lazy) => {
+                    let mut connection = lazy
+                        .client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(classify)?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::Pool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Cluster(lazy) => {
+                    command
+                        .query_async::<Value>(&mut lazy.connection().await?)
+                        .await
+                }
+                Connection::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+                Connection::Sentinel(master) => {
+                    let mut connection = master.connection().await?;
+                    command.query_async::<Value>(&mut connection).await
+                }
+                Connection::SentinelPool(pool) => {
+                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    command.query_async::<Value>(&mut *connection).await
+                }
+            }
+            .map_err(classify)
+        };
+        match tokio::time::timeout(deadline, query).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        }
+    }
+
+    /// Runs one script invocation on a connection.
+    pub(super) async fn invoke(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<Value, StoreError> {
+        match self {
+            Connection::Multiplexed(lazy) => {
+                let mut connection = lazy.manager().await?;
+                invoke_on(&mut connection, invocation).await
+            }
+            Connection::Pool(pool) => {
+                let mut connection = pool.get().await.map_err(pool_error)?;
+                invoke_on(&mut *connection, invocation).await
+            }
+            Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
+            Connection::ClusterPool(pool) => {
+                let mut connection = pool.get().await.map_err(pool_error)?;
+                invoke_on(&mut *connection, invocation).await
+            }
+            Connection::Sentinel(master) => {
+                let mut connection = master.connection().await?;
+                let result = invoke_on(&mut connection, invocation).await;
+                if result.is_err() {
+                    // Maybe a failover: ask the sentinels again next time.
+                    master.forget();
+                }
+                result
+            }
+            Connection::SentinelPool(pool) => {
+                let mut connection = pool.get().await.map_err(pool_error)?;
+                invoke_on(&mut *connection, invocation).await
+            }
+        }
+    }
+}
+
+async fn invoke_on<C: ConnectionLike + Send>(
+    connection: &mut C,
+    invocation: &redis::ScriptInvocation<'_>,
+) -> Result<Value, StoreError> {
+    invocation.invoke_async(connection).await.map_err(classify)
+}
+
+/// Whether the store is failing (transient: connections, timeouts, a cluster or a server in
+/// trouble, refused credentials) or the call itself is at fault. The latter repeats on every
+/// call however healthy Redis is, so it is not transient and never opens the breaker (SPEC §3):
+/// a Lua error (the script's bug, or corrupted data), `WRONGTYPE`, a call across slots.
+fn classify(error: RedisError) -> StoreError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let is_script_error = error
+        .detail()
+        .is_some_and(|detail| detail.contains("user_script") || detail.starts_with("floodgate:"));
+    let the_call_is_at_fault = match error.kind() {
+        ErrorKind::Server(ServerErrorKind::CrossSlot | ServerErrorKind::ExecAbort) => true,
+        ErrorKind::Server(ServerErrorKind::ResponseError) => is_script_error,
+        ErrorKind::Extension => error.code() == Some("WRONGTYPE") || is_script_error,
+        ErrorKind::UnexpectedReturnType => true,
+        _ => false,
+    };
+    let refused = matches!(
+        error.kind(),
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm)
+    ) || matches!(error.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
+    if the_call_is_at_fault {
+        StoreError::Protocol(error.to_string())
+    } else if refused {
+        StoreError::Rejected(Box::new(error))
+    } else {
+        StoreError::Unavailable(Box::new(error))
+    }
+}

@@ -1,0 +1,273 @@
+//! SPEC §1's order-and-refund protocol over groups of checks, each decided by one script call
+//! on one node: the Redis store's hash-slot groups and the sharded store's node groups share it.
+
+use std::sync::Arc;
+
+use super::RedisStore;
+use super::script::Mode;
+use crate::algorithm::LimitOutcome;
+use crate::decision::{Check, Decision, Lease};
+use crate::limit::Algorithm;
+use crate::store::batched::Synced;
+use crate::store::{Store, StoreError};
+use crate::time::Timestamp;
+
+/// Decides `checks` by one script call per group, in group order; a group's node is the store
+/// that runs its call. When a group denies, what earlier groups took is refunded, and every
+/// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
+pub(super) async fn decide_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Decision, StoreError> {
+    if checks.is_empty() {
+        return Ok(Decision::from_outcomes(
+            now.unwrap_or_else(Timestamp::now),
+            checks,
+            &[],
+            Vec::new(),
+        ));
+    }
+    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+    let mut tokens: Vec<String> = vec![String::new(); checks.len()];
+    // Every lease a script may take, released unless this decision ends: on an error (a
+    // deadline that fired after the script ran) or a drop (the request went away) mid-way.
+    let mut taken = TakenLeases::default();
+    // Later calls use the first call's server time, so every group decides at one instant.
+    let mut decided_at = now;
+    let mut denied_group = None;
+    for (
+        position,
+        Group {
+            node,
+            members: group,
+        },
+    ) in groups.iter().enumerate()
+    {
+        let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+        // Concurrency limits take a lease under a fresh random id; a log entry is made unique
+        // by one (its position in the log is not: a refund can remove an older entry).
+        let lease_ids: Vec<String> = group_checks
+            .iter()
+            .map(|check| match check.limit.algorithm() {
+                Algorithm::Concurrency => {
+                    let id = fastrand::u64(1..);
+                    taken.add(node, check, id);
+                    id.to_string()
+                }
+                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
+                _ => String::new(),
+            })
+            .collect();
+        let reply = node
+            .guarded_call(Mode::Check, &group_checks, &lease_ids, decided_at)
+            .await?;
+        decided_at.get_or_insert(reply.now);
+        for ((&index, outcome), token) in group.iter().zip(reply.outcomes).zip(reply.tokens) {
+            outcomes[index] = Some(outcome);
+            tokens[index] = token;
+        }
+        if !reply.admitted {
+            denied_group = Some(position);
+            break;
+        }
+    }
+    if let Some(denied) = denied_group {
+        // Give back what earlier groups took, then report them (and the groups never
+        // reached) as they stand.
+        for Group {
+            node,
+            members: group,
+        } in groups[..denied].iter().chain(&groups[denied + 1..])
+        {
+            let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
+            let was_charged = outcomes[group[0]].is_some();
+            let group_tokens: Vec<String> =
+                group.iter().map(|&index| tokens[index].clone()).collect();
+            let (mode, tokens) = if was_charged {
+                (Mode::Refund, group_tokens)
+            } else {
+                // Never reached: evaluated at the request's cost, so that one that would deny
+                // too reports its (perhaps longer) wait, as on a single call.
+                (Mode::Peek, vec![String::new(); group.len()])
+            };
+            let reply = node
+                .guarded_call(mode, &group_checks, &tokens, decided_at)
+                .await?;
+            for (&index, outcome) in group.iter().zip(reply.outcomes) {
+                // A refunded limit had admitted the request.
+                let allowed = was_charged || outcome.allowed;
+                outcomes[index] = Some(LimitOutcome { allowed, ..outcome });
+            }
+        }
+    }
+    let outcomes: Vec<LimitOutcome> = outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
+        })
+        .collect::<Result<_, _>>()?;
+    let admitted = denied_group.is_none();
+    // Decided: an admission's leases go to the caller; a denial's were refunded.
+    taken.hand_over();
+    let leases = if admitted {
+        checks
+            .iter()
+            .zip(&tokens)
+            .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
+            .filter_map(|(check, token)| {
+                let (id, _) = token.split_once(':')?;
+                Some(Lease {
+                    key: check.key.clone(),
+                    id: id.parse().ok()?,
+                    cost: check.cost,
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let decided_at = decided_at.unwrap_or_else(Timestamp::now);
+    Ok(Decision::from_outcomes(
+        decided_at, checks, &outcomes, leases,
+    ))
+}
+
+/// Reads `checks` by one peek call per group, changing nothing.
+pub(super) async fn peek_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Decision, StoreError> {
+    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+    let mut decided_at = now;
+    for Group { node, members } in groups {
+        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
+        let tokens = vec![String::new(); members.len()];
+        let reply = node
+            .guarded_call(Mode::Peek, &group_checks, &tokens, decided_at)
+            .await?;
+        decided_at.get_or_insert(reply.now);
+        for (&index, outcome) in members.iter().zip(reply.outcomes) {
+            outcomes[index] = Some(outcome);
+        }
+    }
+    let outcomes: Vec<LimitOutcome> = outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.ok_or_else(|| StoreError::Protocol("a limit went unanswered".into()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Decision::from_outcomes(
+        decided_at.unwrap_or_else(Timestamp::now),
+        checks,
+        &outcomes,
+        Vec::new(),
+    ))
+}
+
+/// Post-charges `checks` by one call per group, concurrently.
+pub(super) async fn charge_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<(), StoreError> {
+    let calls = groups.iter().map(|Group { node, members }| async move {
+        let group_checks: Vec<&Check> = members.iter().map(|&index| &checks[index]).collect();
+        // A log entry is made unique by a random id, as on admission.
+        let tokens: Vec<String> = group_checks
+            .iter()
+            .map(|check| match check.limit.algorithm() {
+                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
+                _ => String::new(),
+            })
+            .collect();
+        node.guarded_call(Mode::Charge, &group_checks, &tokens, now)
+            .await
+            .map(drop)
+    });
+    futures_util::future::try_join_all(calls).await.map(drop)
+}
+
+/// The leases a decision's scripts may have taken, by node. Dropped before
+/// [`TakenLeases::hand_over`], it releases them in the background: releasing a lease that was
+/// never taken does nothing.
+#[derive(Default)]
+struct TakenLeases {
+    leases: Vec<(RedisStore, Lease)>,
+}
+
+impl TakenLeases {
+    fn add(&mut self, node: &RedisStore, check: &Check, id: u64) {
+        let lease = Lease {
+            key: check.key.clone(),
+            id,
+            cost: check.cost,
+        };
+        self.leases.push((node.clone(), lease));
+    }
+
+    fn hand_over(&mut self) {
+        self.leases.clear();
+    }
+}
+
+impl Drop for TakenLeases {
+    fn drop(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut by_node: Vec<(RedisStore, Vec<Lease>)> = Vec::new();
+        for (node, lease) in self.leases.drain(..) {
+            match by_node
+                .iter_mut()
+                .find(|(known, _)| Arc::ptr_eq(&known.inner, &node.inner))
+            {
+                Some((_, leases)) => leases.push(lease),
+                None => by_node.push((node, vec![lease])),
+            }
+        }
+        for (node, leases) in by_node {
+            runtime.spawn(async move {
+                if let Err(error) = node.release(leases).await {
+                    tracing::warn!(%error, "could not release the leases of an abandoned decision; they expire with their window");
+                }
+            });
+        }
+    }
+}
+
+/// Syncs `checks` by one call per group, concurrently (pipelined on a multiplexed
+/// connection), and puts the states back in the order of `checks`.
+pub(super) async fn sync_groups(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Synced, StoreError> {
+    let calls = groups.iter().map(|group| async move {
+        let members: Vec<&Check> = group.members.iter().map(|&index| &checks[index]).collect();
+        group.node.guarded_sync(&members, now).await
+    });
+    let replies = futures_util::future::try_join_all(calls).await?;
+    let mut states = vec![None; checks.len()];
+    let mut latest = now.unwrap_or(Timestamp::EPOCH);
+    for (group, reply) in groups.iter().zip(replies) {
+        latest = latest.max(reply.now);
+        for (&index, state) in group.members.iter().zip(reply.states) {
+            states[index] = state;
+        }
+    }
+    Ok(Synced {
+        now: latest,
+        states,
+    })
+}
+
+/// Checks decided together by one script call on `node`.
+pub(super) struct Group<'s> {
+    pub(super) node: &'s RedisStore,
+    pub(super) members: Vec<usize>,
+}
