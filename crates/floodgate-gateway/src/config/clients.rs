@@ -119,11 +119,10 @@ pub(super) fn identity(errors: &mut Errors, raw: &RawConfig) -> Option<IdentityS
             }
         },
         Err(error) => {
-            let message = error.to_string();
-            let (field, problem) = message.split_once(": ").unwrap_or(("", &message));
+            let field = error.field();
             errors.push(
                 format!("identity.{}", field.trim_start_matches("identity.")),
-                problem.to_owned(),
+                error.problem(),
             );
             None
         }

@@ -377,12 +377,7 @@ fn descriptor(
                             "algorithm" => ".algorithm",
                             _ => ".rate_limit.name",
                         };
-                        let message = error.to_string();
-                        let message = message
-                            .split_once(": ")
-                            .map_or(message.as_str(), |(_, rest)| rest)
-                            .to_owned();
-                        push(errors, field, message);
+                        push(errors, field, error.problem());
                         None
                     }
                 }

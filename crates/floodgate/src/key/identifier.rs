@@ -103,12 +103,12 @@ impl<T: IdentifyClient> IdentifyClient for Arc<T> {
     }
 }
 
-/// Why an identity configuration is invalid.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// Why an identity configuration is invalid: [`field`](IdentityError::field) says which
+/// setting, [`problem`](IdentityError::problem) what is wrong; the message is `field: problem`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum IdentityError {
     /// A trusted proxy entry is not an address or CIDR.
-    #[error("trusted_proxies[{index}]: `{value}` is not an IP address or CIDR")]
     InvalidTrustedProxy {
         /// Position in the list.
         index: usize,
@@ -116,10 +116,8 @@ pub enum IdentityError {
         value: String,
     },
     /// The IPv6 prefix is longer than 128 bits.
-    #[error("ipv6_prefix: must be between 0 and 128, got {0}")]
     InvalidIpv6Prefix(u8),
     /// A header name is not a valid HTTP header name.
-    #[error("{field}: `{value}` is not a valid header name")]
     InvalidHeaderName {
         /// Which setting.
         field: &'static str,
@@ -127,6 +125,40 @@ pub enum IdentityError {
         value: String,
     },
 }
+
+impl IdentityError {
+    /// The setting the error is about: `trusted_proxies[2]`, `ipv6_prefix`, `api_key_header`, ...
+    pub fn field(&self) -> String {
+        match self {
+            IdentityError::InvalidTrustedProxy { index, .. } => format!("trusted_proxies[{index}]"),
+            IdentityError::InvalidIpv6Prefix(_) => "ipv6_prefix".to_owned(),
+            IdentityError::InvalidHeaderName { field, .. } => (*field).to_owned(),
+        }
+    }
+
+    /// What is wrong with it, without its name.
+    pub fn problem(&self) -> String {
+        match self {
+            IdentityError::InvalidTrustedProxy { value, .. } => {
+                format!("`{value}` is not an IP address or CIDR")
+            }
+            IdentityError::InvalidIpv6Prefix(prefix) => {
+                format!("must be between 0 and 128, got {prefix}")
+            }
+            IdentityError::InvalidHeaderName { value, .. } => {
+                format!("`{value}` is not a valid header name")
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for IdentityError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field(), self.problem())
+    }
+}
+
+impl std::error::Error for IdentityError {}
 
 /// Decides whether an API key is one the application issued; closures `Fn(&str) -> bool`
 /// implement it. See [`DefaultIdentifier::verify_api_key`].
