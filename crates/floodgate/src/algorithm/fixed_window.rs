@@ -62,6 +62,7 @@ pub(super) fn idle_at(limit: &Limit, state: &FixedWindowState) -> u64 {
     state.window_start + limit.window_micros()
 }
 
+#[cfg(feature = "redis")]
 /// The state from the fields `export` in `lua/fixed_window.lua` sends to batched mode.
 pub(super) fn import([window_start, count, _]: [u64; 3]) -> FixedWindowState {
     FixedWindowState {
@@ -70,6 +71,7 @@ pub(super) fn import([window_start, count, _]: [u64; 3]) -> FixedWindowState {
     }
 }
 
+#[cfg(feature = "redis")]
 /// Gives `units` back to a batched node's local copy, if its window is still the current one.
 pub(super) fn unconsume(limit: &Limit, window: &mut FixedWindowState, now: u64, units: u64) {
     if window.window_start == now - now % limit.window_micros() {

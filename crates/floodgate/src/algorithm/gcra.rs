@@ -46,11 +46,13 @@ pub(super) fn consume(limit: &Limit, state: Option<&GcraState>, now: u64, cost: 
     }
 }
 
+#[cfg(feature = "redis")]
 /// The state from the fields `export` in `lua/gcra.lua` sends to batched mode.
 pub(super) fn import([tat, _, _]: [u64; 3]) -> GcraState {
     GcraState { tat }
 }
 
+#[cfg(feature = "redis")]
 /// Gives `credit` (units × emission interval) back to a batched node's local copy.
 pub(super) fn unconsume(gcra: &mut GcraState, credit: u64) {
     gcra.tat = gcra.tat.saturating_sub(credit);

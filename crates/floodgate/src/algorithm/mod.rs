@@ -224,6 +224,7 @@ pub fn idle_at(limit: &Limit, state: &State) -> u64 {
     }
 }
 
+#[cfg(feature = "redis")]
 /// A state from the three integer fields the batched sync exports for `algorithm` (the
 /// `export` of its script in `lua/`); `None` for an algorithm that cannot run batched.
 pub(crate) fn import(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
@@ -238,6 +239,7 @@ pub(crate) fn import(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
     })
 }
 
+#[cfg(feature = "redis")]
 /// Gives `units` back to a batched node's local `state` (a later store denied the request).
 pub(crate) fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
     let credit = units * limit.emission_micros();

@@ -142,6 +142,7 @@ pub(super) fn idle_at(limit: &Limit, state: &SlidingWindowCounterState) -> u64 {
     state.window_start + 2 * limit.window_micros()
 }
 
+#[cfg(feature = "redis")]
 /// The state from the fields `export` in `lua/sliding_window_counter.lua` sends to batched mode.
 pub(super) fn import([window_start, current, previous]: [u64; 3]) -> SlidingWindowCounterState {
     SlidingWindowCounterState {
@@ -151,6 +152,7 @@ pub(super) fn import([window_start, current, previous]: [u64; 3]) -> SlidingWind
     }
 }
 
+#[cfg(feature = "redis")]
 /// Gives `units` back to a batched node's local copy, if its window is still the current one.
 pub(super) fn unconsume(
     limit: &Limit,

@@ -79,11 +79,13 @@ pub(super) fn idle_at(limit: &Limit, state: &TokenBucketState) -> u64 {
     state.updated_at + full_credit(limit).saturating_sub(state.level)
 }
 
+#[cfg(feature = "redis")]
 /// The state from the fields `export` in `lua/token_bucket.lua` sends to batched mode.
 pub(super) fn import([level, updated_at, _]: [u64; 3]) -> TokenBucketState {
     TokenBucketState { level, updated_at }
 }
 
+#[cfg(feature = "redis")]
 /// Gives `credit` (units × emission interval) back to a batched node's local copy.
 pub(super) fn unconsume(limit: &Limit, bucket: &mut TokenBucketState, now: u64, credit: u64) {
     // Debt (refill still to come) is paid back first.
