@@ -198,6 +198,14 @@ async fn status_page() -> Response {
         [
             (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (axum::http::header::CACHE_CONTROL, "no-cache"),
+            // Its own inline script and style, data calls to this origin, nothing else; never
+            // framed (the page may hold a token).
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; \
+                 frame-ancestors 'none'",
+            ),
         ],
         include_str!("status.html"),
     )

@@ -14,8 +14,9 @@ use crate::plan::{ClientKeys, GatewayPlan, is_global_ceiling};
 
 /// The query of `/admin/clients`: one of `api_key`, `user`, `identity` (with `scope`, default
 /// `key`) or `ip` names the client; `ip` alongside another adds its per-IP limits; `plan`
-/// overrides the plan (clients whose plan a trusted proxy names); `method` and `path` select
-/// endpoint and global limits; `limit` restricts a reset to one limit name.
+/// overrides the plan (clients whose plan a trusted proxy names). Without `method` and `path`,
+/// every limit of the client on every endpoint; with them (either defaults: `GET`, `/`), the
+/// limits that request meets, global ceilings included. `limit` keeps one limit name.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientQuery {
@@ -136,6 +137,28 @@ impl ClientQuery {
             Some(_) => return bad("plan: no such plan"),
             None => default_plan.as_str(),
         };
+        let keys = match &identity {
+            Some(identity) => ClientKeys::Identity(identity),
+            None => ClientKeys::Hashed {
+                hash,
+                scope: &scope,
+            },
+        };
+        if self.method.is_none() && self.path.is_none() {
+            // No request named: every limit of the client, on every endpoint.
+            let checks = if listed.is_some() {
+                Vec::new()
+            } else {
+                GatewayPlan::new(config.clone()).all_client_checks(client_ip, plan, keys)
+            };
+            return Ok(Selected {
+                hash,
+                scope,
+                plan: Arc::from(plan),
+                listed,
+                checks,
+            });
+        }
         let method = match &self.method {
             Some(text) => match Method::from_bytes(text.to_ascii_uppercase().as_bytes()) {
                 Ok(method) => method,
@@ -155,13 +178,6 @@ impl ClientQuery {
                 .find(&method, path)
                 .and_then(|(_, route)| route.cost)
                 .unwrap_or(1);
-            let keys = match &identity {
-                Some(identity) => ClientKeys::Identity(identity),
-                None => ClientKeys::Hashed {
-                    hash,
-                    scope: &scope,
-                },
-            };
             GatewayPlan::new(config.clone())
                 .client_checks(&method, path, client_ip, plan, keys, cost)
         };

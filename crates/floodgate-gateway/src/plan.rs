@@ -115,6 +115,50 @@ impl GatewayPlan {
     }
 }
 
+impl GatewayPlan {
+    /// Every check a client of `plan` at `client_ip` can meet, on any endpoint: its `per_ip`
+    /// limits (when the IP is known), its plan's limits and every endpoint limit of its plan, at
+    /// cost 1. Global ceilings are every client's, and not among them. What an operator's reset
+    /// of a client clears.
+    pub fn all_client_checks(
+        &self,
+        client_ip: Option<IpAddr>,
+        plan: &str,
+        client: ClientKeys<'_>,
+    ) -> Vec<Check> {
+        let config = &self.config;
+        let prefix = config.store.prefix.as_str();
+        let mut checks = Vec::new();
+        if let Some(ip) = client_ip {
+            let hash = Identity::Ip(ip).hash();
+            for limit in &config.per_ip {
+                let key = storage_key(prefix, "ip", &hash, PER_IP_RULE, limit.name());
+                checks.push(Check::new(key, limit.clone(), 1).with_rule(self.per_ip_rule.clone()));
+            }
+        }
+        let Some(plan) = config.plans.get(plan) else {
+            return checks;
+        };
+        let (hash, scope) = client.hash_and_scope();
+        let endpoint_limits = plan.endpoints.entries().flat_map(|(_, endpoint)| {
+            endpoint
+                .limits
+                .iter()
+                .map(move |limit| (&endpoint.rule, limit))
+        });
+        for (rule, limit) in plan
+            .limits
+            .iter()
+            .map(|limit| (&plan.rule, limit))
+            .chain(endpoint_limits)
+        {
+            let key = storage_key(prefix, scope, &hash, rule, limit.name());
+            checks.push(Check::new(key, limit.clone(), 1).with_rule(rule.clone()));
+        }
+        checks
+    }
+}
+
 /// Whether `check` is a `global` ceiling: one counter every client writes.
 pub fn is_global_ceiling(check: &Check) -> bool {
     floodgate::key::storage::scope(&check.key) == Some("global")

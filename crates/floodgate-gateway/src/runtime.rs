@@ -76,7 +76,9 @@ impl Runtime {
                             .unwrap_or(1)
                     })
                     .on_store_error(policy)
-                    .rollout(rollout.clone())
+                    // Each layer its own controls, as the file describes them (a shared handle would
+                    // also share the shadow log's per-second budget).
+                    .rollout(Rollout::new(rollout.mode(), rollout.enforce_percent()))
                     .top_clients(observers.top.clone())
                     .limited_rate_baseline(observers.baseline.clone())
                     .fallback_share(config.store.fallback_share)

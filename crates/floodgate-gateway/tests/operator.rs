@@ -357,6 +357,7 @@ async fn a_reset_frees_the_leases_of_requests_in_flight() {
 const TOKEN_BUDGET: &str = r#"
 routes:
   - { match: "GET /tokens", cost_header: "x-tokens-used" }
+  - { match: "GET /no-report", cost_header: "x-tokens-used" }
 response: { retry_after_jitter: 0 }
 plans:
   free:
@@ -398,16 +399,23 @@ async fn costs_after_the_response(store: &str) {
         seen.push(remaining(&response));
     }
     assert_eq!(seen, [99, 98, 97]);
-    let missing = get(
+    let other = get(
         &client,
         &gateway.url("/v1/other"),
         &[("x-api-key", "k-two")],
     )
     .await;
+    assert_eq!(remaining(&other), 96, "routes without cost_header charge 1");
+    let missing = get(
+        &client,
+        &gateway.url("/no-report"),
+        &[("x-api-key", "k-two")],
+    )
+    .await;
     assert_eq!(
         remaining(&missing),
-        96,
-        "routes without cost_header charge 1"
+        95,
+        "an upstream that reports nothing is charged 1"
     );
 
     let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
@@ -418,6 +426,10 @@ async fn costs_after_the_response(store: &str) {
     );
     assert!(
         text.contains("floodgate_post_charge_skipped_total{reason=\"malformed\"} 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("floodgate_post_charge_skipped_total{reason=\"missing\"} 1"),
         "{text}"
     );
 }
@@ -452,4 +464,71 @@ async fn a_visible_cost_header_reaches_the_client() {
     )
     .await;
     assert_eq!(response.headers()["x-tokens-used"], "7");
+}
+
+/// A reset is one client's: a global ceiling (every client's counter) is never reset, and
+/// without a request named, every endpoint limit of the client is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_clears_every_limit_of_the_client_and_no_global_ceiling() {
+    let upstream = Upstream::start().await;
+    let rest = format!(
+        "{KNOWN_KEYS}global:\n  \"GET /search\": [ {{ name: search-all, algorithm: fixed_window, limit: 3, window: 1h }} ]\nplans:\n  free:\n    limits: [ {{ name: hourly, algorithm: fixed_window, limit: 100, window: 1h }} ]\n    endpoints:\n      \"GET /export\": [ {{ name: exports, algorithm: fixed_window, limit: 1, window: 1h }} ]\n  anonymous: {{}}\n"
+    );
+    let (gateway, _directory) = start_gateway(&upstream.url(), &rest);
+    let client = client();
+    let url = |path: &str| gateway.url(path);
+    for _ in 0..3 {
+        get(&client, &url("/search"), &[("x-api-key", "k-one")]).await;
+    }
+    get(&client, &url("/export"), &[("x-api-key", "k-one")]).await;
+    let export = get(&client, &url("/export"), &[("x-api-key", "k-one")]).await;
+    assert_eq!(export.status(), StatusCode::TOO_MANY_REQUESTS);
+
+    let (status, body) = admin(
+        &client,
+        &gateway,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let names: Vec<&str> = body["reset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|limit| limit["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["hourly", "exports"],
+        "every limit of the client, no ceiling"
+    );
+    assert_eq!(
+        get(&client, &url("/export"), &[("x-api-key", "k-one")])
+            .await
+            .status(),
+        StatusCode::OK,
+        "the endpoint limit was reset"
+    );
+    let (status, body) = admin(
+        &client,
+        &gateway,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one&method=GET&path=/search",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(
+        !body.to_string().contains("search-all"),
+        "the ceiling is not reset: {body}"
+    );
+    assert_eq!(
+        get(&client, &url("/search"), &[("x-api-key", "k-two")])
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the global ceiling still holds for everyone"
+    );
 }

@@ -118,6 +118,8 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
             .starts_with("text/html")
     );
     let html = String::from_utf8_lossy(page.body());
+    let policy = page.headers()["content-security-policy"].to_str().unwrap();
+    assert!(policy.contains("default-src 'none'") && policy.contains("frame-ancestors 'none'"));
     for external in [
         "src=\"http",
         "href=\"http",

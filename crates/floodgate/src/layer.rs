@@ -165,7 +165,7 @@ impl RateLimitLayer {
     /// would be answered before any check (denylisted, unidentified under
     /// [`UnknownIdentity::Reject`]).
     pub fn checks_for<B>(&self, request: &http::Request<B>) -> Option<(Identity, Vec<Check>)> {
-        match self.shared.checks(request) {
+        match self.shared.checks_of(request, false) {
             Ok((checks, _, identity)) if !checks.is_empty() => Some((identity, checks)),
             _ => None,
         }

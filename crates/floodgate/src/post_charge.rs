@@ -5,7 +5,8 @@
 //! the response head arrives, the cost it reports minus the up-front cost is charged to the same
 //! limits as a *post-charge*: it never denies the finished request, and may leave the client in
 //! debt, which the next requests wait out (their `Retry-After` includes it). A reported cost
-//! below the up-front one is not refunded.
+//! below the up-front one is not refunded; one post-charge is capped at sixteen times the
+//! limit's capacity.
 //!
 //! The cost comes from a [`ResponseCost`] set with
 //! [`RateLimitLayerBuilder::charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response)
@@ -107,6 +108,15 @@ impl ResponseCost for CostHeader {
     }
 }
 
+/// The most one response may post-charge a limit: sixteen times its capacity, sixteen full
+/// refills of debt. A reported value is the upstream's word, and a hostile or broken one
+/// (`x-tokens-used: 18446744073709551615`) must not overflow a counter or leave a debt measured
+/// in centuries; sixteen capacities keep every time and count far below 2^53, where the Lua
+/// scripts' numbers stay exact.
+fn max_post_charge(limit: &crate::Limit) -> u64 {
+    limit.capacity().saturating_mul(16)
+}
+
 /// Charges what `reported` adds to the up-front cost of `checks`, which admitted the request.
 /// Limits with a fixed cost of their own (`cost:` on the limit) and `concurrency` limits are
 /// not charged. Never fails the request: a store error is logged and counted.
@@ -125,7 +135,7 @@ pub(crate) async fn charge(store: &dyn Store, checks: &[Check], reported: Report
         .filter_map(|check| {
             let units = total.checked_sub(check.cost).filter(|&units| units > 0)?;
             Some(Check {
-                cost: units,
+                cost: units.min(max_post_charge(&check.limit)),
                 ..check.clone()
             })
         })

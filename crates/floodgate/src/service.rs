@@ -123,10 +123,22 @@ impl Shared {
         &self,
         request: &Request<B>,
     ) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
+        self.checks_of(request, true)
+    }
+
+    /// [`Shared::checks`]; with `record` false (an operator looking a client up), nothing is
+    /// counted or logged.
+    pub(crate) fn checks_of<B>(
+        &self,
+        request: &Request<B>,
+        record: bool,
+    ) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
         let info = RequestInfo::new(request);
         let identity = self.identify.identify(&info);
         if identity == Identity::Unknown {
-            self.unidentified.record();
+            if record {
+                self.unidentified.record();
+            }
             if self.on_unknown_identity == UnknownIdentity::Reject {
                 return Err(EarlyAnswer::Unidentified);
             }
@@ -134,11 +146,15 @@ impl Shared {
         if !self.denylist.is_empty() || !self.allowlist.is_empty() {
             let client_addr = self.identify.client_addr(&info);
             if self.denylist.contains_identity(&identity, client_addr) {
-                telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+                if record {
+                    telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+                }
                 return Err(EarlyAnswer::Denylisted);
             }
             if self.allowlist.contains_identity(&identity, client_addr) {
-                telemetry::record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
+                if record {
+                    telemetry::record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
+                }
                 return Ok((Vec::new(), false, identity));
             }
         }
@@ -176,10 +192,11 @@ impl Shared {
         }
     }
 
-    /// Charges what the response says the request cost beyond its up-front cost: reported
-    /// by the inner service in the response's extensions, or read by the layer's
-    /// [`ResponseCost`]. Without either, nothing happens.
-    async fn post_charge<B>(&self, checks: &[Check], response: &mut Response<B>) {
+    /// Reads what the response says the request cost (reported by the inner service in the
+    /// response's extensions, or read, and removed, by the layer's [`ResponseCost`]) and, with
+    /// `charge_to` (the checks that admitted it), post-charges it. Runs on every response the
+    /// inner service gives, so that the cost header never reaches the client, charged or not.
+    async fn settle_cost<B>(&self, response: &mut Response<B>, charge_to: Option<&[Check]>) {
         let reported = match response.extensions_mut().remove::<ReportedCost>() {
             Some(reported) => reported,
             None => match &self.response_cost {
@@ -187,7 +204,9 @@ impl Shared {
                 None => return,
             },
         };
-        post_charge::charge(&*self.store, checks, reported).await;
+        if let Some(checks) = charge_to {
+            post_charge::charge(&*self.store, checks, reported).await;
+        }
     }
 
     async fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
@@ -337,7 +356,9 @@ where
             telemetry::record_decision("rollout", "off", DecisionLabel::Bypassed);
             let response = inner.call(request);
             return ResponseFuture::new(Box::pin(async move {
-                Ok(response.await?.map(|body| RateLimitBody::inner(body, None)))
+                let mut response = response.await?;
+                shared.settle_cost(&mut response, None).await;
+                Ok(response.map(|body| RateLimitBody::inner(body, None)))
             }));
         }
         let (checks, shadowed, identity) = match shared.checks(&request) {
@@ -369,7 +390,8 @@ where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
     if checks.is_empty() {
-        let response = inner.call(request).await?;
+        let mut response = inner.call(request).await?;
+        shared.settle_cost(&mut response, None).await;
         return Ok(response.map(|body| RateLimitBody::inner(body, None)));
     }
     let started = std::time::Instant::now();
@@ -427,16 +449,16 @@ where
             }
         }
     };
-    // Only what the store decided is post-charged: a fallback decision has nothing to charge.
-    let post_charged = decision.source() == DecisionSource::Store;
+    // Only what the store admitted is post-charged: a fallback decision, or a shadow denial
+    // (which consumed nothing), has nothing to add to.
+    let post_charged = decision.source() == DecisionSource::Store && decision.is_allowed();
+    let charge_to = post_charged.then_some(&checks[..]);
     if shadowed {
         // Invisible to the client: no denial, no delay, no rate limit headers.
         let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
         request.extensions_mut().insert(decision);
         let mut response = inner.call(request).await?;
-        if post_charged {
-            shared.post_charge(&checks, &mut response).await;
-        }
+        shared.settle_cost(&mut response, charge_to).await;
         return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
     }
     if !decision.is_allowed() {
@@ -450,10 +472,8 @@ where
     let headers = RateLimitHeaders::new(&decision, shared.responses.headers);
     request.extensions_mut().insert(decision);
     let mut response = inner.call(request).await?;
-    if post_charged {
-        // Before the head goes out, so that the client's next request sees the charge.
-        shared.post_charge(&checks, &mut response).await;
-    }
+    // Before the head goes out, so that the client's next request sees the charge.
+    shared.settle_cost(&mut response, charge_to).await;
     headers.apply_to_response(&mut response);
     Ok(response.map(|body| RateLimitBody::inner(body, leases)))
 }

@@ -590,3 +590,85 @@ async fn units_of_an_old_algorithm_are_not_charged_to_the_new_one() {
         "3 of 10 used under the new algorithm"
     );
 }
+
+/// Issue 15 on a split store: a peek reads the hot ceiling (this node's copy) and the exact
+/// client limit without consuming either; a post-charge reaches both halves; a reset clears
+/// both, the hot ceiling's local copy included.
+#[tokio::test]
+async fn a_split_store_peeks_charges_and_resets_both_halves() {
+    let server = RedisServer::start();
+    let split = SplitStore::new(node(&server), Arc::new(redis(&server)), |check: &Check| {
+        check.key.contains(":{global:")
+    });
+    let ceiling = Arc::new(Limit::fixed_window("ceiling", 100, secs(3600)).unwrap());
+    let client = Arc::new(Limit::fixed_window("client", 10, secs(3600)).unwrap());
+    let checks = vec![
+        Check::new("fgtest:{global:split}:g:ceiling", ceiling.clone(), 1),
+        Check::new("fgtest:{ip:grace}:p:client", client.clone(), 1),
+    ];
+    let now = at(ms(0));
+    assert!(
+        split
+            .check_and_consume(&checks, Some(now))
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let remaining = |decision: &floodgate::Decision| -> Vec<u64> {
+        decision
+            .limits()
+            .iter()
+            .map(|limit| limit.remaining)
+            .collect()
+    };
+    let look = split.peek(&checks, Some(now)).await.unwrap();
+    assert_eq!(remaining(&look), [99, 9]);
+    assert_eq!(
+        remaining(&split.peek(&checks, Some(now)).await.unwrap()),
+        [99, 9]
+    );
+
+    let post: Vec<Check> = checks
+        .iter()
+        .map(|check| Check::new(check.key.clone(), check.limit.clone(), 4))
+        .collect();
+    split.charge(&post, Some(now)).await.unwrap();
+    assert_eq!(
+        remaining(&split.peek(&checks, Some(now)).await.unwrap()),
+        [95, 5]
+    );
+
+    let keys: Vec<Arc<str>> = checks.iter().map(|check| check.key.clone()).collect();
+    split.reset(&keys).await.unwrap();
+    assert_eq!(
+        remaining(&split.peek(&checks, Some(now)).await.unwrap()),
+        [100, 10]
+    );
+    let after = split.check_and_consume(&checks, Some(now)).await.unwrap();
+    assert_eq!(remaining(&after), [99, 9], "both start afresh");
+}
+
+/// Issue 15: a batched node's unsent counts go with a reset, and a sync after it sends none of
+/// them: the shared state starts afresh.
+#[tokio::test]
+async fn a_reset_takes_a_batched_nodes_unsent_counts_with_it() {
+    let server = RedisServer::start();
+    let node = node(&server);
+    let limit = Arc::new(Limit::fixed_window("hourly", 10, secs(3600)).unwrap());
+    let checks = [Check::new("fgtest:{ip:heidi}:p:hourly", limit.clone(), 1)];
+    let now = at(ms(0));
+    for _ in 0..4 {
+        assert!(
+            node.check_and_consume(&checks, Some(now))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    node.reset(&[checks[0].key.clone()]).await.unwrap();
+    node.sync_now(Some(now)).await.unwrap();
+    let exists: i64 = server.command(&["EXISTS", &checks[0].key]);
+    assert_eq!(exists, 0, "no unsent count reached Redis after the reset");
+    let fresh = node.check_and_consume(&checks, Some(now)).await.unwrap();
+    assert_eq!(fresh.limits()[0].remaining, 9);
+}

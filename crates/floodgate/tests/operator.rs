@@ -199,3 +199,85 @@ async fn peek_reads_a_client_without_consuming_and_reset_unblocks_it() {
         0
     );
 }
+
+#[tokio::test]
+async fn a_shadow_denial_is_not_post_charged() {
+    let clock = FakeClock::new(START);
+    let layer = token_budget(&clock)
+        .rollout(floodgate::rollout::Rollout::new(
+            floodgate::rollout::Mode::Shadow,
+            100.0,
+        ))
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(reporting("40")));
+    // Three admitted and charged (20 tokens of debt), then one the limit would have denied.
+    for _ in 0..4 {
+        assert_eq!(send(&service, client("k1")).await.status(), StatusCode::OK);
+    }
+    let look = layer
+        .peek(&client("k1").body(()).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    // Had the shadow denial been charged its 39, the wait would be 60 s.
+    assert_eq!(look.retry_after(), Some(Duration::from_secs(21)));
+}
+
+#[tokio::test]
+async fn an_absurd_reported_cost_is_capped_and_never_fails_the_request() {
+    let clock = FakeClock::new(START);
+    let layer = token_budget(&clock)
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(reporting("18446744073709551615")));
+    let response = send(&service, client("k1")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let look = layer
+        .peek(&client("k1").body(()).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    // Capped at 16 capacities of debt (1,600 tokens at one a second), not wrapped around.
+    let wait = look.retry_after().expect("in debt");
+    assert!(
+        wait > Duration::from_secs(1_500) && wait <= Duration::from_secs(1_601),
+        "{wait:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_cost_header_is_removed_even_when_nothing_is_charged() {
+    let clock = FakeClock::new(START);
+    let allowlisted = token_budget(&clock)
+        .allowlist(floodgate::lists::ClientList::new().api_key("vip"))
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let response = send(
+        &allowlisted.layer(service_fn(reporting("40"))),
+        client("vip"),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        !response.headers().contains_key(&TOKENS_USED),
+        "allowlisted"
+    );
+
+    let off = token_budget(&clock)
+        .rollout(floodgate::rollout::Rollout::new(
+            floodgate::rollout::Mode::Off,
+            100.0,
+        ))
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let response = send(&off.layer(service_fn(reporting("40"))), client("k1")).await;
+    assert!(
+        !response.headers().contains_key(&TOKENS_USED),
+        "rollout off"
+    );
+}

@@ -120,6 +120,11 @@ impl<T> EndpointTable<T> {
         }
     }
 
+    /// Every endpoint and its value, in the order they were added.
+    pub fn entries(&self) -> impl Iterator<Item = &(Endpoint, T)> {
+        self.entries.iter()
+    }
+
     /// Whether the table is empty.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

@@ -162,6 +162,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             max_keys: self.max_keys as u64,
             idle_rounds: u32::try_from(idle_rounds).unwrap_or(u32::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
+            resets: AtomicU64::new(0),
             stats: Stats::default(),
         });
         match tokio::runtime::Handle::try_current() {
@@ -217,8 +218,11 @@ struct Shared<T> {
     keys: AtomicU64,
     max_keys: u64,
     idle_rounds: u32,
-    /// One sync round at a time (the periodic task and [`BatchedStore::sync_now`]).
+    /// One sync round at a time (the periodic task and [`BatchedStore::sync_now`]); a reset
+    /// takes it too, so that no round carries units admitted before the reset past it.
     sync_lock: tokio::sync::Mutex<()>,
+    /// Resets so far: a fetch that began before one does not install what it read.
+    resets: AtomicU64,
     stats: Stats,
 }
 
@@ -403,8 +407,13 @@ impl<T: SyncTarget> Shared<T> {
     }
 
     /// Drops this node's copies of `keys` and their unsent counts, then resets them in the
-    /// shared store. Other nodes adopt the fresh state at their next sync.
+    /// shared store. No sync round of this node runs meanwhile, and a first-sight fetch that
+    /// read the old state does not install it. Other nodes adopt the fresh state at their next
+    /// sync; what they admitted in their last interval before it still arrives after the
+    /// reset (at most one interval's worth).
     async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
+        let _no_sync_meanwhile = self.sync_lock.lock().await;
+        self.resets.fetch_add(1, Ordering::SeqCst);
         for key in keys {
             let mut shard = self.lock_shard_of(key);
             if matches!(shard.get(&**key), Some(Slot::Ready(_))) {
@@ -556,9 +565,15 @@ impl<T: SyncTarget> Shared<T> {
                 .map(|(index, sender)| (checks[index].key.clone(), sender))
                 .collect(),
         };
+        let resets_before = self.resets.load(Ordering::SeqCst);
         let local_at_send = self.clock.now().as_micros();
         let synced = self.target.sync(&reads, now).await?;
         self.observe_shared_time(synced.now, local_at_send);
+        if self.resets.load(Ordering::SeqCst) != resets_before {
+            // What was read may predate a reset: the claim gives the slots up, and this
+            // request and the waiters fetch again.
+            return Ok(());
+        }
         for (position, (key, sender)) in std::mem::take(&mut claim.slots).into_iter().enumerate() {
             let check = &reads[position];
             self.lock_shard_of(&key).insert(
