@@ -492,6 +492,38 @@ impl Service<Request<Incoming>> for Proxy {
 mod tests {
     use super::*;
 
+    /// The generation of the calling thread's own pool, if it has one.
+    fn cached_generation() -> Option<u64> {
+        WORKER_CLIENT.with_borrow(|cached| cached.as_ref().map(|(generation, _)| *generation))
+    }
+
+    #[test]
+    fn worker_threads_keep_a_pool_per_generation_of_client_settings() {
+        let settings = ClientSettings {
+            tls: UpstreamTls::default(),
+            protocol: UpstreamProtocol::Http1,
+        };
+        let old = upstream_client(&settings).unwrap();
+        let new = upstream_client(&settings).unwrap();
+        assert!(new.inner.generation > old.inner.generation);
+        std::thread::spawn(move || {
+            // Not a worker: the shared pool, nothing cached.
+            let _ = old.client();
+            assert_eq!(cached_generation(), None);
+            use_thread_local_upstream_pool();
+            let _ = old.client();
+            assert_eq!(cached_generation(), Some(old.inner.generation));
+            // New settings (a reload): a new pool for the thread.
+            let _ = new.client();
+            assert_eq!(cached_generation(), Some(new.inner.generation));
+            // A request still under the old version does not evict it.
+            let _ = old.client();
+            assert_eq!(cached_generation(), Some(new.inner.generation));
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
     fn hop_by_hop_headers_and_those_named_by_connection_are_removed() {
         let mut headers = HeaderMap::new();

@@ -59,6 +59,7 @@ pub async fn serve(
         &limits,
         tls.as_ref(),
         &permits,
+        PermitOrder::BeforeAccept,
         &graceful,
         shutdown,
     )
@@ -73,8 +74,11 @@ pub async fn serve(
 /// is an OS thread running a current-thread runtime that accepts on its own `SO_REUSEPORT`
 /// listener (the kernel spreads new connections over them) and serves its connections to the
 /// end, upstream calls included, so that a request never crosses threads. The workers share
-/// the `server.max_connections` budget. When `shutdown` resolves, every worker stops accepting
-/// and drains its connections; the store is flushed once all have finished.
+/// the `server.max_connections` budget; a worker takes its slot after accepting, so that at
+/// the limit a freed slot goes to a connection that is waiting, whichever worker has it (each
+/// worker holds at most one such connection; the rest wait in the backlogs). When `shutdown`
+/// resolves, every worker stops accepting and drains its connections; the store is flushed
+/// once all have finished.
 ///
 /// The listeners must be non-blocking (as [`tokio::net::TcpListener::into_std`] leaves them).
 /// Fails, stopping the workers already started, when a worker's thread or runtime cannot be
@@ -127,6 +131,7 @@ pub async fn serve_per_core(
                         &limits,
                         tls.as_ref(),
                         &permits,
+                        PermitOrder::AfterAccept,
                         &graceful,
                         stopped,
                     )
@@ -186,14 +191,53 @@ async fn flush_store(gateway: &Gateway) {
     }
 }
 
+/// When an accept loop takes its slot under `server.max_connections`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PermitOrder {
+    /// Before accepting: at the limit, new clients wait in the listen backlog. Right for one
+    /// listener; with several, an idle listener's loop would sit on a slot a busy one needs.
+    BeforeAccept,
+    /// After accepting (`per_core`): a slot goes to a connection that is there. At the limit
+    /// each worker holds at most one accepted connection while it waits, the rest wait in the
+    /// backlogs.
+    AfterAccept,
+}
+
+/// A slot under `server.max_connections`, waiting (and saying so) at the limit; `None` when
+/// `shutdown` resolves first.
+async fn take_permit(
+    permits: &Arc<Semaphore>,
+    max_connections: usize,
+    at_capacity: &mut RateLimitedLog,
+    shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(permit) = permits.clone().try_acquire_owned() {
+        return Some(permit);
+    }
+    metrics::counter!("floodgate_connections_at_limit_total").increment(1);
+    at_capacity.warn(|suppressed| {
+        tracing::warn!(
+            max_connections,
+            suppressed,
+            "connection limit reached: new connections wait until one closes (server.max_connections)"
+        )
+    });
+    tokio::select! {
+        permit = permits.clone().acquire_owned() => permit.ok(),
+        () = shutdown => None,
+    }
+}
+
 /// Accepts connections on `listener` and serves each on its own task (watched by `graceful`,
-/// holding one of `permits`) until `shutdown` resolves.
+/// holding one of `permits`, taken in `order`) until `shutdown` resolves.
+#[allow(clippy::too_many_arguments)]
 async fn accept_loop(
     listener: &TcpListener,
     gateway: &Arc<Gateway>,
     limits: &ServerLimits,
     tls: Option<&TlsAcceptor>,
     permits: &Arc<Semaphore>,
+    order: PermitOrder,
     graceful: &GracefulShutdown,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -206,32 +250,25 @@ async fn accept_loop(
     loop {
         // A free slot first: at the limit, new clients wait in the listen backlog instead of
         // taking descriptors the gateway needs.
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                metrics::counter!("floodgate_connections_at_limit_total").increment(1);
-                at_capacity.warn(|suppressed| {
-                    tracing::warn!(
-                        max_connections,
-                        suppressed,
-                        "connection limit reached: new connections wait until one closes (server.max_connections)"
-                    )
-                });
-                tokio::select! {
-                    permit = permits.clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        Err(_) => break,
-                    },
-                    () = &mut shutdown => break,
+        let early = match order {
+            PermitOrder::BeforeAccept => {
+                match take_permit(
+                    permits,
+                    max_connections,
+                    &mut at_capacity,
+                    shutdown.as_mut(),
+                )
+                .await
+                {
+                    Some(permit) => Some(permit),
+                    None => break,
                 }
             }
+            PermitOrder::AfterAccept => None,
         };
-        tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    backoff = Duration::ZERO;
-                    serve_connection(&builder, graceful, gateway, limits, tls, stream, peer, permit);
-                }
+                Ok(accepted) => accepted,
                 Err(error) => {
                     // EMFILE/ENFILE and the like persist until a descriptor is freed: retrying
                     // at once would spin a core and flood the log.
@@ -240,15 +277,35 @@ async fn accept_loop(
                     accept_errors.warn(|suppressed| {
                         tracing::warn!(%error, suppressed, retry_in = ?backoff, "accept failed")
                     });
-                    drop(permit);
+                    drop(early);
                     tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(backoff) => continue,
                         () = &mut shutdown => break,
                     }
                 }
             },
             () = &mut shutdown => break,
-        }
+        };
+        backoff = Duration::ZERO;
+        let permit = match early {
+            Some(permit) => permit,
+            None => {
+                match take_permit(
+                    permits,
+                    max_connections,
+                    &mut at_capacity,
+                    shutdown.as_mut(),
+                )
+                .await
+                {
+                    Some(permit) => permit,
+                    None => break,
+                }
+            }
+        };
+        serve_connection(
+            &builder, graceful, gateway, limits, tls, stream, peer, permit,
+        );
     }
 }
 
