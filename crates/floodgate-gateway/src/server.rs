@@ -160,7 +160,7 @@ pub async fn serve_per_core(
 }
 
 /// The `server.max_connections` budget of every listener together.
-fn connection_permits(limits: &ServerLimits, workers: usize) -> Arc<Semaphore> {
+fn connection_permits(limits: &ServerLimits, listeners: usize) -> Arc<Semaphore> {
     let max_connections = limits.max_connections();
     tracing::info!(
         max_connections,
@@ -168,7 +168,7 @@ fn connection_permits(limits: &ServerLimits, workers: usize) -> Arc<Semaphore> {
         idle_timeout = ?limits.idle_timeout,
         max_head_bytes = limits.max_head_bytes,
         workers = limits.workers.as_str(),
-        listeners = workers,
+        listeners,
         "connection limits"
     );
     Arc::new(Semaphore::new(max_connections))
