@@ -76,6 +76,9 @@ pub enum GatewayError {
         /// Every error, with its file and field.
         errors: ConfigErrors,
     },
+    /// The `per_core` workers cannot be started (a thread or a runtime cannot be made).
+    #[error("cannot start the per_core workers: {0}")]
+    Workers(std::io::Error),
     /// SIGHUP cannot be handled.
     #[error("SIGHUP: {0}")]
     Signal(std::io::Error),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use floodgate_gateway::admin::{self, AdminState};
-use floodgate_gateway::config::{self, Backend};
+use floodgate_gateway::config::{self, Backend, Workers};
 use floodgate_gateway::error::GatewayError;
 use floodgate_gateway::rls::{self, RulesHandle};
 use floodgate_gateway::runtime::Gateway;
@@ -322,7 +322,12 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         }
         None => None,
     };
-    let listener = bind(config.listen).await?;
+    let listener = match config.server.workers {
+        Workers::MultiThread => Listener::Shared(bind(config.listen).await?),
+        Workers::PerCore => {
+            Listener::PerCore(bind_reuseport(config.listen, config.server.worker_threads()).await?)
+        }
+    };
     let admin_listener = bind(config.admin_listen).await?;
     let _watcher =
         watch::watch_config(gateway.clone(), &path).map_err(|error| GatewayError::Watch {
@@ -375,14 +380,70 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             tracing::error!(%error, "admin server failed");
         }
     });
-    server::serve(listener, gateway, tls, shutdown_signal()).await;
+    let served = match listener {
+        Listener::Shared(listener) => {
+            server::serve(listener, gateway, tls, shutdown_signal()).await;
+            Ok(())
+        }
+        Listener::PerCore(listeners) => {
+            server::serve_per_core(listeners, gateway, tls, shutdown_signal())
+                .await
+                .map_err(GatewayError::Workers)
+        }
+    };
     admin.abort();
     if let Some((_watcher, serving)) = rls {
         serving.abort();
     }
+    served?;
     tracing::info!("stopped");
     Ok(())
 }
+
+/// The proxy's listening sockets, as `server.workers` asks.
+enum Listener {
+    /// One listener for the multi-threaded runtime.
+    Shared(tokio::net::TcpListener),
+    /// One `SO_REUSEPORT` listener per worker, detached from the main runtime.
+    PerCore(Vec<std::net::TcpListener>),
+}
+
+/// `count` listeners on `addr`, all with `SO_REUSEPORT` so that the kernel spreads new
+/// connections over them. Each is detached from the calling runtime, for a worker's runtime
+/// to adopt. A port already taken (without `SO_REUSEPORT`) fails like [`bind`].
+async fn bind_reuseport(
+    addr: SocketAddr,
+    count: usize,
+) -> Result<Vec<std::net::TcpListener>, GatewayError> {
+    let mut listeners = Vec::with_capacity(count);
+    // Port 0: the others join the port the first one got.
+    let mut address = addr;
+    for _ in 0..count {
+        let listener = (|| {
+            let socket = if address.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            // As tokio's TcpListener::bind does.
+            socket.set_reuseaddr(true)?;
+            socket.set_reuseport(true)?;
+            socket.bind(address)?;
+            let listener = socket.listen(LISTEN_BACKLOG)?;
+            address = listener.local_addr()?;
+            listener.into_std()
+        })()
+        .map_err(|source| GatewayError::Bind {
+            address: addr,
+            source,
+        })?;
+        listeners.push(listener);
+    }
+    Ok(listeners)
+}
+
+/// The accept backlog of each `per_core` listener (what `TcpListener::bind` uses).
+const LISTEN_BACKLOG: u32 = 1024;
 
 async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, GatewayError> {
     tokio::net::TcpListener::bind(addr)

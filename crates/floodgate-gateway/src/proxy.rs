@@ -5,10 +5,12 @@
 //! spliced through, and an unreachable or slow upstream yields 502 / 504 with no internal
 //! detail in the body.
 
+use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -34,8 +36,9 @@ use rustls::pki_types::ServerName;
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
 
-/// The upstream HTTP client: pooled connections (http and https), shared across configuration
-/// versions as long as its TLS settings and protocol stay the same.
+/// An upstream HTTP client: pooled connections (http and https). Its pool is shared by its
+/// clones, and across configuration versions as long as the TLS settings and protocol stay the
+/// same (see [`UpstreamClients`]).
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ClientBody>;
 
 /// What an upstream client is built from: a reload that changes none of it keeps the pool.
@@ -57,8 +60,65 @@ impl ClientSettings {
     }
 }
 
-/// A pooled client for http and https upstreams.
-pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClient, GatewayError> {
+/// The upstream clients of one [`ClientSettings`]: a pool shared by every thread of the
+/// multi-threaded runtime, and one pool per `per_core` worker thread (made on the thread's
+/// first request), so that a worker's upstream connections are driven by the worker that uses
+/// them. Cheap to clone; clones share the pools.
+#[derive(Clone)]
+pub struct UpstreamClients {
+    inner: Arc<ClientsInner>,
+}
+
+struct ClientsInner {
+    /// Which settings these are, process-wide: a worker's cached pool is for one generation.
+    generation: u64,
+    connector: HttpsConnector<HttpConnector>,
+    protocol: UpstreamProtocol,
+    shared: UpstreamClient,
+}
+
+/// The generation of the next [`UpstreamClients`].
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// Set on `per_core` worker threads: requests there use the thread's own pool.
+    static PER_WORKER_POOL: Cell<bool> = const { Cell::new(false) };
+    /// A worker thread's own pool, and the generation it was made for.
+    static WORKER_CLIENT: RefCell<Option<(u64, UpstreamClient)>> = const { RefCell::new(None) };
+}
+
+/// Makes the calling thread (a `per_core` worker) use an upstream pool of its own, made on its
+/// first request and replaced when a reload brings new client settings.
+pub fn use_thread_local_upstream_pool() {
+    PER_WORKER_POOL.set(true);
+}
+
+impl UpstreamClients {
+    /// The client for a request on the calling thread: the thread's own on a `per_core`
+    /// worker, the shared one elsewhere.
+    pub fn client(&self) -> UpstreamClient {
+        if !PER_WORKER_POOL.get() {
+            return self.inner.shared.clone();
+        }
+        let generation = self.inner.generation;
+        WORKER_CLIENT.with_borrow_mut(|cached| match cached {
+            Some((cached_generation, client)) if *cached_generation == generation => client.clone(),
+            // A request still finishing under an older version: not worth evicting the pool
+            // the current version uses.
+            Some((cached_generation, _)) if *cached_generation > generation => {
+                self.inner.shared.clone()
+            }
+            _ => {
+                let client = pooled_client(self.inner.connector.clone(), self.inner.protocol);
+                *cached = Some((generation, client.clone()));
+                client
+            }
+        })
+    }
+}
+
+/// Pooled clients for http and https upstreams.
+pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClients, GatewayError> {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     // The TLS layer above decides the scheme.
@@ -85,29 +145,44 @@ pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClient, Gate
         UpstreamProtocol::Http1 => builder.enable_http1().wrap_connector(http),
         UpstreamProtocol::Http2 => builder.enable_http2().wrap_connector(http),
     };
+    Ok(UpstreamClients {
+        inner: Arc::new(ClientsInner {
+            generation: NEXT_GENERATION.fetch_add(1, Ordering::Relaxed),
+            shared: pooled_client(connector.clone(), settings.protocol),
+            connector,
+            protocol: settings.protocol,
+        }),
+    })
+}
+
+/// A client with a pool of its own over `connector` (clones share the TLS configuration).
+fn pooled_client(
+    connector: HttpsConnector<HttpConnector>,
+    protocol: UpstreamProtocol,
+) -> UpstreamClient {
     let mut client = Client::builder(TokioExecutor::new());
     client
         .pool_max_idle_per_host(256)
         .timer(hyper_util::rt::TokioTimer::new())
         .pool_timer(hyper_util::rt::TokioTimer::new());
-    if settings.protocol == UpstreamProtocol::Http2 {
+    if protocol == UpstreamProtocol::Http2 {
         // h2 by ALPN on https, prior knowledge (h2c) on http.
         client.http2_only(true);
     }
-    Ok(client.build(connector))
+    client.build(connector)
 }
 
 /// Forwards requests under one configuration version.
 #[derive(Clone)]
 pub struct Proxy {
-    client: UpstreamClient,
+    clients: UpstreamClients,
     config: Arc<Config>,
 }
 
 impl Proxy {
     /// A proxy for `config`.
-    pub fn new(client: UpstreamClient, config: Arc<Config>) -> Self {
-        Proxy { client, config }
+    pub fn new(clients: UpstreamClients, config: Arc<Config>) -> Self {
+        Proxy { clients, config }
     }
 }
 
@@ -408,7 +483,7 @@ impl Service<Request<Incoming>> for Proxy {
     }
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
-        let (client, config) = (self.client.clone(), self.config.clone());
+        let (client, config) = (self.clients.client(), self.config.clone());
         Box::pin(async move { Ok(forward(client, config, request).await) })
     }
 }
@@ -416,6 +491,38 @@ impl Service<Request<Incoming>> for Proxy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The generation of the calling thread's own pool, if it has one.
+    fn cached_generation() -> Option<u64> {
+        WORKER_CLIENT.with_borrow(|cached| cached.as_ref().map(|(generation, _)| *generation))
+    }
+
+    #[test]
+    fn worker_threads_keep_a_pool_per_generation_of_client_settings() {
+        let settings = ClientSettings {
+            tls: UpstreamTls::default(),
+            protocol: UpstreamProtocol::Http1,
+        };
+        let old = upstream_client(&settings).unwrap();
+        let new = upstream_client(&settings).unwrap();
+        assert!(new.inner.generation > old.inner.generation);
+        std::thread::spawn(move || {
+            // Not a worker: the shared pool, nothing cached.
+            let _ = old.client();
+            assert_eq!(cached_generation(), None);
+            use_thread_local_upstream_pool();
+            let _ = old.client();
+            assert_eq!(cached_generation(), Some(old.inner.generation));
+            // New settings (a reload): a new pool for the thread.
+            let _ = new.client();
+            assert_eq!(cached_generation(), Some(new.inner.generation));
+            // A request still under the old version does not evict it.
+            let _ = old.client();
+            assert_eq!(cached_generation(), Some(new.inner.generation));
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn hop_by_hop_headers_and_those_named_by_connection_are_removed() {

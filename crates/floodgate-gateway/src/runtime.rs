@@ -27,7 +27,7 @@ use crate::client::{Resolution, ResolvedClient, resolve};
 use crate::config::{self, Config, StoreSettings};
 use crate::error::GatewayError;
 use crate::plan::GatewayPlan;
-use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClient, upstream_client};
+use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients, upstream_client};
 use crate::stores::{build_store, builds_the_same_store};
 
 /// The body of every gateway response.
@@ -50,7 +50,7 @@ impl Runtime {
         version: u64,
         config: Arc<Config>,
         store: Arc<dyn Store>,
-        client: UpstreamClient,
+        client: UpstreamClients,
         observers: &Observers,
     ) -> Result<Runtime, GatewayError> {
         let proxy = Proxy::new(client, config.clone());
@@ -215,7 +215,7 @@ pub struct Gateway {
     current: ArcSwap<Runtime>,
     config_path: PathBuf,
     store: Mutex<(StoreSettings, Arc<dyn Store>)>,
-    client: Mutex<(ClientSettings, UpstreamClient)>,
+    client: Mutex<(ClientSettings, UpstreamClients)>,
     /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
     /// counts) only when the file says something else.
     last_seen: Mutex<String>,

@@ -26,7 +26,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
@@ -43,7 +43,7 @@ const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Serves the gateway on `listener` (over TLS with `tls`) until `shutdown` resolves, then
-/// drains.
+/// drains (`server.workers: multi_thread`: every connection on the calling runtime).
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
@@ -51,17 +51,198 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let limits = gateway.current().config.server.clone();
+    let permits = connection_permits(&limits, 1);
+    let graceful = GracefulShutdown::new();
+    accept_loop(
+        &listener,
+        &gateway,
+        &limits,
+        tls.as_ref(),
+        &permits,
+        PermitOrder::BeforeAccept,
+        &graceful,
+        shutdown,
+    )
+    .await;
+    drop(listener);
+    tracing::info!("shutting down: no new connections; finishing in-flight requests");
+    drain(graceful).await;
+    flush_store(&gateway).await;
+}
+
+/// Serves the gateway with one worker per listener (`server.workers: per_core`): each worker
+/// is an OS thread running a current-thread runtime that accepts on its own `SO_REUSEPORT`
+/// listener (the kernel spreads new connections over them) and serves its connections to the
+/// end, upstream calls included, so that a request never crosses threads. The workers share
+/// the `server.max_connections` budget; a worker takes its slot after accepting, so that at
+/// the limit a freed slot goes to a connection that is waiting, whichever worker has it (each
+/// worker holds at most one such connection; the rest wait in the backlogs). When `shutdown`
+/// resolves, every worker stops accepting and drains its connections; the store is flushed
+/// once all have finished.
+///
+/// The listeners must be non-blocking (as [`tokio::net::TcpListener::into_std`] leaves them).
+/// Fails, stopping the workers already started, when a worker's thread or runtime cannot be
+/// made.
+pub async fn serve_per_core(
+    listeners: Vec<std::net::TcpListener>,
+    gateway: Arc<Gateway>,
+    tls: Option<TlsAcceptor>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let limits = gateway.current().config.server.clone();
+    let permits = connection_permits(&limits, listeners.len());
+    // `true` (or a dropped sender): stop accepting and drain.
+    let (stop, _) = watch::channel(false);
+    // `true` (or a dropped sender): the store is flushed; the worker's runtime may end. Until
+    // then it keeps driving what its requests started (a store connection opened there, say).
+    let (exit, _) = watch::channel(false);
+    let mut drained = Vec::with_capacity(listeners.len());
+    for (index, listener) in listeners.into_iter().enumerate() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (done, done_receiver) = oneshot::channel::<()>();
+        let (gateway, limits, tls, permits) = (
+            gateway.clone(),
+            limits.clone(),
+            tls.clone(),
+            permits.clone(),
+        );
+        let (mut stop, mut exit) = (stop.subscribe(), exit.subscribe());
+        std::thread::Builder::new()
+            .name(format!("floodgate-worker-{index}"))
+            .spawn(move || {
+                crate::proxy::use_thread_local_upstream_pool();
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
+                        Err(error) => {
+                            tracing::error!(%error, worker = index, "worker cannot use its listener");
+                            return;
+                        }
+                    };
+                    let graceful = GracefulShutdown::new();
+                    let stopped = async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    };
+                    accept_loop(
+                        &listener,
+                        &gateway,
+                        &limits,
+                        tls.as_ref(),
+                        &permits,
+                        PermitOrder::AfterAccept,
+                        &graceful,
+                        stopped,
+                    )
+                    .await;
+                    drop(listener);
+                    drain(graceful).await;
+                    let _ = done.send(());
+                    let _ = exit.wait_for(|exit| *exit).await;
+                });
+                // Tasks still open (upgraded connections, idle pools) end with the process.
+                runtime.shutdown_background();
+            })?;
+        drained.push(done_receiver);
+    }
+    tracing::info!(workers = drained.len(), "per_core workers serving");
+    shutdown.await;
+    tracing::info!("shutting down: no new connections; finishing in-flight requests");
+    stop.send_replace(true);
+    for done in drained {
+        // An error: the worker ended without draining (it could not use its listener).
+        let _ = done.await;
+    }
+    flush_store(&gateway).await;
+    exit.send_replace(true);
+    Ok(())
+}
+
+/// The `server.max_connections` budget of every listener together.
+fn connection_permits(limits: &ServerLimits, listeners: usize) -> Arc<Semaphore> {
     let max_connections = limits.max_connections();
     tracing::info!(
         max_connections,
         header_read_timeout = ?limits.header_read_timeout,
         idle_timeout = ?limits.idle_timeout,
         max_head_bytes = limits.max_head_bytes,
+        workers = limits.workers.as_str(),
+        listeners,
         "connection limits"
     );
-    let graceful = GracefulShutdown::new();
-    let builder = connection_builder(&limits);
-    let permits = Arc::new(Semaphore::new(max_connections));
+    Arc::new(Semaphore::new(max_connections))
+}
+
+/// Waits up to [`DRAIN_TIMEOUT`] for the connections `graceful` watches to finish.
+async fn drain(graceful: GracefulShutdown) {
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("some connections did not finish within {DRAIN_TIMEOUT:?}");
+    }
+}
+
+/// Batched mode: the last interval's counts go to the shared store before the process ends.
+async fn flush_store(gateway: &Gateway) {
+    if let Err(error) = gateway.store().flush().await {
+        tracing::warn!(%error, "could not flush batched counts on shutdown");
+    }
+}
+
+/// When an accept loop takes its slot under `server.max_connections`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PermitOrder {
+    /// Before accepting: at the limit, new clients wait in the listen backlog. Right for one
+    /// listener; with several, an idle listener's loop would sit on a slot a busy one needs.
+    BeforeAccept,
+    /// After accepting (`per_core`): a slot goes to a connection that is there. At the limit
+    /// each worker holds at most one accepted connection while it waits, the rest wait in the
+    /// backlogs.
+    AfterAccept,
+}
+
+/// A slot under `server.max_connections`, waiting (and saying so) at the limit; `None` when
+/// `shutdown` resolves first.
+async fn take_permit(
+    permits: &Arc<Semaphore>,
+    max_connections: usize,
+    at_capacity: &mut RateLimitedLog,
+    shutdown: Pin<&mut impl Future<Output = ()>>,
+) -> Option<OwnedSemaphorePermit> {
+    if let Ok(permit) = permits.clone().try_acquire_owned() {
+        return Some(permit);
+    }
+    metrics::counter!("floodgate_connections_at_limit_total").increment(1);
+    at_capacity.warn(|suppressed| {
+        tracing::warn!(
+            max_connections,
+            suppressed,
+            "connection limit reached: new connections wait until one closes (server.max_connections)"
+        )
+    });
+    tokio::select! {
+        permit = permits.clone().acquire_owned() => permit.ok(),
+        () = shutdown => None,
+    }
+}
+
+/// Accepts connections on `listener` and serves each on its own task (watched by `graceful`,
+/// holding one of `permits`, taken in `order`) until `shutdown` resolves.
+#[allow(clippy::too_many_arguments)]
+async fn accept_loop(
+    listener: &TcpListener,
+    gateway: &Arc<Gateway>,
+    limits: &ServerLimits,
+    tls: Option<&TlsAcceptor>,
+    permits: &Arc<Semaphore>,
+    order: PermitOrder,
+    graceful: &GracefulShutdown,
+    shutdown: impl Future<Output = ()>,
+) {
+    let max_connections = limits.max_connections();
+    let builder = connection_builder(limits);
     let mut at_capacity = RateLimitedLog::default();
     let mut accept_errors = RateLimitedLog::default();
     let mut backoff = Duration::ZERO;
@@ -69,32 +250,25 @@ pub async fn serve(
     loop {
         // A free slot first: at the limit, new clients wait in the listen backlog instead of
         // taking descriptors the gateway needs.
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                metrics::counter!("floodgate_connections_at_limit_total").increment(1);
-                at_capacity.warn(|suppressed| {
-                    tracing::warn!(
-                        max_connections,
-                        suppressed,
-                        "connection limit reached: new connections wait until one closes (server.max_connections)"
-                    )
-                });
-                tokio::select! {
-                    permit = permits.clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        Err(_) => break,
-                    },
-                    () = &mut shutdown => break,
+        let early = match order {
+            PermitOrder::BeforeAccept => {
+                match take_permit(
+                    permits,
+                    max_connections,
+                    &mut at_capacity,
+                    shutdown.as_mut(),
+                )
+                .await
+                {
+                    Some(permit) => Some(permit),
+                    None => break,
                 }
             }
+            PermitOrder::AfterAccept => None,
         };
-        tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    backoff = Duration::ZERO;
-                    serve_connection(&builder, &graceful, &gateway, &limits, tls.as_ref(), stream, peer, permit);
-                }
+                Ok(accepted) => accepted,
                 Err(error) => {
                     // EMFILE/ENFILE and the like persist until a descriptor is freed: retrying
                     // at once would spin a core and flood the log.
@@ -103,27 +277,35 @@ pub async fn serve(
                     accept_errors.warn(|suppressed| {
                         tracing::warn!(%error, suppressed, retry_in = ?backoff, "accept failed")
                     });
-                    drop(permit);
+                    drop(early);
                     tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
+                        () = tokio::time::sleep(backoff) => continue,
                         () = &mut shutdown => break,
                     }
                 }
             },
             () = &mut shutdown => break,
-        }
-    }
-    drop(listener);
-    tracing::info!("shutting down: no new connections; finishing in-flight requests");
-    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some connections did not finish within {DRAIN_TIMEOUT:?}");
-    }
-    // Batched mode: the last interval's counts go to the shared store before the process ends.
-    if let Err(error) = gateway.store().flush().await {
-        tracing::warn!(%error, "could not flush batched counts on shutdown");
+        };
+        backoff = Duration::ZERO;
+        let permit = match early {
+            Some(permit) => permit,
+            None => {
+                match take_permit(
+                    permits,
+                    max_connections,
+                    &mut at_capacity,
+                    shutdown.as_mut(),
+                )
+                .await
+                {
+                    Some(permit) => permit,
+                    None => break,
+                }
+            }
+        };
+        serve_connection(
+            &builder, graceful, gateway, limits, tls, stream, peer, permit,
+        );
     }
 }
 

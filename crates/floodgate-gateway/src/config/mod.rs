@@ -38,7 +38,7 @@ pub use limits::{EndpointLimits, PlanLimits};
 pub use raw::RawConfig;
 pub use rls::RlsSettings;
 pub use routes::{RouteTarget, Upstream};
-pub use server::{DESCRIPTOR_RESERVE, ServerLimits, open_file_limit};
+pub use server::{DESCRIPTOR_RESERVE, ServerLimits, Workers, open_file_limit};
 pub use store::{Backend, StoreSettings};
 pub use tls::{ListenTls, UpstreamProtocol};
 
@@ -376,6 +376,27 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_workers_is_validated_with_its_field_path() {
+        let config = parse("server:\n  workers: per_core\n  worker_threads: 3\n").unwrap();
+        assert_eq!(config.server.workers, Workers::PerCore);
+        assert_eq!(config.server.worker_threads(), 3);
+        let default = parse("").unwrap();
+        assert_eq!(default.server.workers, Workers::MultiThread);
+        let errors = parse("server:\n  workers: forked\n  worker_threads: 0\n")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(errors.contains("server.workers"), "{errors}");
+        assert!(errors.contains("`forked` is not one of"), "{errors}");
+        assert!(errors.contains("server.worker_threads"), "{errors}");
+        let unknown = parse("server:\n  worker: per_core\n")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(unknown.contains("server"), "{unknown}");
+    }
 
     #[test]
     fn yaml_errors_never_quote_the_source() {

@@ -13,6 +13,8 @@ const MAX_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(60);
 /// hyper's smallest read buffer; heads are capped by the buffer.
 const MIN_HEAD_BYTES: usize = 8 * 1024;
 const MAX_HEAD_BYTES: usize = 1024 * 1024;
+/// The most `per_core` workers: more threads than this on one listener is a typo.
+const MAX_WORKER_THREADS: usize = 1024;
 
 /// `server:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -34,6 +36,14 @@ pub struct RawServer {
     /// Client connections served at once; `null`: derived from the open-file limit.
     #[serde(default)]
     pub max_connections: Option<usize>,
+    /// The serving model: `multi_thread` (one work-stealing runtime) or `per_core` (one
+    /// single-threaded runtime per core, each with its own `SO_REUSEPORT` listener and upstream
+    /// pool, like nginx's workers).
+    #[serde(default = "default_workers")]
+    pub workers: String,
+    /// How many `per_core` workers; `null`: one per available core. Ignored by `multi_thread`.
+    #[serde(default)]
+    pub worker_threads: Option<usize>,
 }
 
 impl Default for RawServer {
@@ -44,8 +54,14 @@ impl Default for RawServer {
             body_read_timeout: default_body_read_timeout(),
             max_head_bytes: default_max_head_bytes(),
             max_connections: None,
+            workers: default_workers(),
+            worker_threads: None,
         }
     }
+}
+
+fn default_workers() -> String {
+    "multi_thread".to_owned()
 }
 
 fn default_header_read_timeout() -> String {
@@ -74,6 +90,32 @@ pub struct ServerLimits {
     pub max_head_bytes: usize,
     /// See [`RawServer::max_connections`]; resolved by [`ServerLimits::max_connections`].
     pub max_connections: Option<usize>,
+    /// See [`RawServer::workers`].
+    pub workers: Workers,
+    /// See [`RawServer::worker_threads`]; resolved by [`ServerLimits::worker_threads`].
+    pub worker_threads: Option<usize>,
+}
+
+/// How the proxy listener's connections are served (`server.workers`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Workers {
+    /// One multi-threaded (work-stealing) runtime accepts and serves every connection.
+    #[default]
+    MultiThread,
+    /// One current-thread runtime per core, each with its own `SO_REUSEPORT` listener on
+    /// `listen` and its own upstream client pool: a request, its upstream connection and its
+    /// response stay on one thread.
+    PerCore,
+}
+
+impl Workers {
+    /// The name in the configuration file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Workers::MultiThread => "multi_thread",
+            Workers::PerCore => "per_core",
+        }
+    }
 }
 
 impl ServerLimits {
@@ -84,6 +126,13 @@ impl ServerLimits {
         self.max_connections.unwrap_or_else(|| {
             let descriptors = open_file_limit().unwrap_or(1024);
             (descriptors.saturating_sub(DESCRIPTOR_RESERVE) / 2).max(1)
+        })
+    }
+
+    /// How many `per_core` workers to run: the configured number, or one per available core.
+    pub fn worker_threads(&self) -> usize {
+        self.worker_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         })
     }
 }
@@ -129,11 +178,32 @@ pub(super) fn validate(errors: &mut Errors, raw: &RawServer) -> Option<ServerLim
     if raw.max_connections == Some(0) {
         errors.push("server.max_connections", "must be greater than 0");
     }
+    let workers = match raw.workers.as_str() {
+        "multi_thread" => Workers::MultiThread,
+        "per_core" => Workers::PerCore,
+        other => {
+            errors.push(
+                "server.workers",
+                format!("`{other}` is not one of multi_thread, per_core"),
+            );
+            Workers::MultiThread
+        }
+    };
+    if let Some(threads) = raw.worker_threads
+        && !(1..=MAX_WORKER_THREADS).contains(&threads)
+    {
+        errors.push(
+            "server.worker_threads",
+            format!("must be between 1 and {MAX_WORKER_THREADS}"),
+        );
+    }
     Some(ServerLimits {
         header_read_timeout: header_read_timeout?,
         idle_timeout: idle_timeout?,
         body_read_timeout: body_read_timeout?,
         max_head_bytes: raw.max_head_bytes,
         max_connections: raw.max_connections,
+        workers,
+        worker_threads: raw.worker_threads,
     })
 }

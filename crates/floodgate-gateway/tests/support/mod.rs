@@ -256,6 +256,8 @@ pub struct Upstream {
     pub addr: SocketAddr,
     /// Notified whenever a `/slow` request arrives.
     pub slow_arrived: Arc<tokio::sync::Notify>,
+    /// Connections accepted so far.
+    pub connections: Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -402,11 +404,14 @@ impl Upstream {
         let addr = listener.local_addr().unwrap();
         let slow_arrived = Arc::new(tokio::sync::Notify::new());
         let notify = slow_arrived.clone();
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let accepted = connections.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let notify = notify.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |request| {
@@ -422,6 +427,7 @@ impl Upstream {
         Upstream {
             addr,
             slow_arrived,
+            connections,
             task,
         }
     }
