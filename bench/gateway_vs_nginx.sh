@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# nginx (proxy_pass + a limit_req zone set too high to reject) and floodgate (memory store, then
-# Redis store) in front of the same upstream, under the same wrk load, in one session; then both
+# nginx (proxy_pass + a limit_req zone set too high to reject) and floodgate (memory store on the
+# multi-thread runtime, memory store with `server.workers: per_core`, then Redis store) in front
+# of the same upstream, under the same wrk load, in one session; then both
 # again behind a TLS listener with the same certificate (keep-alive, plain upstream).
 #
 #   bash bench/gateway_vs_nginx.sh [seconds] [connections]
@@ -59,8 +60,14 @@ wait_for "http://127.0.0.1:$nginx_port/"
 
 start_floodgate "store: { backend: memory }"
 memory_port=$started_port
+start_floodgate "store: { backend: memory }
+server: { workers: per_core }"
+per_core_port=$started_port
 start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }"
 redis_gateway_port=$started_port
+start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }
+server: { workers: per_core }"
+redis_per_core_port=$started_port
 start_floodgate "listen_tls: { cert: \"$work/tls.crt\", key: \"$work/tls.key\" }" https
 tls_gateway_port=$started_port
 
@@ -78,7 +85,9 @@ echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstre
 for round in 1 2 3; do
     load nginx "$nginx_port"
     load floodgate-memory "$memory_port"
+    load floodgate-per-core "$per_core_port"
     load floodgate-redis "$redis_gateway_port"
+    load floodgate-redis-per-core "$redis_per_core_port"
 done
 echo "TLS listener (same certificate, keep-alive, plain upstream):"
 for round in 1 2 3; do

@@ -74,11 +74,27 @@ fn worker_threads(gateway: &Gateway) -> usize {
         .count()
 }
 
+/// The multi-thread model, which per_core replaced as the default, still serves.
+fn multi_thread(rest: &str) -> String {
+    format!("server:\n  workers: multi_thread\n{rest}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_keep_alive_connections_are_answered_and_a_limit_holds_exactly_across_workers() {
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start_gateway(&upstream.url(), &per_core(4, PLANS));
     assert_eq!(worker_threads(&gateway), 4);
+    a_limit_holds_exactly_over_sixteen_connections(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_multi_thread_model_holds_a_limit_exactly_too() {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start_gateway(&upstream.url(), &multi_thread(PLANS));
+    a_limit_holds_exactly_over_sixteen_connections(&gateway).await;
+}
+
+async fn a_limit_holds_exactly_over_sixteen_connections(gateway: &Gateway) {
     let addr = gateway.listen;
     // 16 connections (the kernel spreads them over the 4 listeners by their ports), 10
     // requests each, all at once: 4 × the limit of 40 for the one client (127.0.0.1).
@@ -178,7 +194,18 @@ async fn max_connections_bounds_every_worker_together() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_every_worker_accepting_and_finishes_in_flight_requests() {
     let upstream = Upstream::start().await;
-    let (mut gateway, _directory) = start_gateway(&upstream.url(), &per_core(2, ""));
+    let (gateway, _directory) = start_gateway(&upstream.url(), &per_core(2, ""));
+    sigterm_drains(gateway, &upstream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_the_multi_thread_model_too() {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start_gateway(&upstream.url(), &multi_thread(""));
+    sigterm_drains(gateway, &upstream).await;
+}
+
+async fn sigterm_drains(mut gateway: Gateway, upstream: &Upstream) {
     let url = gateway.url("/slow?ms=1500");
     let in_flight = tokio::spawn(async move { get(&client(), &url, &[]).await });
     upstream.slow_arrived.notified().await;
