@@ -383,7 +383,11 @@ mod tests {
         assert_eq!(config.server.workers, Workers::PerCore);
         assert_eq!(config.server.worker_threads(), 3);
         let default = parse("").unwrap();
-        assert_eq!(default.server.workers, Workers::PerCore, "per_core measured faster");
+        assert_eq!(
+            default.server.workers,
+            Workers::PerCore,
+            "per_core measured faster"
+        );
         let shared = parse("server:\n  workers: multi_thread\n").unwrap();
         assert_eq!(shared.server.workers, Workers::MultiThread);
         let errors = parse("server:\n  workers: forked\n  worker_threads: 0\n")
