@@ -29,6 +29,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The library without its default features (no axum, no Redis) must build on its own.
 cargo clippy -p floodgate --no-default-features --lib --locked -- -D warnings
+# The documentation builds without broken links (the library's and the gateway's).
+RUSTDOCFLAGS="-D warnings" cargo doc -p floodgate --no-deps --locked --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p floodgate-gateway --lib --no-deps --locked --quiet
 # The crate as crates.io would get it: self-contained (the Lua scripts live in it), and it builds.
 cargo package -p floodgate --locked --allow-dirty --quiet
 cargo test --workspace --locked

@@ -2,9 +2,9 @@
 //! Every error carries its field path (`plans.free.limits[1].window: must be greater than 0`);
 //! `load` returns all of them, never a partial configuration, and never panics.
 //!
-//! One module per section of the file: [`routes`] (upstreams), [`store`], [`limits`] (plans,
-//! `per_ip`, `global`), [`clients`] (identity, API keys, lists), [`rollout`] (rollout and failure
-//! policies), [`response`], [`server`], [`tls`] and [`rls`]; each validates its section and
+//! One module per section of the file: `routes` (upstreams), `store`, `limits` (plans,
+//! `per_ip`, `global`), `clients` (identity, API keys, lists), `rollout` (rollout and failure
+//! policies), `response`, `server`, `tls` and `rls`; each validates its section and
 //! returns it. This module reads the file and assembles the sections into a [`Config`].
 
 /// A [`Problem`] from `format!` arguments.

@@ -82,19 +82,19 @@ fn default_max_head_bytes() -> usize {
 /// Validated `server:` settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerLimits {
-    /// See [`RawServer::header_read_timeout`].
+    /// `server.header_read_timeout` (see `RawServer`).
     pub header_read_timeout: Duration,
-    /// See [`RawServer::idle_timeout`].
+    /// `server.idle_timeout` (see `RawServer`).
     pub idle_timeout: Duration,
-    /// See [`RawServer::body_read_timeout`].
+    /// `server.body_read_timeout` (see `RawServer`).
     pub body_read_timeout: Duration,
-    /// See [`RawServer::max_head_bytes`].
+    /// `server.max_head_bytes` (see `RawServer`).
     pub max_head_bytes: usize,
-    /// See [`RawServer::max_connections`]; resolved by [`ServerLimits::max_connections`].
+    /// `server.max_connections`; resolved by [`ServerLimits::max_connections`].
     pub max_connections: Option<usize>,
-    /// See [`RawServer::workers`].
+    /// `server.workers` (see `RawServer`).
     pub workers: Workers,
-    /// See [`RawServer::worker_threads`]; resolved by [`ServerLimits::worker_threads`].
+    /// `server.worker_threads`; resolved by [`ServerLimits::worker_threads`].
     pub worker_threads: Option<usize>,
 }
 
