@@ -58,12 +58,14 @@ nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
 wait_for "http://127.0.0.1:$nginx_port/"
 
 
-start_floodgate "store: { backend: memory }"
+start_floodgate "store: { backend: memory }
+server: { workers: multi_thread }"
 memory_port=$started_port
 start_floodgate "store: { backend: memory }
 server: { workers: per_core }"
 per_core_port=$started_port
-start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }"
+start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }
+server: { workers: multi_thread }"
 redis_gateway_port=$started_port
 start_floodgate "store: { backend: redis, url: \"redis://127.0.0.1:$redis_port\" }
 server: { workers: per_core }"
@@ -84,13 +86,13 @@ load() { # name port [scheme]
 echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstream (axum hello, examples/overhead.rs)"
 for round in 1 2 3; do
     load nginx "$nginx_port"
-    load floodgate-memory "$memory_port"
+    load floodgate-multi-thread "$memory_port"
     load floodgate-per-core "$per_core_port"
-    load floodgate-redis "$redis_gateway_port"
+    load floodgate-redis-multi "$redis_gateway_port"
     load floodgate-redis-per-core "$redis_per_core_port"
 done
 echo "TLS listener (same certificate, keep-alive, plain upstream):"
 for round in 1 2 3; do
     load nginx-tls "$nginx_tls_port" https
-    load floodgate-tls "$tls_gateway_port" https
+    load floodgate-tls-per-core "$tls_gateway_port" https
 done
