@@ -339,12 +339,24 @@ impl RedisStore {
 
     /// Indices of `checks` grouped into script calls, in order of first appearance.
     fn groups(&self, checks: &[Check]) -> Vec<Vec<usize>> {
+        self.slot_groups(checks.iter().map(|check| &*check.key))
+    }
+
+    /// Indices of `keys` grouped into the calls they need, in order of first appearance: one
+    /// group for all on a single node, one per hash slot where a call must stay on one; no
+    /// group for no key.
+    fn slot_groups<'k>(&self, keys: impl Iterator<Item = &'k str>) -> Vec<Vec<usize>> {
         if !self.inner.cluster_compatible {
-            return vec![(0..checks.len()).collect()];
+            let all: Vec<usize> = (0..keys.count()).collect();
+            return if all.is_empty() {
+                Vec::new()
+            } else {
+                vec![all]
+            };
         }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (index, check) in checks.iter().enumerate() {
-            let slot = hash_slot(&check.key);
+        for (index, key) in keys.enumerate() {
+            let slot = hash_slot(key);
             match groups
                 .iter_mut()
                 .find(|(group_slot, _)| *group_slot == slot)
@@ -396,19 +408,11 @@ impl Store for RedisStore {
         Box::pin(async move {
             // One call per hash slot where a call must stay on one (a request's leases may be
             // on several: a global or per-IP concurrency limit and the client's), concurrently.
-            let mut by_slot: Vec<Vec<&Lease>> = Vec::new();
-            for lease in &leases {
-                let slot = hash_slot(&lease.key);
-                match by_slot.iter_mut().find(|group| {
-                    !self.inner.cluster_compatible || hash_slot(&group[0].key) == slot
-                }) {
-                    Some(group) => group.push(lease),
-                    None => by_slot.push(vec![lease]),
-                }
-            }
+            let by_slot = self.slot_groups(leases.iter().map(|lease| &*lease.key));
+            let leases = &leases;
             let calls = by_slot.iter().map(|group| async move {
                 let mut invocation = script::RELEASE.prepare_invoke();
-                for lease in group {
+                for lease in group.iter().map(|&index| &leases[index]) {
                     invocation
                         .key(&*lease.key)
                         .arg(format!("{}:{}", lease.id, lease.cost));
@@ -451,22 +455,12 @@ impl Store for RedisStore {
     /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker.
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
-            let mut by_slot: Vec<Vec<&str>> = Vec::new();
-            for key in keys {
-                let slot = hash_slot(key);
-                match by_slot
-                    .iter_mut()
-                    .find(|group| !self.inner.cluster_compatible || hash_slot(group[0]) == slot)
-                {
-                    Some(group) => group.push(key),
-                    None => by_slot.push(vec![key]),
-                }
-            }
+            let by_slot = self.slot_groups(keys.iter().map(|key| &**key));
             let mut removed = 0;
             for group in by_slot {
                 let mut command = redis::cmd("DEL");
-                for key in group {
-                    command.arg(key);
+                for index in group {
+                    command.arg(&*keys[index]);
                 }
                 match self.query(&command).await? {
                     Value::Int(count) => removed += u64::try_from(count).unwrap_or(0),
