@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use floodgate::key::storage_key;
-use floodgate::{Check, Identity, IdentityHash, LimitPlan, RequestInfo};
+use floodgate::{Check, Identity, IdentityHash, Limit, LimitPlan, RequestInfo};
 use http::Method;
 
 use crate::client::ResolvedClient;
@@ -67,9 +67,7 @@ impl GatewayPlan {
         cost: u64,
     ) -> Vec<Check> {
         let config = &self.config;
-        let prefix = config.store.prefix.as_str();
         let mut checks = Vec::new();
-
         if let Some((endpoint, global)) = config.global.find(method, path) {
             // One counter for all clients: the endpoint is the identity.
             let hash = Identity::Custom {
@@ -77,45 +75,35 @@ impl GatewayPlan {
                 value: endpoint.key_id(),
             }
             .hash();
-            for limit in &global.limits {
-                let key = storage_key(prefix, "global", &hash, &global.rule, limit.name());
-                checks.push(Check::new(key, limit.clone(), cost).with_rule(global.rule.clone()));
-            }
+            self.push(
+                &mut checks,
+                ("global", &hash),
+                &global.rule,
+                &global.limits,
+                cost,
+            );
         }
-        if let Some(ip) = client_ip
-            && !config.per_ip.is_empty()
-        {
-            let hash = Identity::Ip(ip).hash();
-            for limit in &config.per_ip {
-                let key = storage_key(prefix, "ip", &hash, PER_IP_RULE, limit.name());
-                checks
-                    .push(Check::new(key, limit.clone(), cost).with_rule(self.per_ip_rule.clone()));
-            }
-        }
+        self.push_per_ip(&mut checks, client_ip, cost);
         if let Some(plan) = config.plans.get(plan) {
             let endpoint = plan.endpoints.find(method, path);
             if plan.limits.is_empty() && endpoint.is_none() {
                 return checks;
             }
             let (hash, scope) = client.hash_and_scope();
-            for limit in &plan.limits {
-                let key = storage_key(prefix, scope, &hash, &plan.rule, limit.name());
-                checks.push(Check::new(key, limit.clone(), cost).with_rule(plan.rule.clone()));
-            }
+            self.push(&mut checks, (scope, &hash), &plan.rule, &plan.limits, cost);
             if let Some((_, endpoint)) = endpoint {
-                for limit in &endpoint.limits {
-                    let key = storage_key(prefix, scope, &hash, &endpoint.rule, limit.name());
-                    checks.push(
-                        Check::new(key, limit.clone(), cost).with_rule(endpoint.rule.clone()),
-                    );
-                }
+                self.push(
+                    &mut checks,
+                    (scope, &hash),
+                    &endpoint.rule,
+                    &endpoint.limits,
+                    cost,
+                );
             }
         }
         checks
     }
-}
 
-impl GatewayPlan {
     /// Every check a client of `plan` at `client_ip` can meet, on any endpoint: its `per_ip`
     /// limits (when the IP is known), its plan's limits and every endpoint limit of its plan, at
     /// cost 1. Global ceilings are every client's, and not among them. What an operator's reset
@@ -126,36 +114,50 @@ impl GatewayPlan {
         plan: &str,
         client: ClientKeys<'_>,
     ) -> Vec<Check> {
-        let config = &self.config;
-        let prefix = config.store.prefix.as_str();
         let mut checks = Vec::new();
-        if let Some(ip) = client_ip {
-            let hash = Identity::Ip(ip).hash();
-            for limit in &config.per_ip {
-                let key = storage_key(prefix, "ip", &hash, PER_IP_RULE, limit.name());
-                checks.push(Check::new(key, limit.clone(), 1).with_rule(self.per_ip_rule.clone()));
-            }
-        }
-        let Some(plan) = config.plans.get(plan) else {
+        self.push_per_ip(&mut checks, client_ip, 1);
+        let Some(plan) = self.config.plans.get(plan) else {
             return checks;
         };
         let (hash, scope) = client.hash_and_scope();
-        let endpoint_limits = plan.endpoints.entries().flat_map(|(_, endpoint)| {
-            endpoint
-                .limits
-                .iter()
-                .map(move |limit| (&endpoint.rule, limit))
-        });
-        for (rule, limit) in plan
-            .limits
-            .iter()
-            .map(|limit| (&plan.rule, limit))
-            .chain(endpoint_limits)
-        {
-            let key = storage_key(prefix, scope, &hash, rule, limit.name());
-            checks.push(Check::new(key, limit.clone(), 1).with_rule(rule.clone()));
+        self.push(&mut checks, (scope, &hash), &plan.rule, &plan.limits, 1);
+        for (_, endpoint) in plan.endpoints.entries() {
+            self.push(
+                &mut checks,
+                (scope, &hash),
+                &endpoint.rule,
+                &endpoint.limits,
+                1,
+            );
         }
         checks
+    }
+
+    /// The `per_ip` checks of a client at `client_ip`, when it is known.
+    fn push_per_ip(&self, checks: &mut Vec<Check>, client_ip: Option<IpAddr>, cost: u64) {
+        if let Some(ip) = client_ip
+            && !self.config.per_ip.is_empty()
+        {
+            let hash = Identity::Ip(ip).hash();
+            let rule = &self.per_ip_rule;
+            self.push(checks, ("ip", &hash), rule, &self.config.per_ip, cost);
+        }
+    }
+
+    /// One check per limit of `rule`, keyed by the identity's scope and hash.
+    fn push(
+        &self,
+        checks: &mut Vec<Check>,
+        (scope, hash): (&str, &IdentityHash),
+        rule: &Arc<str>,
+        limits: &[Arc<Limit>],
+        cost: u64,
+    ) {
+        let prefix = self.config.store.prefix.as_str();
+        for limit in limits {
+            let key = storage_key(prefix, scope, hash, rule, limit.name());
+            checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+        }
     }
 }
 
