@@ -672,3 +672,90 @@ async fn a_reset_takes_a_batched_nodes_unsent_counts_with_it() {
     let fresh = node.check_and_consume(&checks, Some(now)).await.unwrap();
     assert_eq!(fresh.limits()[0].remaining, 9);
 }
+
+/// A shared store whose first-sight fetches (syncs that add nothing) read the state, say so,
+/// and then wait to be let through: a fetch caught in flight.
+struct HeldFetches {
+    inner: RedisStore,
+    read: Arc<tokio::sync::Notify>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Store for HeldFetches {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        self.inner.check_and_consume(checks, now)
+    }
+
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.release(leases)
+    }
+
+    fn backend(&self) -> &'static str {
+        "redis"
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        self.inner.reset(keys)
+    }
+}
+
+impl SyncTarget for HeldFetches {
+    fn sync<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<floodgate::store::batched::Synced, StoreError>> {
+        Box::pin(async move {
+            let synced = self.inner.sync(checks, now).await?;
+            if checks.iter().all(|check| check.cost == 0) {
+                self.read.notify_one();
+                self.gate.acquire().await.expect("gate open").forget();
+            }
+            Ok(synced)
+        })
+    }
+}
+
+/// Issue 15 review: a first-sight fetch that read a key's state before a reset must not install
+/// it after: the request fetches again and is decided on the fresh key.
+#[tokio::test]
+async fn a_fetch_that_read_the_state_before_a_reset_does_not_install_it() {
+    let server = RedisServer::start();
+    let limit = Arc::new(Limit::fixed_window("hourly", 10, secs(3600)).unwrap());
+    let checks = [Check::new("fgtest:{ip:ivan}:p:hourly", limit, 1)];
+    let now = at(ms(0));
+    // Another gateway (exact) has used 5 of the 10.
+    let elsewhere = redis(&server);
+    for _ in 0..5 {
+        elsewhere
+            .check_and_consume(&checks, Some(now))
+            .await
+            .unwrap();
+    }
+    let read = Arc::new(tokio::sync::Notify::new());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let node = hour_long_batches(HeldFetches {
+        inner: redis(&server),
+        read: read.clone(),
+        gate: gate.clone(),
+    });
+    let request = {
+        let (node, checks) = (node.clone(), checks.clone());
+        tokio::spawn(async move { node.check_and_consume(&checks, Some(now)).await })
+    };
+    // The fetch has read "5 used" and is still out.
+    read.notified().await;
+    node.reset(&[checks[0].key.clone()]).await.unwrap();
+    gate.add_permits(100);
+    let decision = request.await.unwrap().unwrap();
+    assert!(decision.is_allowed());
+    assert_eq!(
+        decision.limits()[0].remaining,
+        9,
+        "decided on the fresh key, not on what the stale fetch read"
+    );
+}
