@@ -61,6 +61,54 @@ fn many_threads_on_one_key_admit_exactly_the_capacity() {
     }
 }
 
+/// A single GCRA limit on a key that exists is decided by compare-and-swap under the shard's
+/// shared lock; a request with several limits on the same key holds the lock exclusively. Mixed
+/// on one hot key, they must still count every admission exactly once, and a request denied by
+/// its second limit must not charge the first.
+#[test]
+fn single_and_multi_limit_requests_on_one_gcra_key_count_exactly() {
+    let store = MemoryStore::builder().clock(FakeClock::new(START)).build();
+    let hot = capacity_limit(Algorithm::Gcra);
+    let narrow = Arc::new(Limit::gcra("narrow", 300, Duration::from_secs(3600)).unwrap());
+    let single = Arc::new([Check::new("fg:{ip:hot}:r:gcra", hot.clone(), 1)]);
+    let double = Arc::new([
+        Check::new("fg:{ip:hot}:r:gcra", hot, 1),
+        Check::new("fg:{ip:hot}:r:narrow", narrow, 1),
+    ]);
+    let threads = 8;
+    let start_line = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|thread| {
+            let (store, single, double, start_line) = (
+                store.clone(),
+                single.clone(),
+                double.clone(),
+                start_line.clone(),
+            );
+            std::thread::spawn(move || {
+                let checks: &[Check] = if thread % 2 == 0 {
+                    &single[..]
+                } else {
+                    &double[..]
+                };
+                start_line.wait();
+                (0..400)
+                    .filter(|_| store.check_and_consume_now(checks, None).is_allowed())
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: Vec<usize> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let by_double: usize = admitted.iter().skip(1).step_by(2).sum();
+    let total: usize = admitted.iter().sum();
+    // 3,200 requests for 1,000: the hot limit is spent exactly, and no two-limit request got
+    // past the narrow one's 300.
+    assert_eq!(total, 1000, "{admitted:?}");
+    assert!(by_double <= 300, "{admitted:?}");
+    let left = store.peek_now(&single[..], None);
+    assert_eq!(left.limits()[0].remaining, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_tasks_on_one_key_admit_exactly_the_capacity() {
     let store = Arc::new(MemoryStore::builder().clock(FakeClock::new(START)).build());

@@ -16,7 +16,7 @@ fn tolerance(limit: &Limit) -> u64 {
     limit.capacity() * limit.emission_micros()
 }
 
-pub(super) fn evaluate(
+pub(crate) fn evaluate(
     limit: &Limit,
     state: Option<&GcraState>,
     now: u64,
@@ -39,7 +39,7 @@ pub(super) fn evaluate(
     }
 }
 
-pub(super) fn consume(limit: &Limit, state: Option<&GcraState>, now: u64, cost: u64) -> GcraState {
+pub(crate) fn consume(limit: &Limit, state: Option<&GcraState>, now: u64, cost: u64) -> GcraState {
     let tat = state.map_or(now, |state| state.tat.max(now));
     GcraState {
         tat: tat + cost * limit.emission_micros(),

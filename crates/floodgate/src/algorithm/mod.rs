@@ -10,7 +10,7 @@
 
 mod concurrency;
 mod fixed_window;
-mod gcra;
+pub(crate) mod gcra;
 mod leaky_bucket;
 mod sliding_window_counter;
 mod sliding_window_log;

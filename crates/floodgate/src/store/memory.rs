@@ -1,8 +1,14 @@
-//! The in-memory store: a sharded hash table of per-key state behind short mutexes.
+//! The in-memory store: a sharded hash table of per-key state behind short locks.
 //!
-//! A request's checks may live in several shards; their mutexes are taken in ascending shard
-//! order (so two requests never deadlock), which makes a multi-limit check atomic without the
-//! refund dance that Redis needs across slots.
+//! A request's checks may live in several shards; their locks are taken exclusively in
+//! ascending shard order (so two requests never deadlock), which makes a multi-limit check
+//! atomic without the refund dance that Redis needs across slots.
+//!
+//! One path takes a shard's lock shared instead: a single GCRA limit on a key that already
+//! exists. GCRA's whole state is one timestamp, kept in an atomic, so that decision is a
+//! compare-and-swap, and requests for one hot key from several threads no longer queue on a
+//! mutex (governor's approach). Every other decision excludes it by holding the lock
+//! exclusively, so all-or-nothing multi-limit decisions stay atomic.
 //!
 //! Memory stays bounded under rotating keys: every entry records when it becomes
 //! indistinguishable from a fresh key, and a shard drops such entries when it is next touched
@@ -11,16 +17,18 @@
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 use smallvec::SmallVec;
 
-use super::shards::{LockedShards, lock};
+use super::shards::{LockedShards, lock, read};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
+use crate::algorithm::gcra::{self, GcraState};
 use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::Decision;
+use crate::limit::Limit;
 use crate::time::{Clock, SystemClock, Timestamp, duration_to_micros};
 
 /// The in-memory store. Clones share the same state.
@@ -30,13 +38,17 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[RwLock<Shard>]>,
     hasher: DefaultHashBuilder,
     clock: Arc<dyn Clock>,
     next_lease_id: AtomicU64,
     sweep_interval_micros: u64,
 }
 
+/// Aligned to two cache lines, so that the lock around it (which this alignment carries) and
+/// the table's header are its own: threads working on neighbouring shards do not invalidate
+/// each other's lines (adjacent-line prefetch pairs lines, hence two).
+#[repr(align(128))]
 struct Shard {
     entries: HashTable<Entry>,
     next_sweep_at: u64,
@@ -45,9 +57,100 @@ struct Shard {
 struct Entry {
     key: Arc<str>,
     hash: u64,
-    state: Option<State>,
-    /// From this time on, `state` equals a fresh key's and the entry can go.
-    idle_at: u64,
+    slot: Slot,
+}
+
+/// A key's state.
+enum Slot {
+    /// A GCRA limit's theoretical arrival time, changed by compare-and-swap under the shard's
+    /// shared lock (and plainly under its exclusive lock). It is also the time from which the
+    /// entry equals a fresh key's.
+    Gcra(AtomicU64),
+    /// Any other algorithm's state, changed only under the shard's exclusive lock.
+    Other {
+        state: Option<State>,
+        /// From this time on, `state` equals a fresh key's and the entry can go.
+        idle_at: u64,
+    },
+}
+
+impl Entry {
+    fn new(key: Arc<str>, hash: u64) -> Entry {
+        Entry {
+            key,
+            hash,
+            slot: Slot::Other {
+                state: None,
+                idle_at: 0,
+            },
+        }
+    }
+
+    /// Calls `with` on the entry's state.
+    fn read<R>(&self, with: impl FnOnce(Option<&State>) -> R) -> R {
+        match &self.slot {
+            Slot::Gcra(tat) => with(Some(&State::Gcra(GcraState {
+                tat: tat.load(Ordering::Relaxed),
+            }))),
+            Slot::Other { state, .. } => with(state.as_ref()),
+        }
+    }
+
+    /// Applies an admission (see [`algorithm::consume`]).
+    fn consume(&mut self, limit: &Limit, now: u64, cost: u64, lease_id: u64) {
+        let mut state = match &mut self.slot {
+            Slot::Gcra(tat) => Some(State::Gcra(GcraState {
+                tat: *tat.get_mut(),
+            })),
+            Slot::Other { state, .. } => state.take(),
+        };
+        algorithm::consume(limit, &mut state, now, cost, lease_id);
+        self.slot = match state {
+            Some(State::Gcra(GcraState { tat })) => Slot::Gcra(AtomicU64::new(tat)),
+            state => Slot::Other {
+                idle_at: state
+                    .as_ref()
+                    .map_or(0, |state| algorithm::idle_at(limit, state)),
+                state,
+            },
+        };
+    }
+
+    /// From this time on, the entry equals a fresh key's.
+    fn idle_at(&self) -> u64 {
+        match &self.slot {
+            Slot::Gcra(tat) => tat.load(Ordering::Relaxed),
+            Slot::Other { idle_at, .. } => *idle_at,
+        }
+    }
+
+    /// The atomic TAT of a GCRA entry.
+    fn gcra_tat(&self) -> Option<&AtomicU64> {
+        match &self.slot {
+            Slot::Gcra(tat) => Some(tat),
+            Slot::Other { .. } => None,
+        }
+    }
+}
+
+/// Decides a single GCRA limit on its atomic TAT: the TAT an admission leaves is installed only
+/// if no other thread changed it since it was read; otherwise the decision is made again on the
+/// TAT that thread left. A denial writes nothing.
+fn decide_gcra(limit: &Limit, tat: &AtomicU64, now: u64, cost: u64) -> LimitOutcome {
+    // The TAT is the only shared datum: `Relaxed` still orders every change to it.
+    let mut current = tat.load(Ordering::Relaxed);
+    loop {
+        let state = GcraState { tat: current };
+        let outcome = gcra::evaluate(limit, Some(&state), now, cost);
+        if !outcome.allowed {
+            return outcome;
+        }
+        let next = gcra::consume(limit, Some(&state), now, cost).tat;
+        match tat.compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return outcome,
+            Err(changed) => current = changed,
+        }
+    }
 }
 
 /// Configures a [`MemoryStore`].
@@ -91,7 +194,7 @@ impl MemoryStoreBuilder {
         let shard_count = self.shards.next_power_of_two();
         let shards = (0..shard_count)
             .map(|_| {
-                Mutex::new(Shard {
+                RwLock::new(Shard {
                     entries: HashTable::new(),
                     next_sweep_at: 0,
                 })
@@ -213,15 +316,28 @@ impl Inner {
         (hash >> 32) as usize & (self.shards.len() - 1)
     }
 
-    /// One limit, one key: a single lock, no allocation unless the key is new.
+    /// One limit, one key: a single lock, no allocation unless the key is new; for a GCRA
+    /// key that exists, the lock shared and one compare-and-swap.
     fn check_one(&self, check: &Check, now: u64) -> (LimitOutcome, Option<u64>) {
         let hash = self.hasher.hash_one(&*check.key);
-        let mut shard = lock(&self.shards[self.shard_of(hash)]);
-        let state = shard
-            .entries
-            .find(hash, |entry| *entry.key == *check.key)
-            .and_then(|entry| entry.state.as_ref());
-        let outcome = algorithm::evaluate(&check.limit, state, now, check.cost);
+        let shard = &self.shards[self.shard_of(hash)];
+        if check.limit.algorithm() == crate::Algorithm::Gcra {
+            let shared = read(shard);
+            let tat = shared
+                .entries
+                .find(hash, |entry| *entry.key == *check.key)
+                .and_then(Entry::gcra_tat);
+            if let Some(tat) = tat {
+                return (decide_gcra(&check.limit, tat, now, check.cost), None);
+            }
+        }
+        let mut shard = lock(shard);
+        let outcome = match shard.entries.find(hash, |entry| *entry.key == *check.key) {
+            Some(entry) => {
+                entry.read(|state| algorithm::evaluate(&check.limit, state, now, check.cost))
+            }
+            None => algorithm::evaluate(&check.limit, None, now, check.cost),
+        };
         let lease = outcome
             .allowed
             .then(|| self.consume(&mut shard, check, hash, now))
@@ -236,20 +352,12 @@ impl Inner {
             crate::Algorithm::Concurrency => self.next_lease_id.fetch_add(1, Ordering::Relaxed),
             _ => 0,
         };
-        let entry = shard
+        shard
             .entries
             .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
-            .or_insert_with(|| Entry {
-                key: check.key.clone(),
-                hash,
-                state: None,
-                idle_at: 0,
-            })
-            .into_mut();
-        algorithm::consume(&check.limit, &mut entry.state, now, check.cost, lease_id);
-        if let Some(state) = &entry.state {
-            entry.idle_at = algorithm::idle_at(&check.limit, state);
-        }
+            .or_insert_with(|| Entry::new(check.key.clone(), hash))
+            .into_mut()
+            .consume(&check.limit, now, check.cost, lease_id);
         (lease_id != 0).then_some(lease_id)
     }
 
@@ -286,11 +394,12 @@ impl Inner {
 
         let mut evaluate = |check: &Check, hash: u64, cost: u64| {
             let shard = guards.get(self.shard_of(hash));
-            let state = shard
-                .entries
-                .find(hash, |entry| *entry.key == *check.key)
-                .and_then(|entry| entry.state.as_ref());
-            algorithm::evaluate(&check.limit, state, now_micros, cost)
+            match shard.entries.find(hash, |entry| *entry.key == *check.key) {
+                Some(entry) => {
+                    entry.read(|state| algorithm::evaluate(&check.limit, state, now_micros, cost))
+                }
+                None => algorithm::evaluate(&check.limit, None, now_micros, cost),
+            }
         };
         let mut outcomes: SmallVec<[LimitOutcome; 8]> = checks
             .iter()
@@ -361,12 +470,15 @@ impl Inner {
                 .entries
                 .find_entry(hash, |entry| *entry.key == *lease.key)
             {
-                let emptied = match &mut entry.get_mut().state {
-                    Some(state) => {
+                let emptied = match &mut entry.get_mut().slot {
+                    Slot::Gcra(_) => false,
+                    Slot::Other { state: None, .. } => true,
+                    Slot::Other {
+                        state: Some(state), ..
+                    } => {
                         algorithm::release(state, lease.id);
                         matches!(state, State::Concurrency(leases) if leases.leases.is_empty())
                     }
-                    None => true,
                 };
                 if emptied {
                     entry.remove();
@@ -393,7 +505,7 @@ impl Shard {
     /// Drops idle entries and gives memory back once the table is mostly empty.
     fn sweep(&mut self, now: u64) -> usize {
         let before = self.entries.len();
-        self.entries.retain(|entry| entry.idle_at > now);
+        self.entries.retain(|entry| entry.idle_at() > now);
         let len = self.entries.len();
         if self.entries.capacity() > 4 * len + 16 {
             self.entries.shrink_to(len * 2, |entry| entry.hash);
@@ -440,5 +552,58 @@ impl Store for MemoryStore {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         self.charge_now(checks, now);
         Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::time::FakeClock;
+
+    /// The hot-key path takes the shard's lock shared: while another thread reads the shard, a
+    /// GCRA key that exists is still decided (an exclusive lock would wait for the reader), and
+    /// a key that does not exist yet waits for it.
+    #[test]
+    fn an_existing_gcra_key_is_decided_while_its_shard_is_read() {
+        let store = MemoryStore::builder()
+            .clock(FakeClock::new(Timestamp::from_secs(1_700_000_000)))
+            .shards(1)
+            .build();
+        let limit = Arc::new(Limit::gcra("per-hour", 3, Duration::from_secs(3600)).unwrap());
+        let existing = Check::new("fg:{ip:a}:r:per-hour", limit.clone(), 1);
+        let new = Check::new("fg:{ip:b}:r:per-hour", limit, 1);
+        assert!(store.check_one(&existing, None).0.allowed);
+
+        let reader = read(&store.inner.shards[0]);
+        let (decided, decisions) = mpsc::channel();
+        std::thread::scope(|scope| {
+            let (store, decided) = (&store, decided.clone());
+            scope.spawn(move || {
+                for check in [&existing, &new] {
+                    let (outcome, _) = store.check_one(check, None);
+                    decided
+                        .send((check.key.clone(), outcome.remaining))
+                        .unwrap();
+                }
+            });
+            // Generous bound: a decision is microseconds; a blocked one never comes.
+            let first = decisions.recv_timeout(Duration::from_secs(10));
+            assert_eq!(
+                first,
+                Ok((Arc::from("fg:{ip:a}:r:per-hour"), 1)),
+                "decided under the shared lock"
+            );
+            assert!(
+                decisions.recv_timeout(Duration::from_millis(100)).is_err(),
+                "a new key needs the exclusive lock"
+            );
+            drop(reader);
+            assert_eq!(
+                decisions.recv_timeout(Duration::from_secs(10)),
+                Ok((Arc::from("fg:{ip:b}:r:per-hour"), 2))
+            );
+        });
     }
 }
