@@ -10,6 +10,7 @@ pub mod head;
 pub mod inspect;
 pub mod path;
 pub mod plan;
+pub mod pool;
 pub mod proxy;
 pub mod rls;
 pub mod runtime;

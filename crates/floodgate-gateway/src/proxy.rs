@@ -28,13 +28,14 @@ use tower_service::Service;
 use crate::client_body::{BodyWatch, ClientBody, ClientFault};
 use crate::config::{Config, Upstream, UpstreamProtocol};
 use crate::error::GatewayError;
+use crate::pool::{self, UpstreamBody};
 use crate::server::OverTls;
 use crate::tls::{TlsError, UpstreamTls, upstream_client_config};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use rustls::pki_types::ServerName;
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
-pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// An upstream HTTP client: pooled connections (http and https). Its pool is shared by its
 /// clones, and across configuration versions as long as the TLS settings and protocol stay the
@@ -63,7 +64,9 @@ impl ClientSettings {
 /// The upstream clients of one [`ClientSettings`]: a pool shared by every thread of the
 /// multi-threaded runtime, and one pool per `per_core` worker thread (made on the thread's
 /// first request), so that a worker's upstream connections are driven by the worker that uses
-/// them. Cheap to clone; clones share the pools.
+/// them. A worker sends plain-`http` HTTP/1.1 requests over connections of its own instead
+/// ([`crate::pool`]); its hyper-util pool serves `https` and h2c upstreams. Cheap to clone;
+/// clones share the pools.
 #[derive(Clone)]
 pub struct UpstreamClients {
     inner: Arc<ClientsInner>,
@@ -94,6 +97,33 @@ pub fn use_thread_local_upstream_pool() {
 }
 
 impl UpstreamClients {
+    /// Whether a request to `upstream` on the calling thread goes over the worker's own
+    /// HTTP/1.1 connections ([`crate::pool`]): on a `per_core` worker, to a plain-`http`
+    /// upstream, unless `upstream_protocol: http2` asks for h2c.
+    fn worker_pool_serves(&self, upstream: &Upstream) -> bool {
+        PER_WORKER_POOL.get()
+            && upstream.scheme == http::uri::Scheme::HTTP
+            && self.inner.protocol != UpstreamProtocol::Http2
+    }
+
+    /// Sends `request` to `upstream`: over the worker's own connections where
+    /// [`Self::worker_pool_serves`], else through the hyper-util client of the calling
+    /// thread. `origin` is the request's path and query.
+    async fn send(
+        &self,
+        upstream: &Upstream,
+        origin: &str,
+        mut request: Request<ClientBody>,
+    ) -> Result<Response<UpstreamBody>, Box<dyn std::error::Error + Send + Sync>> {
+        if self.worker_pool_serves(upstream) {
+            *request.uri_mut() = Uri::try_from(origin)?;
+            return Ok(pool::send(&upstream.authority, request).await?);
+        }
+        *request.uri_mut() = target_uri(upstream, origin)?;
+        let response = self.client().request(request).await?;
+        Ok(response.map(UpstreamBody::from))
+    }
+
     /// The client for a request on the calling thread: the thread's own on a `per_core`
     /// worker, the shared one elsewhere.
     pub fn client(&self) -> UpstreamClient {
@@ -339,17 +369,17 @@ fn error_response(status: StatusCode, error: &'static str) -> Response<ProxyBody
     json_error(status, error).map(Either::Right)
 }
 
-fn target_uri(upstream: &Upstream, uri: &Uri) -> Option<Uri> {
+/// The absolute URI hyper-util's client routes by.
+fn target_uri(upstream: &Upstream, origin: &str) -> Result<Uri, http::Error> {
     Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
-        .path_and_query(uri.path_and_query().map_or("/", |pq| pq.as_str()))
+        .path_and_query(origin)
         .build()
-        .ok()
 }
 
 async fn forward(
-    client: UpstreamClient,
+    clients: UpstreamClients,
     config: Arc<Config>,
     mut request: Request<Incoming>,
 ) -> Response<ProxyBody> {
@@ -360,9 +390,12 @@ async fn forward(
     let upstream = route
         .and_then(|route| route.upstream.as_ref())
         .unwrap_or(&config.upstream);
-    let Some(uri) = target_uri(upstream, request.uri()) else {
-        return error_response(StatusCode::BAD_REQUEST, "bad_request");
-    };
+    // Kept to be written as the upstream request's target (hyper-util's client wants it
+    // absolute, an HTTP/1.1 connection origin-form).
+    let origin = request
+        .uri()
+        .path_and_query()
+        .map_or_else(|| "/".to_owned(), |pq| pq.as_str().to_owned());
     let peer = request
         .extensions()
         .get::<PeerAddr>()
@@ -379,8 +412,12 @@ async fn forward(
             .authority()
             .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
     });
-    if let Some(host) = &original_host {
-        parts.headers.insert(header::HOST, host.clone());
+    let host = original_host.clone().or_else(|| {
+        // HTTP/1.0 without a Host: the upstream's, as hyper-util's client would have set.
+        HeaderValue::from_str(upstream.authority.as_str()).ok()
+    });
+    if let Some(host) = host {
+        parts.headers.insert(header::HOST, host);
     }
     remove_hop_by_hop(&mut parts.headers);
     if let Some(protocol) = &upgrade {
@@ -403,14 +440,17 @@ async fn forward(
     if let Some(host) = original_host {
         parts.headers.insert(X_FORWARDED_HOST.clone(), host);
     }
-    parts.uri = uri;
     // HTTP/2 from the client is forwarded as HTTP/1.1 to the upstream.
     parts.version = http::Version::HTTP_11;
     let (body, watch) = ClientBody::new(body, config.server.body_read_timeout);
     let outgoing = Request::from_parts(parts, body);
 
     let started = Instant::now();
-    let result = tokio::time::timeout(config.upstream_timeout, client.request(outgoing)).await;
+    let result = tokio::time::timeout(
+        config.upstream_timeout,
+        clients.send(upstream, &origin, outgoing),
+    )
+    .await;
     upstream_metrics()
         .duration
         .record(started.elapsed().as_secs_f64());
@@ -424,7 +464,7 @@ async fn forward(
         Ok(Err(error)) => {
             // hyper-util's error says only "client error (Connect)": the reason (a certificate
             // that does not verify, a refused connection) is in its sources.
-            let reason = error_chain(&error);
+            let reason = error_chain(&*error);
             tracing::warn!(upstream = %upstream.authority, error = %reason, "upstream request failed");
             upstream_metrics()
                 .status(StatusCode::BAD_GATEWAY)
@@ -483,8 +523,8 @@ impl Service<Request<Incoming>> for Proxy {
     }
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
-        let (client, config) = (self.clients.client(), self.config.clone());
-        Box::pin(async move { Ok(forward(client, config, request).await) })
+        let (clients, config) = (self.clients.clone(), self.config.clone());
+        Box::pin(async move { Ok(forward(clients, config, request).await) })
     }
 }
 

@@ -13,8 +13,9 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
-use support::{Gateway, TempDir, Upstream, addresses, client, config_text, get, start_gateway};
+use support::{
+    Gateway, TempDir, Upstream, addresses, client, config_text, connect, get, start_gateway,
+};
 
 const PLANS: &str = r#"
 plans:
@@ -26,16 +27,6 @@ plans:
 
 fn per_core(workers: usize, rest: &str) -> String {
     format!("server:\n  workers: per_core\n  worker_threads: {workers}\n{rest}")
-}
-
-/// A keep-alive HTTP/1.1 connection of its own to `addr`.
-async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    sender
 }
 
 /// A GET on `connection`: its status and body.

@@ -80,6 +80,17 @@ pub fn start_gateway(upstream: &str, rest: &str) -> (Gateway, TempDir) {
     (Gateway::start(&path, listen, admin), directory)
 }
 
+/// A keep-alive HTTP/1.1 connection of the test's own to `addr` (the gateway), driven by a
+/// task.
+pub async fn connect(addr: SocketAddr) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    sender
+}
+
 /// A running `floodgate serve`.
 pub struct Gateway {
     pub child: Child,
