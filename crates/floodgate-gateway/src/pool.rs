@@ -10,7 +10,10 @@
 //! Each connection is still driven by a task of its own (hyper's `Connection`), on the worker
 //! that made it. A connection the upstream closed while idle is noticed at checkout; a request
 //! a stale connection refused before anything was written goes out once more on another
-//! connection (hyper hands the unsent request back), as hyper-util's client does.
+//! connection (hyper hands the unsent request back), as hyper-util's client does. Idle
+//! connections older than 90 s are closed by the worker's next checkout after its periodic
+//! sweep (a worker with no traffic keeps them until then). A host name's addresses are tried
+//! in turn, without hyper-util's IPv6-to-IPv4 fallback after 300 ms.
 
 use std::cell::RefCell;
 use std::pin::Pin;
@@ -34,15 +37,59 @@ const MAX_IDLE: usize = 256;
 /// An idle connection older than this is closed rather than reused (hyper-util's default).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// How often a worker that is checking connections out also closes every expired or closed
+/// idle connection it holds, for every upstream (those deep in a list, and those of upstreams a
+/// reload removed, which no checkout reaches).
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
 struct Idle {
     sender: SendRequest<ClientBody>,
     since: Instant,
 }
 
+impl Idle {
+    /// Closed by the upstream, or idle too long to be trusted.
+    fn is_stale(&self, now: Instant) -> bool {
+        self.sender.is_closed() || now.duration_since(self.since) > IDLE_TIMEOUT
+    }
+}
+
+/// A worker's idle connections, by upstream: a deployment has few upstreams, so a list beats a
+/// hash map.
+struct IdleLists {
+    upstreams: Vec<(Authority, Vec<Idle>)>,
+    swept_at: Option<Instant>,
+}
+
+impl IdleLists {
+    /// Every [`SWEEP_EVERY`], drops every stale connection, and the lists left empty.
+    fn sweep_if_due(&mut self, now: Instant) {
+        if self
+            .swept_at
+            .is_some_and(|swept| now.duration_since(swept) < SWEEP_EVERY)
+        {
+            return;
+        }
+        self.swept_at = Some(now);
+        for (_, idle) in &mut self.upstreams {
+            idle.retain(|entry| !entry.is_stale(now));
+        }
+        self.upstreams.retain(|(_, idle)| !idle.is_empty());
+    }
+
+    fn list(&mut self, authority: &Authority) -> Option<&mut Vec<Idle>> {
+        self.upstreams
+            .iter_mut()
+            .find(|(known, _)| known == authority)
+            .map(|(_, idle)| idle)
+    }
+}
+
 thread_local! {
-    /// The calling worker's idle connections, by upstream: a deployment has few upstreams, so
-    /// a list beats a hash map.
-    static IDLE: RefCell<Vec<(Authority, Vec<Idle>)>> = const { RefCell::new(Vec::new()) };
+    /// The calling worker's idle connections.
+    static IDLE: RefCell<IdleLists> = const {
+        RefCell::new(IdleLists { upstreams: Vec::new(), swept_at: None })
+    };
 }
 
 /// Why an upstream request failed before a response head came back.
@@ -100,13 +147,14 @@ pub async fn send(
 /// The most recently used idle connection to `authority` that can take a request now. Closed
 /// and expired ones are dropped on the way; one still finishing its last exchange is kept.
 fn checkout(authority: &Authority) -> Option<SendRequest<ClientBody>> {
-    IDLE.with_borrow_mut(|upstreams| {
-        let (_, idle) = upstreams.iter_mut().find(|(known, _)| known == authority)?;
+    IDLE.with_borrow_mut(|lists| {
         let now = Instant::now();
+        lists.sweep_if_due(now);
+        let idle = lists.list(authority)?;
         let mut busy = Vec::new();
         let mut found = None;
         while let Some(entry) = idle.pop() {
-            if entry.sender.is_closed() || now.duration_since(entry.since) > IDLE_TIMEOUT {
+            if entry.is_stale(now) {
                 continue;
             }
             if entry.sender.is_ready() {
@@ -127,31 +175,34 @@ fn give_back(authority: Authority, sender: SendRequest<ClientBody>) {
         return;
     }
     // A body dropped while its thread is being torn down has no list to go back to.
-    let _ = IDLE.try_with(|upstreams| {
-        let mut upstreams = upstreams.borrow_mut();
-        let idle = match upstreams.iter().position(|(known, _)| *known == authority) {
-            Some(index) => &mut upstreams[index].1,
-            None => {
-                upstreams.push((authority, Vec::new()));
-                &mut upstreams.last_mut().expect("just pushed").1
-            }
+    let _ = IDLE.try_with(|lists| {
+        let mut lists = lists.borrow_mut();
+        let entry = Idle {
+            sender,
+            since: Instant::now(),
         };
-        if idle.len() < MAX_IDLE {
-            idle.push(Idle {
-                sender,
-                since: Instant::now(),
-            });
+        match lists.list(&authority) {
+            Some(idle) if idle.len() < MAX_IDLE => idle.push(entry),
+            // Full: this connection closes.
+            Some(_) => {}
+            None => lists.upstreams.push((authority, vec![entry])),
         }
     });
 }
 
-/// A new connection to `authority` (port 80 unless it names one), driven by a task of the
-/// calling worker.
+/// The host (an IPv6 address without its brackets) and port (80 unless named) to dial.
+fn dial_target(authority: &Authority) -> (&str, u16) {
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|inner| inner.strip_suffix(']'))
+        .unwrap_or(host);
+    (host, authority.port_u16().unwrap_or(80))
+}
+
+/// A new connection to `authority`, driven by a task of the calling worker.
 async fn connect(authority: &Authority) -> Result<SendRequest<ClientBody>, PoolError> {
-    let connected = match authority.port_u16() {
-        Some(_) => TcpStream::connect(authority.as_str()).await,
-        None => TcpStream::connect((authority.host(), 80)).await,
-    };
+    let connected = TcpStream::connect(dial_target(authority)).await;
     let stream = connected.map_err(|source| PoolError::Connect {
         authority: authority.clone(),
         source,
@@ -234,5 +285,24 @@ impl std::fmt::Debug for UpstreamBody {
         f.debug_struct("UpstreamBody")
             .field("pooled", &self.give_back.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dial_target_has_a_bare_ipv6_address_and_port_80_by_default() {
+        let cases = [
+            ("[::1]", ("::1", 80)),
+            ("[::1]:8080", ("::1", 8080)),
+            ("127.0.0.1", ("127.0.0.1", 80)),
+            ("api.internal:9000", ("api.internal", 9000)),
+        ];
+        for (authority, expected) in cases {
+            let authority: Authority = authority.parse().unwrap();
+            assert_eq!(dial_target(&authority), expected, "{authority}");
+        }
     }
 }

@@ -117,6 +117,17 @@ impl UpstreamClients {
     ) -> Result<Response<UpstreamBody>, Box<dyn std::error::Error + Send + Sync>> {
         if self.worker_pool_serves(upstream) {
             *request.uri_mut() = Uri::try_from(origin)?;
+            if !request.headers().contains_key(header::HOST) {
+                // An HTTP/1.0 request without one: the upstream's, as hyper-util's client
+                // writes it (the port only when it is not 80).
+                let host = match upstream.authority.port_u16() {
+                    Some(port) if port != 80 => upstream.authority.as_str(),
+                    _ => upstream.authority.host(),
+                };
+                if let Ok(host) = HeaderValue::from_str(host) {
+                    request.headers_mut().insert(header::HOST, host);
+                }
+            }
             return Ok(pool::send(&upstream.authority, request).await?);
         }
         *request.uri_mut() = target_uri(upstream, origin)?;
@@ -412,12 +423,8 @@ async fn forward(
             .authority()
             .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
     });
-    let host = original_host.clone().or_else(|| {
-        // HTTP/1.0 without a Host: the upstream's, as hyper-util's client would have set.
-        HeaderValue::from_str(upstream.authority.as_str()).ok()
-    });
-    if let Some(host) = host {
-        parts.headers.insert(header::HOST, host);
+    if let Some(host) = &original_host {
+        parts.headers.insert(header::HOST, host.clone());
     }
     remove_hop_by_hop(&mut parts.headers);
     if let Some(protocol) = &upgrade {

@@ -246,3 +246,20 @@ async fn a_refused_or_silent_upstream_is_502_or_504_and_the_next_request_recover
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
     holder.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_request_without_host_reaches_the_upstream_with_its_authority() {
+    let upstream = support::Upstream::start().await;
+    let (gateway, _directory) = start_gateway(&upstream.url(), ONE_WORKER);
+    let mut stream = TcpStream::connect(gateway.listen).await.unwrap();
+    stream
+        .write_all(b"GET /echo HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let echo: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(echo["headers"]["host"], upstream.addr.to_string(), "{echo}");
+}
