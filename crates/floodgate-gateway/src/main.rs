@@ -134,9 +134,9 @@ fn check(path: &std::path::Path) -> ExitCode {
                     ),
                     Err(errors) => {
                         eprintln!(
-                            "{}: invalid rate limit service rules ({} errors):",
+                            "{}: invalid rate limit service rules ({}):",
                             directory.display(),
-                            errors.len()
+                            count_of_errors(errors.len())
                         );
                         for error in &errors {
                             eprintln!("  {error}");
@@ -149,9 +149,9 @@ fn check(path: &std::path::Path) -> ExitCode {
         }
         Err(errors) => {
             eprintln!(
-                "{}: invalid configuration ({} errors):",
+                "{}: invalid configuration ({}):",
                 path.display(),
-                errors.0.len()
+                count_of_errors(errors.0.len())
             );
             for error in &errors.0 {
                 eprintln!("  {error}");
@@ -485,5 +485,14 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+/// "1 error", "3 errors".
+fn count_of_errors(count: usize) -> String {
+    if count == 1 {
+        "1 error".to_owned()
+    } else {
+        format!("{count} errors")
     }
 }

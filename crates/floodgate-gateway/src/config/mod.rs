@@ -264,17 +264,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let store = store::store(&mut errors, &raw);
     let on_store_error = errors.ok("on_store_error", rollout::policy(&raw.on_store_error));
     let identity = clients::identity(&mut errors, &raw);
+    // Also checks that clients.default_plan and clients.anonymous_plan name plans.
     let plans = limits::plans(&mut errors, &raw);
-    if !raw.plans.is_empty() {
-        for (field, plan) in [
-            ("clients.default_plan", &raw.clients.default_plan),
-            ("clients.anonymous_plan", &raw.clients.anonymous_plan),
-        ] {
-            if !raw.plans.contains_key(plan) {
-                errors.push(field, format!("plan `{plan}` is not defined under plans"));
-            }
-        }
-    }
     let api_keys = clients::api_keys(&mut errors, &raw);
     let unknown_keys = errors.ok("clients.unknown_keys", raw.clients.unknown_keys.parse());
     let per_ip = limits::limits(&mut errors, "per_ip", &raw.per_ip);
@@ -497,6 +488,20 @@ mod tests {
             "{errors:?}"
         );
         assert!(errors[0].contains("unknown field `brust`"), "{errors:?}");
+    }
+
+    /// Regression: after the configuration was split into modules, a missing default or
+    /// anonymous plan was reported twice (by the plans and by the top-level validation).
+    #[test]
+    fn a_missing_default_plan_is_reported_once() {
+        let errors = errors_of(
+            "plans:\n  anonymous:\n    limits: [ { name: a, algorithm: gcra, limit: 1, window: 1s } ]\n",
+        );
+        let missing: Vec<_> = errors
+            .iter()
+            .filter(|error| error.starts_with("clients.default_plan: "))
+            .collect();
+        assert_eq!(missing.len(), 1, "{errors:?}");
     }
 
     #[test]
