@@ -292,6 +292,65 @@ impl std::fmt::Debug for UpstreamBody {
 mod tests {
     use super::*;
 
+    /// A connection over an in-memory pipe, its task running; and the pipe's other end.
+    async fn connection() -> (SendRequest<ClientBody>, tokio::io::DuplexStream) {
+        let (ours, theirs) = tokio::io::duplex(1024);
+        let (mut sender, connection) = http1::handshake(TokioIo::new(ours)).await.unwrap();
+        tokio::spawn(connection);
+        sender.ready().await.unwrap();
+        (sender, theirs)
+    }
+
+    /// Regression: a checkout only looked at the top of its own upstream's list, so idle
+    /// connections under it, and every connection of an upstream no longer used (a reload
+    /// removed it), stayed open for good.
+    #[tokio::test]
+    async fn a_checkout_also_closes_stale_connections_deep_in_every_list() {
+        let (used, _pipe) = connection().await;
+        let (expired, _other_pipe) = connection().await;
+        let (closed, pipe) = connection().await;
+        drop(pipe);
+        while !closed.is_closed() {
+            tokio::task::yield_now().await;
+        }
+        let current: Authority = "current:80".parse().unwrap();
+        let removed: Authority = "removed:80".parse().unwrap();
+        let now = Instant::now();
+        let long_ago = now.checked_sub(IDLE_TIMEOUT * 2).unwrap();
+        IDLE.with_borrow_mut(|lists| {
+            lists.upstreams.push((
+                current.clone(),
+                vec![
+                    Idle {
+                        sender: expired,
+                        since: long_ago,
+                    },
+                    Idle {
+                        sender: used,
+                        since: now,
+                    },
+                ],
+            ));
+            lists.upstreams.push((
+                removed,
+                vec![Idle {
+                    sender: closed,
+                    since: now,
+                }],
+            ));
+        });
+
+        assert!(checkout(&current).is_some(), "the fresh connection on top");
+        IDLE.with_borrow(|lists| {
+            let held: Vec<(String, usize)> = lists
+                .upstreams
+                .iter()
+                .map(|(authority, idle)| (authority.to_string(), idle.len()))
+                .collect();
+            assert_eq!(held, [("current:80".to_owned(), 0)]);
+        });
+    }
+
     #[test]
     fn the_dial_target_has_a_bare_ipv6_address_and_port_80_by_default() {
         let cases = [
