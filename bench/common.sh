@@ -28,3 +28,42 @@ YAML
     wait_for "${2:-http}://127.0.0.1:$port/"
     started_port=$port
 }
+
+# Starts nginx in front of $upstream_port: proxy_pass with upstream keepalive and a limit_req
+# zone set too high to reject, 2 workers. With a TLS port as argument, also listens there with
+# $work/tls.crt and $work/tls.key. Sets $nginx_port.
+start_nginx() { # [tls_port]
+    nginx_port=$(free_port)
+    local tls_listen=""
+    if [ -n "${1:-}" ]; then
+        tls_listen="listen 127.0.0.1:$1 ssl;
+        ssl_certificate $work/tls.crt;
+        ssl_certificate_key $work/tls.key;"
+    fi
+    mkdir -p "$work/nginx"
+    cat > "$work/nginx/nginx.conf" <<NGINX
+worker_processes auto;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $work/nginx; proxy_temp_path $work/nginx;
+    fastcgi_temp_path $work/nginx; uwsgi_temp_path $work/nginx; scgi_temp_path $work/nginx;
+    limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
+    upstream backend { server 127.0.0.1:$upstream_port; keepalive 256; }
+    server {
+        listen 127.0.0.1:$nginx_port;
+        $tls_listen
+        location / {
+            limit_req zone=perip burst=100000000 nodelay;
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+}
+NGINX
+    nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
+    wait_for "http://127.0.0.1:$nginx_port/"
+}

@@ -22,32 +22,7 @@ redis_port=$(free_port)
 redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null &
 redis_pid=$!; pids+=($redis_pid)
 
-nginx_port=$(free_port)
-mkdir -p "$work/nginx"
-cat > "$work/nginx/nginx.conf" <<NGINX
-worker_processes auto;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    client_body_temp_path $work/nginx; proxy_temp_path $work/nginx;
-    fastcgi_temp_path $work/nginx; uwsgi_temp_path $work/nginx; scgi_temp_path $work/nginx;
-    limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
-    upstream backend { server 127.0.0.1:$upstream_port; keepalive 256; }
-    server {
-        listen 127.0.0.1:$nginx_port;
-        location / {
-            limit_req zone=perip burst=100000000 nodelay;
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-        }
-    }
-}
-NGINX
-nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
-wait_for "http://127.0.0.1:$nginx_port/"
+start_nginx
 nginx_workers=$(pgrep -f "nginx: worker" | tr '\n' ' ')
 
 start_floodgate "store: { backend: memory }

@@ -17,6 +17,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use floodgate::{CostHeader, PeerAddr, ResponseCost};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
@@ -112,11 +113,11 @@ impl UpstreamClients {
     async fn send(
         &self,
         upstream: &Upstream,
-        origin: &str,
+        origin: PathAndQuery,
         mut request: Request<ClientBody>,
     ) -> Result<Response<UpstreamBody>, Box<dyn std::error::Error + Send + Sync>> {
         if self.worker_pool_serves(upstream) {
-            *request.uri_mut() = Uri::try_from(origin)?;
+            *request.uri_mut() = Uri::from(origin);
             if !request.headers().contains_key(header::HOST) {
                 // An HTTP/1.0 request without one: the upstream's, as hyper-util's client
                 // writes it (the port only when it is not 80).
@@ -381,7 +382,7 @@ fn error_response(status: StatusCode, error: &'static str) -> Response<ProxyBody
 }
 
 /// The absolute URI hyper-util's client routes by.
-fn target_uri(upstream: &Upstream, origin: &str) -> Result<Uri, http::Error> {
+fn target_uri(upstream: &Upstream, origin: PathAndQuery) -> Result<Uri, http::Error> {
     Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
@@ -406,7 +407,8 @@ async fn forward(
     let origin = request
         .uri()
         .path_and_query()
-        .map_or_else(|| "/".to_owned(), |pq| pq.as_str().to_owned());
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
     let peer = request
         .extensions()
         .get::<PeerAddr>()
@@ -455,7 +457,7 @@ async fn forward(
     let started = Instant::now();
     let result = tokio::time::timeout(
         config.upstream_timeout,
-        clients.send(upstream, &origin, outgoing),
+        clients.send(upstream, origin, outgoing),
     )
     .await;
     upstream_metrics()
