@@ -84,6 +84,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// `/readyz`: ready unless the store refuses this gateway (a configuration error, under any
+/// policy) or the store is down and the default or anonymous plan fails closed
+/// ([`crate::config::Config::unready_without_store`]). The body lists every plan's policy and
+/// whether its clients are served while the store is down.
 async fn readyz(State(state): State<AdminState>) -> Response {
     let runtime = state.gateway.current();
     // A store that refuses this gateway (a wrong password) is a configuration error, not an
@@ -99,23 +103,36 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         None | Some(BreakerState::Closed) => true,
         Some(BreakerState::Open | BreakerState::HalfOpen) => false,
     };
-    // A failure policy that serves (open, local) keeps the gateway ready without its store.
-    let serves_anyway = runtime.config.on_store_error != FailurePolicy::Closed;
-    if store_ok || serves_anyway {
-        (
-            StatusCode::OK,
-            Json(
-                json!({"status": "ready", "version": runtime.version, "store_reachable": store_ok}),
-            ),
-        )
-            .into_response()
+    let config = &runtime.config;
+    let mut names: Vec<&String> = config.plans.keys().collect();
+    names.sort();
+    let plans: serde_json::Map<String, serde_json::Value> = names
+        .into_iter()
+        .map(|name| {
+            let policy = config.store_error_policy(name);
+            let serving = store_ok || policy != FailurePolicy::Closed;
+            (
+                name.clone(),
+                json!({"on_store_error": policy.as_str(), "serving": serving}),
+            )
+        })
+        .collect();
+    let ready = store_ok || !config.unready_without_store();
+    let (status, label) = if ready {
+        (StatusCode::OK, "ready")
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "store_unavailable"})),
-        )
-            .into_response()
-    }
+        (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+    };
+    (
+        status,
+        Json(json!({
+            "status": label,
+            "version": runtime.version,
+            "store_reachable": store_ok,
+            "plans": plans,
+        })),
+    )
+        .into_response()
 }
 
 async fn metrics(State(state): State<AdminState>) -> Response {

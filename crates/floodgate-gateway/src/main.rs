@@ -349,11 +349,12 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         ticks.tick().await;
         loop {
             ticks.tick().await;
-            let (ratio, anomaly) = baseline.tick();
-            board.record_anomaly(anomaly);
-            if anomaly {
+            let interval = baseline.tick();
+            board.record_anomaly(interval.anomaly);
+            if interval.anomaly {
                 tracing::warn!(
-                    limited_ratio = ratio,
+                    limited_ratio = interval.ratio,
+                    decisions = interval.decisions,
                     "429 rate is more than 2σ from its trailing baseline"
                 );
             }

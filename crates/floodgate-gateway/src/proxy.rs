@@ -98,6 +98,11 @@ pub fn use_thread_local_upstream_pool() {
 }
 
 impl UpstreamClients {
+    /// Whether `self` and `other` are one client (clones of one build).
+    pub fn is(&self, other: &UpstreamClients) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Whether a request to `upstream` on the calling thread goes over the worker's own
     /// HTTP/1.1 connections ([`crate::pool`]): on a `per_core` worker, to a plain-`http`
     /// upstream, unless `upstream_protocol: http2` asks for h2c.

@@ -1,9 +1,12 @@
 //! One configuration version in service, and the swap to the next (SPEC §5 hot reload).
 //!
-//! Each version owns its limit plan and one rate limit service per plan (a plan may override
-//! the failure policy). The store outlives versions as long as its settings do not change, so
-//! counters survive a reload; requests in flight keep the version they started with, since
-//! they hold an `Arc` to it while the next one is swapped in through `arc-swap`.
+//! Each version owns everything a request or an operator reaches through it: its limit plan,
+//! one rate limit service per plan (a plan may override the failure policy), the store and the
+//! upstream client. A reload builds all of a new version first and then puts it in service in
+//! one `arc-swap` store, so that a version that cannot be built changes nothing. The store and
+//! the client pass from version to version as long as their settings do not change, so counters
+//! survive a reload; requests in flight keep the version they started with, since they hold an
+//! `Arc` to it.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -24,7 +27,7 @@ use hyper::body::Incoming;
 use tower::{Layer, ServiceExt};
 
 use crate::client::{Resolution, ResolvedClient, resolve};
-use crate::config::{self, Config, StoreSettings};
+use crate::config::{self, Config};
 use crate::error::GatewayError;
 use crate::plan::GatewayPlan;
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients, upstream_client};
@@ -41,8 +44,20 @@ pub struct Runtime {
     pub loaded_at: SystemTime,
     /// The configuration.
     pub config: Arc<Config>,
+    /// The store this version decides with (the admin API, readiness, the RLS service and the
+    /// shutdown flush use it too).
+    store: Arc<dyn Store>,
+    /// The upstream client and the settings it was built from.
+    client: (ClientSettings, UpstreamClients),
     services: HashMap<String, RateLimit<Proxy>>,
     fallback_service: RateLimit<Proxy>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A test seam: the next [`Runtime::build`] on this thread fails, as a build can only after
+    /// its inputs were validated (no configuration file reaches it).
+    static FAIL_NEXT_BUILD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 impl Runtime {
@@ -50,10 +65,14 @@ impl Runtime {
         version: u64,
         config: Arc<Config>,
         store: Arc<dyn Store>,
-        client: UpstreamClients,
+        client: (ClientSettings, UpstreamClients),
         observers: &Observers,
     ) -> Result<Runtime, GatewayError> {
-        let proxy = Proxy::new(client, config.clone());
+        #[cfg(test)]
+        if FAIL_NEXT_BUILD.with(|fail| fail.replace(false)) {
+            return Err(GatewayError::Layer(floodgate::BuildError::NoLimits));
+        }
+        let proxy = Proxy::new(client.1.clone(), config.clone());
         let make =
             |policy: FailurePolicy, rollout: &Rollout| -> Result<RateLimit<Proxy>, GatewayError> {
                 let routes = config.clone();
@@ -97,7 +116,14 @@ impl Runtime {
             fallback_service: make(config.on_store_error, &config.rollout)?,
             services,
             config,
+            store,
+            client,
         })
+    }
+
+    /// The store this version decides with.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
     }
 
     /// Serves one request under this version.
@@ -214,10 +240,9 @@ pub struct Gateway {
     pub observers: Observers,
     current: ArcSwap<Runtime>,
     config_path: PathBuf,
-    store: Mutex<(StoreSettings, Arc<dyn Store>)>,
-    client: Mutex<(ClientSettings, UpstreamClients)>,
     /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
-    /// counts) only when the file says something else.
+    /// counts) only when the file says something else. Held through a reload, so that reloads
+    /// from the watcher, SIGHUP and the admin API take turns.
     last_seen: Mutex<String>,
 }
 
@@ -250,14 +275,12 @@ impl Gateway {
         let client_settings = ClientSettings::of(&config);
         let client = upstream_client(&client_settings)?;
         let observers = Observers::default();
-        let runtime = Runtime::build(1, config.clone(), store.clone(), client.clone(), &observers)?;
+        let runtime = Runtime::build(1, config, store, (client_settings, client), &observers)?;
         metrics::gauge!("floodgate_config_version").set(1.0);
         Ok(Arc::new(Gateway {
             observers,
             current: ArcSwap::from_pointee(runtime),
             config_path: config_path.to_owned(),
-            store: Mutex::new((config.store.clone(), store)),
-            client: Mutex::new((client_settings, client)),
             last_seen: Mutex::new(text),
         }))
     }
@@ -283,13 +306,9 @@ impl Gateway {
         }
     }
 
-    /// The store in service.
+    /// The store of the version in service.
     pub fn store(&self) -> Arc<dyn Store> {
-        self.store
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .1
-            .clone()
+        self.current().store.clone()
     }
 
     /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed` (the
@@ -359,33 +378,28 @@ impl Gateway {
         {
             tracing::warn!("listen and admin.listen changes take effect on restart only");
         }
-        let store = {
-            let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
-            if !builds_the_same_store(&store.0, &config.store) {
-                // New store settings: a new store (counters start afresh only then).
-                let replaced = std::mem::replace(
-                    &mut *store,
-                    (config.store.clone(), build_store(&config.store)?),
-                );
-                flush_in_background(replaced.1);
-            } else {
-                store.0 = config.store.clone();
-            }
-            store.1.clone()
+        // Everything the version needs is built before anything is put in service: a step that
+        // fails leaves the version in service, its store and its client as they were.
+        let replaced_store = !builds_the_same_store(&current.config.store, &config.store);
+        let store = if replaced_store {
+            // New store settings: a new store (counters start afresh only then).
+            build_store(&config.store)?
+        } else {
+            current.store.clone()
         };
-        let client = {
-            let mut client = self.client.lock().unwrap_or_else(PoisonError::into_inner);
-            let settings = ClientSettings::of(&config);
-            if client.0 != settings {
-                // New TLS settings or protocol: a new pool (connections in use finish on the old).
-                let built = upstream_client(&settings)?;
-                *client = (settings, built);
-            }
-            client.1.clone()
+        let settings = ClientSettings::of(&config);
+        let client = if current.client.0 == settings {
+            current.client.1.clone()
+        } else {
+            // New TLS settings or protocol: a new pool (connections in use finish on the old).
+            upstream_client(&settings)?
         };
         let version = current.version + 1;
-        let runtime = Runtime::build(version, config, store, client, &self.observers)?;
+        let runtime = Runtime::build(version, config, store, (settings, client), &self.observers)?;
         self.current.store(Arc::new(runtime));
+        if replaced_store {
+            flush_in_background(current.store.clone());
+        }
         metrics::gauge!("floodgate_config_version").set(version as f64);
         Ok(Some(version))
     }
@@ -419,4 +433,64 @@ pub async fn handle(
 ) -> Result<Response<GatewayBody>, Infallible> {
     let runtime = gateway.current();
     Ok(runtime.handle(request).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_file(rest: &str) -> String {
+        format!(
+            "listen: \"127.0.0.1:0\"\nadmin:\n  listen: \"127.0.0.1:0\"\nupstream: \"http://127.0.0.1:9\"\n\
+             plans:\n  free: {{}}\n  anonymous:\n    limits: [ {{ name: m, algorithm: fixed_window, limit: 5, window: 60s }} ]\n{rest}"
+        )
+    }
+
+    /// A reload whose last step fails leaves the store, the upstream client and the version in
+    /// service as they were. Before, the new store (and client) were put in service first: a
+    /// version that then failed to build left requests on the old store while the admin API,
+    /// `/readyz`, the RLS service and the shutdown flush used the rejected one's.
+    #[tokio::test]
+    async fn a_reload_that_fails_to_build_changes_nothing() {
+        let directory = std::env::temp_dir().join(format!(
+            "floodgate-runtime-test-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("floodgate.yaml");
+        std::fs::write(&path, config_file("")).unwrap();
+        let gateway = Gateway::start(&path).unwrap();
+        let before = gateway.current();
+
+        // New store settings and a new upstream protocol: a new store and a new client.
+        std::fs::write(
+            &path,
+            config_file(
+                "store:\n  backend: redis\n  url: \"redis://127.0.0.1:1\"\nupstream_protocol: http2\n",
+            ),
+        )
+        .unwrap();
+        FAIL_NEXT_BUILD.with(|fail| fail.set(true));
+        assert!(gateway.reload(false).is_err());
+
+        let after = gateway.current();
+        assert!(
+            Arc::ptr_eq(&before, &after),
+            "the version in service is kept"
+        );
+        assert_eq!(after.version, 1);
+        assert!(Arc::ptr_eq(&gateway.store(), &before.store));
+        assert_eq!(gateway.store().backend(), "memory");
+        assert!(after.client.1.is(&before.client.1));
+
+        // The same file, built this time: both are replaced together.
+        assert_eq!(gateway.reload(false).unwrap(), 2);
+        assert_eq!(gateway.store().backend(), "redis");
+        assert_eq!(
+            gateway.current().client.0.protocol,
+            config::UpstreamProtocol::Http2
+        );
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
 }

@@ -53,3 +53,79 @@ async fn a_wrong_redis_password_is_seen_at_start_on_readyz_and_in_the_breaker_lo
     );
     assert!(opened.to_lowercase().contains("authentication"), "{opened}");
 }
+
+/// The store down, readiness by plan (SPEC §7 `/readyz`): a gateway is unready when the plan of
+/// clients it cannot name beforehand (the default or the anonymous plan) fails closed, and stays
+/// ready when only a plan of named keys does; the body lists every plan's state either way.
+/// Before, `/readyz` read the top-level `on_store_error` alone: the first gateway below was 503
+/// while every default and anonymous client was served, the second 200 while they all got 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_plans_that_take_unnamed_clients() {
+    let mut redis = redis_support::RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  breaker: {{ failures: 1, open_for: 60s }}\n",
+        redis.url()
+    );
+    let limits = "limits: [ { name: m, algorithm: fixed_window, limit: 100, window: 60s } ]";
+    // A closed plan for one partner key; the default and anonymous plans serve without a store.
+    let closed_partner = format!(
+        "{store}on_store_error: closed\nclients:\n  api_keys: {{ \"partner\": strict }}\nplans:\n  free: {{ on_store_error: open, {limits} }}\n  anonymous: {{ on_store_error: local, {limits} }}\n  strict: {{ {limits} }}\n"
+    );
+    // The reverse: the default plan fails closed, a partner's plan serves.
+    let closed_default = format!(
+        "{store}on_store_error: open\nclients:\n  api_keys: {{ \"partner\": lenient }}\nplans:\n  free: {{ on_store_error: closed, {limits} }}\n  anonymous: {{ {limits} }}\n  lenient: {{ {limits} }}\n"
+    );
+    let directory = TempDir::new("readiness");
+    let mut gateways = Vec::new();
+    for (name, rest) in [("partner", &closed_partner), ("default", &closed_default)] {
+        let (listen, admin) = addresses();
+        let path = directory.file(&format!("{name}.yaml"));
+        std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
+        gateways.push(Gateway::start(&path, listen, admin));
+    }
+    let client = client();
+    for gateway in &gateways {
+        let ready = get(&client, &gateway.admin_url("/readyz"), &[]).await;
+        assert_eq!(ready.status(), StatusCode::OK, "the store is up");
+    }
+
+    redis.kill();
+    let readiness = |gateway: &Gateway| {
+        let client = client.clone();
+        let url = gateway.admin_url("/readyz");
+        let request = gateway.url("/");
+        async move {
+            // Requests trip the breaker (one failure opens it); poll until readiness sees it.
+            let started = std::time::Instant::now();
+            loop {
+                let _ = get(&client, &request, &[]).await;
+                let ready = get(&client, &url, &[]).await;
+                let body: serde_json::Value = serde_json::from_slice(ready.body()).unwrap();
+                if body["store_reachable"] == false {
+                    return (ready.status(), body);
+                }
+                assert!(
+                    started.elapsed() < std::time::Duration::from_secs(5),
+                    "the breaker never opened: {body}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
+    };
+
+    let (status, body) = readiness(&gateways[0]).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "ready");
+    assert_eq!(body["plans"]["strict"]["on_store_error"], "closed");
+    assert_eq!(body["plans"]["strict"]["serving"], false);
+    assert_eq!(body["plans"]["free"]["serving"], true);
+    assert_eq!(body["plans"]["anonymous"]["on_store_error"], "local");
+    assert_eq!(body["plans"]["anonymous"]["serving"], true);
+
+    let (status, body) = readiness(&gateways[1]).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["status"], "store_unavailable");
+    assert_eq!(body["plans"]["free"]["serving"], false);
+    assert_eq!(body["plans"]["lenient"]["serving"], true);
+}

@@ -200,12 +200,39 @@ pub const LIMITED_RATIO_ANOMALY: &str = "floodgate_limited_ratio_anomaly";
 /// The 429-rate baseline: decisions and denials are counted lock-free; every interval,
 /// [`LimitedRateBaseline::tick`] turns them into a ratio and compares it with the mean and
 /// standard deviation of the trailing intervals.
+///
+/// An interval with fewer than [`LimitedRateBaseline::MIN_DECISIONS`] decisions says nothing
+/// about the 429 share (no traffic at night, a handful of requests): it is neither an anomaly
+/// nor part of the baseline, so silence after a busy evening neither raises the alarm nor drags
+/// the baseline towards zero.
 #[derive(Debug)]
 pub struct LimitedRateBaseline {
     decisions: std::sync::atomic::AtomicU64,
     limited: std::sync::atomic::AtomicU64,
     history: std::sync::Mutex<std::collections::VecDeque<f64>>,
     window: usize,
+}
+
+/// What [`LimitedRateBaseline::tick`] made of the interval it closed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LimitedInterval {
+    /// Decisions in the interval.
+    pub decisions: u64,
+    /// Their 429 share, or `None` when they were too few to mean anything.
+    pub ratio: Option<f64>,
+    /// Whether the share is more than 2σ from the trailing baseline.
+    pub anomaly: bool,
+}
+
+/// The trailing baseline the next interval is compared with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BaselineSummary {
+    /// Intervals it holds.
+    pub intervals: usize,
+    /// Their mean 429 share.
+    pub mean: f64,
+    /// Their standard deviation.
+    pub deviation: f64,
 }
 
 impl Default for LimitedRateBaseline {
@@ -216,6 +243,10 @@ impl Default for LimitedRateBaseline {
 }
 
 impl LimitedRateBaseline {
+    /// Fewest decisions for an interval's 429 share to count (below it, one request more or
+    /// less moves the share by several percent).
+    pub const MIN_DECISIONS: u64 = 20;
+
     /// A baseline over `window` trailing intervals.
     pub fn new(window: usize) -> Self {
         LimitedRateBaseline {
@@ -234,41 +265,70 @@ impl LimitedRateBaseline {
         }
     }
 
-    /// Closes an interval: returns its limited ratio and whether it is an anomaly (more than
-    /// 2σ from the mean of the trailing intervals, with at least 5 of them), and sets the gauges.
-    pub fn tick(&self) -> (f64, bool) {
+    /// Closes an interval: its limited ratio and whether it is an anomaly (more than 2σ from
+    /// the mean of the trailing intervals, with at least 5 of them); sets the gauges. An
+    /// interval of too few decisions leaves the baseline as it was and is no anomaly.
+    pub fn tick(&self) -> LimitedInterval {
         let decisions = self.decisions.swap(0, Relaxed);
         let limited = self.limited.swap(0, Relaxed);
-        let ratio = if decisions == 0 {
-            0.0
-        } else {
-            limited as f64 / decisions as f64
-        };
+        if decisions < Self::MIN_DECISIONS {
+            metrics::gauge!(LIMITED_RATIO_ANOMALY).set(0.0);
+            return LimitedInterval {
+                decisions,
+                ratio: None,
+                anomaly: false,
+            };
+        }
+        let ratio = limited as f64 / decisions as f64;
         let mut history = self
             .history
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let anomaly = if history.len() >= 5 {
-            let n = history.len() as f64;
-            let mean = history.iter().sum::<f64>() / n;
-            let variance = history
-                .iter()
-                .map(|value| (value - mean).powi(2))
-                .sum::<f64>()
-                / n;
+        let anomaly = summarize(&history).is_some_and(|baseline| {
             // A floor on σ keeps a perfectly flat baseline from flagging noise.
-            (ratio - mean).abs() > 2.0 * variance.sqrt().max(0.005)
-        } else {
-            false
-        };
+            baseline.intervals >= 5
+                && (ratio - baseline.mean).abs() > 2.0 * baseline.deviation.max(0.005)
+        });
         history.push_back(ratio);
         while history.len() > self.window {
             history.pop_front();
         }
         metrics::gauge!(LIMITED_RATIO).set(ratio);
         metrics::gauge!(LIMITED_RATIO_ANOMALY).set(if anomaly { 1.0 } else { 0.0 });
-        (ratio, anomaly)
+        LimitedInterval {
+            decisions,
+            ratio: Some(ratio),
+            anomaly,
+        }
     }
+
+    /// The trailing baseline as it stands (`None` before the first interval that counted).
+    pub fn summary(&self) -> Option<BaselineSummary> {
+        summarize(
+            &self
+                .history
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+}
+
+fn summarize(history: &std::collections::VecDeque<f64>) -> Option<BaselineSummary> {
+    if history.is_empty() {
+        return None;
+    }
+    let n = history.len() as f64;
+    let mean = history.iter().sum::<f64>() / n;
+    let variance = history
+        .iter()
+        .map(|value| (value - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    Some(BaselineSummary {
+        intervals: history.len(),
+        mean,
+        deviation: variance.sqrt(),
+    })
 }
 
 /// `floodgate_unidentified_requests_total`: requests whose client could not be identified.
@@ -382,13 +442,39 @@ mod tests {
                 // 1% to 2% limited, varying a little.
                 baseline.record(request % 100 < 1 + interval % 2);
             }
-            assert!(!baseline.tick().1, "steady traffic is no anomaly");
+            assert!(!baseline.tick().anomaly, "steady traffic is no anomaly");
         }
         for request in 0..1000 {
             baseline.record(request % 100 < 30);
         }
-        let (ratio, anomaly) = baseline.tick();
-        assert!((ratio - 0.30).abs() < 1e-9);
-        assert!(anomaly, "30% limited against a 1-2% baseline");
+        let interval = baseline.tick();
+        assert!((interval.ratio.unwrap() - 0.30).abs() < 1e-9);
+        assert!(interval.anomaly, "30% limited against a 1-2% baseline");
+    }
+
+    /// Traffic with 429s, then silence (every night): the silent intervals are no anomaly, and
+    /// the baseline afterwards is the one before them. Before, an interval without decisions
+    /// was a 429 share of 0.0, flagged against a baseline of 20% and pushed into it.
+    #[test]
+    fn silence_after_traffic_is_no_anomaly_and_leaves_the_baseline() {
+        let baseline = LimitedRateBaseline::new(30);
+        for interval in 0..10 {
+            for request in 0..500 {
+                baseline.record(request % 100 < 19 + interval % 3);
+            }
+            assert!(!baseline.tick().anomaly);
+        }
+        let before = baseline.summary().expect("a baseline");
+        for _ in 0..20 {
+            let silent = baseline.tick();
+            assert!(!silent.anomaly, "an interval without traffic is no anomaly");
+            assert_eq!(silent.ratio, None);
+        }
+        // A handful of decisions, all limited, says nothing either.
+        for _ in 0..LimitedRateBaseline::MIN_DECISIONS - 1 {
+            baseline.record(true);
+        }
+        assert!(!baseline.tick().anomaly);
+        assert_eq!(baseline.summary(), Some(before));
     }
 }

@@ -561,6 +561,60 @@ async fn the_key_table_is_bounded() {
     );
 }
 
+/// Identities rotating at the key cap, two new keys per request (a per-IP and a plan limit):
+/// a request refused at the cap by its second key must not leave its first key's slot behind.
+/// Such slots had no fetch to finish them, no sync round dropped them and no reset cleared
+/// them, so every rotation near the cap added some until the cap was made of them and every
+/// new client met the failure policy for good.
+#[tokio::test]
+async fn keys_refused_at_the_cap_leave_no_slot_behind() {
+    let server = RedisServer::start();
+    let node = BatchedStore::builder(redis(&server))
+        .sync_interval(Duration::from_secs(3600))
+        .idle_after(Duration::from_secs(3600))
+        .max_keys(5)
+        .build();
+    let per_ip = Arc::new(Limit::fixed_window("ip", 100, secs(60)).unwrap());
+    let plan = Arc::new(Limit::fixed_window("plan", 100, secs(60)).unwrap());
+    let request = |identity: &str| {
+        vec![
+            Check::new(format!("fgtest:{{ip:{identity}}}:ip:ip"), per_ip.clone(), 1),
+            Check::new(
+                format!("fgtest:{{key:{identity}}}:plan:plan"),
+                plan.clone(),
+                1,
+            ),
+        ]
+    };
+    let mut refused = 0;
+    for round in 0..5 {
+        for client in 0..3 {
+            match node
+                .check_and_consume(&request(&format!("r{round}c{client}")), None)
+                .await
+            {
+                Ok(decision) => assert!(decision.is_allowed()),
+                Err(StoreError::Unavailable(_)) => refused += 1,
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        // Idle: one round sends what was admitted, the next forgets the idle keys.
+        for _ in 0..3 {
+            node.sync_now(None).await.unwrap();
+        }
+    }
+    assert!(
+        refused >= 5,
+        "the cap was reached in every round ({refused} refusals)"
+    );
+    assert_eq!(node.stats().keys, 0, "every key went idle and was dropped");
+    let newcomer = node.check_and_consume(&request("newcomer"), None).await;
+    assert!(
+        newcomer.as_ref().is_ok_and(Decision::is_allowed),
+        "{newcomer:?}"
+    );
+}
+
 /// SPEC §3 in batched mode: units a node admitted under a limit's old algorithm, not yet sent
 /// when the algorithm changes under the same name, belong to the old state, which the new
 /// algorithm does not take over: they are not charged to it.

@@ -113,6 +113,25 @@ pub use floodgate::api_key_digest as key_digest;
 pub use floodgate::store::redact_url;
 
 impl Config {
+    /// The failure policy of `plan`'s clients: its own `on_store_error`, else the top-level one.
+    pub fn store_error_policy(&self, plan: &str) -> FailurePolicy {
+        self.plans
+            .get(plan)
+            .and_then(|plan| plan.on_store_error)
+            .unwrap_or(self.on_store_error)
+    }
+
+    /// Whether the gateway should leave its load balancer's pool while the store is down:
+    /// when the plan of clients it knows nothing of beforehand (`default_plan`, for keys and
+    /// users, or `anonymous_plan`, for IP-only clients) fails closed. A closed plan of named
+    /// keys alone does not: its clients get 503 per request, and leaving the pool would take
+    /// every other client's traffic with it (SPEC §7 `/readyz`).
+    pub fn unready_without_store(&self) -> bool {
+        [&self.default_plan, &self.anonymous_plan]
+            .into_iter()
+            .any(|plan| self.store_error_policy(plan) == FailurePolicy::Closed)
+    }
+
     /// Settings that are valid but probably not what a deployment wants: `floodgate check`
     /// prints them and `serve` logs them at start.
     pub fn warnings(&self, admin_token_set: bool) -> Vec<String> {

@@ -462,16 +462,20 @@ impl<T: SyncTarget> Shared<T> {
             .collect();
         let mut guards = LockedShards::lock(&self.shards, &check_shards);
 
-        let mut fetch = Vec::new();
+        // Refused before any slot is taken, so that a refusal leaves nothing behind.
+        if let Some(check) = checks
+            .iter()
+            .find(|check| !supports(check.limit.algorithm()))
+        {
+            return Err(StoreError::Protocol(format!(
+                "{} limit {:?} cannot run batched",
+                check.limit.algorithm().as_str(),
+                check.limit.name()
+            )));
+        }
+        let mut fetch: Vec<(usize, watch::Sender<bool>)> = Vec::new();
         let mut wait = Vec::new();
         for (index, check) in checks.iter().enumerate() {
-            if !supports(check.limit.algorithm()) {
-                return Err(StoreError::Protocol(format!(
-                    "{} limit {:?} cannot run batched",
-                    check.limit.algorithm().as_str(),
-                    check.limit.name()
-                )));
-            }
             let shard = guards.get(check_shards[index]);
             let slot = shard.get(&*check.key);
             match slot {
@@ -484,6 +488,12 @@ impl<T: SyncTarget> Shared<T> {
                 Some(Slot::Fetching(_)) => {}
                 None => {
                     if self.keys.load(Ordering::Relaxed) >= self.max_keys {
+                        // The slots this request already took for its earlier keys would have
+                        // no fetch behind them: give them up (each was counted once).
+                        for (taken, _sender) in fetch {
+                            guards.get(check_shards[taken]).remove(&*checks[taken].key);
+                            self.keys.fetch_sub(1, Ordering::Relaxed);
+                        }
                         return Err(StoreError::Unavailable(
                             format!("batched store holds its maximum of {} keys", self.max_keys)
                                 .into(),
@@ -601,8 +611,18 @@ impl<T: SyncTarget> Shared<T> {
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             shard.retain(|key, slot| {
-                let Slot::Ready(entry) = slot else {
-                    return true;
+                let entry = match slot {
+                    Slot::Ready(entry) => entry,
+                    // A fetch in progress stays; one whose fetcher is gone without giving its
+                    // slot up (it cannot happen by the paths above, and must not pile up if
+                    // it ever does) goes with its count.
+                    Slot::Fetching(receiver) => {
+                        let abandoned = receiver.has_changed().is_err();
+                        if abandoned {
+                            self.keys.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        return !abandoned;
+                    }
                 };
                 if entry.pending == 0 && entry.idle_rounds >= self.idle_rounds {
                     self.keys.fetch_sub(1, Ordering::Relaxed);
