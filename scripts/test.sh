@@ -24,6 +24,8 @@ need_package redis-server redis-server
 need_package redis-cli redis-tools
 # The status page test loads the page in a real (headless) browser.
 need_package chromium chromium
+# The alert rules are evaluated by Prometheus's own rule tester.
+need_package promtool prometheus
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -34,4 +36,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc -p floodgate --no-deps --locked --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p floodgate-gateway --lib --no-deps --locked --quiet
 # The crate as crates.io would get it: self-contained (the Lua scripts live in it), and it builds.
 cargo package -p floodgate --locked --allow-dirty --quiet
+# The alert rules parse, and fire (or stay silent) as their unit tests say.
+promtool check rules deploy/prometheus/alerts.yml
+promtool test rules deploy/prometheus/alerts_test.yml
 cargo test --workspace --locked

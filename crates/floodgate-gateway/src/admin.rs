@@ -201,7 +201,7 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
             .collect()
     };
     Json(json!({
-        "window_seconds": 300,
+        "window_seconds": floodgate::TopClients::WINDOW.as_secs(),
         "by_denials": render(by_denials),
         "by_closeness": render(by_closeness),
     }))
@@ -372,7 +372,7 @@ async fn reset_client(
         caller,
         "client counters reset through the admin API"
     );
-    metrics::counter!("floodgate_admin_resets_total").increment(1);
+    metrics::counter!(crate::telemetry::ADMIN_RESETS_TOTAL).increment(1);
     let reset: Vec<serde_json::Value> = selected
         .checks
         .iter()

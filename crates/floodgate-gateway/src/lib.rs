@@ -17,5 +17,6 @@ pub mod runtime;
 pub mod server;
 pub mod status;
 pub mod stores;
+pub mod telemetry;
 pub mod tls;
 pub mod watch;

@@ -169,64 +169,6 @@ fn rls_dir(config_path: &std::path::Path, rls: &config::RlsSettings) -> PathBuf 
     }
 }
 
-/// `# HELP` and units for the gateway's own metrics (the library describes its own).
-fn describe_gateway_metrics() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(
-        "floodgate_config_reloads_total",
-        "Configuration reloads, by result (success, failure)"
-    );
-    describe_gauge!(
-        "floodgate_config_version",
-        "Version of the configuration in service"
-    );
-    describe_counter!(
-        "floodgate_upstream_requests_total",
-        "Upstream answers by status (502 and 504 are the gateway's own)"
-    );
-    describe_histogram!(
-        "floodgate_upstream_duration_seconds",
-        Unit::Seconds,
-        "Time until the upstream's response head"
-    );
-    describe_counter!(
-        "floodgate_admin_resets_total",
-        "Clients whose counters an operator reset (DELETE /admin/clients)"
-    );
-    describe_counter!(
-        "floodgate_rejected_requests_total",
-        "Requests refused before any limit, by reason (bad host, path, unknown API key, ...)"
-    );
-    describe_counter!(
-        "floodgate_client_errors_total",
-        "Request bodies the client broke (malformed_body) or stalled (body_timeout)"
-    );
-    describe_counter!(
-        "floodgate_connections_closed_total",
-        "Client connections closed by the gateway, by reason (header_timeout, idle_timeout)"
-    );
-    describe_counter!(
-        "floodgate_connections_at_limit_total",
-        "Times the accept loop waited for a slot under server.max_connections"
-    );
-    describe_counter!(
-        "floodgate_accept_errors_total",
-        "Failed accepts (descriptor exhaustion, mostly)"
-    );
-    describe_counter!(
-        "floodgate_tls_reloads_total",
-        "Listener certificate reloads, by result"
-    );
-    describe_counter!(
-        rls::reload::RLS_RELOADS_TOTAL,
-        "Reloads of the rate limit service's domain directory, by result"
-    );
-    describe_counter!(
-        "floodgate_tls_handshake_failures_total",
-        "Client TLS handshakes that failed"
-    );
-}
-
 /// How often the listener's certificate files are checked for a change.
 const CERTIFICATE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -264,8 +206,7 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         .map_err(|error| GatewayError::Metrics(error.to_string()))?
         .install_recorder()
         .map_err(|error| GatewayError::Metrics(error.to_string()))?;
-    floodgate::telemetry::describe_metrics();
-    describe_gateway_metrics();
+    floodgate_gateway::telemetry::describe_all();
     // The recorder keeps histogram samples until upkeep folds them in: without it, memory and
     // the cost of every record grow with the traffic.
     let upkeep = metrics.clone();

@@ -326,7 +326,7 @@ impl UpstreamMetrics {
     fn status(&self, status: StatusCode) -> &metrics::Counter {
         let index = usize::from(status.as_u16()).saturating_sub(100).min(499);
         self.by_status[index].get_or_init(|| {
-            metrics::counter!("floodgate_upstream_requests_total", "status" => status.as_str().to_owned())
+            metrics::counter!(crate::telemetry::UPSTREAM_REQUESTS_TOTAL, "status" => status.as_str().to_owned())
         })
     }
 }
@@ -336,7 +336,7 @@ impl UpstreamMetrics {
 fn upstream_metrics() -> &'static UpstreamMetrics {
     static METRICS: std::sync::OnceLock<UpstreamMetrics> = std::sync::OnceLock::new();
     METRICS.get_or_init(|| UpstreamMetrics {
-        duration: metrics::histogram!("floodgate_upstream_duration_seconds"),
+        duration: metrics::histogram!(crate::telemetry::UPSTREAM_DURATION_SECONDS),
         by_status: [const { std::sync::OnceLock::new() }; 500],
     })
 }
@@ -373,7 +373,7 @@ fn client_fault_response(fault: ClientFault) -> Response<ProxyBody> {
         ClientFault::Malformed => (StatusCode::BAD_REQUEST, "bad_request", "malformed_body"),
     };
     tracing::debug!(kind, "request body failed on the client's side");
-    metrics::counter!("floodgate_client_errors_total", "kind" => kind).increment(1);
+    metrics::counter!(crate::telemetry::CLIENT_ERRORS_TOTAL, "kind" => kind).increment(1);
     let mut response = error_response(status, error);
     // The rest of the body is unread: the connection cannot carry another request.
     response

@@ -129,7 +129,7 @@ impl Runtime {
     /// Serves one request under this version.
     pub async fn handle(&self, mut request: Request<Incoming>) -> Response<GatewayBody> {
         if let Err(rejection) = crate::head::check(&request) {
-            metrics::counter!("floodgate_rejected_requests_total", "reason" => rejection.reason())
+            metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
                 .increment(1);
             return json_error(rejection.status(), rejection.reason());
         }
@@ -142,7 +142,7 @@ impl Runtime {
                     crate::path::PathError::AboveRoot => "path_above_root",
                     crate::path::PathError::BadEscape => "path_bad_escape",
                 };
-                metrics::counter!("floodgate_rejected_requests_total", "reason" => reason)
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => reason)
                     .increment(1);
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }
@@ -158,7 +158,7 @@ impl Runtime {
                 return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
             }
             Resolution::UnknownKey => {
-                metrics::counter!("floodgate_rejected_requests_total", "reason" => "unknown_api_key")
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
                     .increment(1);
                 return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
             }
@@ -276,7 +276,7 @@ impl Gateway {
         let client = upstream_client(&client_settings)?;
         let observers = Observers::default();
         let runtime = Runtime::build(1, config, store, (client_settings, client), &observers)?;
-        metrics::gauge!("floodgate_config_version").set(1.0);
+        metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(1.0);
         Ok(Arc::new(Gateway {
             observers,
             current: ArcSwap::from_pointee(runtime),
@@ -330,7 +330,7 @@ impl Gateway {
                 self.observers.status.record_reload_error(error.to_string());
             }
         }
-        metrics::counter!("floodgate_config_reloads_total", "result" => label).increment(1);
+        metrics::counter!(crate::telemetry::CONFIG_RELOADS_TOTAL, "result" => label).increment(1);
         result
     }
 
@@ -400,7 +400,7 @@ impl Gateway {
         if replaced_store {
             flush_in_background(current.store.clone());
         }
-        metrics::gauge!("floodgate_config_version").set(version as f64);
+        metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(version as f64);
         Ok(Some(version))
     }
 }

@@ -214,7 +214,7 @@ async fn take_permit(
     if let Ok(permit) = permits.clone().try_acquire_owned() {
         return Some(permit);
     }
-    metrics::counter!("floodgate_connections_at_limit_total").increment(1);
+    metrics::counter!(crate::telemetry::CONNECTIONS_AT_LIMIT_TOTAL).increment(1);
     at_capacity.warn(|suppressed| {
         tracing::warn!(
             max_connections,
@@ -273,7 +273,7 @@ async fn accept_loop(
                     // EMFILE/ENFILE and the like persist until a descriptor is freed: retrying
                     // at once would spin a core and flood the log.
                     backoff = (backoff * 2).clamp(Duration::from_millis(5), MAX_ACCEPT_BACKOFF);
-                    metrics::counter!("floodgate_accept_errors_total").increment(1);
+                    metrics::counter!(crate::telemetry::ACCEPT_ERRORS_TOTAL).increment(1);
                     accept_errors.warn(|suppressed| {
                         tracing::warn!(%error, suppressed, retry_in = ?backoff, "accept failed")
                     });
@@ -378,12 +378,12 @@ fn serve_connection(
         let stream = match handshake.await {
             Ok(Ok(stream)) => stream,
             Ok(Err(error)) => {
-                metrics::counter!("floodgate_tls_handshake_failures_total").increment(1);
+                metrics::counter!(crate::telemetry::TLS_HANDSHAKE_FAILURES_TOTAL).increment(1);
                 tracing::debug!(%error, %peer, "TLS handshake failed");
                 return;
             }
             Err(_) => {
-                metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
+                metrics::counter!(crate::telemetry::CONNECTIONS_CLOSED_TOTAL, "reason" => "header_timeout").increment(1);
                 return;
             }
         };
@@ -411,12 +411,12 @@ async fn watch_deadlines<E: std::fmt::Display>(
             }
             () = tokio::time::sleep_until(deadline) => {
                 if !activity.has_seen_request() {
-                    metrics::counter!("floodgate_connections_closed_total", "reason" => "header_timeout").increment(1);
+                    metrics::counter!(crate::telemetry::CONNECTIONS_CLOSED_TOTAL, "reason" => "header_timeout").increment(1);
                     return;
                 }
                 let next = activity.last() + limits.idle_timeout;
                 if next <= Instant::now() {
-                    metrics::counter!("floodgate_connections_closed_total", "reason" => "idle_timeout").increment(1);
+                    metrics::counter!(crate::telemetry::CONNECTIONS_CLOSED_TOTAL, "reason" => "idle_timeout").increment(1);
                     return;
                 }
                 deadline = next;

@@ -239,13 +239,13 @@ impl ReloadingCertificate {
         match load_pair(&self.cert_path, &self.key_path) {
             Ok(pair) => {
                 self.current.store(Arc::new(pair));
-                metrics::counter!("floodgate_tls_reloads_total", "result" => "success")
+                metrics::counter!(crate::telemetry::TLS_RELOADS_TOTAL, "result" => "success")
                     .increment(1);
                 tracing::info!(cert = %self.cert_path.display(), "listener certificate reloaded");
                 true
             }
             Err(error) => {
-                metrics::counter!("floodgate_tls_reloads_total", "result" => "failure")
+                metrics::counter!(crate::telemetry::TLS_RELOADS_TOTAL, "result" => "failure")
                     .increment(1);
                 tracing::error!(%error, "new listener certificate rejected; the previous one stays");
                 false

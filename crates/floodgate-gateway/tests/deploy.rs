@@ -135,6 +135,30 @@ fn the_dashboard_and_alerts_use_metrics_that_exist() {
         dashboard.contains("shadow_limited"),
         "shadow would-blocks panel"
     );
+    // Every metric either file names is one the code records (a renamed metric would leave an
+    // alert that never fires, or an empty panel). promtool evaluates the rules themselves.
+    let known: std::collections::HashSet<&str> = telemetry::METRICS
+        .iter()
+        .chain(floodgate_gateway::telemetry::GATEWAY_METRICS)
+        .map(|metric| metric.name)
+        .collect();
+    for (file, text) in [("alerts.yml", &alerts), ("dashboard", &dashboard)] {
+        for (start, _) in text.match_indices("floodgate_") {
+            let name: String = text[start..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .filter(|base| known.contains(base))
+                .unwrap_or(&name);
+            assert!(
+                known.contains(family),
+                "{file} uses `{name}`, which nothing records"
+            );
+        }
+    }
 }
 
 #[test]

@@ -340,56 +340,127 @@ pub const CHECK_DURATION_BUCKETS: &[f64] = &[
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
-/// Gives every metric the library records its unit and `# HELP` text. Call it once after
-/// installing a recorder (the `prometheus` feature's `install_prometheus` does).
+/// What kind of series a metric is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution (`_bucket`, `_sum`, `_count`).
+    Histogram,
+}
+
+/// A metric's name, kind and `# HELP` text: one table per crate lists every metric it records,
+/// so that none goes undescribed.
+#[derive(Clone, Copy, Debug)]
+pub struct MetricDescription {
+    /// The Prometheus name.
+    pub name: &'static str,
+    /// Its kind.
+    pub kind: MetricKind,
+    /// Whether it measures seconds (its unit).
+    pub seconds: bool,
+    /// The `# HELP` text.
+    pub help: &'static str,
+}
+
+/// Every metric the library records.
+pub const METRICS: &[MetricDescription] = &[
+    MetricDescription {
+        name: DECISIONS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Rate limit decisions by rule, limit and outcome (allowed, limited, shadow_limited, bypassed, denylisted, fallback_allowed, fallback_limited)",
+    },
+    MetricDescription {
+        name: CHECK_DURATION_SECONDS,
+        kind: MetricKind::Histogram,
+        seconds: true,
+        help: "Time of one check-and-consume against the store, by store backend",
+    },
+    MetricDescription {
+        name: STORE_ERRORS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Store calls that failed, by kind",
+    },
+    MetricDescription {
+        name: BREAKER_STATE,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "The store's circuit breaker: 0 closed, 1 open, 2 half-open (the worst of its nodes)",
+    },
+    MetricDescription {
+        name: BATCHED_SYNCS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Batched-mode sync calls to the shared store, by result",
+    },
+    MetricDescription {
+        name: BATCHED_DROPPED_UNITS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Admitted units a batched node never delivered (older than their window when the store came back)",
+    },
+    MetricDescription {
+        name: NEAR_LIMIT_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Admitted requests with under 20% of their binding limit left, by rule and limit",
+    },
+    MetricDescription {
+        name: LIMITED_RATIO,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "Share of decisions answered 429 over the last interval",
+    },
+    MetricDescription {
+        name: LIMITED_RATIO_ANOMALY,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "1 while the 429 share is more than 2 sigma from its trailing 5-minute baseline",
+    },
+    MetricDescription {
+        name: POST_CHARGE_UNITS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Units charged after the response, from the cost it reported",
+    },
+    MetricDescription {
+        name: POST_CHARGE_SKIPPED_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Responses whose reported cost charged nothing more, by reason (missing, malformed, store_error)",
+    },
+    MetricDescription {
+        name: UNIDENTIFIED_REQUESTS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Requests whose client could not be identified (no API key, user or peer address)",
+    },
+];
+
+/// Registers the unit and `# HELP` text of each of `metrics` with the installed recorder.
+pub fn describe(metrics: &[MetricDescription]) {
+    metrics::with_recorder(|recorder| {
+        for metric in metrics {
+            let unit = metric.seconds.then_some(metrics::Unit::Seconds);
+            let key = metrics::KeyName::from_const_str(metric.name);
+            let help = metrics::SharedString::const_str(metric.help);
+            match metric.kind {
+                MetricKind::Counter => recorder.describe_counter(key, unit, help),
+                MetricKind::Gauge => recorder.describe_gauge(key, unit, help),
+                MetricKind::Histogram => recorder.describe_histogram(key, unit, help),
+            }
+        }
+    });
+}
+
+/// Gives every metric the library records its unit and `# HELP` text ([`METRICS`]). Call it
+/// once after installing a recorder (the `prometheus` feature's `install_prometheus` does).
 pub fn describe_metrics() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(
-        DECISIONS_TOTAL,
-        "Rate limit decisions by rule, limit and outcome (allowed, limited, shadow_limited, bypassed, denylisted, fallback_allowed, fallback_limited)"
-    );
-    describe_histogram!(
-        CHECK_DURATION_SECONDS,
-        Unit::Seconds,
-        "Time of one check-and-consume against the store, by store backend"
-    );
-    describe_counter!(STORE_ERRORS_TOTAL, "Store calls that failed, by kind");
-    describe_gauge!(
-        BREAKER_STATE,
-        "The store's circuit breaker: 0 closed, 1 open, 2 half-open (the worst of its nodes)"
-    );
-    describe_counter!(
-        BATCHED_SYNCS_TOTAL,
-        "Batched-mode sync calls to the shared store, by result"
-    );
-    describe_counter!(
-        BATCHED_DROPPED_UNITS_TOTAL,
-        "Admitted units a batched node never delivered (older than their window when the store came back)"
-    );
-    describe_counter!(
-        NEAR_LIMIT_TOTAL,
-        "Admitted requests with under 20% of their binding limit left, by rule and limit"
-    );
-    describe_gauge!(
-        LIMITED_RATIO,
-        "Share of decisions answered 429 over the last interval"
-    );
-    describe_gauge!(
-        LIMITED_RATIO_ANOMALY,
-        "1 while the 429 share is more than 2 sigma from its trailing 5-minute baseline"
-    );
-    describe_counter!(
-        POST_CHARGE_UNITS_TOTAL,
-        "Units charged after the response, from the cost it reported"
-    );
-    describe_counter!(
-        POST_CHARGE_SKIPPED_TOTAL,
-        "Responses whose reported cost charged nothing more, by reason (missing, malformed, store_error)"
-    );
-    describe_counter!(
-        UNIDENTIFIED_REQUESTS_TOTAL,
-        "Requests whose client could not be identified (no API key, user or peer address)"
-    );
+    describe(METRICS);
 }
 
 /// Installs a Prometheus recorder for this process with the check-duration buckets and the

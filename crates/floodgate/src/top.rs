@@ -57,6 +57,10 @@ impl Default for TopClients {
 }
 
 impl TopClients {
+    /// How far back the rankings look: the most recent one-minute slots.
+    pub const WINDOW: std::time::Duration =
+        std::time::Duration::from_secs(SLOTS as u64 * SLOT_SECONDS);
+
     /// A tracker keeping at most `capacity` identities per minute in each ranking.
     pub fn new(capacity: usize) -> Self {
         TopClients {

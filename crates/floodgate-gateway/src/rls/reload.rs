@@ -13,8 +13,7 @@ use tokio::time::timeout;
 use super::rules::{Rules, load_dir};
 use crate::config::ConfigErrors;
 
-/// `floodgate_rls_reloads_total{result}`: reloads of the domain directory (success, failure).
-pub const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
+use crate::telemetry::RLS_RELOADS_TOTAL;
 
 /// A burst of changes is over once the directory has been quiet this long.
 const SETTLE: Duration = Duration::from_millis(100);

@@ -1,0 +1,158 @@
+//! The gateway's own metrics (SPEC §8; the library's are in `floodgate::telemetry`): each name
+//! once, with its `# HELP` text in [`GATEWAY_METRICS`].
+
+use floodgate::telemetry::{MetricDescription, MetricKind};
+
+/// `floodgate_config_reloads_total{result}`: `success` or `failure`.
+pub const CONFIG_RELOADS_TOTAL: &str = "floodgate_config_reloads_total";
+/// `floodgate_config_version`: the version in service.
+pub const CONFIG_VERSION: &str = "floodgate_config_version";
+/// `floodgate_upstream_requests_total{status}`.
+pub const UPSTREAM_REQUESTS_TOTAL: &str = "floodgate_upstream_requests_total";
+/// `floodgate_upstream_duration_seconds`: until the upstream's response head.
+pub const UPSTREAM_DURATION_SECONDS: &str = "floodgate_upstream_duration_seconds";
+/// `floodgate_admin_resets_total`.
+pub const ADMIN_RESETS_TOTAL: &str = "floodgate_admin_resets_total";
+/// `floodgate_rejected_requests_total{reason}`: refused before any limit.
+pub const REJECTED_REQUESTS_TOTAL: &str = "floodgate_rejected_requests_total";
+/// `floodgate_client_errors_total{kind}`.
+pub const CLIENT_ERRORS_TOTAL: &str = "floodgate_client_errors_total";
+/// `floodgate_connections_closed_total{reason}`.
+pub const CONNECTIONS_CLOSED_TOTAL: &str = "floodgate_connections_closed_total";
+/// `floodgate_connections_at_limit_total`.
+pub const CONNECTIONS_AT_LIMIT_TOTAL: &str = "floodgate_connections_at_limit_total";
+/// `floodgate_accept_errors_total`.
+pub const ACCEPT_ERRORS_TOTAL: &str = "floodgate_accept_errors_total";
+/// `floodgate_tls_reloads_total{result}`.
+pub const TLS_RELOADS_TOTAL: &str = "floodgate_tls_reloads_total";
+/// `floodgate_tls_handshake_failures_total`.
+pub const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "floodgate_tls_handshake_failures_total";
+/// `floodgate_rls_reloads_total{result}`: reloads of the rate limit service's domain files.
+pub const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
+
+const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
+    MetricDescription {
+        name,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help,
+    }
+}
+
+/// Every metric the gateway records itself.
+pub const GATEWAY_METRICS: &[MetricDescription] = &[
+    counter(
+        CONFIG_RELOADS_TOTAL,
+        "Configuration reloads, by result (success, failure)",
+    ),
+    MetricDescription {
+        name: CONFIG_VERSION,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "Version of the configuration in service",
+    },
+    counter(
+        UPSTREAM_REQUESTS_TOTAL,
+        "Upstream answers by status (502 and 504 are the gateway's own)",
+    ),
+    MetricDescription {
+        name: UPSTREAM_DURATION_SECONDS,
+        kind: MetricKind::Histogram,
+        seconds: true,
+        help: "Time until the upstream's response head",
+    },
+    counter(
+        ADMIN_RESETS_TOTAL,
+        "Clients whose counters an operator reset (DELETE /admin/clients)",
+    ),
+    counter(
+        REJECTED_REQUESTS_TOTAL,
+        "Requests refused before any limit, by reason (bad host, path, unknown API key, ...)",
+    ),
+    counter(
+        CLIENT_ERRORS_TOTAL,
+        "Request bodies the client broke (malformed_body) or stalled (body_timeout)",
+    ),
+    counter(
+        CONNECTIONS_CLOSED_TOTAL,
+        "Client connections closed by the gateway, by reason (header_timeout, idle_timeout)",
+    ),
+    counter(
+        CONNECTIONS_AT_LIMIT_TOTAL,
+        "Times the accept loop waited for a slot under server.max_connections",
+    ),
+    counter(
+        ACCEPT_ERRORS_TOTAL,
+        "Failed accepts (descriptor exhaustion, mostly)",
+    ),
+    counter(TLS_RELOADS_TOTAL, "Listener certificate reloads, by result"),
+    counter(
+        TLS_HANDSHAKE_FAILURES_TOTAL,
+        "Client TLS handshakes that failed",
+    ),
+    counter(
+        RLS_RELOADS_TOTAL,
+        "Reloads of the rate limit service's domain directory, by result",
+    ),
+];
+
+/// Describes the library's metrics and the gateway's.
+pub fn describe_all() {
+    floodgate::telemetry::describe_metrics();
+    floodgate::telemetry::describe(GATEWAY_METRICS);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `"floodgate_…"` name written in the source of the library or the gateway is in
+    /// one of the two tables, so that every series `/metrics` can show has its `# HELP` (the
+    /// gateway's metrics test checks the rendered text of the series a run produces).
+    #[test]
+    fn every_metric_name_in_the_source_is_described() {
+        let described: std::collections::HashSet<&str> = floodgate::telemetry::METRICS
+            .iter()
+            .chain(GATEWAY_METRICS)
+            .map(|metric| metric.name)
+            .collect();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        for crate_dir in ["floodgate/src", "floodgate-gateway/src"] {
+            collect_rust_files(&root.join(crate_dir), &mut files);
+        }
+        assert!(files.len() > 40, "the sources were found");
+        let mut names = 0;
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (start, _) in text.match_indices("\"floodgate_") {
+                let name: String = text[start + 1..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if name == "floodgate_" {
+                    // This test's own search pattern.
+                    continue;
+                }
+                names += 1;
+                assert!(
+                    described.contains(name.as_str()),
+                    "{}: `{name}` is recorded but not in METRICS or GATEWAY_METRICS",
+                    file.display()
+                );
+            }
+        }
+        assert!(names >= described.len(), "every name was seen");
+    }
+
+    fn collect_rust_files(directory: &std::path::Path, files: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(directory).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                collect_rust_files(&path, files);
+            } else if path.extension().is_some_and(|extension| extension == "rs") {
+                files.push(path);
+            }
+        }
+    }
+}
