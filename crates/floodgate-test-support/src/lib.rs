@@ -182,10 +182,33 @@ impl RedisServer {
         command.query(&mut connection)
     }
 
-    /// Script calls (EVALSHA and EVAL) this server has run since its last `CONFIG RESETSTAT`.
+    /// A server whose `FUNCTION` command is disabled (`rename-command FUNCTION ""`).
+    pub fn without_functions() -> RedisServer {
+        RedisServer::start_with(|_| {
+            vec![
+                "--rename-command".to_owned(),
+                "FUNCTION".to_owned(),
+                String::new(),
+            ]
+        })
+    }
+
+    /// Calls of `command` (`evalsha`, `fcall`, ...) this server has run since its last
+    /// `CONFIG RESETSTAT`.
+    pub fn command_calls(&self, command: &str) -> u64 {
+        let info: String = self.command(&["INFO", "commandstats"]);
+        let stat = format!("cmdstat_{command}:");
+        info.lines()
+            .find(|line| line.starts_with(&stat))
+            .and_then(|line| line.split("calls=").nth(1)?.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Script and function calls (EVALSHA, EVAL, FCALL) this server has run since its last
+    /// `CONFIG RESETSTAT`.
     pub fn script_calls(&self) -> u64 {
         let info: String = self.command(&["INFO", "commandstats"]);
-        ["cmdstat_evalsha:", "cmdstat_eval:"]
+        ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
             .iter()
             .filter_map(|stat| info.lines().find(|line| line.starts_with(stat)))
             .filter_map(|line| {
@@ -466,6 +489,22 @@ impl ServedStore {
     /// not latency; the fault tests set their own).
     pub fn start() -> ServedStore {
         let server = RedisServer::start();
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("store");
+        ServedStore {
+            servers: vec![server],
+            store,
+        }
+    }
+}
+
+impl ServedStore {
+    /// A fresh server whose `FUNCTION` command is renamed away (as an operator may disable it),
+    /// and a store on it: the store must find out and decide by `EVALSHA`.
+    pub fn without_functions() -> ServedStore {
+        let server = RedisServer::without_functions();
         let store = RedisStore::builder(server.url())
             .timeout(Duration::from_secs(5))
             .build()

@@ -1,7 +1,7 @@
 //! Load generator for the Redis store benchmark (`bench/redis_store.sh`).
 //!
 //! ```text
-//! redis_bench script
+//! redis_bench script | library | function
 //! redis_bench URL throughput multiplexed|pool:N CALLERS SECONDS
 //! redis_bench URL latency    multiplexed|pool:N CALLERS SECONDS RATE
 //! redis_bench URL spread     multiplexed|pool:N CALLERS SECONDS
@@ -31,8 +31,18 @@ fn usage() -> ! {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("script") {
-        // The exact bytes of the script the store runs, for SCRIPT LOAD.
+        // The exact bytes of the script the store runs without functions, for SCRIPT LOAD.
         print!("{}", floodgate::store::redis::check_script_source());
+        return;
+    }
+    if args.first().map(String::as_str) == Some("library") {
+        // The function library the store loads, for FUNCTION LOAD.
+        print!("{}", floodgate::store::redis::function_library().0);
+        return;
+    }
+    if args.first().map(String::as_str) == Some("function") {
+        // The name of its check function, for FCALL.
+        print!("{}", floodgate::store::redis::function_library().1);
         return;
     }
     if args.len() < 5 {

@@ -3,7 +3,7 @@
 
 -- nil for a member of another shape (a log entry is "<at>:<cost>:<sequence>").
 local function parse_lease(member, expires_at)
-  local cost = string.match(member, '^%d+:(%d+)$')
+  local cost = match(member, '^%d+:(%d+)$')
   if not cost then
     return nil
   end
@@ -13,7 +13,7 @@ end
 ALGORITHMS.concurrency = {
   -- Only the live leases, earliest expiry first. Another algorithm's state reads as no
   -- leases, marked `foreign` (older members of any shape are trimmed by the next admission).
-  load = function(key, p, now)
+  load = function(key, now)
     local flat = read_own('ZRANGEBYSCORE', key, '(' .. format_int(now), '+inf', 'WITHSCORES')
     if not flat then
       return { foreign = true }
@@ -29,43 +29,43 @@ ALGORITHMS.concurrency = {
     return leases
   end,
 
-  evaluate = function(leases, p, now, cost)
+  evaluate = function(leases, _, _, limit, window, now, cost)
     local in_flight = 0
     local until_all_expired = 0
     for i = 1, #leases do
       in_flight = in_flight + leases[i].cost
       until_all_expired = max(until_all_expired, leases[i].expires_at - now)
     end
-    local remaining = max(0, p.limit - in_flight)
-    if cost > p.limit then
-      return never(remaining, until_all_expired)
+    local remaining = max(0, limit - in_flight)
+    if cost > limit then
+      return 0, remaining, until_all_expired, -1, 0
     end
     if cost <= remaining then
-      return allowed(remaining - cost, p.window)
+      return 1, remaining - cost, window, -1, 0
     end
     local freed = 0
     for i = 1, #leases do
       freed = freed + leases[i].cost
-      if in_flight - freed + cost <= p.limit then
-        return denied(remaining, until_all_expired, leases[i].expires_at - now)
+      if in_flight - freed + cost <= limit then
+        return 0, remaining, until_all_expired, leases[i].expires_at - now, 0
       end
     end
-    return denied(remaining, until_all_expired, until_all_expired)
+    return 0, remaining, until_all_expired, until_all_expired, 0
   end,
 
-  consume = function(key, leases, p, now, cost)
+  consume = function(key, leases, _, _, _, window, now, cost, token)
     if leases.foreign then
       clear_foreign(key)
     end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', format_int(now))
-    local member = p.lease .. ':' .. format_int(cost)
-    redis.call('ZADD', key, format_int(now + p.window), member)
+    local member = token .. ':' .. format_int(cost)
+    redis.call('ZADD', key, format_int(now + window), member)
     local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
     expire_after(key, tonumber(newest[2]) - now)
     return member
   end,
 
-  refund = function(key, p, now, cost, token)
+  refund = function(key, _, _, _, _, token)
     redis.pcall('ZREM', key, token)
   end,
 }

@@ -6,57 +6,56 @@ local function leaky_value(next_free)
   return 'L' .. format_int(next_free)
 end
 
-local function leaky_admissible(p, backlog)
-  local max_wait = p.burst * p.emission
+local function leaky_admissible(burst, emission, backlog)
+  local max_wait = burst * emission
   if backlog > max_wait then
     return 0
   end
-  return floor((max_wait - backlog) / p.emission) + 1
+  return floor((max_wait - backlog) / emission) + 1
+end
+
+local function leaky_load(key)
+  local value = read_own('GET', key)
+  local next_free = value and match(value, '^L(%-?%d+)$')
+  if not next_free then
+    return nil
+  end
+  return tonumber(next_free)
 end
 
 ALGORITHMS.leaky_bucket = {
-  load = function(key)
-    local value = read_own('GET', key)
-    local next_free = value and string.match(value, '^L(%-?%d+)$')
-    if not next_free then
-      return nil
-    end
-    return { next_free = tonumber(next_free) }
-  end,
+  load = leaky_load,
 
-  evaluate = function(state, p, now, cost)
+  evaluate = function(next_free, _, _, burst, emission, now, cost)
     local departure = now
-    if state then
-      departure = max(state.next_free, now)
+    if next_free then
+      departure = max(next_free, now)
     end
     local wait = departure - now
-    if cost > p.burst then
-      return never(leaky_admissible(p, wait), wait)
+    if cost > burst then
+      return 0, leaky_admissible(burst, emission, wait), wait, -1, 0
     end
-    local max_wait = p.burst * p.emission
+    local max_wait = burst * emission
     if wait <= max_wait then
-      local backlog_after = wait + cost * p.emission
-      local outcome = allowed(leaky_admissible(p, backlog_after), backlog_after)
-      outcome[5] = wait
-      return outcome
+      local backlog_after = wait + cost * emission
+      return 1, leaky_admissible(burst, emission, backlog_after), backlog_after, -1, wait
     end
-    return denied(0, wait, wait - max_wait)
+    return 0, 0, wait, wait - max_wait, 0
   end,
 
-  consume = function(key, state, p, now, cost)
+  consume = function(key, next_free, _, _, _, emission, now, cost)
     local departure = now
-    if state then
-      departure = max(state.next_free, now)
+    if next_free then
+      departure = max(next_free, now)
     end
-    local next_free = departure + cost * p.emission
-    redis.call('SET', key, leaky_value(next_free))
-    expire_after(key, next_free - now)
+    next_free = departure + cost * emission
+    redis.call('SET', key, leaky_value(next_free), 'PX', ttl_ms(next_free - now))
   end,
 
-  refund = function(key, p, now, cost)
-    local state = ALGORITHMS.leaky_bucket.load(key)
-    if state then
-      redis.call('SET', key, leaky_value(state.next_free - cost * p.emission), 'KEEPTTL')
+  refund = function(key, _, emission, _, cost)
+    local next_free = leaky_load(key)
+    if next_free then
+      redis.call('SET', key, leaky_value(next_free - cost * emission), 'KEEPTTL')
     end
   end,
 }

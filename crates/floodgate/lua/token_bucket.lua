@@ -1,53 +1,55 @@
 -- token_bucket: capacity `burst`, refilled continuously at `limit / window`. The level is credit
 -- time (tokens x emission interval), so refill is plain elapsed time. Hash: l (level), u (updated).
 
-local function token_bucket_level(state, p, now)
-  local full = p.burst * p.emission
-  if not state then
+local function token_bucket_load(key)
+  local values = read_own('HMGET', key, 'l', 'u')
+  if not values or not values[1] or not values[2] then
+    return nil
+  end
+  return stored_number(values[1]), stored_number(values[2])
+end
+
+-- The level now: full for a fresh key, else refilled since `updated`.
+local function token_bucket_level(level, updated, full, now)
+  if not level then
     return full
   end
-  return min(full, state.level + max(0, now - state.updated))
+  return min(full, level + max(0, now - updated))
 end
 
 ALGORITHMS.token_bucket = {
-  load = function(key)
-    local values = read_own('HMGET', key, 'l', 'u')
-    if not values or not values[1] or not values[2] then
-      return nil
-    end
-    return { level = tonumber(values[1]), updated = tonumber(values[2]) }
-  end,
+  load = token_bucket_load,
 
-  evaluate = function(state, p, now, cost)
-    local emission = p.emission
-    local full = p.burst * emission
-    local level = token_bucket_level(state, p, now)
+  evaluate = function(level, updated, _, burst, emission, now, cost)
+    local full = burst * emission
     -- Refill starts again only at `updated`: a batched debt (or a clock that stepped back) puts
     -- it in the future, and every wait starts with it.
     local debt = 0
-    if state then
-      debt = max(0, state.updated - now)
+    if level then
+      debt = max(0, updated - now)
     end
-    if cost > p.burst then
-      return never(floor(level / emission), debt + full - level)
+    level = token_bucket_level(level, updated, full, now)
+    if cost > burst then
+      return 0, floor(level / emission), debt + full - level, -1, 0
     end
     local needed = cost * emission
     if needed <= level then
       local after = level - needed
-      return allowed(floor(after / emission), debt + full - after)
+      return 1, floor(after / emission), debt + full - after, -1, 0
     end
-    return denied(floor(level / emission), debt + full - level, debt + needed - level)
+    return 0, floor(level / emission), debt + full - level, debt + needed - level, 0
   end,
 
-  consume = function(key, state, p, now, cost)
-    local level = token_bucket_level(state, p, now) - cost * p.emission
-    local updated = now
-    if state then
-      updated = max(state.updated, now)
-    end
-    if not state then
+  consume = function(key, level, updated, _, burst, emission, now, cost)
+    local full = burst * emission
+    local after = token_bucket_level(level, updated, full, now) - cost * emission
+    if level then
+      updated = max(updated, now)
+    else
+      updated = now
       clear_foreign(key)
     end
+    level = after
     if level < 0 then
       -- Only a batched sync charges more than the level (units other nodes already admitted):
       -- the debt is kept as refill time still to come, so the bucket stays empty until paid.
@@ -55,18 +57,17 @@ ALGORITHMS.token_bucket = {
       level = 0
     end
     redis.call('HSET', key, 'l', level, 'u', updated)
-    expire_after(key, updated + (p.burst * p.emission - level) - now)
+    expire_after(key, updated + (full - level) - now)
   end,
 
-  refund = function(key, p, now, cost)
-    local state = ALGORITHMS.token_bucket.load(key)
-    if state then
-      local level = min(p.burst * p.emission, state.level + cost * p.emission)
-      redis.call('HSET', key, 'l', level)
+  refund = function(key, burst, emission, _, cost)
+    local level = token_bucket_load(key)
+    if level then
+      redis.call('HSET', key, 'l', min(burst * emission, level + cost * emission))
     end
   end,
 
-  export = function(state)
-    return { state.level, state.updated, 0 }
+  export = function(level, updated)
+    return level, updated, 0
   end,
 }

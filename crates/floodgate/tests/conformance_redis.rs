@@ -33,6 +33,19 @@ mod cluster_compatible {
     crate::conformance_suite!(fresh_store());
 }
 
+/// The same suite on a server whose `FUNCTION` command is disabled: the store finds out on its
+/// first call and decides by `EVALSHA`, with the same code and the same results.
+mod without_functions {
+    use super::conformance;
+    use super::support::ServedStore;
+
+    async fn fresh_store() -> ServedStore {
+        ServedStore::without_functions()
+    }
+
+    crate::conformance_suite!(fresh_store());
+}
+
 /// The same suite on `redis_sharded`: three independent servers, identities placed by
 /// rendezvous hashing.
 mod sharded {

@@ -70,8 +70,38 @@ fn runner(cases: u32) -> TestRunner {
 #[test]
 fn lua_scripts_match_the_rust_algorithms() {
     let (runtime, served) = runtime_and_store();
+    single_limit_cases_agree(&runtime, &served, 200);
+    assert!(
+        served.servers[0].command_calls("fcall") > 0,
+        "decided by FCALL"
+    );
+}
+
+/// The same on a server with `FUNCTION` disabled: the store falls back to `EVALSHA` of the same
+/// code, and decides identically.
+#[test]
+fn lua_scripts_match_the_rust_algorithms_without_functions() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let served = ServedStore::without_functions();
+    single_limit_cases_agree(&runtime, &served, 100);
+    let server = &served.servers[0];
+    assert_eq!(
+        server.command_calls("fcall"),
+        1,
+        "one FCALL found no function"
+    );
+    assert!(
+        server.command_calls("evalsha") > 100,
+        "then every call by EVALSHA"
+    );
+}
+
+fn single_limit_cases_agree(runtime: &tokio::runtime::Runtime, served: &ServedStore, count: u32) {
     let case_number = std::sync::atomic::AtomicU64::new(0);
-    let mut runner = runner(200);
+    let mut runner = runner(count);
     runner
         .run(&cases(), |case| {
             let case_number = case_number.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

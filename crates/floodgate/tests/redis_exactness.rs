@@ -198,11 +198,37 @@ async fn keys_have_ttls_and_no_raw_identity() {
     assert_eq!(slot(&keys[0]), slot(&keys[1]), "one identity, one slot");
 }
 
-/// The script is called by EVALSHA; after `SCRIPT FLUSH` (a restart, a failover) the first call
-/// gets NOSCRIPT, loads the script and succeeds.
+/// Decisions go by FCALL of floodgate's function library, loaded on first use; after a
+/// `FUNCTION FLUSH` (or a restart that lost it) the next call finds the function missing, loads
+/// the library again and is decided, once: nothing lost, nothing doubled.
+#[tokio::test]
+async fn a_flushed_function_library_is_loaded_again() {
+    let server = RedisServer::start();
+    let store = node(&server, ConnectionMode::Multiplexed);
+    let limit = Arc::new(Limit::gcra("flush", 2, Duration::from_secs(60)).unwrap());
+    let checks = [Check::new("fg:{ip:flush}:r:flush", limit, 1)];
+    let decide = || async { store.check_and_consume(&checks, Some(NOW)).await.unwrap() };
+    assert!(decide().await.is_allowed());
+    let (_, function) = floodgate::store::redis::function_library();
+    let _: () = server.command(&["FUNCTION", "FLUSH"]);
+    assert!(decide().await.is_allowed(), "the second of two");
+    assert!(
+        !decide().await.is_allowed(),
+        "state kept, the flushed call not doubled"
+    );
+    assert_eq!(server.command_calls("evalsha"), 0, "never by EVALSHA");
+    let libraries: deadpool_redis::redis::Value = server.command(&["FUNCTION", "LIST"]);
+    assert!(
+        format!("{libraries:?}").contains(function),
+        "loaded again: {libraries:?}"
+    );
+}
+
+/// On a server without functions the scripts are called by EVALSHA; after `SCRIPT FLUSH` (a
+/// restart, a failover) the first call gets NOSCRIPT, loads the script and succeeds.
 #[tokio::test]
 async fn noscript_after_a_script_flush_is_handled() {
-    let server = RedisServer::start();
+    let server = RedisServer::without_functions();
     let store = node(&server, ConnectionMode::Multiplexed);
     let limit = Arc::new(Limit::gcra("flush", 2, Duration::from_secs(60)).unwrap());
     let checks = [Check::new("fg:{ip:flush}:r:flush", limit, 1)];

@@ -105,7 +105,7 @@ fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreEr
 }
 
 /// A pool that could not hand out a connection: a refusal or error of Redis keeps its class.
-fn pool_error(error: deadpool_redis::PoolError) -> StoreError {
+fn pool_store_error(error: deadpool_redis::PoolError) -> StoreError {
     match error {
         deadpool_redis::PoolError::Backend(error) => classify(error),
         other => unavailable(other),
@@ -236,7 +236,7 @@ impl Connection {
                     command.query_async::<Value>(&mut connection).await
                 }
                 Connection::Pool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    let mut connection = pool.get().await.map_err(pool_store_error)?;
                     command.query_async::<Value>(&mut *connection).await
                 }
                 Connection::Cluster(lazy) => {
@@ -245,7 +245,7 @@ impl Connection {
                         .await
                 }
                 Connection::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    let mut connection = pool.get().await.map_err(pool_store_error)?;
                     command.query_async::<Value>(&mut *connection).await
                 }
                 Connection::Sentinel(master) => {
@@ -253,7 +253,7 @@ impl Connection {
                     command.query_async::<Value>(&mut connection).await
                 }
                 Connection::SentinelPool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_error)?;
+                    let mut connection = pool.get().await.map_err(pool_store_error)?;
                     command.query_async::<Value>(&mut *connection).await
                 }
             }
@@ -265,47 +265,47 @@ impl Connection {
         }
     }
 
-    /// Runs one script invocation on a connection.
+    /// Runs `command` (a library call, or the loading of the library) on the decisions'
+    /// connection, and gives Redis's error as it is, for the caller to tell a missing function
+    /// or script from a failure.
     ///
     /// This future is inside every decision's: the default (multiplexed) connection is awaited
     /// in place, the others behind a box, so that the decision's future is sized for the
     /// multiplexed call alone (the largest arm sized all of them: ~10 KB, moved several times
     /// per decision, a tenth of the gateway's CPU on the Redis path).
-    pub(super) async fn invoke(
-        &self,
-        invocation: &redis::ScriptInvocation<'_>,
-    ) -> Result<Value, StoreError> {
+    pub(super) async fn run(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         match self {
             Connection::Multiplexed(lazy) => {
-                let mut connection = lazy.manager().await?;
-                invoke_on(&mut connection, invocation).await
+                let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
+                run_on(&mut connection, command).await
             }
-            other => Box::pin(other.invoke_elsewhere(invocation)).await,
+            other => Box::pin(other.run_elsewhere(command)).await,
         }
     }
 
-    /// [`Connection::invoke`] on any connection but the multiplexed one.
-    async fn invoke_elsewhere(
-        &self,
-        invocation: &redis::ScriptInvocation<'_>,
-    ) -> Result<Value, StoreError> {
+    /// [`Connection::run`] on any connection but the multiplexed one.
+    async fn run_elsewhere(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         match self {
             // Not called for it; served all the same.
             Connection::Multiplexed(lazy) => {
-                invoke_on(&mut lazy.manager().await?, invocation).await
+                let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
+                run_on(&mut connection, command).await
             }
             Connection::Pool(pool) => {
                 let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
+                run_on(&mut *connection, command).await
             }
-            Connection::Cluster(lazy) => invoke_on(&mut lazy.connection().await?, invocation).await,
+            Connection::Cluster(lazy) => {
+                let mut connection = lazy.connection().await.map_err(ConnectionError::Store)?;
+                run_on(&mut connection, command).await
+            }
             Connection::ClusterPool(pool) => {
                 let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
+                run_on(&mut *connection, command).await
             }
             Connection::Sentinel(master) => {
-                let mut connection = master.connection().await?;
-                let result = invoke_on(&mut connection, invocation).await;
+                let mut connection = master.connection().await.map_err(ConnectionError::Store)?;
+                let result = run_on(&mut connection, command).await;
                 if result.is_err() {
                     // Maybe a failover: ask the sentinels again next time.
                     master.forget();
@@ -314,17 +314,52 @@ impl Connection {
             }
             Connection::SentinelPool(pool) => {
                 let mut connection = pool.get().await.map_err(pool_error)?;
-                invoke_on(&mut *connection, invocation).await
+                run_on(&mut *connection, command).await
             }
         }
     }
 }
 
-async fn invoke_on<C: ConnectionLike + Send>(
+/// Why [`Connection::run`] failed: no connection to run on (already a store error), or Redis
+/// answered with an error (the caller may recover from some: a missing function or script).
+#[derive(Debug)]
+pub(super) enum ConnectionError {
+    /// No connection could be had.
+    Store(StoreError),
+    /// Redis's error.
+    Redis(RedisError),
+}
+
+impl ConnectionError {
+    /// The store error this is.
+    pub(super) fn into_store_error(self) -> StoreError {
+        match self {
+            ConnectionError::Store(error) => error,
+            ConnectionError::Redis(error) => classify(error),
+        }
+    }
+
+    /// Redis's error, if Redis answered.
+    pub(super) fn redis(&self) -> Option<&RedisError> {
+        match self {
+            ConnectionError::Redis(error) => Some(error),
+            ConnectionError::Store(_) => None,
+        }
+    }
+}
+
+fn pool_error(error: deadpool_redis::PoolError) -> ConnectionError {
+    ConnectionError::Store(pool_store_error(error))
+}
+
+async fn run_on<C: ConnectionLike + Send>(
     connection: &mut C,
-    invocation: &redis::ScriptInvocation<'_>,
-) -> Result<Value, StoreError> {
-    invocation.invoke_async(connection).await.map_err(classify)
+    command: &redis::Cmd,
+) -> Result<Value, ConnectionError> {
+    command
+        .query_async(connection)
+        .await
+        .map_err(ConnectionError::Redis)
 }
 
 /// Whether the store is failing (transient: connections, timeouts, a cluster or a server in
@@ -333,9 +368,11 @@ async fn invoke_on<C: ConnectionLike + Send>(
 /// a Lua error (the script's bug, or corrupted data), `WRONGTYPE`, a call across slots.
 fn classify(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
-    let is_script_error = error
-        .detail()
-        .is_some_and(|detail| detail.contains("user_script") || detail.starts_with("floodgate:"));
+    let is_script_error = error.detail().is_some_and(|detail| {
+        detail.contains("user_script")
+            || detail.contains("user_function")
+            || detail.starts_with("floodgate:")
+    });
     let the_call_is_at_fault = match error.kind() {
         ErrorKind::Server(ServerErrorKind::CrossSlot | ServerErrorKind::ExecAbort) => true,
         ErrorKind::Server(ServerErrorKind::ResponseError) => is_script_error,

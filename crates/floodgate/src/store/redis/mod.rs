@@ -20,16 +20,25 @@ mod slot;
 pub use sharded::{ShardedRedisStore, rendezvous};
 pub use slot::hash_slot;
 
-/// The source of the check script that the store calls by EVALSHA (the files of `lua/`,
-/// joined), for tooling such as benchmarks that must run the very same script.
+/// The source of the check script that the store calls by EVALSHA on servers without Redis
+/// Functions (the files of `lua/`, joined), for tooling such as benchmarks that must run the
+/// very same code.
 pub fn check_script_source() -> String {
     script::check_source()
 }
 
+/// The function library the store loads with `FUNCTION LOAD` and calls by `FCALL`, and the
+/// name of its check function, for tooling such as benchmarks.
+pub fn function_library() -> (&'static str, &'static str) {
+    let library = &*script::LIBRARY;
+    (&library.source, &library.check_function)
+}
+
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
-use deadpool_redis::redis::{self, Client, Value};
+use deadpool_redis::redis::{self, Client, RedisError, Value};
 
 use super::batched::{SyncTarget, Synced};
 use super::resilience::{BreakerState, Guard, GuardConfig, LogObserver, StoreObserver};
@@ -37,9 +46,9 @@ use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::decision::Decision;
 use crate::time::Timestamp;
 use cluster::ClusterBreakers;
-use connection::Connection;
+use connection::{Connection, ConnectionError};
 use groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
-use script::{Mode, Reply};
+use script::{Dispatch, Mode, Reply};
 
 /// How the store talks to Redis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +135,9 @@ impl RedisStoreBuilder {
                 guard: Arc::new(Guard::new("redis", self.guard, self.observer)),
                 cluster_compatible,
                 cluster_breakers,
+                dispatch: AtomicU8::new(DISPATCH_UNKNOWN),
+                library_loads: AtomicU64::new(0),
+                loading: tokio::sync::Mutex::new(()),
             }),
         })
     }
@@ -172,6 +184,33 @@ struct Inner {
     /// On a cluster, one breaker per master (see [`cluster`]), so that a dead master trips
     /// the breaker of its identities only.
     cluster_breakers: Option<ClusterBreakers>,
+    /// How library calls reach the server: not known yet (functions are tried first), by
+    /// `FCALL`, or by `EVALSHA` (the server has no functions, or `FUNCTION` is disabled).
+    dispatch: AtomicU8,
+    /// Loads of the library so far: a call that found it missing loads it only if nobody did
+    /// since.
+    library_loads: AtomicU64,
+    /// One load of the library at a time.
+    loading: tokio::sync::Mutex<()>,
+}
+
+const DISPATCH_UNKNOWN: u8 = 0;
+const DISPATCH_FUNCTION: u8 = 1;
+const DISPATCH_SCRIPT: u8 = 2;
+
+/// `FCALL` of a function the server does not have (never loaded, or gone with a restart, a
+/// `FUNCTION FLUSH` or a new empty master).
+fn function_missing(error: &RedisError) -> bool {
+    error
+        .detail()
+        .is_some_and(|detail| detail.starts_with("Function not found"))
+}
+
+/// A command the server does not know (`FCALL` before Redis 7, `FUNCTION` renamed away).
+fn unknown_command(error: &RedisError) -> bool {
+    error
+        .detail()
+        .is_some_and(|detail| detail.starts_with("unknown command"))
 }
 
 /// The Redis store. Clones share connections and breaker.
@@ -293,12 +332,94 @@ impl RedisStore {
         self.inner.connection.query(command, deadline).await
     }
 
-    /// Runs one script invocation on a connection.
-    async fn invoke(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<Value, StoreError> {
-        self.inner.connection.invoke(invocation).await
+    /// Runs a call of the library: by `FCALL` while the server has its functions, loading them
+    /// when they are missing (first use, a restart, a `FUNCTION FLUSH`, a new master); by
+    /// `EVALSHA` on a server that has no functions or refuses `FUNCTION`, detected on first
+    /// use. A call that found the library missing did nothing, so calling it again after the
+    /// load neither loses nor doubles a decision.
+    async fn run_library(
+        &self,
+        command: impl Fn(Dispatch) -> redis::Cmd,
+    ) -> Result<Value, StoreError> {
+        let connection = &self.inner.connection;
+        if self.inner.dispatch.load(Ordering::Relaxed) == DISPATCH_SCRIPT {
+            return self.run_script(&command(Dispatch::Script)).await;
+        }
+        let loads_before = self.inner.library_loads.load(Ordering::Acquire);
+        let error = match connection.run(&command(Dispatch::Function)).await {
+            Ok(value) => return Ok(value),
+            Err(error) => error,
+        };
+        let recoverable = error
+            .redis()
+            .is_some_and(|error| function_missing(error) || unknown_command(error));
+        if !recoverable {
+            return Err(error.into_store_error());
+        }
+        // Boxed: rare, and its future would size every decision's.
+        match Box::pin(self.load_library(loads_before)).await {
+            Ok(()) => connection
+                .run(&command(Dispatch::Function))
+                .await
+                .map_err(ConnectionError::into_store_error),
+            Err(load) if load.redis().is_some_and(unknown_command) => {
+                if self.inner.dispatch.swap(DISPATCH_SCRIPT, Ordering::Relaxed) != DISPATCH_SCRIPT {
+                    tracing::info!(
+                        "Redis refuses FUNCTION (a server before 7.0, or the command renamed): \
+                         decisions go by EVALSHA"
+                    );
+                }
+                Box::pin(self.run_script(&command(Dispatch::Script))).await
+            }
+            Err(load) => Err(load.into_store_error()),
+        }
     }
 
-    /// One script call under this store's deadline and breaker.
+    /// Loads the function library (`FUNCTION LOAD REPLACE`; on a cluster, on every master)
+    /// unless another call loaded it since `loads_before`.
+    async fn load_library(&self, loads_before: u64) -> Result<(), ConnectionError> {
+        let _one_at_a_time = self.inner.loading.lock().await;
+        if self.inner.library_loads.load(Ordering::Acquire) != loads_before {
+            return Ok(());
+        }
+        let mut load = redis::cmd("FUNCTION");
+        load.arg("LOAD").arg("REPLACE").arg(&script::LIBRARY.source);
+        self.inner.connection.run(&load).await?;
+        self.inner.library_loads.fetch_add(1, Ordering::Release);
+        self.inner
+            .dispatch
+            .store(DISPATCH_FUNCTION, Ordering::Relaxed);
+        tracing::debug!("floodgate's function library loaded");
+        Ok(())
+    }
+
+    /// Runs an `EVALSHA`; on `NOSCRIPT` (a restart, a `SCRIPT FLUSH`) loads the scripts and
+    /// runs it again.
+    async fn run_script(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
+        let connection = &self.inner.connection;
+        match connection.run(command).await {
+            Err(ConnectionError::Redis(error))
+                if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                let library = &*script::LIBRARY;
+                for (source, _) in [&library.check_script, &library.release_script] {
+                    let mut load = redis::cmd("SCRIPT");
+                    load.arg("LOAD").arg(source);
+                    connection
+                        .run(&load)
+                        .await
+                        .map_err(ConnectionError::into_store_error)?;
+                }
+                connection
+                    .run(command)
+                    .await
+                    .map_err(ConnectionError::into_store_error)
+            }
+            other => other.map_err(ConnectionError::into_store_error),
+        }
+    }
+
+    /// One script call of one decision under this store's deadline and breaker.
     async fn guarded_call(
         &self,
         mode: Mode,
@@ -307,8 +428,14 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<Reply, StoreError> {
         let key = checks.first().map_or("", |check| &*check.key);
-        self.guarded(key, self.call(mode, checks, tokens, now))
-            .await
+        self.guarded(key, async {
+            let decision = script::Decision { checks, tokens };
+            let mut replies = self.call(mode, &[decision], now).await?;
+            replies
+                .pop()
+                .ok_or_else(|| StoreError::Protocol("a decision went unanswered".into()))
+        })
+        .await
     }
 
     /// One batched-sync call under this store's deadline and breaker.
@@ -319,23 +446,33 @@ impl RedisStore {
     ) -> Result<Synced, StoreError> {
         let key = checks.first().map_or("", |check| &*check.key);
         self.guarded(key, async {
-            let invocation = script::invocation(Mode::Sync, checks, &[], now);
-            let value = self.invoke(&invocation).await?;
+            let decision = script::Decision {
+                checks,
+                tokens: &[],
+            };
+            let value = self
+                .run_library(|dispatch| script::command(dispatch, Mode::Sync, &[decision], now))
+                .await?;
             script::decode_sync(value, checks)
         })
         .await
     }
 
+    /// One library call of `decisions`, and their replies.
     async fn call(
         &self,
         mode: Mode,
-        checks: &[&Check],
-        tokens: &[String],
+        decisions: &[script::Decision<'_>],
         now: Option<Timestamp>,
-    ) -> Result<Reply, StoreError> {
-        let invocation = script::invocation(mode, checks, tokens, now);
-        let value = self.invoke(&invocation).await?;
-        script::decode(value, checks.len())
+    ) -> Result<Vec<Reply>, StoreError> {
+        let value = self
+            .run_library(|dispatch| script::command(dispatch, mode, decisions, now))
+            .await?;
+        let sizes: Vec<usize> = decisions
+            .iter()
+            .map(|decision| decision.checks.len())
+            .collect();
+        script::decode(mode, value, &sizes)
     }
 
     /// Indices of `checks` grouped into script calls, in order of first appearance.
@@ -412,13 +549,13 @@ impl Store for RedisStore {
             let by_slot = self.slot_groups(leases.iter().map(|lease| &*lease.key));
             let leases = &leases;
             let calls = by_slot.iter().map(|group| async move {
-                let mut invocation = script::RELEASE.prepare_invoke();
-                for lease in group.iter().map(|&index| &leases[index]) {
-                    invocation
-                        .key(&*lease.key)
-                        .arg(format!("{}:{}", lease.id, lease.cost));
-                }
-                self.invoke(&invocation).await
+                let keys: Vec<&str> = group.iter().map(|&index| &*leases[index].key).collect();
+                let members: Vec<String> = group
+                    .iter()
+                    .map(|&index| format!("{}:{}", leases[index].id, leases[index].cost))
+                    .collect();
+                self.run_library(|dispatch| script::release_command(dispatch, &keys, &members))
+                    .await
             });
             // Not through the breaker: a release is not a decision, and a failed one only
             // leaves a lease to expire.

@@ -1,18 +1,26 @@
-//! The Lua scripts, assembled from `lua/` and loaded once, and the encoding of their arguments
-//! and replies.
+//! The Lua library of `lua/`, as a Redis Function library and as scripts for servers without
+//! functions, and the encoding of its calls and replies.
+//!
+//! A Redis Function library is loaded once per node (`FUNCTION LOAD`) and called by `FCALL`: a
+//! call runs only its decision. A script called by `EVALSHA` runs the whole file on every call
+//! (every algorithm's definitions before the decision), so it is the fallback for servers where
+//! functions are missing or disabled. Both run the same code. Names carry a hash of the code,
+//! so that gateways of different versions sharing one Redis (a rolling upgrade) each call
+//! their own.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use deadpool_redis::redis::{Script, Value};
+use deadpool_redis::redis::{self, Script, Value};
 
 use crate::algorithm::LimitOutcome;
 use crate::store::batched::{self, Synced};
 use crate::store::{Check, StoreError};
 use crate::time::Timestamp;
 
-/// The check script's source: helpers, one file per algorithm, then the entry point.
-pub(crate) fn check_source() -> String {
+/// Helpers, one file per algorithm, then the entry points (local functions, registered or
+/// returned by what follows them).
+fn library_body() -> String {
     [
         include_str!("../../../lua/common.lua"),
         include_str!("../../../lua/token_bucket.lua"),
@@ -23,16 +31,68 @@ pub(crate) fn check_source() -> String {
         include_str!("../../../lua/leaky_bucket.lua"),
         include_str!("../../../lua/concurrency.lua"),
         include_str!("../../../lua/check.lua"),
+        include_str!("../../../lua/release.lua"),
     ]
     .join("\n")
 }
 
-/// The check script, hashed once.
-pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| Script::new(&check_source()));
+/// The library in both forms.
+pub(crate) struct Library {
+    /// The `FUNCTION LOAD` source: a header naming the library, the body, the registrations.
+    pub(crate) source: String,
+    /// The name `FCALL` decides with.
+    pub(crate) check_function: String,
+    /// The name `FCALL` releases leases with.
+    pub(crate) release_function: String,
+    /// The body and a `return` of the check entry point, for `EVALSHA`, and its hash.
+    pub(crate) check_script: (String, String),
+    /// The release entry point alone, for `EVALSHA`, and its hash.
+    pub(crate) release_script: (String, String),
+}
 
-/// Releases concurrency leases.
-pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/release.lua")));
+/// A script's source with its SHA-1, the name `EVALSHA` calls it by.
+fn hashed(source: String) -> (String, String) {
+    let hash = Script::new(&source).get_hash().to_owned();
+    (source, hash)
+}
+
+/// The library, assembled and hashed once.
+pub(crate) static LIBRARY: LazyLock<Library> = LazyLock::new(|| {
+    let body = library_body();
+    // 16 hex digits of the body's SHA-1: the version in every name.
+    let version = Script::new(&body).get_hash()[..16].to_owned();
+    let check_function = format!("floodgate_check_{version}");
+    let release_function = format!("floodgate_release_{version}");
+    let source = format!(
+        "#!lua name=floodgate_{version}\n{body}\n\
+         redis.register_function('{check_function}', floodgate_check)\n\
+         redis.register_function('{release_function}', floodgate_release)\n"
+    );
+    Library {
+        source,
+        check_function,
+        release_function,
+        check_script: hashed(check_source()),
+        release_script: hashed(format!(
+            "{}\nreturn floodgate_release(KEYS, ARGV)\n",
+            include_str!("../../../lua/release.lua")
+        )),
+    }
+});
+
+/// The check script's source as `EVALSHA` runs it (tooling and benchmarks).
+pub(crate) fn check_source() -> String {
+    format!("{}\nreturn floodgate_check(KEYS, ARGV)\n", library_body())
+}
+
+/// How calls reach the library on a server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dispatch {
+    /// `FCALL` of the loaded function library.
+    Function,
+    /// `EVALSHA` of the scripts (servers without functions, or with `FUNCTION` disabled).
+    Script,
+}
 
 /// What a call asks of the script.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,7 +109,37 @@ pub(crate) enum Mode {
     Charge,
 }
 
-/// The reply of one script call.
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Check => "check",
+            Mode::Refund => "refund",
+            Mode::Peek => "peek",
+            Mode::Sync => "sync",
+            Mode::Charge => "charge",
+        }
+    }
+
+    /// Whether a reply of this mode carries the states of its limits: a denial's (or a
+    /// peek's) as decided on, a refund's or a charge's as left.
+    fn replies_with_states(self, admitted: bool) -> bool {
+        match self {
+            Mode::Check | Mode::Peek => !admitted,
+            Mode::Refund | Mode::Charge => true,
+            Mode::Sync => false,
+        }
+    }
+}
+
+/// One decision of a call: its checks (all on one slot where calls must stay on one) and, per
+/// check, the token the script takes or gives back (`""` if none).
+#[derive(Clone, Copy)]
+pub(crate) struct Decision<'a> {
+    pub(crate) checks: &'a [&'a Check],
+    pub(crate) tokens: &'a [String],
+}
+
+/// The reply to one decision of a call.
 #[derive(Debug)]
 pub(crate) struct Reply {
     pub(crate) now: Timestamp,
@@ -57,37 +147,106 @@ pub(crate) struct Reply {
     pub(crate) outcomes: Vec<LimitOutcome>,
     /// Per limit: the lease member or log entry the call created ('' if none).
     pub(crate) tokens: Vec<String>,
+    /// A denial's or a peek's (per limit, the three exported state fields it was decided on),
+    /// a refund's or a charge's (the state it left); `None` for a fresh key or an algorithm
+    /// without export. Empty for an admission.
+    #[allow(dead_code)] // read by the deny cache, which comes next
+    pub(crate) states: Vec<Option<[u64; 3]>>,
 }
 
-/// Builds the invocation for `checks` (all on one slot).
-pub(crate) fn invocation<'s>(
-    mode: Mode,
-    checks: &[&Check],
-    tokens: &[String],
-    now: Option<Timestamp>,
-) -> deadpool_redis::redis::ScriptInvocation<'s> {
-    let mut invocation = CHECK.prepare_invoke();
-    invocation.arg(match mode {
-        Mode::Check => "check",
-        Mode::Refund => "refund",
-        Mode::Peek => "peek",
-        Mode::Sync => "sync",
-        Mode::Charge => "charge",
-    });
-    invocation.arg(now.map_or_else(String::new, |now| now.as_micros().to_string()));
-    for (index, check) in checks.iter().enumerate() {
-        let limit = &check.limit;
-        invocation
-            .key(&*check.key)
-            .arg(limit.algorithm().as_str())
-            .arg(limit.limit())
-            .arg(limit.window_micros())
-            .arg(limit.burst())
-            .arg(limit.emission_micros())
-            .arg(check.cost)
-            .arg(tokens.get(index).map_or("", String::as_str));
+/// The two numbers of its limit that an algorithm's script uses (`a` and `b` in
+/// `lua/common.lua`).
+fn script_numbers(limit: &crate::Limit) -> (u64, u64) {
+    use crate::Algorithm::{
+        Concurrency, FixedWindow, Gcra, LeakyBucket, SlidingWindowCounter, SlidingWindowLog,
+        TokenBucket,
+    };
+    match limit.algorithm() {
+        Gcra | TokenBucket | LeakyBucket => (limit.burst(), limit.emission_micros()),
+        FixedWindow | SlidingWindowCounter | SlidingWindowLog | Concurrency => {
+            (limit.limit(), limit.window_micros())
+        }
     }
-    invocation
+}
+
+/// The command for `decisions` in `mode`, dispatched as `dispatch`: one decision, or in
+/// `Mode::Check` several (a batch, decided in order).
+pub(crate) fn command(
+    dispatch: Dispatch,
+    mode: Mode,
+    decisions: &[Decision<'_>],
+    now: Option<Timestamp>,
+) -> redis::Cmd {
+    let library = &*LIBRARY;
+    let mut command = match dispatch {
+        Dispatch::Function => {
+            let mut command = redis::cmd("FCALL");
+            command.arg(&library.check_function);
+            command
+        }
+        Dispatch::Script => {
+            let mut command = redis::cmd("EVALSHA");
+            command.arg(&library.check_script.1);
+            command
+        }
+    };
+    let keys: usize = decisions.iter().map(|decision| decision.checks.len()).sum();
+    command.arg(keys);
+    for decision in decisions {
+        for check in decision.checks {
+            command.arg(&*check.key);
+        }
+    }
+    let batch = decisions.len() != 1;
+    debug_assert!(!batch || mode == Mode::Check, "only checks are batched");
+    command.arg(if batch { "batch" } else { mode.as_str() });
+    match now {
+        Some(now) => command.arg(now.as_micros()),
+        None => command.arg(""),
+    };
+    if batch {
+        command.arg(decisions.len());
+    }
+    for decision in decisions {
+        if batch {
+            command.arg(decision.checks.len());
+        }
+        for (index, check) in decision.checks.iter().enumerate() {
+            let (a, b) = script_numbers(&check.limit);
+            command
+                .arg(check.limit.algorithm().as_str())
+                .arg(a)
+                .arg(b)
+                .arg(check.cost)
+                .arg(decision.tokens.get(index).map_or("", String::as_str));
+        }
+    }
+    command
+}
+
+/// The command that releases `members` of `keys` (one each).
+pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[String]) -> redis::Cmd {
+    let library = &*LIBRARY;
+    let mut command = match dispatch {
+        Dispatch::Function => {
+            let mut command = redis::cmd("FCALL");
+            command.arg(&library.release_function);
+            command
+        }
+        Dispatch::Script => {
+            let mut command = redis::cmd("EVALSHA");
+            command.arg(&library.release_script.1);
+            command
+        }
+    };
+    command.arg(keys.len());
+    for key in keys {
+        command.arg(*key);
+    }
+    for member in members {
+        command.arg(member);
+    }
+    command
 }
 
 fn integer(value: &Value) -> Result<i64, StoreError> {
@@ -103,83 +262,126 @@ fn non_negative(value: &Value) -> Result<u64, StoreError> {
     u64::try_from(integer(value)?).map_err(|_| StoreError::Protocol("negative value".to_owned()))
 }
 
-/// Decodes `{ now, admitted, (allowed, remaining, reset, retry, delay, token)* }`.
-pub(crate) fn decode(value: Value, limits: usize) -> Result<Reply, StoreError> {
-    const PER_LIMIT: usize = 6;
-    let Value::Array(items) = value else {
-        return Err(StoreError::Protocol(format!(
-            "expected an array, got {value:?}"
-        )));
-    };
-    if items.len() != 2 + PER_LIMIT * limits {
-        return Err(StoreError::Protocol(format!(
-            "expected {} values for {limits} limits, got {}",
-            2 + PER_LIMIT * limits,
-            items.len()
-        )));
+/// Reads a reply's values in order.
+struct Fields {
+    items: std::vec::IntoIter<Value>,
+}
+
+impl Fields {
+    fn of(value: Value) -> Result<Fields, StoreError> {
+        match value {
+            Value::Array(items) => Ok(Fields {
+                items: items.into_iter(),
+            }),
+            other => Err(StoreError::Protocol(format!(
+                "expected an array, got {other:?}"
+            ))),
+        }
     }
-    let now = Timestamp::from_micros(non_negative(&items[0])?);
-    let admitted = integer(&items[1])? == 1;
-    let mut outcomes = Vec::with_capacity(limits);
-    let mut tokens = Vec::with_capacity(limits);
-    for fields in items[2..].chunks_exact(PER_LIMIT) {
-        let retry = integer(&fields[3])?;
-        outcomes.push(LimitOutcome {
-            allowed: integer(&fields[0])? == 1,
-            remaining: non_negative(&fields[1])?,
-            reset_after_micros: non_negative(&fields[2])?,
-            retry_after_micros: u64::try_from(retry).ok(),
-            delay_micros: non_negative(&fields[4])?,
-        });
-        tokens.push(match &fields[5] {
-            Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
-            Value::SimpleString(text) => text.clone(),
+
+    fn next(&mut self) -> Result<Value, StoreError> {
+        self.items
+            .next()
+            .ok_or_else(|| StoreError::Protocol("the reply ended early".to_owned()))
+    }
+
+    fn integer(&mut self) -> Result<i64, StoreError> {
+        integer(&self.next()?)
+    }
+
+    fn non_negative(&mut self) -> Result<u64, StoreError> {
+        non_negative(&self.next()?)
+    }
+
+    fn text(&mut self) -> Result<String, StoreError> {
+        Ok(match self.next()? {
+            Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Value::SimpleString(text) => text,
             _ => String::new(),
+        })
+    }
+
+    /// A state: present (0/1) and three fields.
+    fn state(&mut self) -> Result<Option<[u64; 3]>, StoreError> {
+        let present = self.integer()? == 1;
+        let fields = [
+            self.non_negative()?,
+            self.non_negative()?,
+            self.non_negative()?,
+        ];
+        Ok(present.then_some(fields))
+    }
+
+    fn finish(mut self) -> Result<(), StoreError> {
+        match self.items.next() {
+            None => Ok(()),
+            Some(_) => Err(StoreError::Protocol(
+                "the reply has more values than its decisions".to_owned(),
+            )),
+        }
+    }
+}
+
+/// Decodes the reply of a `mode` call whose decisions had `sizes` limits each.
+pub(crate) fn decode(mode: Mode, value: Value, sizes: &[usize]) -> Result<Vec<Reply>, StoreError> {
+    let mut fields = Fields::of(value)?;
+    let now = Timestamp::from_micros(fields.non_negative()?);
+    let mut replies = Vec::with_capacity(sizes.len());
+    for &limits in sizes {
+        let admitted = fields.integer()? == 1;
+        let mut outcomes = Vec::with_capacity(limits);
+        let mut tokens = Vec::with_capacity(limits);
+        for _ in 0..limits {
+            let allowed = fields.integer()? == 1;
+            let remaining = fields.non_negative()?;
+            let reset_after_micros = fields.non_negative()?;
+            let retry = fields.integer()?;
+            let delay_micros = fields.non_negative()?;
+            outcomes.push(LimitOutcome {
+                allowed,
+                remaining,
+                reset_after_micros,
+                retry_after_micros: u64::try_from(retry).ok(),
+                delay_micros,
+            });
+            tokens.push(fields.text()?);
+        }
+        let states = if mode.replies_with_states(admitted) {
+            (0..limits)
+                .map(|_| fields.state())
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        replies.push(Reply {
+            now,
+            admitted,
+            outcomes,
+            tokens,
+            states,
         });
     }
-    Ok(Reply {
-        now,
-        admitted,
-        outcomes,
-        tokens,
-    })
+    fields.finish()?;
+    Ok(replies)
 }
 
 /// Decodes a sync reply, `{ now, (present, field, field, field)* }`, into the states of
 /// `checks`.
 pub(crate) fn decode_sync(value: Value, checks: &[&Check]) -> Result<Synced, StoreError> {
-    const PER_LIMIT: usize = 4;
-    let Value::Array(items) = value else {
-        return Err(StoreError::Protocol(format!(
-            "expected an array, got {value:?}"
-        )));
-    };
-    if items.len() != 1 + PER_LIMIT * checks.len() {
-        return Err(StoreError::Protocol(format!(
-            "expected {} values for {} limits, got {}",
-            1 + PER_LIMIT * checks.len(),
-            checks.len(),
-            items.len()
-        )));
-    }
-    let now = Timestamp::from_micros(non_negative(&items[0])?);
-    let states = items[1..]
-        .chunks_exact(PER_LIMIT)
-        .zip(checks)
-        .map(|(fields, check)| {
-            if integer(&fields[0])? == 0 {
+    let mut fields = Fields::of(value)?;
+    let now = Timestamp::from_micros(fields.non_negative()?);
+    let states = checks
+        .iter()
+        .map(|check| {
+            let Some(fields) = fields.state()? else {
                 return Ok(None);
-            }
-            let fields = [
-                non_negative(&fields[1])?,
-                non_negative(&fields[2])?,
-                non_negative(&fields[3])?,
-            ];
+            };
             batched::state_from_fields(check.limit.algorithm(), fields)
                 .map(Some)
                 .ok_or_else(|| StoreError::Protocol("state of an unbatchable limit".into()))
         })
         .collect::<Result<_, StoreError>>()?;
+    fields.finish()?;
     Ok(Synced { now, states })
 }
 
