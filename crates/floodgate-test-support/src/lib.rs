@@ -488,23 +488,17 @@ impl ServedStore {
     /// A fresh server and a store on it with generous deadlines (tests measure semantics here,
     /// not latency; the fault tests set their own).
     pub fn start() -> ServedStore {
-        let server = RedisServer::start();
-        let store = RedisStore::builder(server.url())
-            .timeout(Duration::from_secs(5))
-            .build()
-            .expect("store");
-        ServedStore {
-            servers: vec![server],
-            store,
-        }
+        ServedStore::on(RedisServer::start())
     }
-}
 
-impl ServedStore {
     /// A fresh server whose `FUNCTION` command is renamed away (as an operator may disable it),
     /// and a store on it: the store must find out and decide by `EVALSHA`.
     pub fn without_functions() -> ServedStore {
-        let server = RedisServer::without_functions();
+        ServedStore::on(RedisServer::without_functions())
+    }
+
+    /// A store on `server`, with generous deadlines.
+    pub fn on(server: RedisServer) -> ServedStore {
         let store = RedisStore::builder(server.url())
             .timeout(Duration::from_secs(5))
             .build()

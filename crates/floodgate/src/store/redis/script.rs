@@ -178,18 +178,7 @@ pub(crate) fn command(
     now: Option<Timestamp>,
 ) -> redis::Cmd {
     let library = &*LIBRARY;
-    let mut command = match dispatch {
-        Dispatch::Function => {
-            let mut command = redis::cmd("FCALL");
-            command.arg(&library.check_function);
-            command
-        }
-        Dispatch::Script => {
-            let mut command = redis::cmd("EVALSHA");
-            command.arg(&library.check_script.1);
-            command
-        }
-    };
+    let mut command = invoking(dispatch, &library.check_function, &library.check_script.1);
     let keys: usize = decisions.iter().map(|decision| decision.checks.len()).sum();
     command.arg(keys);
     for decision in decisions {
@@ -224,21 +213,21 @@ pub(crate) fn command(
     command
 }
 
+/// `FCALL function` or `EVALSHA script_hash`, the rest to follow.
+fn invoking(dispatch: Dispatch, function: &str, script_hash: &str) -> redis::Cmd {
+    let (name, target) = match dispatch {
+        Dispatch::Function => ("FCALL", function),
+        Dispatch::Script => ("EVALSHA", script_hash),
+    };
+    let mut command = redis::cmd(name);
+    command.arg(target);
+    command
+}
+
 /// The command that releases `members` of `keys` (one each).
 pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[String]) -> redis::Cmd {
     let library = &*LIBRARY;
-    let mut command = match dispatch {
-        Dispatch::Function => {
-            let mut command = redis::cmd("FCALL");
-            command.arg(&library.release_function);
-            command
-        }
-        Dispatch::Script => {
-            let mut command = redis::cmd("EVALSHA");
-            command.arg(&library.release_script.1);
-            command
-        }
-    };
+    let mut command = invoking(dispatch, &library.release_function, &library.release_script.1);
     command.arg(keys.len());
     for key in keys {
         command.arg(*key);
