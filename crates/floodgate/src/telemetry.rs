@@ -48,6 +48,15 @@ pub fn record_post_charge_skipped(reason: &'static str) {
     metrics::counter!(POST_CHARGE_SKIPPED_TOTAL, "reason" => reason).increment(1);
 }
 
+/// `floodgate_local_denials_total`: requests denied by a node from what Redis denied before,
+/// without a call.
+pub const LOCAL_DENIALS_TOTAL: &str = "floodgate_local_denials_total";
+
+/// Counts a request denied locally.
+pub fn record_local_denial() {
+    metrics::counter!(LOCAL_DENIALS_TOTAL).increment(1);
+}
+
 /// Counts units dropped by batched mode.
 pub fn record_batched_dropped(units: u64) {
     metrics::counter!(BATCHED_DROPPED_UNITS_TOTAL).increment(units);
@@ -402,6 +411,12 @@ pub const METRICS: &[MetricDescription] = &[
         kind: MetricKind::Counter,
         seconds: false,
         help: "Admitted units a batched node never delivered (older than their window when the store came back)",
+    },
+    MetricDescription {
+        name: LOCAL_DENIALS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Requests a node denied from what Redis denied before, without a store call",
     },
     MetricDescription {
         name: NEAR_LIMIT_TOTAL,

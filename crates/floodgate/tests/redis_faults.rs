@@ -30,10 +30,14 @@ const OPEN_FOR: Duration = Duration::from_millis(500);
 
 type Service = BoxCloneSyncService<Request<()>, Response<RateLimitBody<Full<Bytes>>>, Infallible>;
 
+/// A store whose every decision is a call: these tests are about calls that fail. (A node's
+/// memory of denials would deny the over-limit client below without a call until it notices
+/// the lost server; `deny_cache.rs` tests that.)
 fn store(server: &RedisServer) -> RedisStore {
     RedisStore::builder(server.url())
         .timeout(DEADLINE)
         .breaker(5, OPEN_FOR)
+        .deny_cache(false)
         .build()
         .unwrap()
 }

@@ -2,8 +2,10 @@
 //! on one node: the Redis store's hash-slot groups and the sharded store's node groups share it.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::RedisStore;
+use super::deny_cache;
 use super::script::Mode;
 use crate::algorithm::LimitOutcome;
 use crate::decision::{Check, Decision, Lease};
@@ -15,6 +17,9 @@ use crate::time::Timestamp;
 /// Decides `checks` by one script call per group, in group order; a group's node is the store
 /// that runs its call. When a group denies, what earlier groups took is refunded, and every
 /// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
+///
+/// With the server's clock, a decision that the nodes' deny caches can deny is denied without
+/// a call, and a denial's states are remembered for the next ones (see [`deny_cache`]).
 pub(super) async fn decide_groups(
     groups: &[Group<'_>],
     checks: &[Check],
@@ -28,7 +33,90 @@ pub(super) async fn decide_groups(
             Vec::new(),
         ));
     }
+    let sent = Instant::now();
+    let resets_before: Vec<u64> = if now.is_none() {
+        for group in groups {
+            group.node.ensure_listening();
+        }
+        // A node whose breaker is open is down: the failure policy decides, not its memory.
+        let cache_of = |index: usize| {
+            groups
+                .iter()
+                .find(|group| group.members.contains(&index))
+                .filter(|group| !group.node.is_refused(&checks[index].key))
+                .and_then(|group| group.node.deny_cache())
+        };
+        if let Some(denied) = deny_cache::decide_locally(checks, cache_of) {
+            return Ok(denied);
+        }
+        groups
+            .iter()
+            .map(|group| group.node.deny_cache().map_or(0, |cache| cache.resets()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let decision = decide_by_calls(groups, checks, now).await?;
+    if now.is_none() {
+        remember(groups, checks, &decision, sent, &resets_before);
+    }
+    Ok(decision.decision)
+}
+
+/// A decision made by calls, with each limit's state as the calls reported it (a denial's).
+struct Called {
+    decision: Decision,
+    states: Vec<Option<[u64; 3]>>,
+}
+
+/// What the nodes' deny caches keep of a decision: a denial's states until its wait is over;
+/// an admission makes them forget its keys (their state changed).
+fn remember(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    called: &Called,
+    sent: Instant,
+    resets_before: &[u64],
+) {
+    let decision = &called.decision;
+    let wait = decision.retry_after().filter(|_| !decision.is_allowed());
+    let cacheable = checks
+        .iter()
+        .all(|check| deny_cache::applies_to(check.limit.algorithm()));
+    for (position, group) in groups.iter().enumerate() {
+        let Some(cache) = group.node.deny_cache() else {
+            continue;
+        };
+        let keys = group.members.iter().map(|&index| &*checks[index].key);
+        match wait {
+            // A reset since the call was sent: what it read may be gone.
+            Some(wait) if cacheable && cache.resets() == resets_before[position] => {
+                let read_at = decision.decided_at().as_micros();
+                let until =
+                    read_at.saturating_add(u64::try_from(wait.as_micros()).unwrap_or(u64::MAX));
+                let entries = group.members.iter().map(|&index| {
+                    let check = &checks[index];
+                    (
+                        check.key.clone(),
+                        check.limit.algorithm(),
+                        deny_cache::state_of(check, called.states[index]),
+                    )
+                });
+                cache.remember(entries, read_at, sent, until);
+            }
+            _ => cache.forget(keys),
+        }
+    }
+}
+
+/// [`decide_groups`] by calls only.
+async fn decide_by_calls(
+    groups: &[Group<'_>],
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Called, StoreError> {
     let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; checks.len()];
+    let mut states: Vec<Option<[u64; 3]>> = vec![None; checks.len()];
     let mut tokens: Vec<String> = vec![String::new(); checks.len()];
     // Every lease a script may take, released unless this decision ends: on an error (a
     // deadline that fired after the script ran) or a drop (the request went away) mid-way.
@@ -67,6 +155,9 @@ pub(super) async fn decide_groups(
             outcomes[index] = Some(outcome);
             tokens[index] = token;
         }
+        for (&index, state) in group.iter().zip(reply.states) {
+            states[index] = state;
+        }
         if !reply.admitted {
             denied_group = Some(position);
             break;
@@ -99,6 +190,9 @@ pub(super) async fn decide_groups(
                 let allowed = was_charged || outcome.allowed;
                 outcomes[index] = Some(LimitOutcome { allowed, ..outcome });
             }
+            for (&index, state) in group.iter().zip(reply.states) {
+                states[index] = state;
+            }
         }
     }
     let outcomes: Vec<LimitOutcome> = outcomes
@@ -128,9 +222,10 @@ pub(super) async fn decide_groups(
         Vec::new()
     };
     let decided_at = decided_at.unwrap_or_else(Timestamp::now);
-    Ok(Decision::from_outcomes(
-        decided_at, checks, &outcomes, leases,
-    ))
+    Ok(Called {
+        decision: Decision::from_outcomes(decided_at, checks, &outcomes, leases),
+        states,
+    })
 }
 
 /// Reads `checks` by one peek call per group, changing nothing.

@@ -12,10 +12,14 @@
 
 mod cluster;
 mod connection;
+mod deny_cache;
 mod groups;
+mod resets;
 mod script;
 mod sharded;
 mod slot;
+
+pub use deny_cache::RESETS_CHANNEL;
 
 pub use sharded::{ShardedRedisStore, rendezvous};
 pub use slot::hash_slot;
@@ -82,6 +86,7 @@ pub struct RedisStoreBuilder {
     guard: GuardConfig,
     observer: Arc<dyn StoreObserver>,
     cluster_compatible: bool,
+    deny_cache: bool,
 }
 
 impl RedisStoreBuilder {
@@ -119,6 +124,14 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Whether a denial is remembered and the next requests on its keys are denied here until
+    /// its `retry_after` is over, without a call (default true; see the deny cache in the
+    /// module docs). Resets through any node reach every node's memory by a subscription.
+    pub fn deny_cache(mut self, enabled: bool) -> Self {
+        self.deny_cache = enabled;
+        self
+    }
+
     /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
@@ -129,6 +142,15 @@ impl RedisStoreBuilder {
             self.cluster_compatible || matches!(self.deployment, Deployment::Cluster(_));
         let cluster_breakers = matches!(self.deployment, Deployment::Cluster(_))
             .then(|| ClusterBreakers::new(self.guard, self.observer.clone()));
+        let reset_source = match &self.deployment {
+            Deployment::Single(url) => resets::Source::Servers(vec![url.clone()]),
+            Deployment::Cluster(nodes) => resets::Source::Servers(nodes.clone()),
+            Deployment::Sentinel { master, sentinels } => resets::Source::Sentinel {
+                master: master.clone(),
+                sentinels: sentinels.clone(),
+            },
+        };
+        let (stop_listening, _) = tokio::sync::watch::channel(());
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
@@ -138,6 +160,10 @@ impl RedisStoreBuilder {
                 dispatch: AtomicU8::new(DISPATCH_UNKNOWN),
                 library_loads: AtomicU64::new(0),
                 loading: tokio::sync::Mutex::new(()),
+                deny_cache: self.deny_cache.then(deny_cache::DenyCache::new),
+                listening: std::sync::atomic::AtomicBool::new(false),
+                reset_source,
+                stop_listening,
             }),
         })
     }
@@ -192,6 +218,13 @@ struct Inner {
     library_loads: AtomicU64,
     /// One load of the library at a time.
     loading: tokio::sync::Mutex<()>,
+    /// What this node remembers of denials (`None` when turned off).
+    deny_cache: Option<deny_cache::DenyCache>,
+    /// Whether the resets subscription was started (by the first decision).
+    listening: std::sync::atomic::AtomicBool,
+    reset_source: resets::Source,
+    /// Dropped with the store: ends the subscription task.
+    stop_listening: tokio::sync::watch::Sender<()>,
 }
 
 const DISPATCH_UNKNOWN: u8 = 0;
@@ -255,7 +288,35 @@ impl RedisStore {
             guard: GuardConfig::default(),
             observer: Arc::new(LogObserver),
             cluster_compatible: false,
+            deny_cache: true,
         }
+    }
+
+    /// This node's memory of denials, if it keeps one.
+    fn deny_cache(&self) -> Option<&deny_cache::DenyCache> {
+        self.inner.deny_cache.as_ref()
+    }
+
+    /// Starts hearing resets (once, from inside a runtime), so that local denials can begin.
+    fn ensure_listening(&self) {
+        if self.inner.deny_cache.is_none() || self.inner.listening.load(Ordering::Relaxed) {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_ok()
+            && !self.inner.listening.swap(true, Ordering::AcqRel)
+        {
+            resets::spawn(
+                Arc::downgrade(&self.inner),
+                self.inner.reset_source.clone(),
+                self.inner.stop_listening.subscribe(),
+            );
+        }
+    }
+
+    /// Requests this store denied locally so far (tests and benchmarks).
+    pub fn local_denials(&self) -> u64 {
+        self.deny_cache()
+            .map_or(0, |cache| cache.local_denials.load(Ordering::Relaxed))
     }
 
     /// The deadline and circuit breaker of this store (on a cluster, the template that each
@@ -590,14 +651,19 @@ impl Store for RedisStore {
         Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
     }
 
-    /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker.
+    /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker. Then
+    /// the keys are published on [`RESETS_CHANNEL`], so that every node's deny cache forgets
+    /// them (this node's forgets them at once).
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
+            if let Some(cache) = self.deny_cache() {
+                cache.forget_reset(keys.iter().map(|key| &**key));
+            }
             let by_slot = self.slot_groups(keys.iter().map(|key| &**key));
             let mut removed = 0;
             for group in by_slot {
                 let mut command = redis::cmd("DEL");
-                for index in group {
+                for &index in &group {
                     command.arg(&*keys[index]);
                 }
                 match self.query(&command).await? {
@@ -605,6 +671,12 @@ impl Store for RedisStore {
                     other => {
                         return Err(StoreError::Protocol(format!("DEL answered {other:?}")));
                     }
+                }
+                let message: Vec<&str> = group.iter().map(|&index| &*keys[index]).collect();
+                let mut publish = redis::cmd("PUBLISH");
+                publish.arg(RESETS_CHANNEL).arg(message.join("\n"));
+                if let Err(error) = self.query(&publish).await {
+                    tracing::warn!(%error, "could not publish a reset: other nodes may keep denying its keys locally until their waits are over");
                 }
             }
             Ok(removed)

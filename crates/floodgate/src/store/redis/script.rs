@@ -150,7 +150,6 @@ pub(crate) struct Reply {
     /// A denial's or a peek's (per limit, the three exported state fields it was decided on),
     /// a refund's or a charge's (the state it left); `None` for a fresh key or an algorithm
     /// without export. Empty for an admission.
-    #[allow(dead_code)] // read by the deny cache, which comes next
     pub(crate) states: Vec<Option<[u64; 3]>>,
 }
 
@@ -227,7 +226,11 @@ fn invoking(dispatch: Dispatch, function: &str, script_hash: &str) -> redis::Cmd
 /// The command that releases `members` of `keys` (one each).
 pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[String]) -> redis::Cmd {
     let library = &*LIBRARY;
-    let mut command = invoking(dispatch, &library.release_function, &library.release_script.1);
+    let mut command = invoking(
+        dispatch,
+        &library.release_function,
+        &library.release_script.1,
+    );
     command.arg(keys.len());
     for key in keys {
         command.arg(*key);

@@ -63,6 +63,11 @@ impl ShardedRedisStore {
     pub fn node_of(&self, key: &str) -> usize {
         rendezvous(key, &self.names)
     }
+
+    /// The store of node `index` (in the order given to [`ShardedRedisStore::new`]).
+    pub fn node(&self, index: usize) -> &RedisStore {
+        &self.nodes[index]
+    }
 }
 
 impl ShardedRedisStore {
