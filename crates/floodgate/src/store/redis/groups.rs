@@ -205,19 +205,7 @@ async fn decide_by_calls(
     // Decided: an admission's leases go to the caller; a denial's were refunded.
     taken.hand_over();
     let leases = if admitted {
-        checks
-            .iter()
-            .zip(&tokens)
-            .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
-            .filter_map(|(check, token)| {
-                let (id, _) = token.split_once(':')?;
-                Some(Lease {
-                    key: check.key.clone(),
-                    id: id.parse().ok()?,
-                    cost: check.cost,
-                })
-            })
-            .collect()
+        leases_of(checks.iter(), &tokens)
     } else {
         Vec::new()
     };
@@ -226,6 +214,26 @@ async fn decide_by_calls(
         decision: Decision::from_outcomes(decided_at, checks, &outcomes, leases),
         states,
     })
+}
+
+/// The concurrency leases an admission of `checks` took: the script answers each lease's
+/// member, `"<id>:<cost>"`, as the check's token.
+pub(super) fn leases_of<'c>(
+    checks: impl Iterator<Item = &'c Check>,
+    tokens: &[String],
+) -> Vec<Lease> {
+    checks
+        .zip(tokens)
+        .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
+        .filter_map(|(check, token)| {
+            let (id, _) = token.split_once(':')?;
+            Some(Lease {
+                key: check.key.clone(),
+                id: id.parse().ok()?,
+                cost: check.cost,
+            })
+        })
+        .collect()
 }
 
 /// Reads `checks` by one peek call per group, changing nothing.

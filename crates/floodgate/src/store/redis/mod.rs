@@ -11,6 +11,7 @@
 //! agree. Every call has a deadline and goes through a circuit breaker ([`Guard`]).
 
 mod cluster;
+mod coalesce;
 mod connection;
 mod deny_cache;
 mod groups;
@@ -87,6 +88,7 @@ pub struct RedisStoreBuilder {
     observer: Arc<dyn StoreObserver>,
     cluster_compatible: bool,
     deny_cache: bool,
+    coalesce_in_flight: usize,
 }
 
 impl RedisStoreBuilder {
@@ -132,6 +134,15 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Coalesced calls: at most `in_flight` calls out at once per node (per hash slot on a
+    /// cluster); decisions that find none free wait and go out together as one call when one
+    /// comes back (see the coalescing in the module docs). 0 sends every decision on its own.
+    /// Default 2.
+    pub fn coalesce(mut self, in_flight: usize) -> Self {
+        self.coalesce_in_flight = in_flight;
+        self
+    }
+
     /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
@@ -164,6 +175,8 @@ impl RedisStoreBuilder {
                 listening: std::sync::atomic::AtomicBool::new(false),
                 reset_source,
                 stop_listening,
+                coalescer: coalesce::Coalescer::default(),
+                coalesce_in_flight: self.coalesce_in_flight,
             }),
         })
     }
@@ -225,6 +238,10 @@ struct Inner {
     reset_source: resets::Source,
     /// Dropped with the store: ends the subscription task.
     stop_listening: tokio::sync::watch::Sender<()>,
+    /// Decisions waiting for a place in a call, by slot.
+    coalescer: coalesce::Coalescer,
+    /// Most calls out at once per slot before decisions are coalesced (0: never).
+    coalesce_in_flight: usize,
 }
 
 const DISPATCH_UNKNOWN: u8 = 0;
@@ -289,6 +306,7 @@ impl RedisStore {
             observer: Arc::new(LogObserver),
             cluster_compatible: false,
             deny_cache: true,
+            coalesce_in_flight: 2,
         }
     }
 
@@ -311,6 +329,11 @@ impl RedisStore {
                 self.inner.stop_listening.subscribe(),
             );
         }
+    }
+
+    /// Decisions waiting now for a call to come back, to go out together in the next one.
+    pub fn coalesced_waiting(&self) -> usize {
+        self.inner.coalescer.waiting()
     }
 
     /// Requests this store denied locally so far (tests and benchmarks).
@@ -490,6 +513,15 @@ impl RedisStore {
     ) -> Result<Reply, StoreError> {
         let key = checks.first().map_or("", |check| &*check.key);
         self.guarded(key, async {
+            let in_flight = self.inner.coalesce_in_flight;
+            if mode == Mode::Check && now.is_none() && in_flight > 0 {
+                let slot = if self.inner.cluster_compatible {
+                    hash_slot(key)
+                } else {
+                    0
+                };
+                return coalesce::check(self, slot, in_flight, checks, tokens).await;
+            }
             let decision = script::Decision { checks, tokens };
             let mut replies = self.call(mode, &[decision], now).await?;
             replies

@@ -1,0 +1,216 @@
+//! Coalesced calls: decisions that wait while a node has calls in flight go out together, as
+//! one `batch` call of the script, when one of those calls comes back.
+//!
+//! A node (or, on a cluster, a hash slot: a call must stay on one) has at most `in_flight`
+//! calls out at once. A decision that finds a free place sends its own call at once, so an
+//! idle node never waits to fill a batch; one that finds none queues, and the next call to come
+//! back sends everything queued (up to [`MAX_BATCH`] decisions) as one call, from a task of its
+//! own so that no request's lifetime holds the others'. The script decides a batch's decisions
+//! one after the other in arrival order, each all-or-nothing, at one instant: exactly as if
+//! they had come one by one. Under load this turns many calls into few: one `TIME`, one call's
+//! overhead and one round trip for many decisions.
+//!
+//! A decision whose request goes away while it waits is left out of the batch; one that goes
+//! away while its batch is out has its reply's concurrency leases released (its own future
+//! releases them too: releasing twice is harmless), so a dropped request holds nothing.
+//! Decisions with an explicit `now` (tests) are never coalesced: a batch has one instant.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use tokio::sync::oneshot;
+
+use super::RedisStore;
+use super::groups::leases_of;
+use super::script::{self, Mode, Reply};
+use crate::decision::Check;
+use crate::store::{Store, StoreError};
+
+/// Most decisions sent in one call, so that one call never holds Redis for long.
+pub(super) const MAX_BATCH: usize = 64;
+
+/// The queues of one store, by routing slot (0 for every key where calls need not stay on one
+/// slot).
+#[derive(Default)]
+pub(super) struct Coalescer {
+    queues: Mutex<HashMap<u16, Queue>>,
+}
+
+#[derive(Default)]
+struct Queue {
+    in_flight: usize,
+    waiting: Vec<Waiter>,
+}
+
+/// A decision waiting for a place in a call.
+struct Waiter {
+    checks: Vec<Check>,
+    tokens: Vec<String>,
+    reply: oneshot::Sender<Result<Reply, StoreError>>,
+}
+
+/// Frees a place of `slot` when dropped: the next batch goes out on it, or it is given back.
+struct Place<'s> {
+    store: &'s RedisStore,
+    slot: u16,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        finish(self.store, self.slot);
+    }
+}
+
+impl Coalescer {
+    /// Decisions waiting for a place in a call now.
+    pub(super) fn waiting(&self) -> usize {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .map(|queue| queue.waiting.len())
+            .sum()
+    }
+}
+
+/// Decides one decision (`checks`, `tokens`: one slot's) through `store`'s coalescer.
+pub(super) async fn check(
+    store: &RedisStore,
+    slot: u16,
+    in_flight: usize,
+    checks: &[&Check],
+    tokens: &[String],
+) -> Result<Reply, StoreError> {
+    let coalescer = &store.inner.coalescer;
+    let waiting = {
+        let mut queues = coalescer
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let queue = queues.entry(slot).or_default();
+        if queue.in_flight < in_flight {
+            queue.in_flight += 1;
+            None
+        } else {
+            let (reply, waiting) = oneshot::channel();
+            queue.waiting.push(Waiter {
+                checks: checks.iter().map(|check| (*check).clone()).collect(),
+                tokens: tokens.to_vec(),
+                reply,
+            });
+            Some(waiting)
+        }
+    };
+    match waiting {
+        None => {
+            let _place = Place { store, slot };
+            let decision = script::Decision { checks, tokens };
+            let mut replies = store.call(Mode::Check, &[decision], None).await?;
+            replies
+                .pop()
+                .ok_or_else(|| StoreError::Protocol("a decision went unanswered".into()))
+        }
+        Some(waiting) => waiting.await.unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(
+                "the batch carrying this decision was abandoned".into(),
+            ))
+        }),
+    }
+}
+
+/// A call of `slot` came back: sends what waits as the next batch, or frees the place.
+fn finish(store: &RedisStore, slot: u16) {
+    let batch = {
+        let mut queues = store
+            .inner
+            .coalescer
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(queue) = queues.get_mut(&slot) else {
+            return;
+        };
+        // Requests that went away while they waited are not decided at all.
+        queue.waiting.retain(|waiter| !waiter.reply.is_closed());
+        if queue.waiting.is_empty() {
+            queue.in_flight = queue.in_flight.saturating_sub(1);
+            return;
+        }
+        let take = queue.waiting.len().min(MAX_BATCH);
+        queue.waiting.drain(..take).collect::<Vec<Waiter>>()
+    };
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // Outside a runtime (a store dropped late): nothing can carry the batch.
+        return;
+    };
+    let store = store.clone();
+    runtime.spawn(async move {
+        let _place = Place {
+            store: &store,
+            slot,
+        };
+        send_batch(&store, batch).await;
+    });
+}
+
+/// Sends `batch` as one call and answers each waiter.
+async fn send_batch(store: &RedisStore, batch: Vec<Waiter>) {
+    let refs: Vec<Vec<&Check>> = batch
+        .iter()
+        .map(|waiter| waiter.checks.iter().collect())
+        .collect();
+    let decisions: Vec<script::Decision<'_>> = refs
+        .iter()
+        .zip(&batch)
+        .map(|(checks, waiter)| script::Decision {
+            checks,
+            tokens: &waiter.tokens,
+        })
+        .collect();
+    let deadline = store.inner.guard.config().timeout;
+    let result =
+        match tokio::time::timeout(deadline, store.call(Mode::Check, &decisions, None)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        };
+    match result {
+        Ok(replies) => {
+            let mut orphaned = Vec::new();
+            for (waiter, reply) in batch.into_iter().zip(replies) {
+                let leases = if reply.admitted {
+                    leases_of(waiter.checks.iter(), &reply.tokens)
+                } else {
+                    Vec::new()
+                };
+                if waiter.reply.send(Ok(reply)).is_err() {
+                    orphaned.extend(leases);
+                }
+            }
+            if !orphaned.is_empty()
+                && let Err(error) = store.release(orphaned).await
+            {
+                tracing::warn!(%error, "could not release the leases of abandoned decisions; they expire with their window");
+            }
+        }
+        Err(error) => {
+            for waiter in batch {
+                let _ = waiter.reply.send(Err(copy_of(&error)));
+            }
+        }
+    }
+}
+
+/// The same failure for another decision of the batch (of the same class: the breaker and the
+/// metrics tell them apart).
+fn copy_of(error: &StoreError) -> StoreError {
+    let message = || -> Box<dyn std::error::Error + Send + Sync> { error.to_string().into() };
+    match error {
+        StoreError::Timeout(deadline) => StoreError::Timeout(*deadline),
+        StoreError::Unavailable(_) => StoreError::Unavailable(message()),
+        StoreError::Rejected(_) => StoreError::Rejected(message()),
+        StoreError::BreakerOpen => StoreError::BreakerOpen,
+        StoreError::Protocol(text) => StoreError::Protocol(text.clone()),
+        StoreError::Config(text) => StoreError::Config(text.clone()),
+        StoreError::Unsupported(what) => StoreError::Unsupported(what),
+    }
+}
