@@ -401,3 +401,104 @@ async fn a_refund_between_two_log_entries_never_merges_the_next_one() {
             .is_allowed()
     );
 }
+
+/// Under load, the function library goes missing (a `FUNCTION FLUSH`, then a restart that loses
+/// it): every call that found it missing loads it and is decided once. Each phase counts on a
+/// key of its own: what Redis counted equals what the callers were told was admitted (nothing
+/// lost, nothing doubled), and only calls made while the server was down fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_library_lost_under_load_is_reloaded_and_no_decision_is_lost_or_doubled() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(2))
+        .breaker(1_000_000, Duration::from_millis(1))
+        .deny_cache(false)
+        .build()
+        .unwrap();
+    let limit = Arc::new(Limit::fixed_window("n", 1_000_000, Duration::from_secs(3600)).unwrap());
+    let phase = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let admitted: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
+    let failed: Arc<[AtomicU64; 3]> = Arc::new(Default::default());
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (store, limit, phase, stop) =
+            (store.clone(), limit.clone(), phase.clone(), stop.clone());
+        let (admitted, failed) = (admitted.clone(), failed.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let now = phase.load(Ordering::Relaxed) as usize;
+                let checks = [Check::new(
+                    format!("fgtest:{{load}}:r:n{now}"),
+                    limit.clone(),
+                    1,
+                )];
+                match store.check_and_consume(&checks, None).await {
+                    Ok(decision) if decision.is_allowed() => {
+                        admitted[now].fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => panic!("nothing is denied here"),
+                    Err(_) => {
+                        failed[now].fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+        }));
+    }
+    let counted = |server: &RedisServer, phase: usize| -> u64 {
+        server
+            .try_command::<Option<u64>>(&["HGET", &format!("fgtest:{{load}}:r:n{phase}"), "c"])
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    };
+    let settle = || tokio::time::sleep(Duration::from_millis(300));
+    settle().await;
+    // Phase 1 starts from here; the flush comes in its midst.
+    phase.store(1, Ordering::Relaxed);
+    settle().await;
+    let _: () = server.command(&["FUNCTION", "FLUSH"]);
+    settle().await;
+    // Phase 2: the server restarts (and the library is gone with it) in its midst.
+    phase.store(2, Ordering::Relaxed);
+    settle().await;
+    // Every phase-1 decision finished long ago: Redis's count of them, exactly.
+    let phase_one_counted = counted(&server, 1);
+    server.kill();
+    // From here on, only replies already on their way (one per task at most) come from the
+    // old server.
+    let before_restart = admitted[2].load(Ordering::Relaxed);
+    server.restart();
+    settle().await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let admitted_in = |phase: usize| admitted[phase].load(Ordering::Relaxed);
+    assert!(admitted_in(1) > 0);
+    assert_eq!(
+        failed[1].load(Ordering::Relaxed),
+        0,
+        "the flush cost no decision"
+    );
+    assert_eq!(
+        phase_one_counted,
+        admitted_in(1),
+        "across the flush: none lost or doubled"
+    );
+    // Phase 2's count on the new server holds the admissions decided there: none beyond what
+    // callers were told after the restart began, and at most the 16 decisions in flight at the
+    // kill (decided by the old server) fewer.
+    let after_restart = admitted_in(2) - before_restart;
+    assert!(after_restart > 0, "decisions resumed after the restart");
+    let on_new_server = counted(&server, 2);
+    assert!(
+        on_new_server >= after_restart.saturating_sub(16) && on_new_server <= after_restart,
+        "the new server counted {on_new_server} of the {after_restart} admissions told after the restart began"
+    );
+    let libraries: deadpool_redis::redis::Value = server.command(&["FUNCTION", "LIST"]);
+    assert!(format!("{libraries:?}").contains(floodgate::store::redis::function_library().1));
+}
