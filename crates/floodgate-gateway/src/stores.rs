@@ -23,6 +23,8 @@ fn tuned(
         .connection_mode(pool_size.map_or(ConnectionMode::Multiplexed, ConnectionMode::Pool))
         .timeout(settings.timeout)
         .breaker(settings.breaker_failures, settings.breaker_open_for)
+        .deny_cache(settings.deny_cache)
+        .coalesce(settings.coalesce)
         .build()
 }
 
@@ -76,6 +78,8 @@ pub fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bo
                 && current.sync_interval == new.sync_interval
                 && current.global_sync_interval == new.global_sync_interval
                 && current.max_keys == new.max_keys
+                && current.deny_cache == new.deny_cache
+                && current.coalesce == new.coalesce
         }
     }
 }

@@ -532,3 +532,81 @@ async fn a_reset_clears_every_limit_of_the_client_and_no_global_ceiling() {
         "the global ceiling still holds for everyone"
     );
 }
+
+/// On Redis, a client over its limit is denied by each gateway from memory until its wait is
+/// over, with the headers Redis's denial had, and no store call; `DELETE /admin/clients` on one
+/// gateway lets it in on another within a round trip (a minute before its window ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_on_one_gateway_ends_local_denials_on_another() {
+    let redis = redis_support::RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
+        redis.url()
+    );
+    let (first, _first_dir) = start_gateway(&upstream.url(), &hourly_five(&store));
+    let (second, _second_dir) = start_gateway(&upstream.url(), &hourly_five(&store));
+    let client = client();
+    for _ in 0..5 {
+        assert_eq!(
+            as_client(&client, &first, "k-one").await.status(),
+            StatusCode::OK
+        );
+    }
+    let by_redis = as_client(&client, &second, "k-one").await;
+    assert_eq!(by_redis.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The second gateway's subscription to resets may still be on its way: local denials
+    // start once it is up.
+    let started = std::time::Instant::now();
+    let local = loop {
+        let calls = redis.script_calls();
+        let response = as_client(&client, &second, "k-one").await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        if redis.script_calls() == calls {
+            break response;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(3),
+            "never denied locally"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    for header in [
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+        "ratelimit-policy",
+    ] {
+        assert_eq!(
+            local.headers()[header],
+            by_redis.headers()[header],
+            "{header}"
+        );
+    }
+    let metrics = get(&client, &second.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    assert!(
+        metrics
+            .lines()
+            .any(|line| line.starts_with("floodgate_local_denials_total ") && !line.ends_with(" 0")),
+        "{metrics}"
+    );
+
+    let (status, _) = admin(
+        &client,
+        &first,
+        Method::DELETE,
+        "/admin/clients?api_key=k-one",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let reset_at = std::time::Instant::now();
+    while as_client(&client, &second, "k-one").await.status() != StatusCode::OK {
+        assert!(
+            reset_at.elapsed() < std::time::Duration::from_secs(1),
+            "the reset did not reach the second gateway within 1 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}

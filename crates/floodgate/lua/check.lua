@@ -13,24 +13,72 @@
 --          skewed clocks agree.
 -- 'batch' only: ARGV[3]: the number of decisions; then before each decision's limits, its
 --          number of limits.
--- Then 5 values per limit: algorithm, the two numbers `a` and `b` it uses (see common.lua),
--- cost, and a token: the random id of the lease or log entry to take ('check' of concurrency
--- and of the logs), or what to give back ('refund' of both).
+-- Then per limit: its spec, "<algorithm> <a> <b>" with the two numbers the algorithm uses (see
+-- common.lua; one argument, parsed once per library load), its cost, and for the algorithms
+-- that take one (`sliding_window_log`, `concurrency`) a token: the random id of the lease or
+-- log entry to take ('check'), or what to give back ('refund').
 -- KEYS: one per limit, in order (in a Redis Cluster all on one slot).
 --
--- Reply: { now, then per decision: ... }.
---   'check', 'batch' and 'peek' (never admitted): admitted (0/1), then per limit: allowed,
---     remaining, reset_after, retry_after (-1: none), delay, token; and when the decision was
---     not admitted, then per limit the state it was decided on: present (0/1) and three
---     fields (0 0 0 0 for an algorithm without export), so that a node can deny again locally.
---   'refund' and 'charge': 0, then per limit the same six fields, evaluated after the refund
---     or charge without charging, and ''; then per limit the state after it, as above.
---   'sync' (cost: the units to add): per limit: present (0/1) and three state fields.
+-- Reply: { now, then per decision: ... }. A limit's outcome is three values: remaining,
+-- reset_after, and retry: -1 allowed, -2 denied for good (the cost exceeds what it can ever
+-- hold), else denied and the wait in microseconds; then its delay for `leaky_bucket`, and the
+-- lease or log entry written ('' if none) for the algorithms that take a token. A limit's
+-- state, for the algorithms that export one: present (0/1) and three fields.
+--   'check', 'batch' and 'peek' (never admitted): admitted (0/1), each limit's outcome, and
+--     when not admitted each limit's state as it was decided on (so that a node can deny
+--     again locally).
+--   'refund' and 'charge': 0, each limit's outcome evaluated after the change without charging,
+--     then each limit's state after it.
+--   'sync' (cost: the units to add): each limit's state.
 
-local PER_LIMIT = 5
+-- Specs parsed so far: { algorithm table, a, b }. Bounded like NUMBERS.
+local SPECS, specs_kept = {}, 0
+
+local function parse_spec(text)
+  local name, a, b = match(text, '^(%S+) (%d+) (%d+)$')
+  local algorithm = name and ALGORITHMS[name]
+  if not algorithm then
+    return nil
+  end
+  if specs_kept >= 4096 then
+    SPECS, specs_kept = {}, 0
+  end
+  local spec = { algorithm, tonumber(a), tonumber(b), name }
+  SPECS[text] = spec
+  specs_kept = specs_kept + 1
+  return spec
+end
+
+local function unknown(text)
+  return 'floodgate: unknown limit spec ' .. tostring(text)
+end
+
+-- Appends an outcome: remaining, reset, retry (-1 allowed, -2 never), and delay or token
+-- where the algorithm has them.
+local function append_outcome(reply, r, algorithm, ok, remaining, reset, retry, delay, written)
+  if ok == 1 then
+    retry = -1
+  elseif retry == -1 then
+    retry = -2
+  end
+  reply[r + 1], reply[r + 2], reply[r + 3] = remaining, reset, retry
+  r = r + 3
+  if algorithm.delays then
+    r = r + 1
+    reply[r] = delay
+  end
+  if algorithm.takes_token then
+    r = r + 1
+    reply[r] = written or ''
+  end
+  return r
+end
 
 local function append_state(reply, r, algorithm, s1, s2, s3)
-  if algorithm.export and s1 ~= nil then
+  if not algorithm.export then
+    return r
+  end
+  if s1 ~= nil then
     local f1, f2, f3 = algorithm.export(s1, s2, s3)
     reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = 1, f1, f2, f3
   else
@@ -41,49 +89,62 @@ end
 
 -- Scratch space of decisions with several limits, reused from call to call (a function
 -- library stays loaded): each call writes every index it reads.
-local S_ALGORITHM, S_A, S_B, S_COST = {}, {}, {}, {}
+local S_ALGORITHM, S_A, S_B, S_COST, S_TOKEN = {}, {}, {}, {}, {}
 local S1, S2, S3 = {}, {}, {}
 local S_OK, S_REMAINING, S_RESET, S_RETRY, S_DELAY = {}, {}, {}, {}, {}
 
--- One decision of n limits (keys after `key_at`, limits after `arg_at`): evaluates every
+-- One decision of n limits (keys after `key_at`, arguments after `arg_at`): evaluates every
 -- limit, consumes from all if all admit and `consume` is set, and appends the reply. Returns
--- the reply's new length, or nil and an error for an unknown algorithm.
+-- the reply's new length and the argument position after the decision, or nil and an error.
 local function decide(keys, args, key_at, arg_at, n, now, consume, reply, r)
   if n == 1 then
     -- The common case, without scratch tables.
-    local name = args[arg_at + 1]
-    local algorithm = ALGORITHMS[name]
-    if not algorithm then
-      return nil, 'floodgate: unknown algorithm ' .. tostring(name)
+    local text = args[arg_at + 1]
+    local spec = SPECS[text] or parse_spec(text)
+    if not spec then
+      return nil, unknown(text)
     end
-    local a, b, cost = tonumber(args[arg_at + 2]), tonumber(args[arg_at + 3]), tonumber(args[arg_at + 4])
+    local algorithm, a, b = spec[1], spec[2], spec[3]
+    local cost = NUMBERS[args[arg_at + 2]] or parse_number(args[arg_at + 2])
+    local token = ''
+    local next_at = arg_at + 2
+    if algorithm.takes_token then
+      next_at = next_at + 1
+      token = args[next_at]
+    end
     local key = keys[key_at + 1]
     local s1, s2, s3 = algorithm.load(key, now, b)
     local ok, remaining, reset, retry, delay = algorithm.evaluate(s1, s2, s3, a, b, now, cost)
     if ok == 1 and consume then
-      local written = algorithm.consume(key, s1, s2, s3, a, b, now, cost, args[arg_at + 5]) or ''
-      reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = 1, 1, remaining, reset
-      reply[r + 5], reply[r + 6], reply[r + 7] = retry, delay, written
-      return r + 7
+      local written = algorithm.consume(key, s1, s2, s3, a, b, now, cost, token)
+      reply[r + 1] = 1
+      return append_outcome(reply, r + 1, algorithm, 1, remaining, reset, retry, delay, written),
+        next_at
     end
     if ok == 1 then
       -- Not charged: report it as it stands.
       ok, remaining, reset, retry, delay = algorithm.evaluate(s1, s2, s3, a, b, now, 0)
     end
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = 0, ok, remaining, reset
-    reply[r + 5], reply[r + 6], reply[r + 7] = retry, delay, ''
-    return append_state(reply, r + 7, algorithm, s1, s2, s3)
+    reply[r + 1] = 0
+    r = append_outcome(reply, r + 1, algorithm, ok, remaining, reset, retry, delay, '')
+    return append_state(reply, r, algorithm, s1, s2, s3), next_at
   end
 
   local admitted = consume
+  local at = arg_at
   for i = 1, n do
-    local at = arg_at + (i - 1) * PER_LIMIT
-    local name = args[at + 1]
-    local algorithm = ALGORITHMS[name]
-    if not algorithm then
-      return nil, 'floodgate: unknown algorithm ' .. tostring(name)
+    local text = args[at + 1]
+    local spec = SPECS[text] or parse_spec(text)
+    if not spec then
+      return nil, unknown(text)
     end
-    local a, b, cost = tonumber(args[at + 2]), tonumber(args[at + 3]), tonumber(args[at + 4])
+    local algorithm, a, b = spec[1], spec[2], spec[3]
+    local cost = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    at = at + 2
+    if algorithm.takes_token then
+      at = at + 1
+      S_TOKEN[i] = args[at]
+    end
     S_ALGORITHM[i], S_A[i], S_B[i], S_COST[i] = algorithm, a, b, cost
     local s1, s2, s3 = algorithm.load(keys[key_at + i], now, b)
     S1[i], S2[i], S3[i] = s1, s2, s3
@@ -102,68 +163,76 @@ local function decide(keys, args, key_at, arg_at, n, now, consume, reply, r)
     if admitted then
       written = algorithm.consume(
         keys[key_at + i], S1[i], S2[i], S3[i], S_A[i], S_B[i], now, S_COST[i],
-        args[arg_at + (i - 1) * PER_LIMIT + 5]
-      ) or ''
+        algorithm.takes_token and S_TOKEN[i] or ''
+      )
     elseif ok == 1 then
       -- Not charged, since another limit denied: report it as it stands.
       ok, remaining, reset, retry, delay =
         algorithm.evaluate(S1[i], S2[i], S3[i], S_A[i], S_B[i], now, 0)
     end
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = ok, remaining, reset, retry
-    reply[r + 5], reply[r + 6] = delay, written
-    r = r + 6
+    r = append_outcome(reply, r, algorithm, ok, remaining, reset, retry, delay, written)
   end
   if not admitted then
     for i = 1, n do
       r = append_state(reply, r, S_ALGORITHM[i], S1[i], S2[i], S3[i])
     end
   end
-  return r
+  return r, at
 end
 
--- The first algorithm of `count` limits after `arg_at` that is unknown (or, with `batchable`,
--- cannot run batched), checked before a call that writes as it goes changes anything.
-local function refused(args, arg_at, count, batchable)
-  for i = 1, count do
-    local name = args[arg_at + (i - 1) * PER_LIMIT + 1]
-    local algorithm = ALGORITHMS[name]
-    if not algorithm then
-      return 'floodgate: unknown algorithm ' .. tostring(name)
+-- The specs of the n limits after `arg_at`, and the position after them; nil and an error for
+-- an unknown one (or, with `batchable`, one that cannot run batched), found before a call that
+-- writes as it goes changes anything.
+local function specs_of(args, arg_at, n, batchable)
+  local at = arg_at
+  for _ = 1, n do
+    local text = args[at + 1]
+    local spec = SPECS[text] or parse_spec(text)
+    if not spec then
+      return nil, unknown(text)
     end
-    if batchable and not algorithm.export then
-      return 'floodgate: ' .. tostring(name) .. ' cannot run batched'
+    if batchable and not spec[1].export then
+      return nil, 'floodgate: ' .. spec[4] .. ' cannot run batched'
+    end
+    at = at + 2
+    if spec[1].takes_token then
+      at = at + 1
     end
   end
-  return nil
+  return at
 end
 
 -- 'refund' and 'charge' of one decision: changes each limit, then reports it as it stands,
 -- and its state.
 local function adjust(keys, args, n, now, mode, reply, r)
-  local failure = refused(args, 2, n, false)
-  if failure then
+  local valid, failure = specs_of(args, 2, n, false)
+  if not valid then
     return nil, failure
   end
   reply[r + 1] = 0
   r = r + 1
+  local at = 2
   for i = 1, n do
-    local at = 2 + (i - 1) * PER_LIMIT
-    local name = args[at + 1]
-    local algorithm = ALGORITHMS[name]
-    local a, b, cost = tonumber(args[at + 2]), tonumber(args[at + 3]), tonumber(args[at + 4])
+    local spec = SPECS[args[at + 1]] or parse_spec(args[at + 1])
+    local algorithm, a, b = spec[1], spec[2], spec[3]
+    local cost = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    local token = ''
+    at = at + 2
+    if algorithm.takes_token then
+      at = at + 1
+      token = args[at]
+    end
     local key = keys[i]
     if mode == 'refund' then
-      algorithm.refund(key, a, b, now, cost, args[at + 5])
-    elseif cost > 0 and name ~= 'concurrency' then
+      algorithm.refund(key, a, b, now, cost, token)
+    elseif cost > 0 and spec[4] ~= 'concurrency' then
       local s1, s2, s3 = algorithm.load(key, now, b)
-      algorithm.consume(key, s1, s2, s3, a, b, now, cost, args[at + 5])
+      algorithm.consume(key, s1, s2, s3, a, b, now, cost, token)
     end
     local s1, s2, s3 = algorithm.load(key, now, b)
     S_ALGORITHM[i], S1[i], S2[i], S3[i] = algorithm, s1, s2, s3
     local ok, remaining, reset, retry, delay = algorithm.evaluate(s1, s2, s3, a, b, now, 0)
-    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4] = ok, remaining, reset, retry
-    reply[r + 5], reply[r + 6] = delay, ''
-    r = r + 6
+    r = append_outcome(reply, r, algorithm, ok, remaining, reset, retry, delay, '')
   end
   for i = 1, n do
     r = append_state(reply, r, S_ALGORITHM[i], S1[i], S2[i], S3[i])
@@ -173,14 +242,16 @@ end
 
 -- 'sync' of one decision's limits: adds each cost, then reads the state back.
 local function sync(keys, args, n, now, reply, r)
-  local failure = refused(args, 2, n, true)
-  if failure then
+  local valid, failure = specs_of(args, 2, n, true)
+  if not valid then
     return nil, failure
   end
+  local at = 2
   for i = 1, n do
-    local at = 2 + (i - 1) * PER_LIMIT
-    local algorithm = ALGORITHMS[args[at + 1]]
-    local a, b, cost = tonumber(args[at + 2]), tonumber(args[at + 3]), tonumber(args[at + 4])
+    local spec = SPECS[args[at + 1]] or parse_spec(args[at + 1])
+    local algorithm, a, b = spec[1], spec[2], spec[3]
+    local cost = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    at = at + 2
     local key = keys[i]
     local s1, s2, s3 = algorithm.load(key, now, b)
     if cost > 0 then
@@ -198,37 +269,39 @@ local function floodgate_check(keys, args)
   end
   local mode = args[1]
   local now
-  if args[2] == '' then
+  SERVER_CLOCK = args[2] == ''
+  if SERVER_CLOCK then
     local time = redis.call('TIME')
     now = time[1] * 1000000 + time[2]
   else
     now = tonumber(args[2])
   end
   -- Sized for the common reply (one limit, admitted) at once.
-  local reply = { now, 0, 0, 0, 0, 0, 0, 0 }
+  local reply = { now, 0, 0, 0, 0 }
   local r, failure = 1, nil
   local n = #keys
   if mode == 'check' or mode == 'peek' then
     r, failure = decide(keys, args, 0, 2, n, now, mode == 'check', reply, r)
+    if r then
+      failure = nil
+    end
   elseif mode == 'batch' then
     local decisions = tonumber(args[3])
-    -- Every decision's algorithms are known before the first decision writes.
-    local arg_at = 3
+    -- Every decision's specs are known before the first decision writes.
+    local at = 3
     for _ = 1, decisions do
-      local limits = tonumber(args[arg_at + 1])
-      failure = failure or refused(args, arg_at + 1, limits, false)
-      arg_at = arg_at + 1 + limits * PER_LIMIT
-    end
-    local key_at = 0
-    arg_at = 3
-    for _ = 1, failure and 0 or decisions do
-      local limits = tonumber(args[arg_at + 1])
-      r, failure = decide(keys, args, key_at, arg_at + 1, limits, now, true, reply, r)
-      if not r then
+      local limits = tonumber(args[at + 1])
+      at, failure = specs_of(args, at + 1, limits, false)
+      if not at then
         break
       end
+    end
+    local key_at = 0
+    at = 3
+    for _ = 1, failure and 0 or decisions do
+      local limits = tonumber(args[at + 1])
+      r, at = decide(keys, args, key_at, at + 1, limits, now, true, reply, r)
       key_at = key_at + limits
-      arg_at = arg_at + 1 + limits * PER_LIMIT
     end
   elseif mode == 'sync' then
     r, failure = sync(keys, args, n, now, reply, r)

@@ -22,6 +22,8 @@
 --   refund(key, a, b, now, cost, token)
 --   export(s1, s2, s3) -> three integers (the counting algorithms only: batched mode and the
 --     store's local deny cache import them into the Rust state)
+-- and two flags: `takes_token` (the log and the leases: the call carries the entry's id) and
+-- `delays` (the leaky bucket: its outcome carries a delay).
 --
 -- What a call costs in Redis is mostly its commands and, next, `tonumber` and string patterns
 -- (about 0.1 and 0.2 µs each here): the arguments carry only what the algorithm uses, numbers
@@ -42,6 +44,25 @@ local function bind_globals()
   floor, ceil, max, min = math.floor, math.ceil, math.max, math.min
   match, format = string.match, string.format
 end
+
+-- Numbers of the arguments, parsed once: a loaded library keeps them from call to call, and
+-- `tonumber` costs about ten table lookups. Bounded: the limits' numbers are few, but sync costs
+-- vary, so the table starts over when it grows large.
+local NUMBERS, numbers_kept = {}, 0
+
+local function parse_number(text)
+  local number = tonumber(text)
+  if numbers_kept >= 4096 then
+    NUMBERS, numbers_kept = {}, 0
+  end
+  NUMBERS[text] = number
+  numbers_kept = numbers_kept + 1
+  return number
+end
+
+-- Whether this call decides with the server's clock (not a `now` the caller gave): expiries
+-- that depend only on a window's start are then set once per window, not on every write.
+local SERVER_CLOCK = true
 
 -- Outcomes: allowed (0/1), remaining, reset_after, retry_after (-1: none), delay.
 -- Denied for good (the cost exceeds what the limit can ever hold) is denied with no retry.

@@ -11,6 +11,8 @@ local function parse_lease(member, expires_at)
 end
 
 ALGORITHMS.concurrency = {
+  takes_token = true,
+
   -- Only the live leases, earliest expiry first. Another algorithm's state reads as no
   -- leases, marked `foreign` (older members of any shape are trimmed by the next admission).
   load = function(key, now)

@@ -43,7 +43,10 @@ ALGORITHMS.fixed_window = {
     local window_start
     window_start, count = fixed_window_current(state_start, count, window, now)
     redis.call('HSET', key, 'w', window_start, 'c', count + cost)
-    expire_after(key, window_start + window - now)
+    -- The key expires with its window: by the server's clock, set when the window begins.
+    if state_start ~= window_start or not SERVER_CLOCK then
+      expire_after(key, window_start + window - now)
+    end
   end,
 
   refund = function(key, _, window, now, cost)

@@ -24,6 +24,8 @@ local function leaky_load(key)
 end
 
 ALGORITHMS.leaky_bucket = {
+  delays = true,
+
   load = leaky_load,
 
   evaluate = function(next_free, _, _, burst, emission, now, cost)

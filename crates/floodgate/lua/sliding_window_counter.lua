@@ -97,7 +97,11 @@ ALGORITHMS.sliding_window_counter = {
     local window_start
     window_start, current, previous = counter_rotate(state_start, current, previous, window, now)
     redis.call('HSET', key, 'w', window_start, 'c', current + cost, 'p', previous)
-    expire_after(key, window_start + 2 * window - now)
+    -- The key expires a window after its current one: by the server's clock, set when the
+    -- current window begins.
+    if state_start ~= window_start or not SERVER_CLOCK then
+      expire_after(key, window_start + 2 * window - now)
+    end
   end,
 
   refund = function(key, _, window, now, cost)

@@ -14,6 +14,8 @@ local function parse_log_entry(member)
 end
 
 ALGORITHMS.sliding_window_log = {
+  takes_token = true,
+
   -- Only the live entries, oldest first. Another algorithm's state reads as an empty log
   -- marked `foreign` (older entries of any shape are trimmed by the next admission).
   load = function(key, now, window)

@@ -223,6 +223,9 @@ pub struct Limit {
     policy_item: HeaderValue,
     /// `limit` as a header value, for `X-RateLimit-Limit`.
     limit_header: HeaderValue,
+    /// What the Redis library is told of this limit, `"<algorithm> <a> <b>"` (see
+    /// `lua/common.lua`), built once.
+    script_spec: Box<str>,
 }
 
 impl Limit {
@@ -341,6 +344,32 @@ impl Limit {
     pub(crate) fn limit_header(&self) -> &HeaderValue {
         &self.limit_header
     }
+
+    /// The limit as the Redis library takes it: the algorithm and the two numbers it uses
+    /// (`burst` and `emission` for the buckets and GCRA, `limit` and `window` for the rest).
+    pub(crate) fn script_spec(&self) -> &str {
+        &self.script_spec
+    }
+}
+
+/// [`Limit::script_spec`] of a limit with these settings.
+fn script_spec(
+    algorithm: Algorithm,
+    limit: u64,
+    window_micros: u64,
+    burst: u64,
+    emission_micros: u64,
+) -> Box<str> {
+    let (a, b) = match algorithm {
+        Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            (burst, emission_micros)
+        }
+        Algorithm::FixedWindow
+        | Algorithm::SlidingWindowCounter
+        | Algorithm::SlidingWindowLog
+        | Algorithm::Concurrency => (limit, window_micros),
+    };
+    format!("{} {a} {b}", algorithm.as_str()).into_boxed_str()
 }
 
 /// Builds a [`Limit`], validating every field in [`LimitBuilder::build`].
@@ -443,6 +472,7 @@ impl LimitBuilder {
         Ok(Limit {
             policy_item,
             limit_header: HeaderValue::from(limit),
+            script_spec: script_spec(algorithm, limit, window_micros, burst, emission_micros),
             name: self.name.into(),
             algorithm,
             limit,

@@ -198,6 +198,12 @@ pub struct RawStore {
     /// unreachable).
     #[serde(default = "default_max_keys")]
     pub max_keys: usize,
+    /// Exact mode: a denial remembered and repeated locally until its wait is over.
+    #[serde(default = "default_true")]
+    pub deny_cache: bool,
+    /// Exact mode: most calls out per node before decisions are coalesced (0: never).
+    #[serde(default = "default_coalesce")]
+    pub coalesce: usize,
     /// Redis Sentinel: the master's name and the sentinels' URLs (replaces `url`).
     #[serde(default)]
     pub sentinel: Option<RawSentinel>,
@@ -222,6 +228,8 @@ impl Default for RawStore {
             sync_interval: None,
             global_sync_interval: default_global_sync_interval(),
             max_keys: default_max_keys(),
+            deny_cache: true,
+            coalesce: default_coalesce(),
             sentinel: None,
             fallback_share: default_share(),
             share: default_share(),
@@ -231,6 +239,10 @@ impl Default for RawStore {
 
 fn default_max_keys() -> usize {
     1_000_000
+}
+
+fn default_coalesce() -> usize {
+    2
 }
 
 fn default_global_sync_interval() -> String {

@@ -73,6 +73,10 @@ pub struct StoreSettings {
     pub global_sync_interval: Option<Duration>,
     /// Batched mode: most keys cached at once.
     pub max_keys: usize,
+    /// Exact mode on Redis: denials remembered and repeated locally until their wait is over.
+    pub deny_cache: bool,
+    /// Exact mode on Redis: most calls out per node before decisions are coalesced (0: never).
+    pub coalesce: usize,
 }
 
 /// The longest batched sync interval: beyond it the overshoot bound (a node's admissions until
@@ -260,6 +264,8 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
         sync_interval,
         global_sync_interval,
         max_keys: store.max_keys,
+        deny_cache: store.deny_cache,
+        coalesce: store.coalesce,
     })
 }
 

@@ -561,11 +561,7 @@ impl RedisStore {
         let value = self
             .run_library(|dispatch| script::command(dispatch, mode, decisions, now))
             .await?;
-        let sizes: Vec<usize> = decisions
-            .iter()
-            .map(|decision| decision.checks.len())
-            .collect();
-        script::decode(mode, value, &sizes)
+        script::decode(mode, value, decisions)
     }
 
     /// Indices of `checks` grouped into script calls, in order of first appearance.

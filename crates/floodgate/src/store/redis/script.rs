@@ -153,19 +153,13 @@ pub(crate) struct Reply {
     pub(crate) states: Vec<Option<[u64; 3]>>,
 }
 
-/// The two numbers of its limit that an algorithm's script uses (`a` and `b` in
-/// `lua/common.lua`).
-fn script_numbers(limit: &crate::Limit) -> (u64, u64) {
-    use crate::Algorithm::{
-        Concurrency, FixedWindow, Gcra, LeakyBucket, SlidingWindowCounter, SlidingWindowLog,
-        TokenBucket,
-    };
-    match limit.algorithm() {
-        Gcra | TokenBucket | LeakyBucket => (limit.burst(), limit.emission_micros()),
-        FixedWindow | SlidingWindowCounter | SlidingWindowLog | Concurrency => {
-            (limit.limit(), limit.window_micros())
-        }
-    }
+/// Whether the library takes (and answers) a token for limits of `algorithm`: the id of a
+/// lease or a log entry.
+fn takes_token(algorithm: crate::Algorithm) -> bool {
+    matches!(
+        algorithm,
+        crate::Algorithm::Concurrency | crate::Algorithm::SlidingWindowLog
+    )
 }
 
 /// The command for `decisions` in `mode`, dispatched as `dispatch`: one decision, or in
@@ -200,13 +194,10 @@ pub(crate) fn command(
             command.arg(decision.checks.len());
         }
         for (index, check) in decision.checks.iter().enumerate() {
-            let (a, b) = script_numbers(&check.limit);
-            command
-                .arg(check.limit.algorithm().as_str())
-                .arg(a)
-                .arg(b)
-                .arg(check.cost)
-                .arg(decision.tokens.get(index).map_or("", String::as_str));
+            command.arg(check.limit.script_spec()).arg(check.cost);
+            if takes_token(check.limit.algorithm()) {
+                command.arg(decision.tokens.get(index).map_or("", String::as_str));
+            }
         }
     }
     command
@@ -293,6 +284,35 @@ impl Fields {
         })
     }
 
+    /// A limit's outcome (remaining, reset, retry: -1 allowed, -2 denied for good, else the
+    /// wait; then its delay and token where its algorithm has them), and its token.
+    fn outcome(
+        &mut self,
+        algorithm: crate::Algorithm,
+    ) -> Result<(LimitOutcome, String), StoreError> {
+        let remaining = self.non_negative()?;
+        let reset_after_micros = self.non_negative()?;
+        let retry = self.integer()?;
+        let delay_micros = if algorithm == crate::Algorithm::LeakyBucket {
+            self.non_negative()?
+        } else {
+            0
+        };
+        let token = if takes_token(algorithm) {
+            self.text()?
+        } else {
+            String::new()
+        };
+        let outcome = LimitOutcome {
+            allowed: retry == -1,
+            remaining,
+            reset_after_micros,
+            retry_after_micros: u64::try_from(retry).ok(),
+            delay_micros,
+        };
+        Ok((outcome, token))
+    }
+
     /// A state: present (0/1) and three fields.
     fn state(&mut self) -> Result<Option<[u64; 3]>, StoreError> {
         let present = self.integer()? == 1;
@@ -314,33 +334,36 @@ impl Fields {
     }
 }
 
-/// Decodes the reply of a `mode` call whose decisions had `sizes` limits each.
-pub(crate) fn decode(mode: Mode, value: Value, sizes: &[usize]) -> Result<Vec<Reply>, StoreError> {
+/// Decodes the reply of a `mode` call of `decisions`.
+pub(crate) fn decode(
+    mode: Mode,
+    value: Value,
+    decisions: &[Decision<'_>],
+) -> Result<Vec<Reply>, StoreError> {
     let mut fields = Fields::of(value)?;
     let now = Timestamp::from_micros(fields.non_negative()?);
-    let mut replies = Vec::with_capacity(sizes.len());
-    for &limits in sizes {
+    let mut replies = Vec::with_capacity(decisions.len());
+    for decision in decisions {
+        let limits = decision.checks.len();
         let admitted = fields.integer()? == 1;
         let mut outcomes = Vec::with_capacity(limits);
         let mut tokens = Vec::with_capacity(limits);
-        for _ in 0..limits {
-            let allowed = fields.integer()? == 1;
-            let remaining = fields.non_negative()?;
-            let reset_after_micros = fields.non_negative()?;
-            let retry = fields.integer()?;
-            let delay_micros = fields.non_negative()?;
-            outcomes.push(LimitOutcome {
-                allowed,
-                remaining,
-                reset_after_micros,
-                retry_after_micros: u64::try_from(retry).ok(),
-                delay_micros,
-            });
-            tokens.push(fields.text()?);
+        for check in decision.checks {
+            let (outcome, token) = fields.outcome(check.limit.algorithm())?;
+            outcomes.push(outcome);
+            tokens.push(token);
         }
         let states = if mode.replies_with_states(admitted) {
-            (0..limits)
-                .map(|_| fields.state())
+            decision
+                .checks
+                .iter()
+                .map(|check| {
+                    if check.limit.algorithm().is_batchable() {
+                        fields.state()
+                    } else {
+                        Ok(None)
+                    }
+                })
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
