@@ -316,3 +316,61 @@ async fn a_lost_server_ends_local_denials() {
     )
     .await;
 }
+
+/// Many requests at once from an abuser on three nodes, each with 16 tasks flat out against a
+/// gcra limit of 10/s (burst 10): admissions stay exact, and each node sends Redis about one
+/// decision per retry window (100 ms) once the burst is spent: when a wait ends, the first
+/// request goes to Redis and the others arriving meanwhile are denied locally. Decisions that
+/// reach Redis are counted by its `GET`s (each gcra decision reads its key once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abuser_on_three_nodes_costs_a_decision_per_retry_window() {
+    let server = RedisServer::start();
+    let nodes: Vec<RedisStore> = (0..3).map(|_| store(server.url())).collect();
+    for node in &nodes {
+        wait_until_listening(node).await;
+    }
+    let per_second = limit(Algorithm::Gcra, "g", 10, Duration::from_secs(1));
+    let gets_before = server.command_calls("get");
+    let started = Instant::now();
+    let run_for = Duration::from_millis(1500);
+    let mut tasks = Vec::new();
+    for node in &nodes {
+        for _ in 0..16 {
+            let (node, per_second) = (node.clone(), per_second.clone());
+            tasks.push(tokio::spawn(async move {
+                let checks = [Check::new("fgtest:{abuser}:r:g", per_second, 1)];
+                let (mut admitted, mut requests) = (0u64, 0u64);
+                while started.elapsed() < run_for {
+                    admitted += u64::from(decide(&node, &checks).await.is_allowed());
+                    requests += 1;
+                }
+                (admitted, requests)
+            }));
+        }
+    }
+    let (mut admitted, mut requests) = (0, 0);
+    for task in tasks {
+        let (a, r) = task.await.unwrap();
+        admitted += a;
+        requests += r;
+    }
+    let elapsed = started.elapsed();
+    let decided_by_redis = server.command_calls("get") - gets_before;
+    // The burst, then one every 100 ms while the run lasted.
+    let allowance = 10 + elapsed.as_millis() as u64 / 100 + 1;
+    assert!(
+        admitted <= allowance,
+        "{admitted} admitted, allowance {allowance}"
+    );
+    let windows = elapsed.as_millis() as u64 / 100 + 1;
+    assert!(
+        // Each task's first request (48, before anything is remembered), then at most about
+        // one probe and one learnt denial per node and window.
+        decided_by_redis <= 48 + 3 * 2 * windows,
+        "{decided_by_redis} decisions reached Redis for {requests} requests over {windows} windows"
+    );
+    assert!(
+        requests > 20 * decided_by_redis,
+        "{requests} requests, {decided_by_redis} at Redis"
+    );
+}

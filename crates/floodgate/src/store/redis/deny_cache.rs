@@ -7,8 +7,14 @@
 //! requests on the same keys from them with the algorithms Redis runs (the differential test
 //! holds the Lua and the Rust to identical outcomes). A request those states deny is denied
 //! here, with the outcomes (and so the headers) Redis would give at that moment, and no round
-//! trip; one they would admit goes to Redis, which then decides as usual. A client hammering at
-//! 100× its limit costs Redis about one call per retry window per node.
+//! trip; one they would admit goes to Redis, which then decides as usual, while the memory
+//! counts it as admitted meanwhile, so that the requests arriving before its answer are denied
+//! here too rather than all sent after it. A client hammering at 100× its limit costs Redis
+//! about one decision per retry window per node.
+//!
+//! The memory's clock is Redis's at the last reply plus the time since that reply arrived:
+//! behind Redis's own by the reply's way back, so a wait may end here a few tens of
+//! microseconds after it ends in Redis (never before).
 //!
 //! **What gives capacity back.** A reset through any node is published on [`RESETS_CHANNEL`]
 //! and every node forgets those keys when it hears it (within one round trip); a node forgets
@@ -46,19 +52,21 @@ struct Entry {
     algorithm: Algorithm,
     /// `None`: a fresh key.
     state: Option<State>,
-    /// Redis's clock when the state was read, and the local instant the call was sent: the
-    /// state's time now is `read_at + (Instant::now() - sent)`, a little ahead of Redis's own,
-    /// so that an estimate errs towards asking Redis.
+    /// Redis's clock when the state was read, and the local instant its reply arrived: the
+    /// state's time now is `read_at + (Instant::now() - arrived)`, behind Redis's own by the
+    /// reply's way back (tens of microseconds on a LAN). Anchored to the sending instant
+    /// instead, a decision that waited for a place in a call would be ahead by its wait and
+    /// every wait would end early, in a burst of calls that Redis denies.
     read_at: u64,
-    sent: Instant,
-    /// Redis's time at which the denial's wait is over: the entry is of no more use.
+    arrived: Instant,
+    /// Redis's time at which the wait its state imposes is over: past it the entry is swept.
     until: u64,
 }
 
 impl Entry {
     fn time_now(&self) -> u64 {
         self.read_at
-            .saturating_add(u64::try_from(self.sent.elapsed().as_micros()).unwrap_or(u64::MAX))
+            .saturating_add(u64::try_from(self.arrived.elapsed().as_micros()).unwrap_or(u64::MAX))
     }
 }
 
@@ -116,12 +124,13 @@ impl DenyCache {
         self.resets.load(Ordering::Acquire)
     }
 
-    /// Keeps `states` (one per check, as a denial read them at `read_at`) until `until`.
+    /// Keeps `states` (one per check, as a denial read them at `read_at`, its reply arrived at
+    /// `arrived`) until `until`.
     pub(super) fn remember(
         &self,
         checks: impl Iterator<Item = (Arc<str>, Algorithm, Option<State>)>,
         read_at: u64,
-        sent: Instant,
+        arrived: Instant,
         until: u64,
     ) {
         for (key, algorithm, state) in checks {
@@ -139,12 +148,25 @@ impl DenyCache {
                 algorithm,
                 state,
                 read_at,
-                sent,
+                arrived,
                 until,
             };
             if shard.insert(key, entry).is_none() {
                 self.len.fetch_add(1, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// Applies an admission of `check` at `now` to its remembered state (`entry`, as read):
+    /// still a state no more restrictive than Redis's once Redis admits it too.
+    fn count_as_admitted(&self, check: &Check, mut entry: Entry, now: u64) {
+        algorithm::consume(&check.limit, &mut entry.state, now, check.cost, 0);
+        let wait = algorithm::evaluate(&check.limit, entry.state.as_ref(), now, check.cost)
+            .retry_after_micros
+            .unwrap_or(0);
+        entry.until = now.saturating_add(wait);
+        if let Some(kept) = self.shard(&check.key).get_mut(&*check.key) {
+            *kept = entry;
         }
     }
 
@@ -201,25 +223,42 @@ pub(super) fn applies_to(algorithm: Algorithm) -> bool {
     algorithm.is_batchable()
 }
 
+/// What the nodes' memories make of a decision.
+pub(super) enum Local {
+    /// Denied here: the decision Redis would give now.
+    Denied(Decision),
+    /// Every key is remembered and the states would admit it (a wait just ended): it goes to
+    /// Redis, and the memories count it as admitted meanwhile, so that the requests arriving
+    /// while it is out are denied here rather than all sent after it. The caller forgets the
+    /// keys if the call fails or never ends.
+    Probing,
+    /// Some key is not remembered: Redis decides.
+    Unknown,
+}
+
 /// Decides `checks` from the caches of the nodes their keys live on (`cache_of(index)`), if
-/// every key has a live entry and the entries deny: the decision Redis would give now.
+/// every key has an entry; see [`Local`].
 pub(super) fn decide_locally<'c>(
     checks: &[Check],
     cache_of: impl Fn(usize) -> Option<&'c DenyCache>,
-) -> Option<Decision> {
+) -> Local {
     let mut entries = Vec::with_capacity(checks.len());
     for (index, check) in checks.iter().enumerate() {
-        let cache = cache_of(index)?;
+        let Some(cache) = cache_of(index) else {
+            return Local::Unknown;
+        };
         if !cache.is_usable() || !applies_to(check.limit.algorithm()) {
-            return None;
+            return Local::Unknown;
         }
-        entries.push(cache.entry(check)?);
+        let Some(entry) = cache.entry(check) else {
+            return Local::Unknown;
+        };
+        entries.push(entry);
     }
     // One instant for the whole decision, as Redis decides it.
-    let now = entries.iter().map(Entry::time_now).max()?;
-    if entries.iter().any(|entry| now >= entry.until) {
-        return None;
-    }
+    let Some(now) = entries.iter().map(Entry::time_now).max() else {
+        return Local::Unknown;
+    };
     let mut outcomes: Vec<LimitOutcome> = checks
         .iter()
         .zip(&entries)
@@ -228,7 +267,12 @@ pub(super) fn decide_locally<'c>(
         })
         .collect();
     if outcomes.iter().all(|outcome| outcome.allowed) {
-        return None;
+        for (index, (check, entry)) in checks.iter().zip(entries).enumerate() {
+            if let Some(cache) = cache_of(index) {
+                cache.count_as_admitted(check, entry, now);
+            }
+        }
+        return Local::Probing;
     }
     for ((check, entry), outcome) in checks.iter().zip(&entries).zip(&mut outcomes) {
         if outcome.allowed {
@@ -240,7 +284,7 @@ pub(super) fn decide_locally<'c>(
         cache.local_denials.fetch_add(1, Ordering::Relaxed);
     }
     crate::telemetry::record_local_denial();
-    Some(Decision::from_outcomes(
+    Local::Denied(Decision::from_outcomes(
         Timestamp::from_micros(now),
         checks,
         &outcomes,

@@ -33,7 +33,7 @@ pub(super) async fn decide_groups(
             Vec::new(),
         ));
     }
-    let sent = Instant::now();
+    let mut probing = None;
     let resets_before: Vec<u64> = if now.is_none() {
         for group in groups {
             group.node.ensure_listening();
@@ -46,8 +46,10 @@ pub(super) async fn decide_groups(
                 .filter(|group| !group.node.is_refused(&checks[index].key))
                 .and_then(|group| group.node.deny_cache())
         };
-        if let Some(denied) = deny_cache::decide_locally(checks, cache_of) {
-            return Ok(denied);
+        match deny_cache::decide_locally(checks, cache_of) {
+            deny_cache::Local::Denied(denied) => return Ok(denied),
+            deny_cache::Local::Probing => probing = Some(ForgetUnlessDecided { groups, checks }),
+            deny_cache::Local::Unknown => {}
         }
         groups
             .iter()
@@ -58,9 +60,39 @@ pub(super) async fn decide_groups(
     };
     let decision = decide_by_calls(groups, checks, now).await?;
     if now.is_none() {
-        remember(groups, checks, &decision, sent, &resets_before);
+        // A probe's admission is already counted in the memories.
+        let counted = std::mem::take(&mut probing).is_some_and(ForgetUnlessDecided::decided);
+        if !(counted && decision.decision.is_allowed()) {
+            remember(groups, checks, &decision, Instant::now(), &resets_before);
+        }
     }
     Ok(decision.decision)
+}
+
+/// The keys of a decision whose admission the memories counted before its call: forgotten
+/// unless the call is decided (it failed, or its request went away, and Redis may not have
+/// counted it).
+struct ForgetUnlessDecided<'a> {
+    groups: &'a [Group<'a>],
+    checks: &'a [Check],
+}
+
+impl ForgetUnlessDecided<'_> {
+    /// The call was decided: nothing to forget.
+    fn decided(self) -> bool {
+        std::mem::forget(self);
+        true
+    }
+}
+
+impl Drop for ForgetUnlessDecided<'_> {
+    fn drop(&mut self) {
+        for group in self.groups {
+            if let Some(cache) = group.node.deny_cache() {
+                cache.forget(group.members.iter().map(|&index| &*self.checks[index].key));
+            }
+        }
+    }
 }
 
 /// A decision made by calls, with each limit's state as the calls reported it (a denial's).
@@ -70,12 +102,13 @@ struct Called {
 }
 
 /// What the nodes' deny caches keep of a decision: a denial's states until its wait is over;
-/// an admission makes them forget its keys (their state changed).
+/// an admission makes them forget its keys (their state changed). `arrived`: when the reply
+/// came, the instant its states are anchored to.
 fn remember(
     groups: &[Group<'_>],
     checks: &[Check],
     called: &Called,
-    sent: Instant,
+    arrived: Instant,
     resets_before: &[u64],
 ) {
     let decision = &called.decision;
@@ -102,7 +135,7 @@ fn remember(
                         deny_cache::state_of(check, called.states[index]),
                     )
                 });
-                cache.remember(entries, read_at, sent, until);
+                cache.remember(entries, read_at, arrived, until);
             }
             _ => cache.forget(keys),
         }
