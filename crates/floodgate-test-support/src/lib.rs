@@ -2,6 +2,8 @@
 //! processes and clusters on free ports, owned by the test that starts them and killed when it
 //! ends (even on panic), and stores that keep their servers alive.
 
+pub mod fleet;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -207,20 +209,24 @@ impl RedisServer {
     /// Script and function calls (EVALSHA, EVAL, FCALL) this server has run since its last
     /// `CONFIG RESETSTAT`.
     pub fn script_calls(&self) -> u64 {
-        let info: String = self.command(&["INFO", "commandstats"]);
-        ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
-            .iter()
-            .filter_map(|stat| info.lines().find(|line| line.starts_with(stat)))
-            .filter_map(|line| {
-                line.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
+        script_calls_in(&self.command::<String>(&["INFO", "commandstats"]))
     }
+}
+
+/// Script and function calls (EVALSHA, EVAL, FCALL) counted in an `INFO commandstats` reply.
+pub fn script_calls_in(info: &str) -> u64 {
+    ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
+        .iter()
+        .filter_map(|stat| info.lines().find(|line| line.starts_with(stat)))
+        .filter_map(|line| {
+            line.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }
 
 /// Polls `condition` every 50 ms until it holds or `within` passes: for states that Redis only

@@ -30,6 +30,7 @@
 --   'refund' and 'charge': 0, each limit's outcome evaluated after the change without charging,
 --     then each limit's state after it.
 --   'sync' (cost: the units to add): each limit's state.
+--   'lease': per limit the units granted and its state after the grant (see `lease` below).
 
 -- Specs parsed so far: { algorithm table, a, b }. Bounded like NUMBERS.
 local SPECS, specs_kept = {}, 0
@@ -263,6 +264,55 @@ local function sync(keys, args, n, now, reply, r)
   return r
 end
 
+-- 'lease' (batched mode) of one call's limits: per limit its spec and three numbers: units
+-- to give back (a lease's unused part), units wanted, and units to charge unconditionally (a
+-- node's post-charges beyond its lease). Grants at most what the limit has left, consuming it
+-- (a lease is counted as used from the moment it is granted).
+local function lease(keys, args, n, now, reply, r)
+  local at = 2
+  for _ = 1, n do
+    local text = args[at + 1]
+    local spec = SPECS[text] or parse_spec(text)
+    if not spec then
+      return nil, unknown(text)
+    end
+    if not spec[1].export then
+      return nil, 'floodgate: ' .. spec[4] .. ' cannot run batched'
+    end
+    at = at + 4
+  end
+  at = 2
+  for i = 1, n do
+    local spec = SPECS[args[at + 1]]
+    local algorithm, a, b = spec[1], spec[2], spec[3]
+    local give_back = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    local want = NUMBERS[args[at + 3]] or parse_number(args[at + 3])
+    local charge = NUMBERS[args[at + 4]] or parse_number(args[at + 4])
+    at = at + 4
+    local key = keys[i]
+    if charge > 0 then
+      local s1, s2, s3 = algorithm.load(key, now, b)
+      algorithm.consume(key, s1, s2, s3, a, b, now, charge, '')
+    end
+    if give_back > 0 then
+      algorithm.refund(key, a, b, now, give_back, '')
+    end
+    local s1, s2, s3 = algorithm.load(key, now, b)
+    local grant = 0
+    if want > 0 then
+      local _, remaining = algorithm.evaluate(s1, s2, s3, a, b, now, 0)
+      grant = min(want, remaining)
+      if grant > 0 then
+        algorithm.consume(key, s1, s2, s3, a, b, now, grant, '')
+        s1, s2, s3 = algorithm.load(key, now, b)
+      end
+    end
+    reply[r + 1] = grant
+    r = append_state(reply, r + 1, algorithm, s1, s2, s3)
+  end
+  return r
+end
+
 local function floodgate_check(keys, args)
   if not floor then
     bind_globals()
@@ -305,6 +355,8 @@ local function floodgate_check(keys, args)
     end
   elseif mode == 'sync' then
     r, failure = sync(keys, args, n, now, reply, r)
+  elseif mode == 'lease' then
+    r, failure = lease(keys, args, n, now, reply, r)
   elseif mode == 'refund' or mode == 'charge' then
     r, failure = adjust(keys, args, n, now, mode, reply, r)
   else

@@ -225,6 +225,7 @@ pub struct Limit {
     limit_header: HeaderValue,
     /// What the Redis library is told of this limit, `"<algorithm> <a> <b>"` (see
     /// `lua/common.lua`), built once.
+    #[cfg(feature = "redis")]
     script_spec: Box<str>,
 }
 
@@ -347,12 +348,14 @@ impl Limit {
 
     /// The limit as the Redis library takes it: the algorithm and the two numbers it uses
     /// (`burst` and `emission` for the buckets and GCRA, `limit` and `window` for the rest).
+    #[cfg(feature = "redis")]
     pub(crate) fn script_spec(&self) -> &str {
         &self.script_spec
     }
 }
 
 /// [`Limit::script_spec`] of a limit with these settings.
+#[cfg(feature = "redis")]
 fn script_spec(
     algorithm: Algorithm,
     limit: u64,
@@ -472,6 +475,7 @@ impl LimitBuilder {
         Ok(Limit {
             policy_item,
             limit_header: HeaderValue::from(limit),
+            #[cfg(feature = "redis")]
             script_spec: script_spec(algorithm, limit, window_micros, burst, emission_micros),
             name: self.name.into(),
             algorithm,

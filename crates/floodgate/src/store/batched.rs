@@ -1,41 +1,43 @@
-//! Batched mode: local counters, synchronised with a shared store once per interval.
+//! Batched mode: each node decides locally from a lease of capacity the shared store granted
+//! it, and trades leases with the shared store once per interval.
 //!
-//! Every node decides from its own copy of each limit's state, with no round trip on the hot
-//! path, and counts what it admitted. Once per `sync_interval` it sends those counts to the
-//! shared store in one script call per node (or slot), which adds them unconditionally (they
-//! were already admitted) and answers with the resulting state: the sum of what every node
-//! sent. The node adopts that state and re-applies what it admitted while the call was out.
+//! A **lease** is a number of units of one limit that the shared store has counted as used the
+//! moment it granted them (the script consumes them from the limit's state, as if admitted): a
+//! node admits a request locally, with no round trip, as long as every limit of the request has
+//! lease enough for its cost, and takes the cost from the leases. Since every unit a node
+//! admits was granted before, and the shared store never grants more than a limit has left,
+//! **the nodes together never admit more than the limit allows, however many there are**. The
+//! error of local counting becomes a matter of fairness and idle units, not of overshoot.
 //!
-//! The first request of an identity on a node waits for one fetch of its state (without it, a
-//! new key would start full on every node at once); afterwards the identity is decided locally
-//! as long as it stays active, and is dropped after `idle_after` without traffic.
+//! **Sizing.** A lease is sized by the node's demand for the identity: the units its requests
+//! asked for per interval (a running estimate). Once per `sync_interval` the node trades every
+//! active key in one script call per node (or slot): it gives back what its lease holds beyond
+//! the estimate (an idle node's lease flows back to the others) and asks for what it lacks. A
+//! request that finds its lease short asks for more at once, once per key and interval (its
+//! concurrent requests wait for that answer); after that, it is denied until the next trade,
+//! with the wait until then. The first request of an identity on a node is such a request.
+//! Calls stay at most one per node and interval per active identity, plus that one top-up.
 //!
-//! **Accuracy.** Between two syncs each node sees the others' admissions late. With `N` nodes,
-//! interval `T` and a limit refilling at rate `r` (units per second; `limit / window`), a node
-//! can admit at most what its stale copy shows plus what refills locally during `T`, and the
-//! debt it creates is charged to everyone at the next sync. The overshoot of any window is
-//! therefore bounded by
+//! **Outcomes.** A node keeps the shared state as the last trade left it (with every lease
+//! counted as used) and evaluates each request on that state with its own unused lease given
+//! back: exactly what the shared store would decide if this node's lease had never been
+//! taken. Headers are therefore exact when this node's view is current, and up to one interval
+//! behind the other nodes' admissions otherwise.
 //!
-//! ```text
-//! overshoot ≤ (N − 1) × (r × 2T + c)
-//! ```
+//! **What leases cost.** Units leased to a node and not used (a client moving elsewhere) are
+//! unavailable to the others until that node gives them back at its next trade, or, if the
+//! node dies, until they refill (a bucket's) or their window ends: a lease is never larger than
+//! the limit refills in [`LEASE_LIFETIME`], so a dead node's share returns within it. A lease
+//! of a fixed or sliding window is of its window only: when the window changes the node forgets
+//! it (the shared store counted it in the old window).
 //!
-//! where `c` is the most one node can admit from a state that the others have already used up:
-//! the capacity (`burst`) for `token_bucket` and `gcra`, the whole `limit` for the window
-//! counters (a fixed window that has just started is fresh on every node). The term `c` is only
-//! reached when traffic starts on every node at once; under steady traffic the overshoot is
-//! about `(N − 1) × r × 2T`. What was over-admitted is recorded in the shared state as a debt (a
-//! bucket whose refill is pushed into the future, a count above the limit) that every node sees
-//! at its next sync, so a bucket pays it back before admitting again and over time the average
-//! converges to the limit; a window counter's excess ends with its window. `BENCHMARKS.md` and
-//! the README give the measured figures.
-//!
-//! **When the shared store is unreachable** the breaker of the target opens after its usual
-//! number of failures and decisions return [`StoreError::BreakerOpen`], so the layer's failure
-//! policy applies exactly as in exact mode. Unsent counts stay in their entry (one integer per
-//! key, so the buffer is bounded by the number of keys, itself capped by `max_keys`) and are
-//! replayed at the next successful sync, except counts older than their limit's window, which
-//! are dropped: they no longer belong to any window the limit looks at.
+//! **When the shared store is unreachable**, a node keeps spending what its leases hold until
+//! they expire ([`LEASE_LIFETIME`] after their grant); past that, and for any request that
+//! needs more, the target's breaker opens after its usual number of failures and decisions
+//! return [`StoreError::BreakerOpen`], so the layer's failure policy applies exactly as in exact
+//! mode. Post-charges beyond the lease are kept as a debt (one integer per key, so the buffer is
+//! bounded by `max_keys`) and delivered at the next successful trade, except debts older than
+//! their limit's window, which are dropped.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -55,8 +57,12 @@ use crate::limit::{Algorithm, Limit};
 use crate::telemetry;
 use crate::time::{Clock, SystemClock, Timestamp};
 
-/// What the shared store answers to a sync: its time, and the state of each synced limit
-/// (`None`: the key had expired and nothing was added).
+/// How long a lease may be spent after its grant, and the most a bucket's lease may take:
+/// what the limit refills in this time (so that a dead node's lease comes back within it).
+pub const LEASE_LIFETIME: Duration = Duration::from_secs(2);
+
+/// What the shared store answers to a read or an unconditional charge: its time, and the
+/// state of each limit (`None`: the key had expired and nothing was added).
 #[derive(Debug)]
 pub struct Synced {
     /// The shared store's clock when it answered.
@@ -65,20 +71,51 @@ pub struct Synced {
     pub states: Vec<Option<State>>,
 }
 
-/// A shared store that batched nodes synchronise with. Every such store also decides exactly
+/// One limit's part of a lease trade.
+#[derive(Clone, Debug)]
+pub struct LeaseRequest {
+    /// The limit and its key (`cost` is not used).
+    pub check: Check,
+    /// Unused units of this node's lease it gives back.
+    pub give_back: u64,
+    /// Units this node wants for its lease.
+    pub want: u64,
+    /// Units to charge unconditionally (post-charges beyond the lease).
+    pub charge: u64,
+}
+
+/// What the shared store answered to a lease trade.
+#[derive(Debug)]
+pub struct Leased {
+    /// The shared store's clock when it answered.
+    pub now: Timestamp,
+    /// Per request, in order: the units granted, and the limit's state after the trade (every
+    /// lease counted as used).
+    pub grants: Vec<(u64, Option<State>)>,
+}
+
+/// A shared store that batched nodes trade leases with. Every such store also decides exactly
 /// (its [`Store`] side gives the backend name and breaker state).
 pub trait SyncTarget: Store {
-    /// Adds each check's `cost` to its limit unconditionally (the units were admitted already)
-    /// and returns the resulting states. A cost of 0 only reads.
+    /// Adds each check's `cost` to its limit unconditionally and returns the resulting states.
+    /// A cost of 0 only reads.
     fn sync<'a>(
         &'a self,
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Synced, StoreError>>;
 
-    /// Whether calls on `key` are refused by an open breaker: batched decisions on it then
-    /// follow the failure policy. Stores with one breaker per node or slot answer per key, so
-    /// that one lost node does not stop the others' identities.
+    /// Trades leases: per request, charges `charge`, takes back `give_back`, then grants up to
+    /// `want` units of what the limit has left (consuming them), and returns the state.
+    fn lease<'a>(
+        &'a self,
+        requests: &'a [LeaseRequest],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Leased, StoreError>>;
+
+    /// Whether calls on `key` are refused by an open breaker: batched decisions that need a
+    /// call then follow the failure policy. Stores with one breaker per node or slot answer
+    /// per key, so that one lost node does not stop the others' identities.
     fn is_refused(&self, key: &str) -> bool {
         let _ = key;
         self.breaker_state() == Some(BreakerState::Open)
@@ -94,6 +131,14 @@ impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
         (**self).sync(checks, now)
     }
 
+    fn lease<'a>(
+        &'a self,
+        requests: &'a [LeaseRequest],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+        (**self).lease(requests, now)
+    }
+
     fn is_refused(&self, key: &str) -> bool {
         (**self).is_refused(key)
     }
@@ -104,7 +149,7 @@ pub fn supports(algorithm: Algorithm) -> bool {
     algorithm.is_batchable()
 }
 
-/// A state from the three integer fields the sync script exports for `algorithm`.
+/// A state from the three integer fields the scripts export for `algorithm`.
 pub fn state_from_fields(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
     algorithm::import(algorithm, fields)
 }
@@ -120,14 +165,14 @@ pub struct BatchedStoreBuilder<T> {
 }
 
 impl<T: SyncTarget> BatchedStoreBuilder<T> {
-    /// How often counts are sent to the shared store (default 100ms).
+    /// How often leases are traded with the shared store (default 100ms).
     pub fn sync_interval(mut self, interval: Duration) -> Self {
         self.interval = interval.max(Duration::from_millis(1));
         self
     }
 
-    /// How long an identity stays cached (and synced every interval) without traffic
-    /// (default 2s). After that its next request fetches its state again.
+    /// How long an identity stays cached (and traded every interval) without traffic
+    /// (default 2s). Its lease goes back first.
     pub fn idle_after(mut self, idle_after: Duration) -> Self {
         self.idle_after = idle_after;
         self
@@ -141,14 +186,15 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
     }
 
     /// The local clock (default: the system clock). Decisions use it plus the measured offset
-    /// to the shared store's clock.
+    /// to the shared store's clock; leases expire by it.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
     }
 
-    /// Builds the store and, inside a Tokio runtime, starts its sync task, which ends when the
-    /// last clone of the store is dropped. Without a runtime, call [`BatchedStore::sync_now`].
+    /// Builds the store and, inside a Tokio runtime, starts its trading task, which ends when
+    /// the last clone of the store is dropped. Without a runtime, call
+    /// [`BatchedStore::sync_now`].
     pub fn build(self) -> BatchedStore<T> {
         let idle_rounds = (self.idle_after.as_micros() / self.interval.as_micros().max(1)).max(1);
         let shared = Arc::new(Shared {
@@ -156,6 +202,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: std::collections::hash_map::RandomState::new(),
             clock: self.clock,
+            interval_micros: u64::try_from(self.interval.as_micros()).unwrap_or(u64::MAX),
             offset_micros: AtomicI64::new(0),
             floor_micros: AtomicU64::new(0),
             keys: AtomicU64::new(0),
@@ -163,6 +210,8 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             idle_rounds: u32::try_from(idle_rounds).unwrap_or(u32::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
             resets: AtomicU64::new(0),
+            next_round_micros: AtomicU64::new(0),
+            failing: std::sync::atomic::AtomicBool::new(false),
             stats: Stats::default(),
         });
         match tokio::runtime::Handle::try_current() {
@@ -170,7 +219,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
                 runtime.spawn(sync_periodically(Arc::downgrade(&shared), self.interval));
             }
             // Easy to do by mistake (a store built in `main` before the runtime starts), and
-            // silent otherwise: the counts would never reach the shared store.
+            // silent otherwise: no lease would ever be traded.
             Err(_) => tracing::warn!(
                 "BatchedStore built outside a Tokio runtime: it will not sync on its own; \
                  build it inside the runtime, or call BatchedStore::sync_now periodically"
@@ -184,7 +233,7 @@ const SHARDS: usize = 64;
 /// Most limits sent in one script call, so that one call never holds Redis for long.
 const SYNC_CHUNK: usize = 512;
 
-/// Local counters synchronised with a shared store; see the [module docs](self).
+/// Local decisions from leases, traded with a shared store; see the [module docs](self).
 pub struct BatchedStore<T> {
     shared: Arc<Shared<T>>,
 }
@@ -210,7 +259,8 @@ struct Shared<T> {
     shards: Box<[Mutex<Shard>]>,
     hasher: std::collections::hash_map::RandomState,
     clock: Arc<dyn Clock>,
-    /// Shared-store clock minus local clock, as measured at the last sync.
+    interval_micros: u64,
+    /// Shared-store clock minus local clock, as measured at the last call.
     offset_micros: AtomicI64,
     /// The latest shared-store time seen: local time never runs behind it, so that a state
     /// stamped by the shared store is never "in the future" of a decision.
@@ -218,15 +268,20 @@ struct Shared<T> {
     keys: AtomicU64,
     max_keys: u64,
     idle_rounds: u32,
-    /// One sync round at a time (the periodic task and [`BatchedStore::sync_now`]); a reset
-    /// takes it too, so that no round carries units admitted before the reset past it.
+    /// One round at a time (the periodic task and [`BatchedStore::sync_now`]); a reset takes
+    /// it too, so that no round carries units admitted before the reset past it.
     sync_lock: tokio::sync::Mutex<()>,
     /// Resets so far: a fetch that began before one does not install what it read.
     resets: AtomicU64,
+    /// Local time (µs) of the next periodic round: the wait a request short of lease is told.
+    next_round_micros: AtomicU64,
+    /// Whether the last trade with the shared store failed: a request short of lease is then
+    /// the failure policy's (no round will bring more), not denied to wait for a round.
+    failing: std::sync::atomic::AtomicBool,
     stats: Stats,
 }
 
-/// Counters of what the sync machinery did, for tests, benchmarks and metrics.
+/// Counters of what the trading machinery did, for tests, benchmarks and metrics.
 #[derive(Debug, Default)]
 struct Stats {
     syncs: AtomicU64,
@@ -238,20 +293,20 @@ struct Stats {
 /// A snapshot of a batched store's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchedStats {
-    /// Sync calls that succeeded (a round makes one per 512 keys).
+    /// Trade calls of the periodic rounds that succeeded (a round makes one per 512 keys).
     pub syncs: u64,
-    /// Sync calls that failed (their counts were kept for the next round).
+    /// Trade calls that failed (their debts and leases were kept for the next round).
     pub failed_syncs: u64,
-    /// First-sight fetches (one per identity and node while it stays active).
+    /// Calls made for requests: first sights of an identity and top-ups of a short lease.
     pub fetches: u64,
-    /// Units dropped because they could not be delivered within their limit's window.
+    /// Post-charged units dropped because they could not be delivered within their window.
     pub dropped_units: u64,
     /// Keys held now.
     pub keys: u64,
 }
 
 enum Slot {
-    /// The state is being fetched; wait for the sender to finish.
+    /// The first lease is being fetched; wait for the sender to finish.
     Fetching(watch::Receiver<bool>),
     Ready(Entry),
 }
@@ -259,16 +314,131 @@ enum Slot {
 #[derive(Debug)]
 struct Entry {
     limit: Arc<Limit>,
-    /// This node's copy: the shared state at the last sync plus what was admitted here since.
-    state: Option<State>,
-    /// Units admitted here and not yet sent.
-    pending: u64,
-    /// Local time of the oldest unsent unit.
-    pending_since: u64,
-    /// Units of the sync call now in flight.
-    in_flight: u64,
-    /// Sync rounds since the last request touched this key.
+    /// The shared state as the last trade left it, every node's lease counted as used.
+    shared: Option<State>,
+    /// Units of this node's lease not used yet.
+    lease: u64,
+    /// The time (the shared store's clock, as decisions see it) after which the lease is not
+    /// spent any more: a bucket's lease held while the bucket refills would otherwise be worth
+    /// more than the bucket holds.
+    lease_expires: u64,
+    /// For a window algorithm: the window the lease is of.
+    lease_window: Option<u64>,
+    /// Units post-charged here beyond the lease, sent with the next call, and the local time
+    /// of the oldest of them.
+    debt: u64,
+    debt_since: u64,
+    /// Units asked for (admitted or not) since the last round.
+    demand: u64,
+    /// Units an interval asks for, as estimated at the last round: the lease's size.
+    estimate: u64,
+    /// Whether this key had a call on demand (its first sight, or a top-up) since the last
+    /// round: at most one per interval, and the next round makes none for it, so that a key
+    /// costs at most one call per interval.
+    topped_up: bool,
+    /// Whether a call this interval got less than it asked: the limit is short everywhere, and
+    /// asking again before the next round would only cost calls.
+    starved: bool,
+    /// Requests that waited for the last call on this key (a first sight, a top-up): the next
+    /// top-up asks for them too, so that a burst arriving at once on a fresh key is served
+    /// by two calls, not one request per interval.
+    queued: u64,
+    /// A top-up in flight, which requests on this key wait for.
+    refreshing: Option<watch::Receiver<bool>>,
+    /// Rounds since the last request touched this key.
     idle_rounds: u32,
+}
+
+impl Entry {
+    fn new(limit: Arc<Limit>) -> Entry {
+        Entry {
+            limit,
+            shared: None,
+            lease: 0,
+            lease_expires: 0,
+            lease_window: None,
+            debt: 0,
+            debt_since: 0,
+            demand: 0,
+            estimate: 0,
+            topped_up: false,
+            starved: false,
+            queued: 0,
+            refreshing: None,
+            idle_rounds: 0,
+        }
+    }
+
+    /// The shared state with this node's unused lease given back: what the shared store would
+    /// decide on if the lease had never been taken.
+    fn virtual_state(&self, now: u64) -> Option<State> {
+        let mut state = self.shared.clone();
+        if self.lease > 0
+            && let Some(state) = &mut state
+        {
+            algorithm::unconsume(&self.limit, state, now, self.lease);
+        }
+        state
+    }
+
+    /// Forgets a lease that may not be spent any more: past its lifetime, or of another
+    /// window than `now`'s (the shared store counted it in its own window).
+    fn expire_lease(&mut self, now: u64) {
+        let window_changed = self
+            .lease_window
+            .is_some_and(|window| window != window_of(&self.limit, now));
+        if self.lease > 0 && (now >= self.lease_expires || window_changed) {
+            self.lease = 0;
+        }
+    }
+
+    /// Takes in a trade's answer to a call that `wanted` units: the new shared state, and
+    /// `granted` more units.
+    fn adopt(&mut self, state: Option<State>, wanted: u64, granted: u64, now: u64) {
+        self.starved |= granted < wanted;
+        self.shared = state;
+        if granted > 0 {
+            self.lease += granted;
+            self.lease_expires = now + duration_micros(LEASE_LIFETIME);
+        }
+        self.lease_window =
+            is_windowed(self.limit.algorithm()).then(|| window_of(&self.limit, now));
+    }
+
+    /// Whether a request short of lease may ask for more now: once per interval, or as long
+    /// as the key has asked for little this interval (a sixteenth of its capacity, or 8 units:
+    /// a low-rate client's few requests each cost a call, as in exact mode, rather than wait
+    /// for the next round; a busy key is held to one call per interval), and not after a call
+    /// that got less than it asked.
+    fn may_top_up(&self) -> bool {
+        !self.topped_up
+            || (!self.starved && self.demand < self.limit.capacity().div_ceil(16).max(8))
+    }
+
+    /// The most units a lease of this limit may hold: what it refills in the lease's lifetime
+    /// for a bucket (a dead node's lease then comes back within it), its limit for a window.
+    fn most_leased(&self) -> u64 {
+        if is_windowed(self.limit.algorithm()) {
+            self.limit.limit()
+        } else {
+            (duration_micros(LEASE_LIFETIME) / self.limit.emission_micros().max(1)).max(1)
+        }
+    }
+}
+
+fn is_windowed(algorithm: Algorithm) -> bool {
+    matches!(
+        algorithm,
+        Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
+    )
+}
+
+fn window_of(limit: &Limit, now: u64) -> u64 {
+    now - now % limit.window_micros().max(1)
+}
+
+fn duration_micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros()).unwrap_or(u64::MAX)
 }
 
 type Shard = HashMap<Arc<str>, Slot>;
@@ -290,7 +460,7 @@ impl<T: SyncTarget> BatchedStore<T> {
         &self.shared.target
     }
 
-    /// What the sync machinery has done so far.
+    /// What the trading machinery has done so far.
     pub fn stats(&self) -> BatchedStats {
         let stats = &self.shared.stats;
         BatchedStats {
@@ -302,23 +472,34 @@ impl<T: SyncTarget> BatchedStore<T> {
         }
     }
 
-    /// Runs one sync round now (tests, shutdown); `now` overrides both clocks.
+    /// Units this node holds leased for `key` now (tests, benchmarks).
+    pub fn leased(&self, key: &str) -> u64 {
+        match self.shared.lock_shard_of(key).get(key) {
+            Some(Slot::Ready(entry)) => entry.lease,
+            _ => 0,
+        }
+    }
+
+    /// Runs one trading round now (tests, shutdown); `now` overrides both clocks.
     pub async fn sync_now(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
         self.shared.sync_round(now).await
     }
 
-    /// Gives back what an admitted `checks` took here (a later store denied the request).
-    /// Units already sent stay charged: the refund is local and best effort.
+    /// Gives back every unused lease and delivers every debt ([`Store::flush`] does, with the
+    /// store's clock); `now` overrides it (tests whose windows follow their own clock).
+    pub async fn give_back(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
+        self.shared.give_back_everything(now).await
+    }
+
+    /// Gives back what an admitted `checks` took here (a later store denied the request): the
+    /// units return to this node's leases.
     pub fn refund(&self, checks: &[Check], now: Option<Timestamp>) {
-        let now = self.shared.now(now);
+        let _ = now;
         for check in checks {
             let mut shard = self.shared.lock_shard_of(&check.key);
             if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
-                let units = check.cost.min(entry.pending);
-                entry.pending -= units;
-                if let Some(state) = &mut entry.state {
-                    algorithm::unconsume(&check.limit, state, now, units);
-                }
+                entry.lease += check.cost;
+                entry.demand = entry.demand.saturating_sub(check.cost);
             }
         }
     }
@@ -326,15 +507,15 @@ impl<T: SyncTarget> BatchedStore<T> {
 
 impl<T: SyncTarget> Shared<T> {
     /// What `checks` would decide on this node, changing nothing: a key this node holds is
-    /// read from its local copy (this node's view, up to one interval behind the others); any
-    /// other key from the shared store, without adopting it.
+    /// read from its view (up to one interval behind the others); any other key from the
+    /// shared store, without adopting it.
     async fn peek(&self, checks: &[Check], now: Option<Timestamp>) -> Result<Decision, StoreError> {
         let decided_at = self.now(now);
         let mut states: Vec<Option<Option<State>>> = checks
             .iter()
             .map(
                 |check| match self.lock_shard_of(&check.key).get(&*check.key) {
-                    Some(Slot::Ready(entry)) => Some(entry.state.clone()),
+                    Some(Slot::Ready(entry)) => Some(entry.virtual_state(decided_at)),
                     _ => None,
                 },
             )
@@ -373,8 +554,8 @@ impl<T: SyncTarget> Shared<T> {
         ))
     }
 
-    /// Post-charges `checks`: on this node's copy, sent with the next sync, for keys it holds;
-    /// straight to the shared store for the others.
+    /// Post-charges `checks`: from this node's lease where it holds the key, the rest as a
+    /// debt sent with the next call; straight to the shared store for keys it does not hold.
     async fn charge(&self, checks: &[Check], now: Option<Timestamp>) -> Result<(), StoreError> {
         let decided_at = self.now(now);
         let mut direct = Vec::new();
@@ -385,17 +566,17 @@ impl<T: SyncTarget> Shared<T> {
             let mut shard = self.lock_shard_of(&check.key);
             match shard.get_mut(&*check.key) {
                 Some(Slot::Ready(entry)) => {
-                    algorithm::consume(
-                        &entry.limit.clone(),
-                        &mut entry.state,
-                        decided_at,
-                        check.cost,
-                        0,
-                    );
-                    if entry.pending == 0 {
-                        entry.pending_since = self.clock.now().as_micros();
+                    let from_lease = check.cost.min(entry.lease);
+                    entry.lease -= from_lease;
+                    let beyond = check.cost - from_lease;
+                    if beyond > 0 {
+                        let limit = entry.limit.clone();
+                        algorithm::consume(&limit, &mut entry.shared, decided_at, beyond, 0);
+                        if entry.debt == 0 {
+                            entry.debt_since = self.clock.now().as_micros();
+                        }
+                        entry.debt += beyond;
                     }
-                    entry.pending += check.cost;
                 }
                 _ => direct.push(sync_check(&check.key, &check.limit, check.cost)),
             }
@@ -406,11 +587,9 @@ impl<T: SyncTarget> Shared<T> {
         Ok(())
     }
 
-    /// Drops this node's copies of `keys` and their unsent counts, then resets them in the
-    /// shared store. No sync round of this node runs meanwhile, and a first-sight fetch that
-    /// read the old state does not install it. Other nodes adopt the fresh state at their next
-    /// sync; what they admitted in their last interval before it still arrives after the
-    /// reset (at most one interval's worth).
+    /// Drops this node's entries of `keys` (their leases and debts), then resets them in the
+    /// shared store. No round of this node runs meanwhile, and a fetch that read the old state
+    /// does not install it. Other nodes keep what their leases hold until their next trade.
     async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
         let _no_sync_meanwhile = self.sync_lock.lock().await;
         self.resets.fetch_add(1, Ordering::SeqCst);
@@ -454,14 +633,19 @@ impl<T: SyncTarget> Shared<T> {
             .fetch_max(shared_now.as_micros(), Ordering::Relaxed);
     }
 
-    /// Decides `checks` from local state, or says which keys must be fetched first.
-    fn decide_locally(&self, checks: &[Check], now: u64) -> Result<Attempt, StoreError> {
-        let check_shards: SmallVec<[usize; 8]> = checks
-            .iter()
-            .map(|check| self.shard_index(&check.key))
-            .collect();
-        let mut guards = LockedShards::lock(&self.shards, &check_shards);
+    /// Local time until the next periodic round (what a request short of lease waits for).
+    fn until_next_round(&self) -> u64 {
+        let local_now = self.clock.now().as_micros();
+        let next = self.next_round_micros.load(Ordering::Relaxed);
+        if next > local_now {
+            next - local_now
+        } else {
+            self.interval_micros
+        }
+    }
 
+    /// Decides `checks` from the leases, or says which keys must be fetched first.
+    fn decide_locally(&self, checks: &[Check], now: u64) -> Result<Attempt, StoreError> {
         // Refused before any slot is taken, so that a refusal leaves nothing behind.
         if let Some(check) = checks
             .iter()
@@ -473,13 +657,25 @@ impl<T: SyncTarget> Shared<T> {
                 check.limit.name()
             )));
         }
+        let check_shards: SmallVec<[usize; 8]> = checks
+            .iter()
+            .map(|check| self.shard_index(&check.key))
+            .collect();
+        let mut guards = LockedShards::lock(&self.shards, &check_shards);
+
         let mut fetch: Vec<(usize, watch::Sender<bool>)> = Vec::new();
         let mut wait = Vec::new();
         for (index, check) in checks.iter().enumerate() {
             let shard = guards.get(check_shards[index]);
-            let slot = shard.get(&*check.key);
-            match slot {
-                Some(Slot::Ready(_)) => continue,
+            match shard.get(&*check.key) {
+                Some(Slot::Ready(entry)) => {
+                    if let Some(receiver) = &entry.refreshing
+                        && receiver.has_changed().is_ok()
+                    {
+                        wait.push(receiver.clone());
+                    }
+                    continue;
+                }
                 // A fetch whose requester went away (its future was dropped) is taken over.
                 Some(Slot::Fetching(receiver)) if receiver.has_changed().is_ok() => {
                     wait.push(receiver.clone());
@@ -507,43 +703,91 @@ impl<T: SyncTarget> Shared<T> {
             fetch.push((index, sender));
         }
         if !fetch.is_empty() || !wait.is_empty() {
-            return Ok(Attempt::Wait { fetch, wait });
+            return Ok(Attempt::Wait {
+                fetch,
+                top_up: Vec::new(),
+                wait,
+            });
         }
 
-        let mut outcomes: SmallVec<[LimitOutcome; 8]> = checks
-            .iter()
-            .zip(&check_shards)
-            .map(|(check, &shard)| {
-                let entry = ready(guards.get(shard), &check.key);
-                algorithm::evaluate(&check.limit, entry.state.as_ref(), now, check.cost)
-            })
-            .collect();
-        let admitted = outcomes.iter().all(|outcome| outcome.allowed);
-        // Read only when a key starts a new batch of unsent units.
-        let mut local_now = None;
-        for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
+        // Each limit as the shared store would decide it without this node's lease, and
+        // whether the lease covers the request.
+        let mut outcomes: SmallVec<[LimitOutcome; 8]> = SmallVec::new();
+        let mut covered = true;
+        for (check, &shard) in checks.iter().zip(&check_shards) {
             let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
             if !Arc::ptr_eq(&entry.limit, &check.limit) {
-                // A reload changed the limit's settings: syncs use the new ones. A new algorithm
-                // starts from fresh state (SPEC §3): the units not yet sent belong to the old
-                // one and are not charged to it.
+                // A reload changed the limit's settings: trades use the new ones. A new
+                // algorithm starts from fresh state (SPEC §3): the old one's lease and debt are
+                // not carried over.
                 if entry.limit.algorithm() != check.limit.algorithm() {
-                    entry.state = None;
-                    entry.pending = 0;
+                    *entry = Entry::new(check.limit.clone());
                 }
                 entry.limit = check.limit.clone();
             }
-            if admitted {
-                algorithm::consume(&check.limit, &mut entry.state, now, check.cost, 0);
-                if entry.pending == 0 {
-                    entry.pending_since =
-                        *local_now.get_or_insert_with(|| self.clock.now().as_micros());
-                }
-                entry.pending += check.cost;
+            entry.expire_lease(now);
+            let state = entry.virtual_state(now);
+            outcomes.push(algorithm::evaluate(
+                &check.limit,
+                state.as_ref(),
+                now,
+                check.cost,
+            ));
+            covered &= entry.lease >= check.cost;
+        }
+        if covered {
+            for (check, &shard) in checks.iter().zip(&check_shards) {
+                let entry = ready(guards.get(shard), &check.key);
+                entry.lease -= check.cost;
+                entry.demand += check.cost;
+            }
+            return Ok(Attempt::Decided(Decision::from_outcomes(
+                Timestamp::from_micros(now),
+                checks,
+                &outcomes,
+                Vec::new(),
+            )));
+        }
+        // Short of lease where the shared store may have more: ask once per key and round.
+        let mut top_up = Vec::new();
+        for (index, (check, &shard)) in checks.iter().zip(&check_shards).enumerate() {
+            let entry = ready(guards.get(shard), &check.key);
+            if entry.lease < check.cost && outcomes[index].allowed && entry.may_top_up() {
+                entry.topped_up = true;
+                let (sender, receiver) = watch::channel(false);
+                entry.refreshing = Some(receiver);
+                let need = check.cost - entry.lease;
+                let queued = std::mem::take(&mut entry.queued);
+                top_up.push((index, need + queued * check.cost, sender));
+            }
+        }
+        if !top_up.is_empty() {
+            return Ok(Attempt::Wait {
+                fetch: Vec::new(),
+                top_up,
+                wait: Vec::new(),
+            });
+        }
+        // Denied: by a limit that has nothing left, or for want of lease until the next round.
+        let admitted_nowhere = outcomes.iter().all(|outcome| outcome.allowed);
+        if admitted_nowhere && self.failing.load(Ordering::Relaxed) {
+            return Err(StoreError::Unavailable(
+                "batched lease spent while the shared store fails".into(),
+            ));
+        }
+        let wait_for_lease = self.until_next_round();
+        for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
+            let entry = ready(guards.get(shard), &check.key);
+            entry.demand += check.cost;
+            if outcome.allowed && entry.lease < check.cost && admitted_nowhere {
+                outcome.allowed = false;
+                outcome.retry_after_micros = Some(wait_for_lease);
+                outcome.remaining = entry.lease;
             } else if outcome.allowed {
                 // Not charged, since another limit denied: report it as it stands.
-                *outcome = algorithm::evaluate(&check.limit, entry.state.as_ref(), now, 0);
+                let state = entry.virtual_state(now);
+                *outcome = algorithm::evaluate(&check.limit, state.as_ref(), now, 0);
             }
         }
         Ok(Attempt::Decided(Decision::from_outcomes(
@@ -554,59 +798,116 @@ impl<T: SyncTarget> Shared<T> {
         )))
     }
 
-    /// Fetches the state of the keys this request found missing and makes them ready.
+    /// Fetches the first lease of the keys this request found missing, and tops up the ones
+    /// it found short, in one call; makes them ready and wakes their waiters.
     async fn fetch(
         &self,
         checks: &[Check],
         fetch: Vec<(usize, watch::Sender<bool>)>,
+        top_up: Vec<(usize, u64, watch::Sender<bool>)>,
         now: Option<Timestamp>,
     ) -> Result<(), StoreError> {
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
-        let reads: Vec<Check> = fetch
+        let mut requests = Vec::with_capacity(fetch.len() + top_up.len());
+        for &(index, _) in &fetch {
+            let check = &checks[index];
+            // Nothing is known of this node's demand yet: what the request needs. A grant of
+            // more would lock up capacity on every node a client touches once.
+            requests.push(LeaseRequest {
+                check: sync_check(&check.key, &check.limit, 0),
+                give_back: 0,
+                want: check.cost,
+                charge: 0,
+            });
+        }
+        for &(index, need, _) in &top_up {
+            let check = &checks[index];
+            let mut shard = self.lock_shard_of(&check.key);
+            let (extra, debt, most) = match shard.get_mut(&*check.key) {
+                Some(Slot::Ready(entry)) => {
+                    let debt = std::mem::take(&mut entry.debt);
+                    // As much again as this interval asked so far, at least the estimate: a
+                    // client whose rate rises gets a lease that doubles call by call.
+                    (entry.estimate.max(entry.demand), debt, entry.most_leased())
+                }
+                _ => (0, 0, u64::MAX),
+            };
+            requests.push(LeaseRequest {
+                check: sync_check(&check.key, &check.limit, 0),
+                give_back: 0,
+                want: (need + extra).min(most.max(need)),
+                charge: debt,
+            });
+        }
+        // Until the states are in, the fetched slots are this call's: if it fails, or its
+        // request goes away mid-way, they go, and the key count with them; a top-up that does
+        // not finish lets the next request try again.
+        let mut claim = FetchClaim::new(self, checks, fetch, &top_up);
+        claim.debts = requests[requests.len() - top_up.len()..]
             .iter()
-            .map(|&(index, _)| sync_check(&checks[index].key, &checks[index].limit, 0))
+            .map(|request| request.charge)
             .collect();
-        // Until the states are in, the slots are this fetch's: if it fails, or its request goes
-        // away mid-way (the future is dropped), they go, and the key count with them.
-        let mut claim = FetchClaim {
-            shared: self,
-            slots: fetch
-                .into_iter()
-                .map(|(index, sender)| (checks[index].key.clone(), sender))
-                .collect(),
-        };
+        let first_sights = claim.slots.len();
         let resets_before = self.resets.load(Ordering::SeqCst);
         let local_at_send = self.clock.now().as_micros();
-        let synced = self.target.sync(&reads, now).await?;
-        self.observe_shared_time(synced.now, local_at_send);
+        let leased = match self.target.lease(&requests, now).await {
+            Ok(leased) => leased,
+            Err(error) => {
+                self.failing.store(true, Ordering::Relaxed);
+                return Err(error);
+            }
+        };
+        self.failing.store(false, Ordering::Relaxed);
+        self.observe_shared_time(leased.now, local_at_send);
         if self.resets.load(Ordering::SeqCst) != resets_before {
             // What was read may predate a reset: the claim gives the slots up, and this
-            // request and the waiters fetch again.
+            // request and the waiters fetch again. The debts it carried were delivered.
+            claim.debts.iter_mut().for_each(|debt| *debt = 0);
             return Ok(());
         }
-        for (position, (key, sender)) in std::mem::take(&mut claim.slots).into_iter().enumerate() {
-            let check = &reads[position];
-            self.lock_shard_of(&key).insert(
-                key,
-                Slot::Ready(Entry {
-                    limit: check.limit.clone(),
-                    state: synced.states.get(position).cloned().flatten(),
-                    pending: 0,
-                    pending_since: 0,
-                    in_flight: 0,
-                    idle_rounds: 0,
-                }),
-            );
+        let decided_at = self.now(now);
+        let mut grants = leased.grants.into_iter();
+        for ((key, sender), request) in std::mem::take(&mut claim.slots).into_iter().zip(&requests)
+        {
+            let (granted, state) = grants.next().unwrap_or((0, None));
+            let mut entry = Entry::new(request.check.limit.clone());
+            entry.adopt(state, request.want, granted, decided_at);
+            let mut shard = self.lock_shard_of(&key);
+            // The slot's own receiver goes with this insert: what is left are the waiters'.
+            shard.insert(key.clone(), Slot::Ready(entry));
+            if let Some(Slot::Ready(entry)) = shard.get_mut(&*key) {
+                entry.queued = sender.receiver_count() as u64;
+                // A first sight is this interval's call, unless requests queued behind it:
+                // then one top-up serves them all.
+                entry.topped_up = entry.queued == 0;
+            }
+            drop(shard);
             // Waiters retry: they find the key ready.
+            let _ = sender.send(true);
+        }
+        claim.top_ups.clear();
+        claim.debts.clear();
+        for ((_, _, sender), request) in top_up.into_iter().zip(&requests[first_sights..]) {
+            let (granted, state) = grants.next().unwrap_or((0, None));
+            let key = &request.check.key;
+            if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+                entry.adopt(state, request.want, granted, decided_at);
+                entry.refreshing = None;
+                entry.queued = sender.receiver_count() as u64;
+            }
             let _ = sender.send(true);
         }
         Ok(())
     }
 
-    /// Sends every active key's unsent units and adopts the states the shared store returns.
+    /// Trades every active key's lease: gives back what it holds beyond its estimate, asks for
+    /// what it lacks, delivers debts.
     async fn sync_round(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
         let _one_round_at_a_time = self.sync_lock.lock().await;
         let local_now = self.clock.now().as_micros();
+        self.next_round_micros
+            .store(local_now + self.interval_micros, Ordering::Relaxed);
+        let decided_at = self.now(now);
         let mut batch = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
@@ -624,49 +925,87 @@ impl<T: SyncTarget> Shared<T> {
                         return !abandoned;
                     }
                 };
-                if entry.pending == 0 && entry.idle_rounds >= self.idle_rounds {
+                if entry.refreshing.is_some() {
+                    // A top-up is out: this round leaves the key to it.
+                    return true;
+                }
+                entry.expire_lease(decided_at);
+                let idle = entry.demand == 0 && entry.idle_rounds >= self.idle_rounds;
+                if idle && entry.lease == 0 && entry.debt == 0 {
                     self.keys.fetch_sub(1, Ordering::Relaxed);
                     return false;
                 }
                 entry.idle_rounds = entry.idle_rounds.saturating_add(1);
-                let mut units = entry.pending;
-                if units > 0
-                    && local_now.saturating_sub(entry.pending_since) > entry.limit.window_micros()
+                // What the next interval will ask: the last one's demand if it rose, else half
+                // the estimate (it follows a rise at once and a fall within a few rounds).
+                entry.estimate = if idle {
+                    0
+                } else {
+                    entry.demand.max(entry.estimate / 2)
+                }
+                .min(entry.most_leased());
+                entry.demand = 0;
+                entry.starved = false;
+                if std::mem::take(&mut entry.topped_up) {
+                    // It had its call this interval.
+                    return true;
+                }
+                // A quarter more than the estimate, so that a steady client is not short: a node
+                // that sees a client rarely keeps (almost) nothing of its capacity.
+                let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
+                let give_back = entry.lease.saturating_sub(target);
+                entry.lease -= give_back;
+                let want = target.saturating_sub(entry.lease);
+                let mut charge = std::mem::take(&mut entry.debt);
+                if charge > 0
+                    && local_now.saturating_sub(entry.debt_since) > entry.limit.window_micros()
                 {
                     // Too old to belong to any window the limit still looks at.
-                    self.stats.dropped_units.fetch_add(units, Ordering::Relaxed);
-                    telemetry::record_batched_dropped(units);
+                    self.stats
+                        .dropped_units
+                        .fetch_add(charge, Ordering::Relaxed);
+                    telemetry::record_batched_dropped(charge);
                     tracing::warn!(
-                        units,
+                        units = charge,
                         limit = entry.limit.name(),
-                        "batched counts older than their window dropped after a store outage"
+                        "batched post-charges older than their window dropped after a store outage"
                     );
-                    units = 0;
+                    charge = 0;
                 }
-                entry.pending = 0;
-                entry.in_flight = units;
-                batch.push(sync_check(key, &entry.limit, units));
+                if give_back > 0 || want > 0 || charge > 0 {
+                    batch.push(LeaseRequest {
+                        check: sync_check(key, &entry.limit, 0),
+                        give_back,
+                        want,
+                        charge,
+                    });
+                }
                 true
             });
         }
         let mut outcome = Ok(());
         for chunk in batch.chunks(SYNC_CHUNK) {
             let local_at_send = self.clock.now().as_micros();
-            match self.target.sync(chunk, now).await {
-                Ok(synced) => {
-                    self.observe_shared_time(synced.now, local_at_send);
+            match self.target.lease(chunk, now).await {
+                Ok(leased) => {
+                    self.observe_shared_time(leased.now, local_at_send);
                     let decided_at = self.now(now);
-                    for (check, state) in chunk.iter().zip(synced.states) {
-                        self.adopt(check, state, decided_at);
+                    for (request, (granted, state)) in chunk.iter().zip(leased.grants) {
+                        let key = &request.check.key;
+                        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+                            entry.adopt(state, request.want, granted, decided_at);
+                        }
                     }
                     self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+                    self.failing.store(false, Ordering::Relaxed);
                     telemetry::record_batched_sync(true);
                 }
                 Err(error) => {
-                    for check in chunk {
-                        self.keep_for_later(check);
+                    for request in chunk {
+                        self.keep_for_later(request);
                     }
                     self.stats.failed_syncs.fetch_add(1, Ordering::Relaxed);
+                    self.failing.store(true, Ordering::Relaxed);
                     telemetry::record_batched_sync(false);
                     outcome = Err(error);
                 }
@@ -675,36 +1014,53 @@ impl<T: SyncTarget> Shared<T> {
         outcome
     }
 
-    /// Replaces a key's local copy by the shared state, then re-applies what was admitted here
-    /// while the sync call was out.
-    fn adopt(&self, check: &Check, state: Option<State>, now: u64) {
-        let mut shard = self.lock_shard_of(&check.key);
-        if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
-            entry.state = state;
-            entry.in_flight = 0;
-            if entry.pending > 0 {
-                let limit = entry.limit.clone();
-                algorithm::consume(&limit, &mut entry.state, now, entry.pending, 0);
+    /// Puts back what a failed trade carried: the lease it gave back, the debt it charged.
+    fn keep_for_later(&self, request: &LeaseRequest) {
+        let key = &request.check.key;
+        let mut shard = self.lock_shard_of(key);
+        if let Some(Slot::Ready(entry)) = shard.get_mut(&**key) {
+            entry.lease += request.give_back;
+            if request.charge > 0 && entry.debt == 0 {
+                entry.debt_since = self.clock.now().as_micros();
             }
-        }
-    }
-
-    /// Puts a failed call's units back with the key's unsent ones.
-    fn keep_for_later(&self, check: &Check) {
-        let mut shard = self.lock_shard_of(&check.key);
-        if let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) {
-            entry.pending += entry.in_flight;
-            entry.in_flight = 0;
+            entry.debt += request.charge;
         }
     }
 }
 
-/// The "fetching" slots one fetch created. Dropped while it still holds them (the fetch failed,
-/// or was abandoned), it removes those still its own and uncounts their keys; its senders go
-/// with it, which wakes the waiters, who then fetch for themselves.
+/// The slots and top-ups one fetch holds. Dropped while it still holds them (the fetch
+/// failed, or was abandoned), it removes the fetched slots still its own and uncounts their
+/// keys, and lets the topped-up keys be topped up again (their debts kept); its senders go
+/// with it, which wakes the waiters, who then decide for themselves.
 struct FetchClaim<'s, T: SyncTarget> {
     shared: &'s Shared<T>,
     slots: Vec<(Arc<str>, watch::Sender<bool>)>,
+    top_ups: Vec<Arc<str>>,
+    debts: Vec<u64>,
+}
+
+impl<'s, T: SyncTarget> FetchClaim<'s, T> {
+    /// The claim of a request on the slots it took (`fetch`) and the top-ups it started, with
+    /// no debts taken from them yet.
+    fn new(
+        shared: &'s Shared<T>,
+        checks: &[Check],
+        fetch: Vec<(usize, watch::Sender<bool>)>,
+        top_up: &[(usize, u64, watch::Sender<bool>)],
+    ) -> Self {
+        FetchClaim {
+            shared,
+            slots: fetch
+                .into_iter()
+                .map(|(index, sender)| (checks[index].key.clone(), sender))
+                .collect(),
+            top_ups: top_up
+                .iter()
+                .map(|(index, _, _)| checks[*index].key.clone())
+                .collect(),
+            debts: vec![0; top_up.len()],
+        }
+    }
 }
 
 impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
@@ -719,15 +1075,26 @@ impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
                 self.shared.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
+        for (key, debt) in self.top_ups.drain(..).zip(self.debts.drain(..)) {
+            if let Some(Slot::Ready(entry)) = self.shared.lock_shard_of(&key).get_mut(&*key) {
+                entry.refreshing = None;
+                entry.topped_up = false;
+                if debt > 0 && entry.debt == 0 {
+                    entry.debt_since = self.shared.clock.now().as_micros();
+                }
+                entry.debt += debt;
+            }
+        }
     }
 }
 
 enum Attempt {
     Decided(Decision),
-    /// Keys this request must fetch (with the sender that wakes other waiters), and fetches by
-    /// other requests to wait for.
+    /// Keys this request must fetch or top up (with the sender that wakes other waiters; a
+    /// top-up with the units the request lacks), and calls by other requests to wait for.
     Wait {
         fetch: Vec<(usize, watch::Sender<bool>)>,
+        top_up: Vec<(usize, u64, watch::Sender<bool>)>,
         wait: Vec<watch::Receiver<bool>>,
     },
 }
@@ -759,7 +1126,7 @@ async fn sync_periodically<T: SyncTarget>(shared: Weak<Shared<T>>, interval: Dur
             return;
         };
         if let Err(error) = shared.sync_round(None).await {
-            tracing::debug!(%error, "batched sync failed; counts kept for the next round");
+            tracing::debug!(%error, "batched trade failed; leases and debts kept for the next round");
         }
     }
 }
@@ -773,17 +1140,24 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         Box::pin(async move {
             let shared = &self.shared;
             loop {
-                if checks
-                    .iter()
-                    .any(|check| shared.target.is_refused(&check.key))
-                {
-                    return Err(StoreError::BreakerOpen);
-                }
                 match shared.decide_locally(checks, shared.now(now))? {
                     Attempt::Decided(decision) => return Ok(decision),
-                    Attempt::Wait { fetch, wait } => {
-                        if !fetch.is_empty() {
-                            shared.fetch(checks, fetch, now).await?;
+                    Attempt::Wait {
+                        fetch,
+                        top_up,
+                        wait,
+                    } => {
+                        if !fetch.is_empty() || !top_up.is_empty() {
+                            // A call is needed: the failure policy decides while the store
+                            // refuses calls (what leases hold was spent above).
+                            if checks
+                                .iter()
+                                .any(|check| shared.target.is_refused(&check.key))
+                            {
+                                drop(FetchClaim::new(shared, checks, fetch, &top_up));
+                                return Err(StoreError::BreakerOpen);
+                            }
+                            shared.fetch(checks, fetch, top_up, now).await?;
                         }
                         for mut receiver in wait {
                             // A dropped sender (its request went away) is taken over on retry.
@@ -837,6 +1211,39 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        Box::pin(self.shared.sync_round(None))
+        Box::pin(self.shared.give_back_everything(None))
+    }
+}
+
+impl<T: SyncTarget> Shared<T> {
+    /// On shutdown: gives back every lease and delivers every debt, so that a stopping node
+    /// takes nothing with it.
+    async fn give_back_everything(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
+        let _one_round_at_a_time = self.sync_lock.lock().await;
+        let mut batch = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = lock(shard);
+            for (key, slot) in shard.iter_mut() {
+                if let Slot::Ready(entry) = slot
+                    && (entry.lease > 0 || entry.debt > 0)
+                {
+                    batch.push(LeaseRequest {
+                        check: sync_check(key, &entry.limit, 0),
+                        give_back: std::mem::take(&mut entry.lease),
+                        want: 0,
+                        charge: std::mem::take(&mut entry.debt),
+                    });
+                }
+            }
+        }
+        for chunk in batch.chunks(SYNC_CHUNK) {
+            if let Err(error) = self.target.lease(chunk, now).await {
+                for request in chunk {
+                    self.keep_for_later(request);
+                }
+                return Err(error);
+            }
+        }
+        Ok(())
     }
 }

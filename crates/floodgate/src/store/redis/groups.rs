@@ -10,7 +10,7 @@ use super::script::Mode;
 use crate::algorithm::LimitOutcome;
 use crate::decision::{Check, Decision, Lease};
 use crate::limit::Algorithm;
-use crate::store::batched::Synced;
+use crate::store::batched::{LeaseRequest, Leased, Synced};
 use crate::store::{Store, StoreError};
 use crate::time::Timestamp;
 
@@ -399,6 +399,36 @@ pub(super) async fn sync_groups(
     Ok(Synced {
         now: latest,
         states,
+    })
+}
+
+/// Trades the leases of `requests` by one call per group (of the requests' checks),
+/// concurrently, and puts the grants back in the order of `requests`.
+pub(super) async fn lease_groups(
+    groups: &[Group<'_>],
+    requests: &[LeaseRequest],
+    now: Option<Timestamp>,
+) -> Result<Leased, StoreError> {
+    let calls = groups.iter().map(|group| async move {
+        let members: Vec<&LeaseRequest> = group
+            .members
+            .iter()
+            .map(|&index| &requests[index])
+            .collect();
+        group.node.guarded_lease(&members, now).await
+    });
+    let replies = futures_util::future::try_join_all(calls).await?;
+    let mut grants = vec![(0, None); requests.len()];
+    let mut latest = now.unwrap_or(Timestamp::EPOCH);
+    for (group, reply) in groups.iter().zip(replies) {
+        latest = latest.max(reply.now);
+        for (&index, grant) in group.members.iter().zip(reply.grants) {
+            grants[index] = grant;
+        }
+    }
+    Ok(Leased {
+        now: latest,
+        grants,
     })
 }
 

@@ -45,14 +45,14 @@ use std::time::Duration;
 
 use deadpool_redis::redis::{self, Client, RedisError, Value};
 
-use super::batched::{SyncTarget, Synced};
+use super::batched::{LeaseRequest, Leased, SyncTarget, Synced};
 use super::resilience::{BreakerState, Guard, GuardConfig, LogObserver, StoreObserver};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::decision::Decision;
 use crate::time::Timestamp;
 use cluster::ClusterBreakers;
 use connection::{Connection, ConnectionError};
-use groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
+use groups::{Group, charge_groups, decide_groups, lease_groups, peek_groups, sync_groups};
 use script::{Dispatch, Mode, Reply};
 
 /// How the store talks to Redis.
@@ -551,6 +551,22 @@ impl RedisStore {
         .await
     }
 
+    /// One lease trade under this store's deadline and breaker.
+    async fn guarded_lease(
+        &self,
+        requests: &[&LeaseRequest],
+        now: Option<Timestamp>,
+    ) -> Result<Leased, StoreError> {
+        let key = requests.first().map_or("", |request| &*request.check.key);
+        self.guarded(key, async {
+            let value = self
+                .run_library(|dispatch| script::lease_command(dispatch, requests, now))
+                .await?;
+            script::decode_lease(value, requests)
+        })
+        .await
+    }
+
     /// One library call of `decisions`, and their replies.
     async fn call(
         &self,
@@ -615,6 +631,24 @@ impl SyncTarget for RedisStore {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Synced, StoreError>> {
         Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn lease<'a>(
+        &'a self,
+        requests: &'a [LeaseRequest],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+        Box::pin(async move {
+            let groups: Vec<Group<'_>> = self
+                .slot_groups(requests.iter().map(|request| &*request.check.key))
+                .into_iter()
+                .map(|members| Group {
+                    node: self,
+                    members,
+                })
+                .collect();
+            lease_groups(&groups, requests, now).await
+        })
     }
 
     fn is_refused(&self, key: &str) -> bool {

@@ -214,6 +214,60 @@ fn invoking(dispatch: Dispatch, function: &str, script_hash: &str) -> redis::Cmd
     command
 }
 
+/// The `lease` call of `requests` (batched mode's trade; see `lua/check.lua`).
+pub(crate) fn lease_command(
+    dispatch: Dispatch,
+    requests: &[&crate::store::batched::LeaseRequest],
+    now: Option<Timestamp>,
+) -> redis::Cmd {
+    let library = &*LIBRARY;
+    let mut command = invoking(dispatch, &library.check_function, &library.check_script.1);
+    command.arg(requests.len());
+    for request in requests {
+        command.arg(&*request.check.key);
+    }
+    command.arg("lease");
+    match now {
+        Some(now) => command.arg(now.as_micros()),
+        None => command.arg(""),
+    };
+    for request in requests {
+        command
+            .arg(request.check.limit.script_spec())
+            .arg(request.give_back)
+            .arg(request.want)
+            .arg(request.charge);
+    }
+    command
+}
+
+/// Decodes a lease reply, `{ now, (granted, present, field, field, field)* }`.
+pub(crate) fn decode_lease(
+    value: Value,
+    requests: &[&crate::store::batched::LeaseRequest],
+) -> Result<crate::store::batched::Leased, StoreError> {
+    let mut fields = Fields::of(value)?;
+    let now = Timestamp::from_micros(fields.non_negative()?);
+    let grants = requests
+        .iter()
+        .map(|request| {
+            let granted = fields.non_negative()?;
+            let state = match fields.state()? {
+                None => None,
+                Some(values) => Some(
+                    batched::state_from_fields(request.check.limit.algorithm(), values)
+                        .ok_or_else(|| {
+                            StoreError::Protocol("state of an unbatchable limit".into())
+                        })?,
+                ),
+            };
+            Ok((granted, state))
+        })
+        .collect::<Result<_, StoreError>>()?;
+    fields.finish()?;
+    Ok(crate::store::batched::Leased { now, grants })
+}
+
 /// The command that releases `members` of `keys` (one each).
 pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[String]) -> redis::Cmd {
     let library = &*LIBRARY;

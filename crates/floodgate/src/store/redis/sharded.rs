@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use super::RedisStore;
-use super::groups::{Group, charge_groups, decide_groups, peek_groups, sync_groups};
+use super::groups::{Group, charge_groups, decide_groups, lease_groups, peek_groups, sync_groups};
 use crate::decision::Decision;
 use crate::key::storage::hash_tag;
-use crate::store::batched::{SyncTarget, Synced};
+use crate::store::batched::{LeaseRequest, Leased, SyncTarget, Synced};
 use crate::store::resilience::BreakerState;
 use crate::store::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::time::Timestamp;
@@ -98,6 +98,30 @@ impl SyncTarget for ShardedRedisStore {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Synced, StoreError>> {
         Box::pin(async move { sync_groups(&self.node_groups(checks), checks, now).await })
+    }
+
+    fn lease<'a>(
+        &'a self,
+        requests: &'a [LeaseRequest],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+        Box::pin(async move {
+            let mut groups: Vec<Group<'_>> = Vec::new();
+            for (index, request) in requests.iter().enumerate() {
+                let node = &self.nodes[self.node_of(&request.check.key)];
+                match groups
+                    .iter_mut()
+                    .find(|group| std::ptr::eq(group.node, node))
+                {
+                    Some(group) => group.members.push(index),
+                    None => groups.push(Group {
+                        node,
+                        members: vec![index],
+                    }),
+                }
+            }
+            lease_groups(&groups, requests, now).await
+        })
     }
 
     fn is_refused(&self, key: &str) -> bool {
