@@ -188,12 +188,27 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs());
     let (by_denials, by_closeness) = state.gateway.observers.top.top(n, now);
+    // Hot identities are `<scope>:<hash>` tags; the top lists name the hash.
+    let local_identities: Vec<String> = state
+        .gateway
+        .current()
+        .hot_identities()
+        .map(|hot| hot.hot())
+        .unwrap_or_default();
+    let is_local = |hash: &str| {
+        local_identities.iter().any(|tag| {
+            tag.rsplit_once(':')
+                .is_some_and(|(_, tagged)| tagged == hash)
+        })
+    };
     let render = |entries: Vec<floodgate::TopEntry>| -> Vec<serde_json::Value> {
         entries
             .into_iter()
             .map(|entry| {
+                let identity = entry.identity.to_string();
                 json!({
-                    "identity": entry.identity.to_string(),
+                    "local": is_local(&identity),
+                    "identity": identity,
                     "denials": entry.denials,
                     "closeness": (entry.closeness * 1000.0).round() / 1000.0,
                 })
@@ -202,6 +217,7 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
     };
     Json(json!({
         "window_seconds": floodgate::TopClients::WINDOW.as_secs(),
+        "local_identities": &local_identities,
         "by_denials": render(by_denials),
         "by_closeness": render(by_closeness),
     }))
@@ -303,20 +319,30 @@ async fn inspect_client(
         Err(error) => return store_failure(&error),
     };
     let settings = &runtime.config.store;
+    // Decided from this node's leases (`store.hot_identities`): its limits that can be.
+    let local = runtime.hot_identities().is_some_and(|hot| {
+        selected
+            .checks
+            .iter()
+            .any(|check| hot.is_hot(floodgate::key::storage::hash_tag(&check.key)))
+    });
     let limits: Vec<serde_json::Value> = decision
         .limits()
         .iter()
         .zip(&selected.checks)
         .map(|(status, check)| {
+            let leased = floodgate::store::batched::supports(check.limit.algorithm());
             let batched = settings.sync_interval.is_some()
                 || (settings.global_sync_interval.is_some()
-                    && crate::plan::is_global_ceiling(check));
+                    && crate::plan::is_global_ceiling(check))
+                || (local && leased && !crate::plan::is_global_ceiling(check));
             limit_json(status, check, batched)
         })
         .collect();
     Json(json!({
         "identity": selected.hash.to_string(),
         "scope": selected.scope,
+        "local": local,
         "plan": &*selected.plan,
         "listed": selected.listed,
         "store": store.backend(),

@@ -301,13 +301,20 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             }
         }
     });
-    // The status page's decision rates: one sample a second.
+    // The status page's decision rates: one sample a second. Hot identities that went quiet
+    // are demoted on the same tick (recording demotes them only where traffic still flows).
     let board = gateway.observers.status.clone();
+    let sweeping = gateway.clone();
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(std::time::Duration::from_secs(1));
         loop {
             ticks.tick().await;
             board.sample();
+            if let Some(hot) = sweeping.current().hot_identities() {
+                for identity in hot.sweep() {
+                    tracing::info!(identity, "hot identity went quiet: decided exactly again");
+                }
+            }
         }
     });
     let admin_router = admin::router(AdminState {

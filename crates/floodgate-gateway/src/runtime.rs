@@ -16,6 +16,7 @@ use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use floodgate::store::HotIdentities;
 use floodgate::telemetry::LimitedRateBaseline;
 use floodgate::{
     FailurePolicy, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
@@ -31,7 +32,7 @@ use crate::config::{self, Config};
 use crate::error::GatewayError;
 use crate::plan::GatewayPlan;
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients, upstream_client};
-use crate::stores::{build_store, builds_the_same_store};
+use crate::stores::{BuiltStore, build_store, builds_the_same_store};
 
 /// The body of every gateway response.
 pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
@@ -45,8 +46,8 @@ pub struct Runtime {
     /// The configuration.
     pub config: Arc<Config>,
     /// The store this version decides with (the admin API, readiness, the RLS service and the
-    /// shutdown flush use it too).
-    store: Arc<dyn Store>,
+    /// shutdown flush use it too), and its hot identity tracker.
+    store: BuiltStore,
     /// The upstream client and the settings it was built from.
     client: (ClientSettings, UpstreamClients),
     services: HashMap<String, RateLimit<Proxy>>,
@@ -64,7 +65,7 @@ impl Runtime {
     fn build(
         version: u64,
         config: Arc<Config>,
-        store: Arc<dyn Store>,
+        store: BuiltStore,
         client: (ClientSettings, UpstreamClients),
         observers: &Observers,
     ) -> Result<Runtime, GatewayError> {
@@ -78,7 +79,7 @@ impl Runtime {
                 let routes = config.clone();
                 let layer = RateLimitLayer::builder()
                     .plan(GatewayPlan::new(config.clone()))
-                    .shared_store(store.clone())
+                    .shared_store(store.store.clone())
                     .identify(|request: &RequestInfo<'_>| {
                         request
                             .extensions
@@ -123,7 +124,12 @@ impl Runtime {
 
     /// The store this version decides with.
     pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
+        &self.store.store
+    }
+
+    /// Which identities this version's store decides from leases (`store.hot_identities`).
+    pub fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
+        self.store.hot_identities.as_ref()
     }
 
     /// Serves one request under this version.
@@ -308,7 +314,7 @@ impl Gateway {
 
     /// The store of the version in service.
     pub fn store(&self) -> Arc<dyn Store> {
-        self.current().store.clone()
+        self.current().store.store.clone()
     }
 
     /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed` (the
@@ -398,7 +404,7 @@ impl Gateway {
         let runtime = Runtime::build(version, config, store, (settings, client), &self.observers)?;
         self.current.store(Arc::new(runtime));
         if replaced_store {
-            flush_in_background(current.store.clone());
+            flush_in_background(current.store.store.clone());
         }
         metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(version as f64);
         Ok(Some(version))
@@ -480,7 +486,7 @@ mod tests {
             "the version in service is kept"
         );
         assert_eq!(after.version, 1);
-        assert!(Arc::ptr_eq(&gateway.store(), &before.store));
+        assert!(Arc::ptr_eq(&gateway.store(), &before.store.store));
         assert_eq!(gateway.store().backend(), "memory");
         assert!(after.client.1.is(&before.client.1));
 

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use floodgate::store::batched::SyncTarget;
 use floodgate::store::{
-    BatchedStore, ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore, SplitStore,
+    BatchedStore, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder, ShardedRedisStore,
+    SplitStore,
 };
 use floodgate::{MemoryStore, Store, StoreError};
 
@@ -80,18 +81,36 @@ pub fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bo
                 && current.max_keys == new.max_keys
                 && current.deny_cache == new.deny_cache
                 && current.coalesce == new.coalesce
+                && current.hot_identities == new.hot_identities
         }
     }
 }
 
+/// A store built from `settings`, and its hot identity tracker if `store.hot_identities` is set
+/// (the admin API says which identities are decided locally).
+#[derive(Clone)]
+pub struct BuiltStore {
+    /// What decisions go to.
+    pub store: Arc<dyn Store>,
+    /// Which identities this node decides from leases now.
+    pub hot_identities: Option<Arc<HotIdentities>>,
+}
+
 /// The store `settings` describe, ready to serve (Redis connects lazily).
-pub fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, StoreError> {
+///
+/// In exact mode, `global` ceilings and hot identities are the same mechanism: a
+/// [`SplitStore`] deciding them from leases of a [`BatchedStore`], each on its own interval
+/// (the ceilings outermost, so that a saturated ceiling costs nothing further).
+pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
     let Some(shared) = shared_store(settings)? else {
-        return Ok(Arc::new(
-            MemoryStore::builder()
-                .evict_every(Duration::from_secs(10))
-                .build(),
-        ));
+        return Ok(BuiltStore {
+            store: Arc::new(
+                MemoryStore::builder()
+                    .evict_every(Duration::from_secs(10))
+                    .build(),
+            ),
+            hot_identities: None,
+        });
     };
     let batched = |interval: Duration| {
         BatchedStore::builder(shared.clone())
@@ -99,15 +118,27 @@ pub fn build_store(settings: &StoreSettings) -> Result<Arc<dyn Store>, StoreErro
             .max_keys(settings.max_keys)
             .build()
     };
-    Ok(
-        match (settings.sync_interval, settings.global_sync_interval) {
-            (Some(interval), _) => Arc::new(batched(interval)),
-            (None, Some(interval)) => Arc::new(SplitStore::new(
-                batched(interval),
-                shared.clone() as Arc<dyn Store>,
-                is_global_ceiling,
-            )),
-            (None, None) => shared,
-        },
-    )
+    if let Some(interval) = settings.sync_interval {
+        return Ok(BuiltStore {
+            store: Arc::new(batched(interval)),
+            hot_identities: None,
+        });
+    }
+    let mut exact: Arc<dyn Store> = shared.clone();
+    let hot_identities = settings
+        .hot_identities
+        .map(|hot| Arc::new(HotIdentities::new(hot.above_per_second, hot.interval)));
+    if let (Some(tracker), Some(hot)) = (&hot_identities, settings.hot_identities) {
+        exact = Arc::new(
+            SplitStore::new(batched(hot.interval), exact, |_: &floodgate::Check| false)
+                .with_hot_identities(tracker.clone()),
+        );
+    }
+    if let Some(interval) = settings.global_sync_interval {
+        exact = Arc::new(SplitStore::new(batched(interval), exact, is_global_ceiling));
+    }
+    Ok(BuiltStore {
+        store: exact,
+        hot_identities,
+    })
 }

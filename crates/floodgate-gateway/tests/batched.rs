@@ -212,3 +212,95 @@ async fn a_stopping_gateway_flushes_its_batched_counts() {
     let count: Vec<String> = redis.command(&["HMGET", &key, "c"]);
     assert_eq!(count, vec!["4".to_owned()]);
 }
+
+/// `GET` on the admin API, as JSON.
+async fn admin_json(
+    client: &support::TestClient,
+    gateway: &Gateway,
+    path: &str,
+) -> serde_json::Value {
+    let response = get(client, &gateway.admin_url(path), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    serde_json::from_slice(response.body()).unwrap()
+}
+
+/// Sends requests of `key` from 4 tasks for `duration`, as fast as the gateway answers.
+async fn busy(gateway: &Gateway, key: &str, duration: Duration) {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (client, url, key) = (client(), gateway.url("/"), key.to_owned());
+        tasks.push(tokio::spawn(async move {
+            while started.elapsed() < duration {
+                let response = get(&client, &url, &[("x-api-key", &key)]).await;
+                assert_eq!(response.status(), StatusCode::OK);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+/// Exact mode with `store.hot_identities`: a busy client is decided from leases once its rate
+/// crosses the threshold, which the admin API shows (`/admin/clients` `local`, `/admin/top`'s
+/// `local_identities`) and the metrics count; a reload that changes the threshold takes
+/// effect (a new store: a raised threshold puts the client back to exact decisions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_identities_follow_the_threshold_a_reload_sets() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let rest = |above: &str| {
+        format!(
+            "store:\n  backend: redis\n  url: \"{}\"\n  hot_identities: {{ above: {above}, interval: 50ms }}\n\
+             clients:\n  api_keys:\n    \"busy\": free\n\
+             plans:\n  free:\n    limits: [ {{ name: per-second, algorithm: gcra, limit: 100000, window: 1s }} ]\n  anonymous: {{}}\n",
+            redis.url()
+        )
+    };
+    let (gateway, directory) = start_gateway(&upstream.url(), &rest("1000000/s"));
+    let path = directory.file("floodgate.yaml");
+    let client = client();
+    busy(&gateway, "busy", Duration::from_millis(300)).await;
+    let inspected = admin_json(&client, &gateway, "/admin/clients?api_key=busy").await;
+    assert_eq!(inspected["local"], false, "{inspected}");
+    assert_eq!(inspected["limits"][0]["view"], "shared");
+
+    // A threshold the client's rate is far above (the debug gateway answers thousands a
+    // second on 4 connections).
+    let text = std::fs::read_to_string(&path).unwrap();
+    support::write_atomically(&path, &text.replace("1000000/s", "20/s"));
+    let (status, body) = support::admin_reload(&client, &gateway).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    busy(&gateway, "busy", Duration::from_millis(300)).await;
+    let inspected = admin_json(&client, &gateway, "/admin/clients?api_key=busy").await;
+    assert_eq!(inspected["local"], true, "{inspected}");
+    assert_eq!(inspected["limits"][0]["view"], "node");
+    let identity = inspected["identity"].as_str().unwrap().to_owned();
+    let top = admin_json(&client, &gateway, "/admin/top").await;
+    assert_eq!(
+        top["local_identities"],
+        serde_json::json!([format!("key:{identity}")]),
+        "{top}"
+    );
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    assert!(metrics.contains("floodgate_hot_identities 1"), "{metrics}");
+    assert!(
+        metrics.contains("# HELP floodgate_hot_identities "),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("floodgate_hot_identity_changes_total{change=\"promoted\"} 1"),
+        "{metrics}"
+    );
+
+    // Raised again: a new store, in which the client starts exact.
+    let text = std::fs::read_to_string(&path).unwrap();
+    support::write_atomically(&path, &text.replace("20/s", "1000000/s"));
+    let (status, body) = support::admin_reload(&client, &gateway).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    busy(&gateway, "busy", Duration::from_millis(200)).await;
+    let inspected = admin_json(&client, &gateway, "/admin/clients?api_key=busy").await;
+    assert_eq!(inspected["local"], false, "{inspected}");
+}

@@ -57,6 +57,21 @@ pub fn record_local_denial() {
     metrics::counter!(LOCAL_DENIALS_TOTAL).increment(1);
 }
 
+/// `floodgate_hot_identities`: identities this node decides from leases now
+/// (`store::hot`).
+pub const HOT_IDENTITIES: &str = "floodgate_hot_identities";
+
+/// `floodgate_hot_identity_changes_total{change}`: promotions of identities to lease-based
+/// decisions (`change="promoted"`) and demotions back to exact ones (`"demoted"`).
+pub const HOT_IDENTITY_CHANGES_TOTAL: &str = "floodgate_hot_identity_changes_total";
+
+/// Counts a promotion (or a demotion) and sets the gauge of hot identities.
+pub fn record_hot_identity_change(promoted: bool, hot_now: usize) {
+    let change = if promoted { "promoted" } else { "demoted" };
+    metrics::counter!(HOT_IDENTITY_CHANGES_TOTAL, "change" => change).increment(1);
+    metrics::gauge!(HOT_IDENTITIES).set(hot_now as f64);
+}
+
 /// Counts units dropped by batched mode.
 pub fn record_batched_dropped(units: u64) {
     metrics::counter!(BATCHED_DROPPED_UNITS_TOTAL).increment(units);
@@ -447,6 +462,18 @@ pub const METRICS: &[MetricDescription] = &[
         kind: MetricKind::Counter,
         seconds: false,
         help: "Responses whose reported cost charged nothing more, by reason (missing, malformed, store_error)",
+    },
+    MetricDescription {
+        name: HOT_IDENTITIES,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "Identities this node decides from leases (hot identities), not one call per decision",
+    },
+    MetricDescription {
+        name: HOT_IDENTITY_CHANGES_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Hot identity promotions to lease-based decisions and demotions back to exact ones, by change",
     },
     MetricDescription {
         name: UNIDENTIFIED_REQUESTS_TOTAL,

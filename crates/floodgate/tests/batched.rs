@@ -916,3 +916,166 @@ async fn a_fetch_that_read_the_state_before_a_reset_does_not_install_it() {
         "decided on the fresh key, not on what the stale fetch read"
     );
 }
+
+/// An identity no earlier run of a test used: a server that keeps its data on disk may hold
+/// what an earlier run on the same port left.
+fn fresh_identity(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{name}-{}-{nanos}", std::process::id())
+}
+
+/// Admits on `node` until it denies or fails (at most `most` decisions); the admitted count.
+async fn admitted_until_refused(
+    node: &BatchedStore<RedisStore>,
+    checks: &[Check],
+    now: Timestamp,
+    most: u64,
+) -> u64 {
+    let mut admitted = 0;
+    for _ in 0..most {
+        match node.check_and_consume(checks, Some(now)).await {
+            Ok(decision) if decision.is_allowed() => admitted += 1,
+            _ => break,
+        }
+    }
+    admitted
+}
+
+/// Through a Redis crash and its recovery, two nodes admit what their leases held and no more:
+/// over the window they admit exactly the limit. The server keeps its data across the crash
+/// (`appendfsync always`), as a persistent Redis does.
+#[tokio::test]
+async fn leases_through_an_outage_and_recovery_admit_exactly_the_limit() {
+    let mut server = RedisServer::start_with(|_| {
+        ["--appendonly", "yes", "--appendfsync", "always"]
+            .map(String::from)
+            .to_vec()
+    });
+    let store = |server: &RedisServer| {
+        RedisStore::builder(server.url())
+            .timeout(ms(300))
+            .breaker(1000, ms(1))
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (
+        hour_long_batches(store(&server)),
+        hour_long_batches(store(&server)),
+    );
+    let limit = Arc::new(Limit::fixed_window("m", 100, secs(3600)).unwrap());
+    let checks = check(&limit, &fresh_identity("outage"));
+    let key = checks[0].key.clone();
+    let now = at(ms(0));
+    // Both nodes admit some, and a round sizes their leases by that demand.
+    let mut before = 0;
+    for _ in 0..15 {
+        before += admitted_until_refused(&a, &checks, now, 1).await;
+        before += admitted_until_refused(&b, &checks, now, 1).await;
+    }
+    // The round after their top-ups' interval trades them.
+    for _ in 0..2 {
+        a.sync_now(Some(now)).await.unwrap();
+        b.sync_now(Some(now)).await.unwrap();
+    }
+    let held = a.leased(&key) + b.leased(&key);
+    assert_eq!(before, 30);
+    assert!(held > 0, "the nodes hold leases");
+
+    server.kill();
+    let during = admitted_until_refused(&a, &checks, now, 1000).await
+        + admitted_until_refused(&b, &checks, now, 1000).await;
+    assert_eq!(during, held, "during the outage: what the leases held");
+    assert!(a.sync_now(Some(now)).await.is_err());
+
+    server.restart();
+    // The nodes' connections come back on their own; the first trade after the restart
+    // delivers what they kept (a failed one keeps it for the next).
+    let mut traded = false;
+    for _ in 0..50 {
+        if a.sync_now(Some(now)).await.is_ok() && b.sync_now(Some(now)).await.is_ok() {
+            traded = true;
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(traded, "the nodes trade again after the restart");
+    let after = admitted_by_both(&a, &b, &checks, now).await;
+    assert_eq!(
+        before + during + after,
+        100,
+        "{before} before, {during} during, {after} after the outage"
+    );
+}
+
+/// A reload that changes a limit's settings: what a node's lease holds was granted under the
+/// old ones, so it is given back, not spent; the node admits what the new limit leaves.
+#[tokio::test]
+async fn a_changed_limit_spends_no_lease_granted_under_the_old_one() {
+    let server = RedisServer::start();
+    let node = node(&server);
+    let loose = Arc::new(Limit::fixed_window("m", 100, secs(3600)).unwrap());
+    let now = at(ms(0));
+    let loose_checks = check(&loose, "ivan");
+    assert_eq!(
+        admitted_until_refused(&node, &loose_checks, now, 10).await,
+        10
+    );
+    node.sync_now(Some(now)).await.unwrap();
+    let key = loose_checks[0].key.clone();
+    assert!(
+        node.leased(&key) > 2,
+        "a lease beyond what the new limit leaves"
+    );
+    // The same limit, reloaded at 12 a window: 10 are spent, 2 are left.
+    let tight = Arc::new(Limit::fixed_window("m", 12, secs(3600)).unwrap());
+    let tight_checks = check(&tight, "ivan");
+    assert_eq!(admitted_over_rounds(&node, &tight_checks, now).await, 2);
+    node.give_back(Some(now)).await.unwrap();
+    let count: Vec<u64> = server.command(&["HMGET", &key, "c"]);
+    assert_eq!(count, vec![12]);
+}
+
+/// A node that dies holding a lease of a bucket (no flush: a crash) takes with it at most
+/// what the bucket refills in the lease's lifetime: the lease is capped there, however much
+/// the node's demand asked, so the dead node costs the others at most `LEASE_LIFETIME` of the
+/// limit's rate, once, and holds nothing after.
+#[tokio::test]
+async fn a_dead_nodes_bucket_lease_costs_at_most_its_lifetime_of_refill() {
+    let server = RedisServer::start();
+    // 2/s with a burst of 100: 2 s of refill (4) is a small part of the bucket.
+    let limit = Arc::new(
+        Limit::builder("s")
+            .algorithm(Algorithm::TokenBucket)
+            .limit(2)
+            .window(secs(1))
+            .burst(100)
+            .build()
+            .unwrap(),
+    );
+    let checks = check(&limit, "june");
+    let key = checks[0].key.clone();
+    let dying = node(&server);
+    let now = at(ms(0));
+    // A demand of about 15 an interval, which would ask for a lease of about 10 once quiet.
+    let mut admitted = 0;
+    for _ in 0..3 {
+        admitted += admitted_until_refused(&dying, &checks, now, 15).await;
+        dying.sync_now(Some(now)).await.unwrap();
+    }
+    // The round after its last top-up's interval trades the key.
+    dying.sync_now(Some(now)).await.unwrap();
+    let held = dying.leased(&key);
+    let refill_in_lifetime = 2 * floodgate::store::batched::LEASE_LIFETIME.as_secs();
+    assert!((1..=refill_in_lifetime).contains(&held), "{held}");
+    drop(dying);
+    let survivor = node(&server);
+    let later = at(floodgate::store::batched::LEASE_LIFETIME);
+    assert_eq!(
+        admitted_over_rounds(&survivor, &checks, later).await,
+        (100 - admitted - held + refill_in_lifetime).min(100),
+        "the bucket lost the dead node's lease ({held}) and nothing more"
+    );
+}

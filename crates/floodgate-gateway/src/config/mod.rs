@@ -39,7 +39,7 @@ pub use raw::RawConfig;
 pub use rls::RlsSettings;
 pub use routes::{RouteTarget, Upstream};
 pub use server::{DESCRIPTOR_RESERVE, ServerLimits, Workers, open_file_limit};
-pub use store::{Backend, StoreSettings};
+pub use store::{Backend, HotIdentitySettings, StoreSettings};
 pub use tls::{ListenTls, UpstreamProtocol};
 
 use std::collections::HashMap;
@@ -146,6 +146,29 @@ impl Config {
                 "clients.unknown_keys: default_plan gives every invented API key a fresh `{}` budget and no per_ip limit caps it; add a per_ip limit or set unknown_keys to anonymous or reject",
                 self.default_plan
             ));
+        }
+        if self.store.hot_identities.is_some() {
+            let mut exact: Vec<String> = self
+                .plans
+                .iter()
+                .flat_map(|(name, plan)| {
+                    plan.limits
+                        .iter()
+                        .map(move |limit| (format!("plans.{name}.limits"), limit))
+                })
+                .chain(self.per_ip.iter().map(|limit| ("per_ip".to_owned(), limit)))
+                .filter(|(_, limit)| !floodgate::store::batched::supports(limit.algorithm()))
+                .map(|(path, limit)| {
+                    format!("{path} `{}` ({})", limit.name(), limit.algorithm().as_str())
+                })
+                .collect();
+            exact.sort();
+            if !exact.is_empty() {
+                warnings.push(format!(
+                    "store.hot_identities: these limits stay exact even for hot identities (only token_bucket, gcra, fixed_window and sliding_window_counter can be leased): {}",
+                    exact.join(", ")
+                ));
+            }
         }
         if !self.admin_listen.ip().is_loopback() && !admin_token_set {
             warnings.push(format!(

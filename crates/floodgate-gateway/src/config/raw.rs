@@ -204,6 +204,9 @@ pub struct RawStore {
     /// Exact mode: most calls out per node before decisions are coalesced (0: never).
     #[serde(default = "default_coalesce")]
     pub coalesce: usize,
+    /// Exact mode: identities above a decision rate on a node decided from leases.
+    #[serde(default)]
+    pub hot_identities: Option<RawHotIdentities>,
     /// Redis Sentinel: the master's name and the sentinels' URLs (replaces `url`).
     #[serde(default)]
     pub sentinel: Option<RawSentinel>,
@@ -230,6 +233,7 @@ impl Default for RawStore {
             max_keys: default_max_keys(),
             deny_cache: true,
             coalesce: default_coalesce(),
+            hot_identities: None,
             sentinel: None,
             fallback_share: default_share(),
             share: default_share(),
@@ -254,6 +258,21 @@ fn default_global_sync_interval() -> String {
 pub struct RawSentinel {
     pub master: String,
     pub nodes: Vec<String>,
+}
+
+/// `store.hot_identities`: `{ above: 500/s, interval: 50ms }`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHotIdentities {
+    /// A decision rate on one node, `<n>/s`, `<n>/m` or `<n>/<duration>`.
+    pub above: String,
+    /// How long a rate is measured over (and the leases' trading interval).
+    #[serde(default = "default_hot_interval")]
+    pub interval: String,
+}
+
+fn default_hot_interval() -> String {
+    "50ms".to_owned()
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -77,6 +77,73 @@ pub struct StoreSettings {
     pub deny_cache: bool,
     /// Exact mode on Redis: most calls out per node before decisions are coalesced (0: never).
     pub coalesce: usize,
+    /// Exact mode on a shared store: identities decided from leases while their decision rate
+    /// on this node is above a threshold.
+    pub hot_identities: Option<HotIdentitySettings>,
+}
+
+/// `store.hot_identities`, checked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HotIdentitySettings {
+    /// Decisions per second on one node above which an identity is hot.
+    pub above_per_second: u64,
+    /// The measuring interval, and the leases' trading interval.
+    pub interval: Duration,
+}
+
+/// A decision rate, `<n>/s`, `<n>/m`, `<n>/h` or `<n>/<duration>` (`3000/10s`), as decisions
+/// per second (at least one).
+fn per_second(text: &str) -> Result<u64, Problem> {
+    let expected = || {
+        Problem::from(format!(
+            "expected a rate like 500/s or 30000/1m, got `{text}`"
+        ))
+    };
+    let (count, per) = text.split_once('/').ok_or_else(expected)?;
+    let count: u64 = count.trim().parse().map_err(|_| expected())?;
+    let per = per.trim();
+    let per = if per.starts_with(|c: char| c.is_ascii_digit()) {
+        positive_duration(per)?
+    } else {
+        positive_duration(&format!("1{per}")).map_err(|_| expected())?
+    };
+    let rate = (count as f64 / per.as_secs_f64()).floor();
+    if rate < 1.0 {
+        return Err("must be at least 1 decision per second".into());
+    }
+    Ok(rate.min(u64::MAX as f64) as u64)
+}
+
+/// `store.hot_identities`, checked against the rest of `store`.
+fn hot_identities(
+    errors: &mut Errors,
+    store: &raw::RawStore,
+    batched: bool,
+) -> Option<HotIdentitySettings> {
+    let raw = store.hot_identities.as_ref()?;
+    if store.backend == "memory" {
+        errors.push(
+            "store.hot_identities",
+            "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
+             decides every identity locally already",
+        );
+    }
+    if batched {
+        errors.push(
+            "store.hot_identities",
+            "applies to exact mode; with store.sync_interval every identity is decided from \
+             leases already",
+        );
+    }
+    let above = errors.ok("store.hot_identities.above", per_second(&raw.above));
+    let interval = errors.ok(
+        "store.hot_identities.interval",
+        bounded_sync_interval(&raw.interval),
+    );
+    Some(HotIdentitySettings {
+        above_per_second: above?,
+        interval: interval?,
+    })
 }
 
 /// The longest batched sync interval: beyond it the overshoot bound (a node's admissions until
@@ -220,6 +287,7 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
             }
         }
     }
+    let hot_identities = hot_identities(errors, store, sync_interval.is_some());
     if store.max_keys == 0 {
         errors.push("store.max_keys", "must be at least 1");
     }
@@ -266,6 +334,7 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
         max_keys: store.max_keys,
         deny_cache: store.deny_cache,
         coalesce: store.coalesce,
+        hot_identities,
     })
 }
 
@@ -273,6 +342,89 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
 mod tests {
     use crate::config::tests::errors_of;
     use crate::config::*;
+
+    #[test]
+    fn hot_identities_take_a_rate_and_an_interval_in_exact_mode_on_a_shared_store() {
+        let config = parse(
+            r#"
+store: { backend: redis, hot_identities: { above: 30000/1m } }
+plans:
+  free:
+    limits:
+      - { name: s, algorithm: gcra, limit: 10, window: 1s }
+      - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
+  anonymous: {}
+"#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.store.hot_identities,
+            Some(HotIdentitySettings {
+                above_per_second: 500,
+                interval: Duration::from_millis(50),
+            })
+        );
+        let warnings = config.warnings(true);
+        assert!(
+            warnings
+                .iter()
+                .any(|warning| warning.starts_with("store.hot_identities:")
+                    && warning.contains("plans.free.limits `log` (sliding_window_log)")
+                    && !warning.contains("`s`")),
+            "{warnings:?}"
+        );
+        for (store, path, problem) in [
+            (
+                "backend: redis, hot_identities: { above: 500/s, interval: 10ms }",
+                "",
+                "",
+            ),
+            (
+                "backend: redis, hot_identities: { above: fast }",
+                "store.hot_identities.above",
+                "expected a rate like 500/s",
+            ),
+            (
+                "backend: redis, hot_identities: { above: 1/1m }",
+                "store.hot_identities.above",
+                "at least 1 decision per second",
+            ),
+            (
+                "backend: redis, hot_identities: { above: 5/s, interval: 2m }",
+                "store.hot_identities.interval",
+                "at most 1m",
+            ),
+            (
+                "backend: redis, hot_identities: { above: 5/s, every: 1s }",
+                "store.hot_identities",
+                "unknown field `every`",
+            ),
+            (
+                "backend: memory, hot_identities: { above: 5/s }",
+                "store.hot_identities",
+                "needs a shared store",
+            ),
+            (
+                "backend: redis, sync_interval: 100ms, hot_identities: { above: 5/s }",
+                "store.hot_identities",
+                "applies to exact mode",
+            ),
+        ] {
+            let errors = errors_of(&format!(
+                "store: {{ {store} }}\nplans: {{ free: {{}}, anonymous: {{}} }}\n"
+            ));
+            if path.is_empty() {
+                assert!(errors.is_empty(), "{store}: {errors:?}");
+                continue;
+            }
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error.starts_with(path) && error.contains(problem)),
+                "{store}: {errors:?}"
+            );
+        }
+    }
 
     #[test]
     fn batched_mode_needs_a_shared_store_and_countable_limits() {

@@ -318,6 +318,10 @@ struct Entry {
     shared: Option<State>,
     /// Units of this node's lease not used yet.
     lease: u64,
+    /// Units of a lease granted under the limit's earlier settings (a reload changed them):
+    /// worth more or less than the new settings say, so they are given back with the next
+    /// trade, not spent.
+    returning: u64,
     /// The time (the shared store's clock, as decisions see it) after which the lease is not
     /// spent any more: a bucket's lease held while the bucket refills would otherwise be worth
     /// more than the bucket holds.
@@ -355,6 +359,7 @@ impl Entry {
             limit,
             shared: None,
             lease: 0,
+            returning: 0,
             lease_expires: 0,
             lease_window: None,
             debt: 0,
@@ -373,22 +378,28 @@ impl Entry {
     /// decide on if the lease had never been taken.
     fn virtual_state(&self, now: u64) -> Option<State> {
         let mut state = self.shared.clone();
-        if self.lease > 0
+        let unused = self.lease + self.returning;
+        if unused > 0
             && let Some(state) = &mut state
         {
-            algorithm::unconsume(&self.limit, state, now, self.lease);
+            algorithm::unconsume(&self.limit, state, now, unused);
         }
         state
     }
 
-    /// Forgets a lease that may not be spent any more: past its lifetime, or of another
-    /// window than `now`'s (the shared store counted it in its own window).
+    /// Stops spending a lease that may not be spent any more. Past its lifetime it is given
+    /// back with the next trade (the shared store still counts it as used, in the same
+    /// window); of another window than `now`'s it is forgotten (the shared store counted it
+    /// in its own window, which no longer counts).
     fn expire_lease(&mut self, now: u64) {
         let window_changed = self
             .lease_window
             .is_some_and(|window| window != window_of(&self.limit, now));
-        if self.lease > 0 && (now >= self.lease_expires || window_changed) {
+        if window_changed {
             self.lease = 0;
+            self.returning = 0;
+        } else if self.lease > 0 && now >= self.lease_expires {
+            self.returning += std::mem::take(&mut self.lease);
         }
     }
 
@@ -718,11 +729,13 @@ impl<T: SyncTarget> Shared<T> {
             let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
             if !Arc::ptr_eq(&entry.limit, &check.limit) {
-                // A reload changed the limit's settings: trades use the new ones. A new
-                // algorithm starts from fresh state (SPEC §3): the old one's lease and debt are
-                // not carried over.
+                // A reload rebuilt the limit: trades use the new one. A new algorithm starts
+                // from fresh state (SPEC §3): the old one's lease and debt are not carried
+                // over; new settings of the same algorithm give the lease back.
                 if entry.limit.algorithm() != check.limit.algorithm() {
                     *entry = Entry::new(check.limit.clone());
+                } else if *entry.limit != *check.limit {
+                    entry.returning += std::mem::take(&mut entry.lease);
                 }
                 entry.limit = check.limit.clone();
             }
@@ -823,18 +836,20 @@ impl<T: SyncTarget> Shared<T> {
         for &(index, need, _) in &top_up {
             let check = &checks[index];
             let mut shard = self.lock_shard_of(&check.key);
-            let (extra, debt, most) = match shard.get_mut(&*check.key) {
+            let (extra, debt, returning, most) = match shard.get_mut(&*check.key) {
                 Some(Slot::Ready(entry)) => {
                     let debt = std::mem::take(&mut entry.debt);
+                    let returning = std::mem::take(&mut entry.returning);
                     // As much again as this interval asked so far, at least the estimate: a
                     // client whose rate rises gets a lease that doubles call by call.
-                    (entry.estimate.max(entry.demand), debt, entry.most_leased())
+                    let extra = entry.estimate.max(entry.demand);
+                    (extra, debt, returning, entry.most_leased())
                 }
-                _ => (0, 0, u64::MAX),
+                _ => (0, 0, 0, u64::MAX),
             };
             requests.push(LeaseRequest {
                 check: sync_check(&check.key, &check.limit, 0),
-                give_back: 0,
+                give_back: returning,
                 want: (need + extra).min(most.max(need)),
                 charge: debt,
             });
@@ -843,9 +858,9 @@ impl<T: SyncTarget> Shared<T> {
         // request goes away mid-way, they go, and the key count with them; a top-up that does
         // not finish lets the next request try again.
         let mut claim = FetchClaim::new(self, checks, fetch, &top_up);
-        claim.debts = requests[requests.len() - top_up.len()..]
+        claim.carried = requests[requests.len() - top_up.len()..]
             .iter()
-            .map(|request| request.charge)
+            .map(|request| (request.charge, request.give_back))
             .collect();
         let first_sights = claim.slots.len();
         let resets_before = self.resets.load(Ordering::SeqCst);
@@ -861,8 +876,11 @@ impl<T: SyncTarget> Shared<T> {
         self.observe_shared_time(leased.now, local_at_send);
         if self.resets.load(Ordering::SeqCst) != resets_before {
             // What was read may predate a reset: the claim gives the slots up, and this
-            // request and the waiters fetch again. The debts it carried were delivered.
-            claim.debts.iter_mut().for_each(|debt| *debt = 0);
+            // request and the waiters fetch again. What it carried was delivered.
+            claim
+                .carried
+                .iter_mut()
+                .for_each(|carried| *carried = (0, 0));
             return Ok(());
         }
         let decided_at = self.now(now);
@@ -886,7 +904,7 @@ impl<T: SyncTarget> Shared<T> {
             let _ = sender.send(true);
         }
         claim.top_ups.clear();
-        claim.debts.clear();
+        claim.carried.clear();
         for ((_, _, sender), request) in top_up.into_iter().zip(&requests[first_sights..]) {
             let (granted, state) = grants.next().unwrap_or((0, None));
             let key = &request.check.key;
@@ -931,7 +949,7 @@ impl<T: SyncTarget> Shared<T> {
                 }
                 entry.expire_lease(decided_at);
                 let idle = entry.demand == 0 && entry.idle_rounds >= self.idle_rounds;
-                if idle && entry.lease == 0 && entry.debt == 0 {
+                if idle && entry.lease == 0 && entry.returning == 0 && entry.debt == 0 {
                     self.keys.fetch_sub(1, Ordering::Relaxed);
                     return false;
                 }
@@ -953,8 +971,9 @@ impl<T: SyncTarget> Shared<T> {
                 // A quarter more than the estimate, so that a steady client is not short: a node
                 // that sees a client rarely keeps (almost) nothing of its capacity.
                 let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
-                let give_back = entry.lease.saturating_sub(target);
-                entry.lease -= give_back;
+                let beyond_target = entry.lease.saturating_sub(target);
+                entry.lease -= beyond_target;
+                let give_back = beyond_target + std::mem::take(&mut entry.returning);
                 let want = target.saturating_sub(entry.lease);
                 let mut charge = std::mem::take(&mut entry.debt);
                 if charge > 0
@@ -1036,12 +1055,13 @@ struct FetchClaim<'s, T: SyncTarget> {
     shared: &'s Shared<T>,
     slots: Vec<(Arc<str>, watch::Sender<bool>)>,
     top_ups: Vec<Arc<str>>,
-    debts: Vec<u64>,
+    /// Per top-up, the debt it charges and the lease of earlier settings it gives back.
+    carried: Vec<(u64, u64)>,
 }
 
 impl<'s, T: SyncTarget> FetchClaim<'s, T> {
     /// The claim of a request on the slots it took (`fetch`) and the top-ups it started, with
-    /// no debts taken from them yet.
+    /// nothing carried by them yet.
     fn new(
         shared: &'s Shared<T>,
         checks: &[Check],
@@ -1058,7 +1078,7 @@ impl<'s, T: SyncTarget> FetchClaim<'s, T> {
                 .iter()
                 .map(|(index, _, _)| checks[*index].key.clone())
                 .collect(),
-            debts: vec![0; top_up.len()],
+            carried: vec![(0, 0); top_up.len()],
         }
     }
 }
@@ -1075,10 +1095,11 @@ impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
                 self.shared.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        for (key, debt) in self.top_ups.drain(..).zip(self.debts.drain(..)) {
+        for (key, (debt, returning)) in self.top_ups.drain(..).zip(self.carried.drain(..)) {
             if let Some(Slot::Ready(entry)) = self.shared.lock_shard_of(&key).get_mut(&*key) {
                 entry.refreshing = None;
                 entry.topped_up = false;
+                entry.returning += returning;
                 if debt > 0 && entry.debt == 0 {
                     entry.debt_since = self.shared.clock.now().as_micros();
                 }
@@ -1225,11 +1246,12 @@ impl<T: SyncTarget> Shared<T> {
             let mut shard = lock(shard);
             for (key, slot) in shard.iter_mut() {
                 if let Slot::Ready(entry) = slot
-                    && (entry.lease > 0 || entry.debt > 0)
+                    && (entry.lease > 0 || entry.returning > 0 || entry.debt > 0)
                 {
                     batch.push(LeaseRequest {
                         check: sync_check(key, &entry.limit, 0),
-                        give_back: std::mem::take(&mut entry.lease),
+                        give_back: std::mem::take(&mut entry.lease)
+                            + std::mem::take(&mut entry.returning),
                         want: 0,
                         charge: std::mem::take(&mut entry.debt),
                     });

@@ -7,6 +7,7 @@
 #[cfg(feature = "redis")]
 pub mod batched;
 pub(crate) mod error;
+pub mod hot;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -17,6 +18,7 @@ pub mod split;
 
 #[cfg(feature = "redis")]
 pub use batched::{BatchedStore, BatchedStoreBuilder};
+pub use hot::HotIdentities;
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{ConnectionMode, RedisStore, RedisStoreBuilder, ShardedRedisStore};

@@ -6,16 +6,25 @@
 //! the limits its predicate picks (the hot ones) from a [`BatchedStore`]'s local copies and
 //! sends only the others to the exact store.
 //!
+//! The same goes for a heavy client: with [`SplitStore::with_hot_identities`], an identity
+//! whose decision rate on this node crosses a threshold ([`HotIdentities`]) has its limits
+//! decided from leases too, until it cools down; every other identity stays exact. A global
+//! ceiling is then simply an identity that is always hot.
+//!
 //! Order and refund, as across Redis slots: the hot limits are decided first (they come first
 //! in SPEC order); if they deny, the exact store is not called at all; if the exact store then
 //! denies, what the hot limits took is given back locally.
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::batched::{self, BatchedStore, SyncTarget};
+use super::hot::{HotChange, HotIdentities};
 use super::resilience::BreakerState;
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::decision::Decision;
+use crate::key::storage::hash_tag;
 use crate::time::Timestamp;
 
 /// Picks the checks that run batched.
@@ -26,7 +35,12 @@ pub struct SplitStore<T> {
     hot: BatchedStore<T>,
     exact: Arc<dyn Store>,
     is_hot: Box<HotKeyPredicate>,
+    /// Identities promoted by their rate on this node: their limits run batched too.
+    hot_identities: Option<Arc<HotIdentities>>,
 }
+
+/// The hot identities (hash tags) among a request's keys: a request has one or two.
+type HotTags<'c> = SmallVec<[&'c str; 2]>;
 
 impl<T> std::fmt::Debug for SplitStore<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -48,7 +62,20 @@ impl<T: SyncTarget> SplitStore<T> {
             hot,
             exact,
             is_hot: Box::new(is_hot),
+            hot_identities: None,
         }
+    }
+
+    /// Also runs batched the limits of identities that `hot_identities` finds hot: every
+    /// decision through this store counts toward its identity's rate.
+    pub fn with_hot_identities(mut self, hot_identities: Arc<HotIdentities>) -> Self {
+        self.hot_identities = Some(hot_identities);
+        self
+    }
+
+    /// The hot identity tracker, if any.
+    pub fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
+        self.hot_identities.as_ref()
     }
 
     /// The batched half.
@@ -56,8 +83,67 @@ impl<T: SyncTarget> SplitStore<T> {
         &self.hot
     }
 
-    fn runs_batched(&self, check: &Check) -> bool {
-        batched::supports(check.limit.algorithm()) && (self.is_hot)(check)
+    fn runs_batched(&self, check: &Check, hot_tags: &HotTags<'_>) -> bool {
+        batched::supports(check.limit.algorithm())
+            && ((self.is_hot)(check) || hot_tags.contains(&hash_tag(&check.key)))
+    }
+
+    /// Counts a decision for each identity of `checks` (once per request) and returns those
+    /// that are hot; logs a promotion or demotion that this decision brought.
+    fn record_identities<'c>(&self, checks: &'c [Check]) -> HotTags<'c> {
+        let mut hot_tags = HotTags::new();
+        let Some(tracker) = &self.hot_identities else {
+            return hot_tags;
+        };
+        let mut seen = HotTags::new();
+        for check in checks.iter().filter(|check| !(self.is_hot)(check)) {
+            let tag = hash_tag(&check.key);
+            if seen.contains(&tag) {
+                continue;
+            }
+            seen.push(tag);
+            let (hot, change) = tracker.record(tag);
+            match change {
+                Some(HotChange::Promoted { rate }) => tracing::info!(
+                    identity = tag,
+                    rate = rate.round(),
+                    above = tracker.above(),
+                    "hot identity: decided from leases on this node"
+                ),
+                Some(HotChange::Demoted { rate }) => tracing::info!(
+                    identity = tag,
+                    rate = rate.round(),
+                    "hot identity cooled down: decided exactly again"
+                ),
+                None => {}
+            }
+            if hot {
+                hot_tags.push(tag);
+            }
+        }
+        hot_tags
+    }
+
+    /// The hot identities of `checks`, without counting a decision.
+    fn hot_tags<'c>(&self, checks: &'c [Check]) -> HotTags<'c> {
+        let mut hot_tags = HotTags::new();
+        if let Some(tracker) = &self.hot_identities {
+            for check in checks {
+                let tag = hash_tag(&check.key);
+                if !hot_tags.contains(&tag) && tracker.is_hot(tag) {
+                    hot_tags.push(tag);
+                }
+            }
+        }
+        hot_tags
+    }
+
+    /// `checks` split into those that run batched and the exact ones.
+    fn partition(&self, checks: &[Check], hot_tags: &HotTags<'_>) -> (Vec<Check>, Vec<Check>) {
+        checks
+            .iter()
+            .cloned()
+            .partition(|check| self.runs_batched(check, hot_tags))
     }
 }
 
@@ -67,14 +153,15 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        if !checks.iter().any(|check| self.runs_batched(check)) {
+        let hot_tags = self.record_identities(checks);
+        if !checks
+            .iter()
+            .any(|check| self.runs_batched(check, &hot_tags))
+        {
             return self.exact.check_and_consume(checks, now);
         }
+        let (hot, exact) = self.partition(checks, &hot_tags);
         Box::pin(async move {
-            let (hot, exact): (Vec<Check>, Vec<Check>) = checks
-                .iter()
-                .cloned()
-                .partition(|check| self.runs_batched(check));
             let hot_decision = self.hot.check_and_consume(&hot, now).await?;
             if exact.is_empty() || !hot_decision.is_allowed() {
                 // A saturated ceiling costs the exact store nothing.
@@ -113,11 +200,8 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        let (hot, exact) = self.partition(checks, &self.hot_tags(checks));
         Box::pin(async move {
-            let (hot, exact): (Vec<Check>, Vec<Check>) = checks
-                .iter()
-                .cloned()
-                .partition(|check| self.runs_batched(check));
             let hot = self.hot.peek(&hot, now).await?;
             let exact = self.exact.peek(&exact, now).await?;
             Ok(Decision::joined(exact.decided_at(), vec![hot, exact]))
@@ -129,11 +213,8 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (hot, exact) = self.partition(checks, &self.hot_tags(checks));
         Box::pin(async move {
-            let (hot, exact): (Vec<Check>, Vec<Check>) = checks
-                .iter()
-                .cloned()
-                .partition(|check| self.runs_batched(check));
             self.hot.charge(&hot, now).await?;
             self.exact.charge(&exact, now).await
         })
