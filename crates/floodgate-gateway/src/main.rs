@@ -124,7 +124,7 @@ fn check(path: &std::path::Path) -> ExitCode {
             }
             if let Some(rls) = &config.rls {
                 let directory = rls_dir(path, rls);
-                match floodgate_gateway::rls::rules::load_dir(&directory) {
+                match floodgate_gateway::rls::rules::load_dir(&directory, rls.merge_domains) {
                     Ok(rules) => println!(
                         "rls: valid. listen {}, {} domains from {} files in {}",
                         rls.listen,
@@ -243,10 +243,13 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let rls = match &config.rls {
         Some(settings) => {
             let directory = rls_dir(&path, settings);
-            let rules = RulesHandle::load(&directory).map_err(|errors| GatewayError::RlsRules {
-                directory: directory.clone(),
-                errors,
-            })?;
+            let rules =
+                RulesHandle::load(&directory, settings.merge_domains).map_err(|errors| {
+                    GatewayError::RlsRules {
+                        directory: directory.clone(),
+                        errors,
+                    }
+                })?;
             let watcher = rules.watch().map_err(|error| GatewayError::Watch {
                 path: directory.clone(),
                 reason: error.to_string(),
@@ -264,6 +267,8 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         None => None,
     };
     let listener = match config.server.workers {
+        // RLS only: nothing to proxy, and `listen` stays free.
+        _ if !config.serves_proxy => Listener::None,
         Workers::MultiThread => Listener::Shared(bind(config.listen).await?),
         Workers::PerCore => {
             Listener::PerCore(bind_reuseport(config.listen, config.server.worker_threads()).await?)
@@ -280,7 +285,11 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
     gateway.check_store_at_start().await;
-    tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
+    if config.serves_proxy {
+        tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
+    } else {
+        tracing::info!(admin = %config.admin_listen, "floodgate serving the rate limit service only (no upstream: the proxy's listen is not bound)");
+    }
 
     // The 429-rate baseline: one interval every 10 s.
     let baseline = gateway.observers.baseline.clone();
@@ -339,6 +348,11 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
                 .await
                 .map_err(GatewayError::Workers)
         }
+        Listener::None => {
+            shutdown_signal().await;
+            server::flush_store(&gateway).await;
+            Ok(())
+        }
     };
     admin.abort();
     if let Some((_watcher, serving)) = rls {
@@ -349,12 +363,14 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// The proxy's listening sockets, as `server.workers` asks.
+/// The proxy's listening sockets, as `server.workers` asks (none in an RLS-only deployment).
 enum Listener {
     /// One listener for the multi-threaded runtime.
     Shared(tokio::net::TcpListener),
     /// One `SO_REUSEPORT` listener per worker, detached from the main runtime.
     PerCore(Vec<std::net::TcpListener>),
+    /// RLS only: no proxy.
+    None,
 }
 
 /// `count` listeners on `addr`, all with `SO_REUSEPORT` so that the kernel spreads new

@@ -185,7 +185,8 @@ async fn drain(graceful: GracefulShutdown) {
 }
 
 /// Batched mode: the last interval's counts go to the shared store before the process ends.
-async fn flush_store(gateway: &Gateway) {
+/// Gives the store's leases back and delivers its debts before the process exits.
+pub async fn flush_store(gateway: &Gateway) {
     if let Err(error) = gateway.store().flush().await {
         tracing::warn!(%error, "could not flush batched counts on shutdown");
     }

@@ -29,6 +29,9 @@ pub const TLS_RELOADS_TOTAL: &str = "floodgate_tls_reloads_total";
 pub const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "floodgate_tls_handshake_failures_total";
 /// `floodgate_rls_reloads_total{result}`: reloads of the rate limit service's domain files.
 pub const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
+/// `floodgate_rls_limit_overrides_total{outcome}`: descriptors that carried Envoy's `limit`
+/// override: `applied`, `refused` (past the bound on distinct overrides) or `invalid`.
+pub const RLS_LIMIT_OVERRIDES_TOTAL: &str = "floodgate_rls_limit_overrides_total";
 
 const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
     MetricDescription {
@@ -93,6 +96,10 @@ pub const GATEWAY_METRICS: &[MetricDescription] = &[
     counter(
         RLS_RELOADS_TOTAL,
         "Reloads of the rate limit service's domain directory, by result",
+    ),
+    counter(
+        RLS_LIMIT_OVERRIDES_TOTAL,
+        "Descriptors carrying Envoy's limit override, by outcome (applied, refused past the bound, invalid)",
     ),
 ];
 

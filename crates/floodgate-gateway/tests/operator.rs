@@ -105,14 +105,9 @@ async fn inspection_changes_nothing_on_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspection_changes_nothing_on_a_cluster() {
     let cluster = redis_support::RedisCluster::start(3);
-    let nodes: Vec<String> = cluster
-        .urls()
-        .iter()
-        .map(|url| format!("\"{url}\""))
-        .collect();
     inspection_changes_nothing(&format!(
         "store: {{ backend: redis_cluster, nodes: [{}], timeout: 2s }}\n",
-        nodes.join(", ")
+        redis_support::yaml_items(&cluster.urls())
     ))
     .await;
 }

@@ -15,7 +15,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -27,6 +29,8 @@ use tonic::transport::Channel;
 struct Rls {
     gateway: Gateway,
     address: SocketAddr,
+    /// The proxy's `listen`, which an RLS-only deployment leaves unbound.
+    listen: SocketAddr,
     directory: TempDir,
 }
 
@@ -52,6 +56,7 @@ impl Rls {
         Rls {
             gateway,
             address,
+            listen,
             directory,
         }
     }
@@ -256,7 +261,10 @@ async fn envoyproxy_readme_examples_admit_what_the_format_says() {
     let status = &answer.statuses[0];
     let limit = status.current_limit.as_ref().unwrap();
     assert_eq!((limit.requests_per_unit, limit.unit), (2, 6), "2 per YEAR");
-    assert_eq!(limit.name, "remote_address");
+    assert_eq!(
+        limit.name, "",
+        "no rate_limit.name: none (envoyproxy/ratelimit's answer), not the key path"
+    );
     assert_eq!(status.limit_remaining, 1);
     let reset = status.duration_until_reset.unwrap();
     assert!(
@@ -603,18 +611,12 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_processes_on_one_redis_admit_exactly_the_limit() {
-    let redis = redis_support::RedisServer::start();
+/// Three processes on `store` (a configuration's `store:` section and failure policy) share
+/// one limit of 30: 60 requests from 12 clients admit exactly 30.
+async fn three_processes_admit_exactly_the_limit(store: &str) {
     let domain = "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 30 }\n";
     let nodes: Vec<Rls> = (0..3)
-        .map(|_| {
-            Rls::start(
-                &[("api.yaml", domain)],
-                &redis_store(&redis, "closed"),
-                false,
-            )
-        })
+        .map(|_| Rls::start(&[("api.yaml", domain)], store, false))
         .collect();
     let mut tasks = Vec::new();
     for node in &nodes {
@@ -633,6 +635,148 @@ async fn three_processes_on_one_redis_admit_exactly_the_limit() {
     assert_eq!(
         total, 30,
         "60 requests over 3 processes against a limit of 30"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_on_one_redis_admit_exactly_the_limit() {
+    let redis = redis_support::RedisServer::start();
+    three_processes_admit_exactly_the_limit(&redis_store(&redis, "closed")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_on_a_redis_cluster_admit_exactly_the_limit() {
+    let cluster = redis_support::RedisCluster::start(3);
+    three_processes_admit_exactly_the_limit(&format!(
+        "store:\n  backend: redis_cluster\n  nodes: [{}]\n  timeout: 2s\non_store_error: closed\n",
+        redis_support::yaml_items(&cluster.urls())
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_on_the_sharded_store_admit_exactly_the_limit() {
+    let servers: Vec<redis_support::RedisServer> = (0..3)
+        .map(|_| redis_support::RedisServer::start())
+        .collect();
+    let urls: Vec<String> = servers.iter().map(|server| server.url()).collect();
+    three_processes_admit_exactly_the_limit(&format!(
+        "store:\n  backend: redis_sharded\n  nodes: [{}]\n  timeout: 2s\non_store_error: closed\n",
+        redis_support::yaml_items(&urls)
+    ))
+    .await;
+}
+
+/// A configuration with `rls` and no `upstream` serves the rate limit service only: the
+/// proxy's `listen` is not bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rls_only_deployment_binds_no_proxy_port() {
+    let rls = Rls::start(&[("api.yaml", "domain: api\ndescriptors: []\n")], "", false);
+    let mut client = rls.client().await;
+    assert_eq!(
+        ask(&mut client, "api", &[&[("tenant", "t")]])
+            .await
+            .overall_code,
+        Code::Ok as i32
+    );
+    let refused = tokio::net::TcpStream::connect(rls.listen).await;
+    assert!(
+        refused.is_err(),
+        "the proxy's listen is not bound: {refused:?}"
+    );
+    let response = get(&client_http(), &rls.gateway.admin_url("/healthz"), &[]).await;
+    assert_eq!(response.status(), http::StatusCode::OK);
+}
+
+/// Envoy's per-descriptor `limit` override (from route metadata) decides in place of the
+/// file: its own counter per override value, shown in `current_limit`, counted in metrics,
+/// and bounded in number (a new value past the bound is refused: the file's limit decides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
+    let (_redis, rls, mut client) = on_redis(&[(
+        "api.yaml",
+        "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 2, name: per-tenant }\n",
+    )])
+    .await;
+    let overridden = |requests_per_unit: u32| {
+        let mut descriptor = descriptor(&[("tenant", "acme")]);
+        descriptor.limit = Some(RateLimitOverride {
+            requests_per_unit,
+            unit: 4, // DAY
+        });
+        descriptor
+    };
+    let mut over = None;
+    let mut ok = 0;
+    for _ in 0..5 {
+        let answer = client
+            .should_rate_limit(request("api", vec![overridden(3)], 0))
+            .await
+            .unwrap()
+            .into_inner();
+        if answer.overall_code == Code::Ok as i32 {
+            ok += 1;
+        } else {
+            over = Some(answer);
+        }
+    }
+    assert_eq!(ok, 3, "the override's 3 a day, not the file's 2");
+    let limit = over.unwrap().statuses[0].current_limit.clone().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+        (3, 4, "")
+    );
+    // The file's own limit counts apart: the same tenant still has its 2.
+    assert_eq!(
+        admitted(&mut client, "api", &[("tenant", "acme")], 4).await,
+        2
+    );
+    // Past the bound, a new override value is not applied.
+    for requests_per_unit in 10..(10 + 1100) {
+        client
+            .should_rate_limit(request("api", vec![overridden(requests_per_unit)], 0))
+            .await
+            .unwrap();
+    }
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    let count = |outcome: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|line| {
+                line.starts_with(&format!(
+                    "floodgate_rls_limit_overrides_total{{outcome=\"{outcome}\"}}"
+                ))
+            })
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    // 1024 distinct values kept: the first (3) and 1023 of the 1100 new ones.
+    assert_eq!(count("refused"), 1100 - 1023, "{metrics}");
+    assert_eq!(count("applied"), 5 + 1023, "{metrics}");
+}
+
+/// `share_threshold`: every value a wildcard matches shares one counter; without it each
+/// value has its own. Wildcards match anywhere in the value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn share_threshold_wildcards_share_one_counter() {
+    let (_redis, _rls, mut client) = on_redis(&[(
+        "files.yaml",
+        "domain: files\ndescriptors:\n  - key: path\n    value: \"files/*\"\n    share_threshold: true\n    rate_limit: { unit: day, requests_per_unit: 3 }\n  - key: path\n    value: \"img/*.png\"\n    rate_limit: { unit: day, requests_per_unit: 1 }\n",
+    )])
+    .await;
+    let mut shared = 0;
+    for value in ["files/a", "files/b", "files/c", "files/d", "files/a"] {
+        shared += admitted(&mut client, "files", &[("path", value)], 1).await;
+    }
+    assert_eq!(shared, 3, "five values, one counter of 3");
+    let own = admitted(&mut client, "files", &[("path", "img/a.png")], 2).await
+        + admitted(&mut client, "files", &[("path", "img/b.png")], 2).await;
+    assert_eq!(own, 2, "one each: img/*.png does not share");
+    assert_eq!(
+        admitted(&mut client, "files", &[("path", "img/a.gif")], 2).await,
+        2,
+        "no match: no limit"
     );
 }
 

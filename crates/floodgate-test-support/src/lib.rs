@@ -213,6 +213,14 @@ impl RedisServer {
     }
 }
 
+/// `urls` as the items of a YAML flow list: `"redis://a", "redis://b"`.
+pub fn yaml_items(urls: &[String]) -> String {
+    urls.iter()
+        .map(|url| format!("\"{url}\""))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Script and function calls (EVALSHA, EVAL, FCALL) counted in an `INFO commandstats` reply.
 pub fn script_calls_in(info: &str) -> u64 {
     ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]

@@ -61,6 +61,9 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     /// Default upstream.
     pub upstream: Upstream,
+    /// Whether the proxy is served on `listen`: not in an RLS-only deployment (`rls` set,
+    /// no `upstream`, no routes).
+    pub serves_proxy: bool,
     /// Time allowed for the upstream's response head.
     pub upstream_timeout: Duration,
     /// What the listener enforces on every connection (`server.*`, read at start).
@@ -263,7 +266,7 @@ fn redact(raw: &RawConfig) -> serde_json::Value {
     if let Some(sentinel) = &mut redacted.store.sentinel {
         sentinel.nodes = sentinel.nodes.iter().map(|url| redact_url(url)).collect();
     }
-    redacted.upstream = redact_url(&raw.upstream);
+    redacted.upstream = raw.upstream.as_deref().map(redact_url);
     for route in &mut redacted.routes {
         route.upstream = route.upstream.as_deref().map(redact_url);
     }
@@ -296,7 +299,12 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
     let listen = errors.ok("listen", socket_addr(&raw.listen));
     let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));
-    let upstream = errors.ok("upstream", routes::upstream(&raw.upstream));
+    let upstream = errors.ok(
+        "upstream",
+        routes::upstream(raw.upstream.as_deref().unwrap_or(raw::DEFAULT_UPSTREAM)),
+    );
+    // An RLS-only deployment names no upstream: nothing to proxy, no `listen` to bind.
+    let serves_proxy = raw.upstream.is_some() || raw.rls.is_none() || !raw.routes.is_empty();
     let upstream_timeout = errors.ok("upstream_timeout", positive_duration(&raw.upstream_timeout));
     let server_limits = server::validate(&mut errors, &raw.server);
     let listen_tls = tls::listen_tls(&mut errors, raw.listen_tls.as_ref());
@@ -381,6 +389,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         listen,
         admin_listen,
         upstream,
+        serves_proxy,
         upstream_timeout,
         server: server_limits,
         listen_tls,

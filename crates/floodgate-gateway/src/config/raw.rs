@@ -16,9 +16,8 @@ fn default_listen() -> String {
 fn default_admin_listen() -> String {
     "127.0.0.1:9090".to_owned()
 }
-fn default_upstream() -> String {
-    "http://127.0.0.1:3000".to_owned()
-}
+/// The upstream when `upstream` is absent (and the proxy served).
+pub(super) const DEFAULT_UPSTREAM: &str = "http://127.0.0.1:3000";
 fn default_upstream_timeout() -> String {
     "30s".to_owned()
 }
@@ -99,8 +98,10 @@ pub struct RawConfig {
     pub admin: RawAdmin,
     #[serde(default)]
     pub server: super::server::RawServer,
-    #[serde(default = "default_upstream")]
-    pub upstream: String,
+    /// Absent in an RLS-only deployment: then the proxy is not served (its `listen` is not
+    /// bound), unless `routes` name upstreams of their own.
+    #[serde(default)]
+    pub upstream: Option<String>,
     #[serde(default = "default_upstream_timeout")]
     pub upstream_timeout: String,
     #[serde(default)]

@@ -19,6 +19,10 @@ pub struct RawRls {
     /// SPEC §10's example shows).
     #[serde(default = "default_response_headers")]
     pub response_headers: bool,
+    /// Several files of one domain are merged (envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG`)
+    /// instead of refused.
+    #[serde(default)]
+    pub merge_domains: bool,
 }
 
 fn default_response_headers() -> bool {
@@ -34,6 +38,8 @@ pub struct RlsSettings {
     pub config_dir: PathBuf,
     /// Whether answers carry the `RateLimit` headers (styles by `response.headers`).
     pub response_headers: bool,
+    /// Several files of one domain are merged instead of refused.
+    pub merge_domains: bool,
 }
 
 pub(super) fn rls(errors: &mut Errors, raw: Option<&RawRls>) -> Option<RlsSettings> {
@@ -46,6 +52,7 @@ pub(super) fn rls(errors: &mut Errors, raw: Option<&RawRls>) -> Option<RlsSettin
         listen: listen?,
         config_dir: PathBuf::from(&raw.config_dir),
         response_headers: raw.response_headers,
+        merge_domains: raw.merge_domains,
     })
 }
 

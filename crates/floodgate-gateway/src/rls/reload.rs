@@ -21,6 +21,8 @@ const SETTLE: Duration = Duration::from_millis(100);
 /// The rules in service and where they come from.
 pub struct RulesHandle {
     directory: PathBuf,
+    /// `rls.merge_domains` (read at start, as the directory is).
+    merge_domains: bool,
     current: ArcSwap<Rules>,
     /// The directory's files and texts as the last reload read them, applied or rejected: an
     /// unchanged directory is neither reloaded nor logged.
@@ -49,11 +51,13 @@ fn snapshot(directory: &Path) -> Vec<(String, String)> {
 
 impl RulesHandle {
     /// Reads `directory`; an error in any file is an error here (`serve` refuses to start).
-    pub fn load(directory: &Path) -> Result<Arc<RulesHandle>, ConfigErrors> {
+    /// `merge_domains`: as `rls.merge_domains`.
+    pub fn load(directory: &Path, merge_domains: bool) -> Result<Arc<RulesHandle>, ConfigErrors> {
         let seen = snapshot(directory);
-        let rules = load_dir(directory).map_err(ConfigErrors)?;
+        let rules = load_dir(directory, merge_domains).map_err(ConfigErrors)?;
         Ok(Arc::new(RulesHandle {
             directory: directory.to_owned(),
+            merge_domains,
             current: ArcSwap::from_pointee(rules),
             last_seen: Mutex::new(seen),
         }))
@@ -76,7 +80,7 @@ impl RulesHandle {
             return Ok(false);
         }
         *last_seen = seen;
-        let result = load_dir(&self.directory).map_err(ConfigErrors);
+        let result = load_dir(&self.directory, self.merge_domains).map_err(ConfigErrors);
         let directory = self.directory.display().to_string();
         match &result {
             Ok(rules) => {

@@ -20,9 +20,12 @@ const MAX_FILE_BYTES: usize = 16 * 1024 * 1024;
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawDomain {
-    domain: String,
+    /// Missing or empty: refused with envoyproxy/ratelimit's reason.
     #[serde(default)]
-    descriptors: Vec<RawDescriptor>,
+    domain: Option<String>,
+    /// May be empty, or `null` (`descriptors:` with nothing under it).
+    #[serde(default)]
+    descriptors: Option<Vec<RawDescriptor>>,
 }
 
 #[derive(Deserialize)]
@@ -34,13 +37,28 @@ struct RawDescriptor {
     #[serde(default)]
     rate_limit: Option<RawRateLimit>,
     #[serde(default)]
-    descriptors: Vec<RawDescriptor>,
+    descriptors: Option<Vec<RawDescriptor>>,
     #[serde(default)]
     shadow_mode: bool,
-    /// Accepted for compatibility: floodgate never puts descriptor values in metric labels.
+    /// A wildcard `value` whose matching values share one counter.
+    #[serde(default)]
+    share_threshold: bool,
+    /// envoyproxy/ratelimit's allow-but-report mode: refused with the reason.
+    #[serde(default)]
+    quota_mode: bool,
+    /// Accepted for compatibility, and deliberately without effect: floodgate never puts
+    /// descriptor values in metric labels (they are client IPs, user ids, paths).
     #[serde(default)]
     #[allow(dead_code)]
     detailed_metric: bool,
+    /// As `detailed_metric`.
+    #[serde(default)]
+    #[allow(dead_code)]
+    value_to_metric: bool,
+    /// envoyproxy/ratelimit's free-form descriptor metadata: accepted, not interpreted.
+    #[serde(default)]
+    #[allow(dead_code)]
+    metadata: Option<serde_json::Value>,
     /// floodgate's addition (default `fixed_window`, as envoyproxy/ratelimit counts).
     #[serde(default)]
     algorithm: Option<String>,
@@ -118,6 +136,33 @@ impl Unit {
         })
     }
 
+    /// The unit of the protocol's number (`RateLimitUnit`; `UNKNOWN`, 0, is none).
+    pub fn from_proto(number: i32) -> Option<Unit> {
+        Some(match number {
+            1 => Unit::Second,
+            2 => Unit::Minute,
+            3 => Unit::Hour,
+            4 => Unit::Day,
+            5 => Unit::Month,
+            6 => Unit::Year,
+            7 => Unit::Week,
+            _ => return None,
+        })
+    }
+
+    /// The unit's name, as domain files write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Second => "second",
+            Unit::Minute => "minute",
+            Unit::Hour => "hour",
+            Unit::Day => "day",
+            Unit::Week => "week",
+            Unit::Month => "month",
+            Unit::Year => "year",
+        }
+    }
+
     /// The protocol's `RateLimit.Unit` number.
     pub fn proto(self) -> i32 {
         match self {
@@ -143,15 +188,17 @@ pub enum Action {
     Limited(Arc<Limit>),
 }
 
-/// The rate limit of one configured descriptor.
+/// The rate limit of one configured descriptor (or of Envoy's `limit` override).
 #[derive(Clone, Debug)]
 pub struct DescriptorLimit {
     /// The keys from the domain's root to this descriptor, joined by `.`: the metric's `limit`
     /// label (a path of keys, never a value).
     pub key_path: Arc<str>,
-    /// `rate_limit.name`, or the key path: the name in `RateLimit` headers and in the
-    /// response's `current_limit`.
-    pub name: Arc<str>,
+    /// `rate_limit.name` as configured: the response's `current_limit.name` (empty without
+    /// one, as envoyproxy/ratelimit answers) and what `replaces` names.
+    pub name: Option<Arc<str>>,
+    /// The counter's name in storage keys and `RateLimit` headers: `name`, else the key path.
+    pub counter_name: Arc<str>,
     /// `requests_per_unit`.
     pub requests_per_unit: u32,
     /// `unit`.
@@ -170,7 +217,65 @@ pub struct DescriptorLimit {
 pub struct Node {
     /// Children by `key` (value-less) or `key` + `\0` + `value`.
     children: HashMap<String, Node>,
+    /// The children whose `value` holds a `*`, in the order the file declares them: the first
+    /// that matches wins (envoyproxy/ratelimit's order). Each with its key, and its value
+    /// split on `*`.
+    wildcards: Vec<Wildcard>,
     limit: Option<DescriptorLimit>,
+    /// `share_threshold`: this node's wildcard value, which stands for every value it matches
+    /// in the counter's identity.
+    shared_value: Option<Arc<str>>,
+}
+
+#[derive(Debug)]
+struct Wildcard {
+    /// The child's key in `children`.
+    child: String,
+    key: String,
+    /// The value split on `*`: each `*` matches any run of characters, possibly empty.
+    parts: Vec<String>,
+}
+
+impl Wildcard {
+    fn matches(&self, key: &str, value: &str) -> bool {
+        if key != self.key {
+            return false;
+        }
+        let (first, rest) = match self.parts.split_first() {
+            Some(split) => split,
+            None => return false,
+        };
+        let Some(last) = rest.last() else {
+            return value == first;
+        };
+        let fixed: usize = self.parts.iter().map(String::len).sum();
+        if value.len() < fixed
+            || !value.starts_with(first.as_str())
+            || !value.ends_with(last.as_str())
+        {
+            return false;
+        }
+        // The middle parts, in order, between the first and the last.
+        let mut middle = &value[first.len()..value.len() - last.len()];
+        for part in &rest[..rest.len() - 1] {
+            match middle.find(part.as_str()) {
+                Some(at) => middle = &middle[at + part.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+/// The limit a request descriptor matched, and the values standing for its entries'.
+#[derive(Debug)]
+pub struct Match<'a> {
+    /// The matched descriptor's limit.
+    pub limit: &'a DescriptorLimit,
+    /// Per entry of the request descriptor: the `share_threshold` wildcard value it matched,
+    /// which counts for the entry's own value in the counter's identity (so every matching
+    /// value shares one counter), or `None`.
+    pub shared_values: Vec<Option<&'a str>>,
 }
 
 fn child_key(key: &str, value: Option<&str>) -> String {
@@ -185,39 +290,52 @@ impl Node {
     /// match wins over a value-less `key` (the most specific match); the limit is that of the
     /// node the last entry reaches. `None`: no limit applies.
     pub fn find<'a, 'e>(
-        &self,
-        mut entries: impl Iterator<Item = (&'e str, &'e str)>,
-    ) -> Option<&DescriptorLimit> {
+        &'a self,
+        entries: impl Iterator<Item = (&'e str, &'e str)>,
+    ) -> Option<Match<'a>> {
         let mut node = self;
-        let mut entry = entries.next()?;
-        loop {
-            node = node
-                .children
-                .get(&child_key(entry.0, Some(entry.1)))
-                .or_else(|| node.wildcard_child(entry.0, entry.1))
-                .or_else(|| node.children.get(entry.0))?;
-            match entries.next() {
-                Some(next) => entry = next,
-                None => return node.limit.as_ref(),
-            }
+        let mut shared_values = Vec::new();
+        for (key, value) in entries {
+            let (next, shared) = match node.children.get(&child_key(key, Some(value))) {
+                Some(exact) => (exact, None),
+                None => match node.wildcard_child(key, value) {
+                    Some(wild) => (wild, wild.shared_value.as_deref()),
+                    None => (node.children.get(key)?, None),
+                },
+            };
+            shared_values.push(shared);
+            node = next;
         }
+        Some(Match {
+            limit: node.limit.as_ref()?,
+            shared_values,
+        })
     }
-}
 
-impl Node {
-    /// The child whose `value` ends in `*` and is a prefix of `value` (envoyproxy/ratelimit's
-    /// wildcard values: `value: "user_*"`), the longest such prefix if several match. Tried
-    /// after the exact value, before the value-less key.
+    /// The first child, in the file's order, whose wildcard `value` matches (`*` anywhere,
+    /// any number of them, as envoyproxy/ratelimit matches). Tried after the exact value,
+    /// before the value-less key.
     fn wildcard_child(&self, key: &str, value: &str) -> Option<&Node> {
-        self.children
+        self.wildcards
             .iter()
-            .filter_map(|(name, child)| {
-                let (child_key, pattern) = name.split_once('\0')?;
-                let prefix = pattern.strip_suffix('*')?;
-                (child_key == key && value.starts_with(prefix)).then_some((prefix.len(), child))
-            })
-            .max_by_key(|(length, _)| *length)
-            .map(|(_, child)| child)
+            .find(|wildcard| wildcard.matches(key, value))
+            .and_then(|wildcard| self.children.get(&wildcard.child))
+    }
+
+    /// Adds a built child under `name`; `false` if the name was taken.
+    fn adopt(&mut self, name: String, child: Node, wildcard: Option<(String, &str)>) -> bool {
+        if self.children.contains_key(&name) {
+            return false;
+        }
+        if let Some((key, value)) = wildcard {
+            self.wildcards.push(Wildcard {
+                child: name.clone(),
+                key,
+                parts: value.split('*').map(str::to_owned).collect(),
+            });
+        }
+        self.children.insert(name, child);
+        true
     }
 }
 
@@ -238,6 +356,38 @@ impl Rules {
     /// How many domains are configured.
     pub fn domain_count(&self) -> usize {
         self.domains.len()
+    }
+}
+
+impl DescriptorLimit {
+    /// The limit of Envoy's per-descriptor override (`requests_per_unit` per `unit`, from route
+    /// metadata): a fixed window, as envoyproxy/ratelimit counts it, never shadowed, without a
+    /// configured name; its counter is its own (`override_<n>_per_<unit>`), so each override
+    /// value counts apart from the file's limit and from other overrides.
+    pub fn from_override(requests_per_unit: u32, unit: Unit) -> Option<DescriptorLimit> {
+        let counter_name = format!("override_{requests_per_unit}_per_{}", unit.as_str());
+        let action = if requests_per_unit == 0 {
+            Action::DenyAll
+        } else {
+            Action::Limited(Arc::new(
+                Limit::fixed_window(
+                    counter_name.clone(),
+                    u64::from(requests_per_unit),
+                    unit.window(),
+                )
+                .ok()?,
+            ))
+        };
+        Some(DescriptorLimit {
+            key_path: Arc::from("override"),
+            name: None,
+            counter_name: Arc::from(counter_name),
+            requests_per_unit,
+            unit,
+            action,
+            shadow_mode: false,
+            replaces: Vec::new(),
+        })
     }
 }
 
@@ -283,19 +433,60 @@ fn descriptor(
     } else {
         format!("{parent_keys}.{}", raw.key)
     };
+    if raw.quota_mode {
+        push(
+            errors,
+            ".quota_mode",
+            "is not supported: floodgate enforces a limit or, with shadow_mode: true, counts it without enforcing (shadow_limited in its metrics)".to_owned(),
+        );
+    }
     let mut node = Node::default();
-    for (index, child) in raw.descriptors.iter().enumerate() {
-        let child_path = format!("{path}.descriptors[{index}]");
-        let (name, built) = descriptor(errors, file, &child_path, &key_path, child);
-        if node.children.insert(name, built).is_some() {
-            push(
+    let wildcard = raw.value.as_deref().filter(|value| value.contains('*'));
+    if raw.share_threshold {
+        match wildcard {
+            Some(value) => node.shared_value = Some(Arc::from(value)),
+            None => push(
                 errors,
-                &format!(".descriptors[{index}]"),
-                "duplicate key and value at this level".to_owned(),
-            );
+                ".share_threshold",
+                format!(
+                    "share_threshold can only be used with wildcard values (containing '*'), but found key '{}'",
+                    envoy_key(&raw.key, raw.value.as_deref())
+                ),
+            ),
         }
     }
+    add_children(
+        errors,
+        file,
+        path,
+        &key_path,
+        raw.descriptors.as_deref().unwrap_or_default(),
+        &mut node,
+    );
     if let Some(rate_limit) = &raw.rate_limit {
+        if rate_limit.unlimited && rate_limit.unit.is_some() {
+            push(
+                errors,
+                ".rate_limit.unit",
+                "should not specify rate limit unit when unlimited".to_owned(),
+            );
+        }
+        for (index, replaced) in rate_limit.replaces.iter().enumerate() {
+            let field = format!(".rate_limit.replaces[{index}].name");
+            if replaced.name.is_empty() {
+                push(
+                    errors,
+                    &field,
+                    "should not have an empty replaces entry".to_owned(),
+                );
+            } else if rate_limit.name.as_deref() == Some(replaced.name.as_str()) {
+                push(
+                    errors,
+                    &field,
+                    "replaces should not contain name of same descriptor".to_owned(),
+                );
+            }
+        }
         let unit = match rate_limit.unit.as_deref() {
             Some(text) => match Unit::parse(text) {
                 Some(unit) => Some(unit),
@@ -336,7 +527,7 @@ fn descriptor(
                 None
             }
         };
-        let name = limit_name(rate_limit.name.as_deref().unwrap_or(&key_path));
+        let counter_name = limit_name(rate_limit.name.as_deref().unwrap_or(&key_path));
         let algorithm = match raw.algorithm.as_deref().map(str::parse::<Algorithm>) {
             None => Some(Algorithm::FixedWindow),
             Some(Ok(Algorithm::Concurrency)) => {
@@ -360,7 +551,7 @@ fn descriptor(
             } else if requests == 0 {
                 Some(Action::DenyAll)
             } else {
-                let mut builder = Limit::builder(name.clone())
+                let mut builder = Limit::builder(counter_name.clone())
                     .algorithm(algorithm)
                     .limit(requests)
                     .window(unit.window());
@@ -385,7 +576,8 @@ fn descriptor(
             if let Some(action) = action {
                 node.limit = Some(DescriptorLimit {
                     key_path: Arc::from(limit_name(&key_path)),
-                    name: Arc::from(name),
+                    name: rate_limit.name.as_deref().map(Arc::from),
+                    counter_name: Arc::from(counter_name),
                     requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
                     unit,
                     action,
@@ -393,7 +585,7 @@ fn descriptor(
                     replaces: rate_limit
                         .replaces
                         .iter()
-                        .map(|replaced| Arc::from(limit_name(&replaced.name)))
+                        .map(|replaced| Arc::from(replaced.name.as_str()))
                         .collect(),
                 });
             }
@@ -406,6 +598,53 @@ fn descriptor(
         );
     }
     (child_key(&raw.key, raw.value.as_deref()), node)
+}
+
+/// envoyproxy/ratelimit's composite key of a descriptor, `key_value` (or `key`), as its
+/// messages name it.
+fn envoy_key(key: &str, value: Option<&str>) -> String {
+    match value {
+        Some(value) => format!("{key}_{value}"),
+        None => key.to_owned(),
+    }
+}
+
+/// Builds `raws` (the descriptors at `path`, under the keys `key_path`) into `node`'s
+/// children; a key and value already there is an error (as a second file of a merged domain
+/// may bring).
+fn add_children(
+    errors: &mut Vec<ConfigError>,
+    file: &str,
+    path: &str,
+    key_path: &str,
+    raws: &[RawDescriptor],
+    node: &mut Node,
+) {
+    let prefix = if path.is_empty() {
+        String::new()
+    } else {
+        format!("{path}.")
+    };
+    for (index, raw) in raws.iter().enumerate() {
+        let child_path = format!("{prefix}descriptors[{index}]");
+        let (name, built) = descriptor(errors, file, &child_path, key_path, raw);
+        let wildcard = raw
+            .value
+            .as_deref()
+            .filter(|value| value.contains('*'))
+            .map(|value| (raw.key.clone(), value));
+        if !node.adopt(name, built, wildcard) {
+            let composite = if key_path.is_empty() {
+                envoy_key(&raw.key, raw.value.as_deref())
+            } else {
+                format!("{key_path}.{}", envoy_key(&raw.key, raw.value.as_deref()))
+            };
+            errors.push(ConfigError {
+                path: format!("{file}: {child_path}"),
+                message: format!("duplicate descriptor composite key '{composite}'"),
+            });
+        }
+    }
 }
 
 /// Parses one domain file's text; `file` names it in errors.
@@ -433,25 +672,69 @@ pub fn parse_domain(file: &str, text: &str) -> Result<(String, Node), Vec<Config
         }]
     })?;
     let mut errors = Vec::new();
-    if raw.domain.is_empty() {
+    let domain = raw.domain.unwrap_or_default();
+    if domain.is_empty() {
         errors.push(ConfigError {
             path: format!("{file}: domain"),
-            message: "must not be empty".to_owned(),
+            message: "config file cannot have empty domain".to_owned(),
         });
     }
     let mut root = Node::default();
-    for (index, raw_descriptor) in raw.descriptors.iter().enumerate() {
-        let path = format!("descriptors[{index}]");
-        let (name, node) = descriptor(&mut errors, file, &path, "", raw_descriptor);
-        if root.children.insert(name, node).is_some() {
+    add_children(
+        &mut errors,
+        file,
+        "",
+        "",
+        raw.descriptors.as_deref().unwrap_or_default(),
+        &mut root,
+    );
+    if errors.is_empty() {
+        Ok((domain, root))
+    } else {
+        Err(errors)
+    }
+}
+
+/// Merges `node`, a later file's tree of a domain that an earlier file began
+/// (`rls.merge_domains`), into `into`: a key and value already there is an error naming
+/// `file`. Wildcards keep their order: the earlier file's first, then this one's.
+fn merge_into(file: &str, node: Node, into: &mut Node) -> Result<(), Vec<ConfigError>> {
+    let Node {
+        mut children,
+        wildcards,
+        ..
+    } = node;
+    let mut errors = Vec::new();
+    let mut graft = |name: String, child: Node, wildcard: Option<Wildcard>| {
+        if into.children.contains_key(&name) {
+            let (key, value) = match name.split_once('\0') {
+                Some((key, value)) => (key, Some(value)),
+                None => (name.as_str(), None),
+            };
             errors.push(ConfigError {
-                path: format!("{file}: {path}"),
-                message: "duplicate key and value at this level".to_owned(),
+                path: format!("{file}: descriptors"),
+                message: format!(
+                    "duplicate descriptor composite key '{}' (another file of this domain configures it)",
+                    envoy_key(key, value)
+                ),
             });
+            return;
+        }
+        into.wildcards.extend(wildcard);
+        into.children.insert(name, child);
+    };
+    for wildcard in wildcards {
+        if let Some(child) = children.remove(&wildcard.child) {
+            graft(wildcard.child.clone(), child, Some(wildcard));
         }
     }
+    let mut rest: Vec<(String, Node)> = children.into_iter().collect();
+    rest.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, child) in rest {
+        graft(name, child, None);
+    }
     if errors.is_empty() {
-        Ok((raw.domain, root))
+        Ok(())
     } else {
         Err(errors)
     }
@@ -459,8 +742,10 @@ pub fn parse_domain(file: &str, text: &str) -> Result<(String, Node), Vec<Config
 
 /// Reads every `*.yaml` / `*.yml` file of `directory` (hidden files, such as a Kubernetes
 /// ConfigMap's `..data`, are skipped; files are read in name order). All or nothing: one bad
-/// file, or two files of one domain, and every error is returned.
-pub fn load_dir(directory: &Path) -> Result<Rules, Vec<ConfigError>> {
+/// file, or two files of one domain (unless `merge_domains`, envoyproxy/ratelimit's
+/// `MERGE_DOMAIN_CONFIG`: then their descriptors are merged, a descriptor in both an error),
+/// and every error is returned.
+pub fn load_dir(directory: &Path, merge_domains: bool) -> Result<Rules, Vec<ConfigError>> {
     let cannot = |message: String| {
         vec![ConfigError {
             path: directory.display().to_string(),
@@ -492,15 +777,24 @@ pub fn load_dir(directory: &Path) -> Result<Rules, Vec<ConfigError>> {
             }
         };
         match parse_domain(name, &text) {
-            Ok((domain, node)) => {
-                if let Some(first) = origin.insert(domain.clone(), name.clone()) {
-                    errors.push(ConfigError {
-                        path: format!("{name}: domain"),
-                        message: format!("`{domain}` is already configured by {first}"),
-                    });
+            Ok((domain, node)) => match origin.get(&domain) {
+                None => {
+                    origin.insert(domain.clone(), name.clone());
+                    rules.domains.insert(domain, node);
                 }
-                rules.domains.insert(domain, node);
-            }
+                Some(_) if merge_domains => {
+                    let into = rules.domains.get_mut(&domain).expect("configured");
+                    if let Err(found) = merge_into(name, node, into) {
+                        errors.extend(found);
+                    }
+                }
+                Some(first) => errors.push(ConfigError {
+                    path: format!("{name}: domain"),
+                    message: format!(
+                        "duplicate domain '{domain}' in config file (also in {first}; set rls.merge_domains: true to merge them)"
+                    ),
+                }),
+            },
             Err(found) => errors.extend(found),
         }
     }
@@ -538,7 +832,16 @@ descriptors:
 "#;
 
     fn find<'a>(node: &'a Node, entries: &[(&str, &str)]) -> Option<&'a DescriptorLimit> {
-        node.find(entries.iter().copied())
+        node.find(entries.iter().copied()).map(|found| found.limit)
+    }
+
+    fn errors_of(text: &str) -> Vec<String> {
+        parse_domain("t.yaml", text)
+            .err()
+            .unwrap_or_default()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
     }
 
     #[test]
@@ -551,7 +854,7 @@ descriptors:
         let address = find(&root, &[("remote_address", "10.0.0.1")]).unwrap();
         assert_eq!(&*address.key_path, "remote_address");
         let nested = find(&root, &[("key1", "value1"), ("key2", "x")]).unwrap();
-        assert_eq!(&*nested.name, "nested");
+        assert_eq!(nested.name.as_deref(), Some("nested"));
         assert_eq!(&*nested.key_path, "key1.key2");
         assert!(matches!(
             find(&root, &[("key1", "value1"), ("key2", "special")])
@@ -567,7 +870,7 @@ descriptors:
     }
 
     #[test]
-    fn wildcard_values_match_by_prefix_after_exact_values() {
+    fn wildcard_values_match_in_the_files_order_after_exact_values() {
         let (_, root) = parse_domain(
             "wild.yaml",
             r#"
@@ -589,17 +892,234 @@ descriptors:
         .unwrap();
         let name = |value: &str| {
             find(&root, &[("user", value)])
-                .map(|limit| limit.name.to_string())
+                .and_then(|limit| limit.name.as_deref().map(str::to_owned))
                 .unwrap()
         };
         assert_eq!(name("premium_42"), "premium");
-        assert_eq!(name("premium_gold_1"), "gold", "the longest prefix wins");
+        assert_eq!(
+            name("premium_gold_1"),
+            "premium",
+            "the first wildcard in the file wins, as envoyproxy/ratelimit matches"
+        );
         assert_eq!(
             name("premium_special"),
             "special",
             "an exact value beats a wildcard"
         );
         assert_eq!(name("basic_1"), "anyone", "then the value-less key");
+    }
+
+    /// envoyproxy/ratelimit's `test/config/wildcard.yaml`, and what its tests match.
+    #[test]
+    fn wildcards_match_anywhere_in_the_value() {
+        let (_, root) = parse_domain(
+            "wildcard.yaml",
+            r#"
+domain: test-domain
+descriptors:
+  - { key: wild, value: foo*, rate_limit: { unit: minute, requests_per_unit: 20 } }
+  - { key: noWild, value: foo, rate_limit: { unit: minute, requests_per_unit: 20 } }
+  - { key: noVal, rate_limit: { unit: minute, requests_per_unit: 20 } }
+  - { key: midWild, value: bar*b, rate_limit: { unit: minute, requests_per_unit: 20 } }
+  - { key: multiWild, value: foo*bar*baz, rate_limit: { unit: minute, requests_per_unit: 10 } }
+  - key: nestedWild
+    value: val1
+    descriptors:
+      - { key: wild, value: goo*, rate_limit: { unit: minute, requests_per_unit: 20 } }
+"#,
+        )
+        .unwrap();
+        let matches = |key: &str, value: &str| find(&root, &[(key, value)]).is_some();
+        for value in ["foo", "foo1", "foobar"] {
+            assert!(matches("wild", value), "wild {value}");
+        }
+        assert!(!matches("wild", "fo") && !matches("wild", "xfoo"));
+        assert!(matches("noWild", "foo") && !matches("noWild", "foo1"));
+        assert!(matches("noVal", "anything"));
+        for value in ["barb", "barab", "bar-xyz-b"] {
+            assert!(matches("midWild", value), "midWild {value}");
+        }
+        for value in ["bab", "barbx", "xbarb"] {
+            assert!(!matches("midWild", value), "midWild {value}");
+        }
+        for value in ["foobarbaz", "foo1bar2baz", "foo-bar--baz"] {
+            assert!(matches("multiWild", value), "multiWild {value}");
+        }
+        for value in ["foobaz", "foobazbar", "fobarbaz"] {
+            assert!(!matches("multiWild", value), "multiWild {value}");
+        }
+        assert_eq!(
+            find(&root, &[("nestedWild", "val1"), ("wild", "goo1")])
+                .map(|limit| limit.requests_per_unit),
+            Some(20)
+        );
+        assert!(find(&root, &[("nestedWild", "val1"), ("wild", "foo1")]).is_none());
+    }
+
+    #[test]
+    fn share_threshold_makes_matching_values_one_counter_and_needs_a_wildcard() {
+        let (_, root) = parse_domain(
+            "share.yaml",
+            r#"
+domain: test-domain
+descriptors:
+  - { key: files, value: files/*, share_threshold: true, rate_limit: { unit: minute, requests_per_unit: 100 } }
+  - key: path
+    value: path/*
+    share_threshold: true
+    descriptors:
+      - key: file
+        value: file/*
+        descriptors:
+          - { key: type, rate_limit: { unit: minute, requests_per_unit: 3 } }
+  - { key: other, value: o*, rate_limit: { unit: minute, requests_per_unit: 5 } }
+"#,
+        )
+        .unwrap();
+        let shared = |entries: &[(&str, &str)]| {
+            root.find(entries.iter().copied())
+                .unwrap()
+                .shared_values
+                .into_iter()
+                .map(|value| value.map(str::to_owned))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            shared(&[("files", "files/a")]),
+            [Some("files/*".to_owned())]
+        );
+        assert_eq!(
+            shared(&[("path", "path/x"), ("file", "file/y"), ("type", "t")]),
+            [Some("path/*".to_owned()), None, None],
+            "tracked at a level without a limit, and only where share_threshold is set"
+        );
+        assert_eq!(shared(&[("other", "o1")]), [None]);
+        let errors = errors_of(
+            "domain: d\ndescriptors:\n  - { key: k, value: plain, share_threshold: true, rate_limit: { unit: second, requests_per_unit: 1 } }\n",
+        );
+        assert_eq!(
+            errors,
+            [
+                "t.yaml: descriptors[0].share_threshold: share_threshold can only be used with wildcard values (containing '*'), but found key 'k_plain'"
+            ]
+        );
+    }
+
+    #[test]
+    fn envoyproxy_ratelimits_validation_rules() {
+        // Accepted: an empty or null descriptor list, metadata, value_to_metric, detailed_metric.
+        for text in [
+            "domain: d\ndescriptors: []\n",
+            "domain: d\ndescriptors:\n",
+            "domain: d\n",
+            "domain: d\ndescriptors:\n  - key: k\n    value_to_metric: true\n    detailed_metric: true\n    metadata: { name: service_1, nested: { a: [1, 2] } }\n    rate_limit: { unit: second, requests_per_unit: 5 }\n",
+        ] {
+            assert!(parse_domain("ok.yaml", text).is_ok(), "{text:?}");
+        }
+        let cases = [
+            (
+                "descriptors: []\n",
+                "t.yaml: domain: config file cannot have empty domain",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, quota_mode: true, rate_limit: { unit: second, requests_per_unit: 1 } }\n",
+                "t.yaml: descriptors[0].quota_mode: is not supported: floodgate enforces a limit or, with shadow_mode: true, counts it without enforcing (shadow_limited in its metrics)",
+            ),
+            (
+                "domain: \"\"\n",
+                "t.yaml: domain: config file cannot have empty domain",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, rate_limit: { unlimited: true, unit: second } }\n",
+                "t.yaml: descriptors[0].rate_limit.unit: should not specify rate limit unit when unlimited",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, rate_limit: { unit: second, requests_per_unit: 1, name: a, replaces: [ { name: a } ] } }\n",
+                "t.yaml: descriptors[0].rate_limit.replaces[0].name: replaces should not contain name of same descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, rate_limit: { unit: second, requests_per_unit: 1, replaces: [ { name: \"\" } ] } }\n",
+                "t.yaml: descriptors[0].rate_limit.replaces[0].name: should not have an empty replaces entry",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, value: v }\n  - { key: k, value: v }\n",
+                "t.yaml: descriptors[1]: duplicate descriptor composite key 'k_v'",
+            ),
+        ];
+        for (text, expected) in cases {
+            let errors = errors_of(text);
+            assert!(
+                errors.iter().any(|error| error == expected),
+                "{text:?}: {errors:?}"
+            );
+        }
+        // A limit without a name answers with none (`current_limit.name` empty); its counter
+        // is still named by its key path.
+        let (_, root) = parse_domain(
+            "n.yaml",
+            "domain: d\ndescriptors:\n  - { key: a, descriptors: [ { key: b, rate_limit: { unit: second, requests_per_unit: 1 } } ] }\n",
+        )
+        .unwrap();
+        let limit = find(&root, &[("a", "x"), ("b", "y")]).unwrap();
+        assert_eq!(limit.name, None);
+        assert_eq!(&*limit.counter_name, "a.b");
+    }
+
+    #[test]
+    fn several_files_of_one_domain_are_refused_unless_merged() {
+        let directory = std::env::temp_dir().join(format!(
+            "floodgate-rls-merge-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        let write = |name: &str, text: &str| std::fs::write(directory.join(name), text).unwrap();
+        write(
+            "a.yaml",
+            "domain: api\ndescriptors:\n  - { key: k1, rate_limit: { unit: second, requests_per_unit: 1 } }\n  - { key: w, value: a*, rate_limit: { unit: second, requests_per_unit: 1, name: first } }\n",
+        );
+        write(
+            "b.yaml",
+            "domain: api\ndescriptors:\n  - { key: k2, rate_limit: { unit: second, requests_per_unit: 2 } }\n  - { key: w, value: ab*, rate_limit: { unit: second, requests_per_unit: 1, name: second } }\n",
+        );
+        let refused: Vec<String> = load_dir(&directory, false)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(
+            refused[0].starts_with("b.yaml: domain: duplicate domain 'api' in config file"),
+            "{refused:?}"
+        );
+        let merged = load_dir(&directory, true).unwrap();
+        let api = merged.domain("api").unwrap();
+        assert_eq!(find(api, &[("k1", "x")]).unwrap().requests_per_unit, 1);
+        assert_eq!(find(api, &[("k2", "x")]).unwrap().requests_per_unit, 2);
+        assert_eq!(
+            find(api, &[("w", "abc")]).unwrap().name.as_deref(),
+            Some("first"),
+            "the earlier file's wildcards come first"
+        );
+        // The same descriptor in both: refused, merged or not.
+        write(
+            "c.yaml",
+            "domain: api\ndescriptors:\n  - { key: k1, rate_limit: { unit: second, requests_per_unit: 9 } }\n",
+        );
+        let collision: Vec<String> = load_dir(&directory, true)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert!(
+            collision.iter().any(|error| error
+                .starts_with("c.yaml: descriptors: duplicate descriptor composite key 'k1'")),
+            "{collision:?}"
+        );
+        let _ = std::fs::remove_dir_all(&directory);
     }
 
     #[test]

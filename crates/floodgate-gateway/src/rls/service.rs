@@ -1,7 +1,8 @@
 //! `ShouldRateLimit`: a request's descriptors matched against its domain's rules, and every
 //! counted one decided in one `check_and_consume` call, all or nothing.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
@@ -19,8 +20,10 @@ use floodgate::{Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, Mem
 use sha2::{Digest, Sha256};
 
 use super::reload::RulesHandle;
-use super::rules::{Action, DescriptorLimit};
+use super::rules::{Action, DescriptorLimit, Match, Node, Unit};
+use crate::config::Config;
 use crate::runtime::Gateway;
+use crate::telemetry::RLS_LIMIT_OVERRIDES_TOTAL;
 
 /// The rate limit service: the gateway's store and failure policy, the directory's rules.
 pub struct RlsService {
@@ -29,7 +32,14 @@ pub struct RlsService {
     response_headers: bool,
     /// The per-node limiter of `on_store_error: local`.
     fallback: MemoryStore,
+    /// The limits of Envoy's `limit` overrides seen so far, by value: at most
+    /// [`MAX_OVERRIDES`], so that what clients send cannot grow this without bound.
+    overrides: Mutex<HashMap<(u32, i32), Arc<DescriptorLimit>>>,
 }
+
+/// Distinct `limit` overrides (requests per unit and unit) the service keeps limits for; a new
+/// one beyond it is not applied (the file's limit decides) and is counted as `refused`.
+pub const MAX_OVERRIDES: usize = 1024;
 
 impl RlsService {
     /// A service deciding on `gateway`'s store under the rules of `rules`.
@@ -41,7 +51,41 @@ impl RlsService {
             fallback: MemoryStore::builder()
                 .evict_every(Duration::from_secs(10))
                 .build(),
+            overrides: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The limit of a descriptor's `limit` override, if it carries a usable one.
+    fn override_limit(&self, descriptor: &RateLimitDescriptor) -> Option<Arc<DescriptorLimit>> {
+        let requested = descriptor.limit.as_ref()?;
+        let outcome = |outcome: &'static str| {
+            metrics::counter!(RLS_LIMIT_OVERRIDES_TOTAL, "outcome" => outcome).increment(1);
+        };
+        let Some(unit) = Unit::from_proto(requested.unit) else {
+            outcome("invalid");
+            return None;
+        };
+        let key = (requested.requests_per_unit, requested.unit);
+        let mut overrides = self
+            .overrides
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(limit) = overrides.get(&key) {
+            outcome("applied");
+            return Some(limit.clone());
+        }
+        if overrides.len() >= MAX_OVERRIDES {
+            outcome("refused");
+            return None;
+        }
+        let Some(limit) = DescriptorLimit::from_override(requested.requests_per_unit, unit) else {
+            outcome("invalid");
+            return None;
+        };
+        let limit = Arc::new(limit);
+        overrides.insert(key, limit.clone());
+        outcome("applied");
+        Some(limit)
     }
 }
 
@@ -50,17 +94,27 @@ const SCOPE: &str = "rls";
 
 /// The identity of one request descriptor: the first 16 bytes of SHA-256 over the domain and
 /// every entry, each length-prefixed so that no two entry lists hash alike by concatenation.
-/// Descriptor values (client IPs, user ids) never appear raw in keys, logs or labels.
-fn descriptor_hash(domain: &str, descriptor: &RateLimitDescriptor) -> IdentityHash {
+/// Descriptor values (client IPs, user ids) never appear raw in keys, logs or labels. An
+/// entry matched by a `share_threshold` wildcard hashes as its pattern (marked, so that it is
+/// never the hash of a literal value), so every value it matches shares one counter.
+fn descriptor_hash(
+    domain: &str,
+    descriptor: &RateLimitDescriptor,
+    shared_values: &[Option<&str>],
+) -> IdentityHash {
     let mut hasher = Sha256::new();
-    let mut field = |text: &str| {
+    let mut field = |marker: u8, text: &str| {
+        hasher.update([marker]);
         hasher.update((text.len() as u64).to_be_bytes());
         hasher.update(text.as_bytes());
     };
-    field(domain);
-    for entry in &descriptor.entries {
-        field(&entry.key);
-        field(&entry.value);
+    field(0, domain);
+    for (index, entry) in descriptor.entries.iter().enumerate() {
+        field(0, &entry.key);
+        match shared_values.get(index).copied().flatten() {
+            Some(pattern) => field(1, pattern),
+            None => field(0, &entry.value),
+        }
     }
     let digest = hasher.finalize();
     let mut bytes = [0u8; 16];
@@ -105,7 +159,7 @@ fn proto_duration(duration: Duration) -> ProtoDuration {
 
 fn proto_limit(limit: &DescriptorLimit) -> ProtoLimit {
     ProtoLimit {
-        name: limit.name.to_string(),
+        name: limit.name.as_deref().unwrap_or_default().to_owned(),
         requests_per_unit: limit.requests_per_unit,
         unit: limit.unit.proto(),
     }
@@ -162,7 +216,8 @@ impl RlsService {
         }
     }
 
-    /// The answer to one `ShouldRateLimit` request.
+    /// The answer to one `ShouldRateLimit` request: its descriptors matched against the
+    /// domain's rules, planned into checks, decided, and answered with statuses and headers.
     pub async fn should_rate_limit(
         &self,
         request: &RateLimitRequest,
@@ -178,192 +233,62 @@ impl RlsService {
         };
         let runtime = self.gateway.current();
         let config = &runtime.config;
-        let prefix = &config.store.prefix;
-        let rule: Arc<str> = Arc::from(request.domain.as_str());
-        let key_rule = key_safe(&request.domain);
-        let request_hits = u64::from(request.hits_addend.max(1));
-        let mut slots = Vec::with_capacity(request.descriptors.len());
-        let mut enforced: Vec<Check> = Vec::new();
-        let mut shadow: Vec<Check> = Vec::new();
-        let mut deny_all = false;
-        let matched: Vec<Option<&DescriptorLimit>> = request
+        // Envoy's `limit` override decides a descriptor in place of the file (as
+        // envoyproxy/ratelimit does, whether or not the file configures it).
+        let overridden: Vec<Option<Arc<DescriptorLimit>>> = request
             .descriptors
             .iter()
-            .map(|descriptor| {
-                tree.find(
-                    descriptor
-                        .entries
-                        .iter()
-                        .map(|entry| (entry.key.as_str(), entry.value.as_str())),
-                )
-            })
+            .map(|descriptor| self.override_limit(descriptor))
             .collect();
-        // `replaces`: a matched limit sets aside the limits it names (not itself).
-        let replaced: Vec<&str> = matched
-            .iter()
-            .flatten()
-            .flat_map(|limit| {
-                limit
-                    .replaces
-                    .iter()
-                    .filter(|name| **name != limit.name)
-                    .map(|name| &**name)
-            })
-            .collect();
-        for (descriptor, limit) in request.descriptors.iter().zip(&matched) {
-            if descriptor.is_negative_hits {
-                return Err(tonic::Status::invalid_argument(
-                    "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
-                ));
-            }
-            let Some(limit) = limit.filter(|limit| !replaced.contains(&&*limit.name)) else {
-                slots.push(Slot::NoLimit);
-                continue;
-            };
-            let counted = match &limit.action {
-                Action::Unlimited => None,
-                Action::DenyAll => {
-                    deny_all |= !limit.shadow_mode;
-                    None
-                }
-                Action::Limited(counted) => Some(counted),
-            };
-            let Some(counted) = counted else {
-                slots.push(Slot::Fixed(limit));
-                continue;
-            };
-            // hits_addend 0 (unset) means 1, at both levels.
-            let hits = descriptor
-                .hits_addend
-                .as_ref()
-                .map_or(request_hits, |hits| hits.value.max(1));
-            let key = storage_key(
-                prefix,
-                SCOPE,
-                &descriptor_hash(&request.domain, descriptor),
-                &key_rule,
-                counted.name(),
-            );
-            let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
-            let list = if limit.shadow_mode {
-                &mut shadow
+        let matched = matched(tree, request, &overridden);
+        let planned = plan(request, &matched, &config.store.prefix)?;
+        let decided = self.decide_planned(&planned).await?;
+        let rule = request.domain.as_str();
+        Ok(RateLimitResponse {
+            overall_code: if decided.admitted {
+                Code::Ok as i32
             } else {
-                &mut enforced
-            };
-            slots.push(Slot::Counted {
-                limit,
-                index: list.len(),
-            });
-            list.push(check);
-        }
+                Code::OverLimit as i32
+            },
+            statuses: statuses(&planned, &decided, rule),
+            response_headers_to_add: self.headers(&decided, config),
+            ..RateLimitResponse::default()
+        })
+    }
 
+    /// Decides a plan: the enforced checks in one call, all or nothing; each shadow check on
+    /// its own.
+    async fn decide_planned(&self, planned: &Planned<'_>) -> Result<Decided, tonic::Status> {
         // All or nothing: a request that a `requests_per_unit: 0` descriptor refuses consumes
         // from none of the others, so the store is not asked.
-        let enforced_decision = if enforced.is_empty() || deny_all {
+        let enforced = if planned.enforced.is_empty() || planned.deny_all {
             None
         } else {
-            Some(self.decide(&enforced).await?)
+            Some(self.decide(&planned.enforced).await?)
         };
         // Shadow descriptors count on their own (as envoyproxy/ratelimit counts every
         // descriptor), so that one over its limit never blocks the request nor the others.
-        let mut shadow_decisions = Vec::with_capacity(shadow.len());
-        for check in &shadow {
-            shadow_decisions.push(self.decide(std::slice::from_ref(check)).await?);
+        let mut shadow = Vec::with_capacity(planned.shadow.len());
+        for check in &planned.shadow {
+            shadow.push(self.decide(std::slice::from_ref(check)).await?);
         }
-
-        let admitted = !deny_all
-            && match &enforced_decision {
+        let admitted = !planned.deny_all
+            && match &enforced {
                 Some(Enforced::Decided(decision)) => decision.is_allowed(),
                 _ => true,
             };
-        let mut statuses = Vec::with_capacity(slots.len());
-        for slot in &slots {
-            let status = match *slot {
-                Slot::NoLimit => ok_status(),
-                Slot::Fixed(limit) => {
-                    let over = matches!(limit.action, Action::DenyAll);
-                    let label = match (over, limit.shadow_mode) {
-                        (false, _) => DecisionLabel::Allowed,
-                        (true, true) => DecisionLabel::ShadowLimited,
-                        (true, false) => DecisionLabel::Limited,
-                    };
-                    telemetry::record_decision(&rule, &limit.key_path, label);
-                    DescriptorStatus {
-                        code: if over && !limit.shadow_mode {
-                            Code::OverLimit as i32
-                        } else {
-                            Code::Ok as i32
-                        },
-                        current_limit: over.then(|| proto_limit(limit)),
-                        limit_remaining: if over { 0 } else { u32::MAX },
-                        ..DescriptorStatus::default()
-                    }
-                }
-                Slot::Counted { limit, index } => {
-                    let decided = if limit.shadow_mode {
-                        shadow_decisions.get(index)
-                    } else {
-                        enforced_decision.as_ref()
-                    };
-                    let decision = match decided {
-                        Some(Enforced::Decided(decision)) => Some(decision),
-                        _ => None,
-                    };
-                    let position = if limit.shadow_mode { 0 } else { index };
-                    let state = decision.and_then(|decision| {
-                        decision
-                            .limits()
-                            .get(position)
-                            .map(|state| (decision, state))
-                    });
-                    let label = match state {
-                        // Not asked: a `requests_per_unit: 0` descriptor refused the request.
-                        None if !admitted => DecisionLabel::Limited,
-                        // The store failed and `open` admitted.
-                        None => DecisionLabel::FallbackAllowed,
-                        Some((decision, state)) => {
-                            let fallback = decision.source() == DecisionSource::LocalFallback;
-                            let allowed = if limit.shadow_mode {
-                                state.allowed
-                            } else {
-                                admitted
-                            };
-                            match (limit.shadow_mode, fallback, allowed) {
-                                (true, _, false) => DecisionLabel::ShadowLimited,
-                                (_, false, true) => DecisionLabel::Allowed,
-                                (false, false, false) => DecisionLabel::Limited,
-                                (_, true, true) => DecisionLabel::FallbackAllowed,
-                                (false, true, false) => DecisionLabel::FallbackLimited,
-                            }
-                        }
-                    };
-                    telemetry::record_decision(&rule, &limit.key_path, label);
-                    match state {
-                        None => DescriptorStatus {
-                            code: Code::Ok as i32,
-                            current_limit: Some(proto_limit(limit)),
-                            ..DescriptorStatus::default()
-                        },
-                        Some((_, state)) => DescriptorStatus {
-                            code: if state.allowed || limit.shadow_mode {
-                                Code::Ok as i32
-                            } else {
-                                Code::OverLimit as i32
-                            },
-                            current_limit: Some(proto_limit(limit)),
-                            limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
-                            duration_until_reset: Some(proto_duration(state.reset_after)),
-                            ..DescriptorStatus::default()
-                        },
-                    }
-                }
-            };
-            statuses.push(status);
-        }
+        Ok(Decided {
+            enforced,
+            shadow,
+            admitted,
+        })
+    }
 
+    /// The rate limit headers of the binding limit, when the answer carries them.
+    fn headers(&self, decided: &Decided, config: &Config) -> Vec<ProtoHeader> {
         let mut response_headers_to_add = Vec::new();
         if self.response_headers
-            && let Some(Enforced::Decided(decision)) = &enforced_decision
+            && let Some(Enforced::Decided(decision)) = &decided.enforced
         {
             let style = config.response.headers;
             if style != HeaderStyle::None {
@@ -386,17 +311,222 @@ impl RlsService {
                 }
             }
         }
-        Ok(RateLimitResponse {
-            overall_code: if admitted {
-                Code::Ok as i32
-            } else {
-                Code::OverLimit as i32
-            },
-            statuses,
-            response_headers_to_add,
-            ..RateLimitResponse::default()
-        })
+        response_headers_to_add
     }
+}
+
+/// A request's descriptors as they matched: Envoy's override where one came, else the tree.
+fn matched<'r>(
+    tree: &'r Node,
+    request: &RateLimitRequest,
+    overridden: &'r [Option<Arc<DescriptorLimit>>],
+) -> Vec<Option<Match<'r>>> {
+    request
+        .descriptors
+        .iter()
+        .zip(overridden)
+        .map(|(descriptor, overridden)| {
+            if let Some(limit) = overridden {
+                return Some(Match {
+                    limit,
+                    shared_values: Vec::new(),
+                });
+            }
+            tree.find(
+                descriptor
+                    .entries
+                    .iter()
+                    .map(|entry| (entry.key.as_str(), entry.value.as_str())),
+            )
+        })
+        .collect()
+}
+
+/// What a request's matched descriptors ask of the store.
+struct Planned<'r> {
+    slots: Vec<Slot<'r>>,
+    /// Decided together, all or nothing.
+    enforced: Vec<Check>,
+    /// Decided one by one, never enforced.
+    shadow: Vec<Check>,
+    /// A `requests_per_unit: 0` descriptor (not shadowed) refuses the request.
+    deny_all: bool,
+}
+
+/// The decisions of a plan.
+struct Decided {
+    enforced: Option<Enforced>,
+    shadow: Vec<Enforced>,
+    admitted: bool,
+}
+
+/// Plans the checks of `matched` (the request's descriptors as they matched), keys under
+/// `prefix`.
+fn plan<'r>(
+    request: &RateLimitRequest,
+    matched: &[Option<Match<'r>>],
+    prefix: &str,
+) -> Result<Planned<'r>, tonic::Status> {
+    let rule: Arc<str> = Arc::from(request.domain.as_str());
+    let key_rule = key_safe(&request.domain);
+    let request_hits = u64::from(request.hits_addend.max(1));
+    let mut planned = Planned {
+        slots: Vec::with_capacity(request.descriptors.len()),
+        enforced: Vec::new(),
+        shadow: Vec::new(),
+        deny_all: false,
+    };
+    // `replaces`: a matched limit sets aside the limits it names.
+    let replaced: Vec<&str> = matched
+        .iter()
+        .flatten()
+        .flat_map(|found| found.limit.replaces.iter().map(|name| &**name))
+        .collect();
+    for (descriptor, found) in request.descriptors.iter().zip(matched) {
+        if descriptor.is_negative_hits {
+            return Err(tonic::Status::invalid_argument(
+                "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
+            ));
+        }
+        let Some(found) = found.as_ref().filter(|found| {
+            found
+                .limit
+                .name
+                .as_deref()
+                .is_none_or(|name| !replaced.contains(&name))
+        }) else {
+            planned.slots.push(Slot::NoLimit);
+            continue;
+        };
+        let limit = found.limit;
+        let counted = match &limit.action {
+            Action::Unlimited => None,
+            Action::DenyAll => {
+                planned.deny_all |= !limit.shadow_mode;
+                None
+            }
+            Action::Limited(counted) => Some(counted),
+        };
+        let Some(counted) = counted else {
+            planned.slots.push(Slot::Fixed(limit));
+            continue;
+        };
+        // hits_addend 0 (unset) means 1, at both levels.
+        let hits = descriptor
+            .hits_addend
+            .as_ref()
+            .map_or(request_hits, |hits| hits.value.max(1));
+        let key = storage_key(
+            prefix,
+            SCOPE,
+            &descriptor_hash(&request.domain, descriptor, &found.shared_values),
+            &key_rule,
+            counted.name(),
+        );
+        let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
+        let list = if limit.shadow_mode {
+            &mut planned.shadow
+        } else {
+            &mut planned.enforced
+        };
+        planned.slots.push(Slot::Counted {
+            limit,
+            index: list.len(),
+        });
+        list.push(check);
+    }
+
+    Ok(planned)
+}
+
+/// One status per descriptor, in the request's order, each decision recorded in metrics.
+fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<DescriptorStatus> {
+    let mut statuses = Vec::with_capacity(planned.slots.len());
+    for slot in &planned.slots {
+        let status = match *slot {
+            Slot::NoLimit => ok_status(),
+            Slot::Fixed(limit) => {
+                let over = matches!(limit.action, Action::DenyAll);
+                let label = match (over, limit.shadow_mode) {
+                    (false, _) => DecisionLabel::Allowed,
+                    (true, true) => DecisionLabel::ShadowLimited,
+                    (true, false) => DecisionLabel::Limited,
+                };
+                telemetry::record_decision(rule, &limit.key_path, label);
+                DescriptorStatus {
+                    code: if over && !limit.shadow_mode {
+                        Code::OverLimit as i32
+                    } else {
+                        Code::Ok as i32
+                    },
+                    current_limit: over.then(|| proto_limit(limit)),
+                    limit_remaining: if over { 0 } else { u32::MAX },
+                    ..DescriptorStatus::default()
+                }
+            }
+            Slot::Counted { limit, index } => {
+                let outcome = if limit.shadow_mode {
+                    decided.shadow.get(index)
+                } else {
+                    decided.enforced.as_ref()
+                };
+                let decision = match outcome {
+                    Some(Enforced::Decided(decision)) => Some(decision),
+                    _ => None,
+                };
+                let position = if limit.shadow_mode { 0 } else { index };
+                let state = decision.and_then(|decision| {
+                    decision
+                        .limits()
+                        .get(position)
+                        .map(|state| (decision, state))
+                });
+                let label = match state {
+                    // Not asked: a `requests_per_unit: 0` descriptor refused the request.
+                    None if !decided.admitted => DecisionLabel::Limited,
+                    // The store failed and `open` admitted.
+                    None => DecisionLabel::FallbackAllowed,
+                    Some((decision, state)) => {
+                        let fallback = decision.source() == DecisionSource::LocalFallback;
+                        let allowed = if limit.shadow_mode {
+                            state.allowed
+                        } else {
+                            decided.admitted
+                        };
+                        match (limit.shadow_mode, fallback, allowed) {
+                            (true, _, false) => DecisionLabel::ShadowLimited,
+                            (_, false, true) => DecisionLabel::Allowed,
+                            (false, false, false) => DecisionLabel::Limited,
+                            (_, true, true) => DecisionLabel::FallbackAllowed,
+                            (false, true, false) => DecisionLabel::FallbackLimited,
+                        }
+                    }
+                };
+                telemetry::record_decision(rule, &limit.key_path, label);
+                match state {
+                    None => DescriptorStatus {
+                        code: Code::Ok as i32,
+                        current_limit: Some(proto_limit(limit)),
+                        ..DescriptorStatus::default()
+                    },
+                    Some((_, state)) => DescriptorStatus {
+                        code: if state.allowed || limit.shadow_mode {
+                            Code::Ok as i32
+                        } else {
+                            Code::OverLimit as i32
+                        },
+                        current_limit: Some(proto_limit(limit)),
+                        limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(proto_duration(state.reset_after)),
+                        ..DescriptorStatus::default()
+                    },
+                }
+            }
+        };
+        statuses.push(status);
+    }
+
+    statuses
 }
 
 #[tonic::async_trait]
