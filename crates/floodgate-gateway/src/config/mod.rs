@@ -155,9 +155,16 @@ impl Config {
                 .plans
                 .iter()
                 .flat_map(|(name, plan)| {
+                    let endpoints = plan.endpoints.entries().flat_map(|(_, limits)| {
+                        limits
+                            .limits
+                            .iter()
+                            .map(|limit| (format!("endpoint rule {}", limits.rule), limit))
+                    });
                     plan.limits
                         .iter()
                         .map(move |limit| (format!("plans.{name}.limits"), limit))
+                        .chain(endpoints)
                 })
                 .chain(self.per_ip.iter().map(|limit| ("per_ip".to_owned(), limit)))
                 .filter(|(_, limit)| !floodgate::store::batched::supports(limit.algorithm()))

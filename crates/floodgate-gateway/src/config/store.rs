@@ -353,6 +353,7 @@ plans:
     limits:
       - { name: s, algorithm: gcra, limit: 10, window: 1s }
       - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
+    endpoints: { "POST /x": [ { name: c, algorithm: concurrency, limit: 2 } ] }
   anonymous: {}
 "#,
         )
@@ -370,6 +371,7 @@ plans:
                 .iter()
                 .any(|warning| warning.starts_with("store.hot_identities:")
                     && warning.contains("plans.free.limits `log` (sliding_window_log)")
+                    && warning.contains("`c` (concurrency)")
                     && !warning.contains("`s`")),
             "{warnings:?}"
         );
