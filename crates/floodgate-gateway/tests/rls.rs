@@ -817,6 +817,20 @@ async fn with_redis_killed_local_decides_on_the_node() {
         3,
         "the per-node fallback holds the configured limit (fallback_share 1.0)"
     );
+    // Decided by the same failure-policy path as the layer's: counted as fallback decisions.
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    let counted = |decision: &str| {
+        metrics.lines().any(|line| {
+            line.starts_with("floodgate_decisions_total")
+                && line.contains(&format!("decision=\"{decision}\""))
+                && line.contains("rule=\"api\"")
+        })
+    };
+    assert!(
+        counted("fallback_allowed") && counted("fallback_limited"),
+        "{metrics}"
+    );
 }
 
 /// envoyproxy/ratelimit's `replaces`: a premium limit sets aside the standard one when both

@@ -31,7 +31,7 @@ pub use layer::{BuildError, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder
 pub use limit::{Algorithm, Limit};
 pub use plan::TieredPlan;
 pub use response::Denial;
-pub use service::RateLimit;
+pub use service::{LocalFallback, RateLimit, decide_on_store_error};
 pub use store::{MemoryStore, Store, StoreError};
 
 // The crate root's earlier names, kept so that code written against them still compiles; not

@@ -244,8 +244,10 @@ type OriginalAndScaled = (Arc<Limit>, Arc<Limit>);
 const FALLBACK_CACHE: usize = 1024;
 
 /// The per-node limiter of [`FailurePolicy::Local`]: the same checks, on a memory store, with
-/// every limit scaled by the fallback share.
-pub(crate) struct LocalFallback {
+/// every limit scaled by the fallback share. The layer keeps one; a service deciding through
+/// its own path (the gateway's Envoy rate limit service) keeps its own and decides with
+/// [`decide_on_store_error`].
+pub struct LocalFallback {
     store: MemoryStore,
     share: f64,
     /// Scaled limits by the address of the original, which each entry holds, so that no other
@@ -254,8 +256,17 @@ pub(crate) struct LocalFallback {
     scaled: Mutex<HashMap<usize, OriginalAndScaled>>,
 }
 
+impl std::fmt::Debug for LocalFallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalFallback")
+            .field("share", &self.share)
+            .finish_non_exhaustive()
+    }
+}
+
 impl LocalFallback {
-    pub(crate) fn new(share: f64) -> Self {
+    /// A fallback enforcing `share` (0 < share ≤ 1) of every limit on this node.
+    pub fn new(share: f64) -> Self {
         LocalFallback {
             store: MemoryStore::builder()
                 .evict_every(Duration::from_secs(10))
@@ -263,6 +274,11 @@ impl LocalFallback {
             share,
             scaled: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The share this fallback enforces.
+    pub fn share(&self) -> f64 {
+        self.share
     }
 
     fn decide(&self, checks: &[Check]) -> Decision {
@@ -291,6 +307,30 @@ impl LocalFallback {
                 .collect()
         };
         self.store.check_and_consume_now(&scaled_checks, None)
+    }
+}
+
+/// What the failure policy decides for `checks` when the store failed: under `local`, the
+/// node's `fallback` decides (a decision of source [`DecisionSource::LocalFallback`]); under
+/// `closed`, nothing (`None`: the caller answers that the limiter is unavailable); under `open`
+/// (or `local` without a fallback), everything is admitted ([`DecisionSource::FailOpen`]).
+/// The one place the policy is decided, for the layer and for the gateway's rate limit service.
+pub fn decide_on_store_error(
+    policy: FailurePolicy,
+    fallback: Option<&LocalFallback>,
+    checks: &[Check],
+) -> Option<Decision> {
+    match (policy, fallback) {
+        (FailurePolicy::Local, Some(fallback)) => Some(
+            fallback
+                .decide(checks)
+                .with_source(DecisionSource::LocalFallback),
+        ),
+        (FailurePolicy::Closed, _) => None,
+        _ => Some(Decision::unlimited(
+            Timestamp::now(),
+            DecisionSource::FailOpen,
+        )),
     }
 }
 
@@ -421,18 +461,7 @@ where
         Err(error) => {
             let backend = shared.store.backend();
             let policy = shared.on_store_error;
-            let decision = match (&shared.fallback, policy) {
-                (Some(fallback), FailurePolicy::Local) => Some(
-                    fallback
-                        .decide(&checks)
-                        .with_source(DecisionSource::LocalFallback),
-                ),
-                (_, FailurePolicy::Closed) => None,
-                _ => Some(Decision::unlimited(
-                    Timestamp::now(),
-                    DecisionSource::FailOpen,
-                )),
-            };
+            let decision = decide_on_store_error(policy, shared.fallback.as_ref(), &checks);
             let allowed = decision.as_ref().is_some_and(Decision::is_allowed);
             shared
                 .observer

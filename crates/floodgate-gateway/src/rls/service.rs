@@ -16,7 +16,10 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::headers::RateLimitHeaders;
 use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry::{self, DecisionLabel};
-use floodgate::{Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, MemoryStore, Store};
+use floodgate::{
+    Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, LocalFallback, Store,
+    decide_on_store_error,
+};
 use sha2::{Digest, Sha256};
 
 use super::reload::RulesHandle;
@@ -30,8 +33,8 @@ pub struct RlsService {
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     response_headers: bool,
-    /// The per-node limiter of `on_store_error: local`.
-    fallback: MemoryStore,
+    /// The per-node limiter of `on_store_error: local`, for the share it was built with.
+    fallback: Mutex<Option<Arc<LocalFallback>>>,
     /// The limits of Envoy's `limit` overrides seen so far, by value: at most
     /// [`MAX_OVERRIDES`], so that what clients send cannot grow this without bound.
     overrides: Mutex<HashMap<(u32, i32), Arc<DescriptorLimit>>>,
@@ -48,9 +51,7 @@ impl RlsService {
             gateway,
             rules,
             response_headers,
-            fallback: MemoryStore::builder()
-                .evict_every(Duration::from_secs(10))
-                .build(),
+            fallback: Mutex::new(None),
             overrides: Mutex::new(HashMap::new()),
         }
     }
@@ -186,32 +187,34 @@ impl RlsService {
         telemetry::record_store_error(&error);
         let runtime = self.gateway.current();
         let config = &runtime.config;
-        match config.on_store_error {
-            FailurePolicy::Open => {
+        let policy = config.on_store_error;
+        let fallback = (policy == FailurePolicy::Local)
+            .then(|| self.fallback_for(config.store.fallback_share));
+        match decide_on_store_error(policy, fallback.as_deref(), checks) {
+            None => Err(tonic::Status::unavailable(
+                "rate limit store unavailable (on_store_error: closed)",
+            )),
+            Some(decision) if decision.source() == DecisionSource::FailOpen => {
                 tracing::debug!(%error, "rls: store failed; on_store_error open admits");
                 Ok(Enforced::FailedOpen)
             }
-            FailurePolicy::Closed => Err(tonic::Status::unavailable(
-                "rate limit store unavailable (on_store_error: closed)",
-            )),
-            FailurePolicy::Local => {
-                let share = config.store.fallback_share;
-                let scaled: Vec<Check> = checks
-                    .iter()
-                    .map(|check| Check {
-                        limit: if share >= 1.0 {
-                            check.limit.clone()
-                        } else {
-                            Arc::new(check.limit.scaled(share))
-                        },
-                        ..check.clone()
-                    })
-                    .collect();
-                match self.fallback.check_and_consume(&scaled, None).await {
-                    Ok(decision) => Ok(Enforced::Decided(decision)),
-                    // The memory store does not fail; if it ever did, admit as `open` would.
-                    Err(_) => Ok(Enforced::FailedOpen),
-                }
+            Some(decision) => Ok(Enforced::Decided(decision)),
+        }
+    }
+
+    /// The node's fallback limiter for `share`: kept while the share stays, built afresh when
+    /// a reload changes it (as the layer's is).
+    fn fallback_for(&self, share: f64) -> Arc<LocalFallback> {
+        let mut fallback = self
+            .fallback
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        match &*fallback {
+            Some(current) if current.share() == share => current.clone(),
+            _ => {
+                let built = Arc::new(LocalFallback::new(share));
+                *fallback = Some(built.clone());
+                built
             }
         }
     }
