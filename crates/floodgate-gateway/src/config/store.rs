@@ -118,10 +118,11 @@ fn per_second(text: &str) -> Result<u64, Problem> {
 fn hot_identities(
     errors: &mut Errors,
     store: &raw::RawStore,
+    backend: Option<&Backend>,
     batched: bool,
 ) -> Option<HotIdentitySettings> {
     let raw = store.hot_identities.as_ref()?;
-    if store.backend == "memory" {
+    if backend.is_some_and(|backend| !backend.is_shared()) {
         errors.push(
             "store.hot_identities",
             "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
@@ -262,7 +263,7 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
         .as_deref()
         .and_then(|text| errors.ok("store.sync_interval", bounded_sync_interval(text)));
     if sync_interval.is_some() {
-        if store.backend == "memory" {
+        if backend.as_ref().is_some_and(|backend| !backend.is_shared()) {
             errors.push(
                 "store.sync_interval",
                 "needs a shared store (redis, redis_cluster or redis_sharded); the memory store \
@@ -287,7 +288,7 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
             }
         }
     }
-    let hot_identities = hot_identities(errors, store, sync_interval.is_some());
+    let hot_identities = hot_identities(errors, store, backend.as_ref(), sync_interval.is_some());
     if store.max_keys == 0 {
         errors.push("store.max_keys", "must be at least 1");
     }
