@@ -17,7 +17,7 @@ use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
-use crate::inspect::{ClientQuery, SelectError, Selected, limit_json};
+use crate::inspect::{ClientQuery, SelectError, Selected, limit_json, override_json};
 use crate::runtime::Gateway;
 
 /// What the admin handlers share.
@@ -41,6 +41,10 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/top", get(top))
         .route("/admin/status", get(status))
         .route("/admin/clients", get(inspect_client).delete(reset_client))
+        .route(
+            "/admin/clients/overrides",
+            get(list_overrides).put(set_override).delete(remove_overrides),
+        )
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .route("/", get(status_page))
@@ -267,6 +271,21 @@ async fn status(State(state): State<AdminState>) -> Response {
         "store".to_owned(),
         json!({"backend": store.backend(), "breaker": breaker}),
     );
+    // This node's copy, as decisions see it: the first 100.
+    let now = floodgate::Timestamp::now();
+    let overrides = runtime
+        .overrides()
+        .map(|overrides| overrides.in_force())
+        .unwrap_or_default();
+    report.insert("overrides_in_force".to_owned(), json!(overrides.len()));
+    report.insert(
+        "overrides".to_owned(),
+        overrides
+            .iter()
+            .take(100)
+            .map(|entry| override_json(entry, now))
+            .collect(),
+    );
     Json(serde_json::Value::Object(report)).into_response()
 }
 
@@ -314,6 +333,11 @@ async fn inspect_client(
         Err(refused) => return refusal(refused),
     };
     let store = state.gateway.store();
+    let mut selected = selected;
+    if let Some(overrides) = runtime.overrides() {
+        // As the request path decides them.
+        overrides.apply(&mut selected.checks);
+    }
     let decision = match store.peek(&selected.checks, None).await {
         Ok(decision) => decision,
         Err(error) => return store_failure(&error),
@@ -336,7 +360,14 @@ async fn inspect_client(
                 || (settings.global_sync_interval.is_some()
                     && crate::plan::is_global_ceiling(check))
                 || (local && leased && !crate::plan::is_global_ceiling(check));
-            limit_json(status, check, batched)
+            let mut limit = limit_json(status, check, batched);
+            let in_force = runtime
+                .overrides()
+                .and_then(|overrides| overrides.in_force_for(&check.key));
+            if let Some(entry) = in_force {
+                limit["override"] = override_json(&entry, floodgate::Timestamp::now());
+            }
+            limit
         })
         .collect();
     Json(json!({
@@ -387,15 +418,11 @@ async fn reset_client(
         .iter()
         .map(|check| format!("{}/{}", check.rule, check.limit.name()))
         .collect();
-    let caller = parts
-        .extensions
-        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-        .map_or_else(|| "unknown".to_owned(), |info| info.0.to_string());
     tracing::warn!(
         identity = %selected.hash,
         plan = %selected.plan,
         limits = ?names,
-        caller,
+        caller = caller(&parts),
         "client counters reset through the admin API"
     );
     metrics::counter!(crate::telemetry::ADMIN_RESETS_TOTAL).increment(1);
@@ -409,6 +436,226 @@ async fn reset_client(
         "plan": &*selected.plan,
         "reset": reset,
         "keys_with_state": held,
+    }))
+    .into_response()
+}
+
+/// Who called the admin API, for the log of a change.
+fn caller(parts: &axum::http::request::Parts) -> String {
+    parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map_or_else(|| "unknown".to_owned(), |info| info.0.to_string())
+}
+
+/// The overrides of this version's store, or the answer that there are none.
+fn overrides_of(
+    runtime: &crate::runtime::Runtime,
+) -> Result<&Arc<floodgate::overrides::Overrides>, Response> {
+    runtime.overrides().ok_or_else(|| {
+        refusal((
+            StatusCode::NOT_FOUND,
+            "overrides_unsupported: this store keeps no overrides".to_owned(),
+        ))
+    })
+}
+
+/// An override error as the admin API answers it.
+fn override_failure(error: floodgate::overrides::OverrideError) -> Response {
+    use floodgate::overrides::OverrideError;
+    match error {
+        OverrideError::Full(max) => {
+            floodgate::overrides::record_change("refused");
+            (
+                StatusCode::CONFLICT,
+                Json(json!({
+                    "error": "too_many_overrides",
+                    "detail": format!("{max} overrides are in force (admin.overrides.max_active); remove one or wait for one to expire"),
+                })),
+            )
+                .into_response()
+        }
+        OverrideError::Store(error) => store_failure(&error),
+        OverrideError::Unsupported => refusal((
+            StatusCode::NOT_FOUND,
+            "overrides_unsupported: this store keeps no overrides".to_owned(),
+        )),
+        other => (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "invalid_override", "detail": other.to_string()})),
+        )
+            .into_response(),
+    }
+}
+
+/// `PUT /admin/clients/overrides?api_key=…`: replaces one limit of the client's plan until
+/// the override expires (SPEC §7). The body: `{"name", "limit", "window", "burst",
+/// "expires_in"}`; answers the override as stored.
+async fn set_override(
+    State(state): State<AdminState>,
+    parts: axum::http::request::Parts,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+    body: axum::body::Bytes,
+) -> Response {
+    let runtime = state.gateway.current();
+    let overrides = match overrides_of(&runtime) {
+        Ok(overrides) => overrides,
+        Err(refused) => return refused,
+    };
+    let selected = match selected(&runtime, query) {
+        Ok(selected) => selected,
+        Err(refused) => return refusal(refused),
+    };
+    let spec = match serde_json::from_slice::<serde_json::Value>(&body)
+        .map_err(|_| floodgate::overrides::OverrideError::Invalid {
+            field: "body".to_owned(),
+            problem: "is not JSON".to_owned(),
+        })
+        .and_then(|body| floodgate::overrides::OverrideSpec::from_json(&body))
+    {
+        Ok(spec) => spec,
+        Err(error) => return override_failure(error),
+    };
+    let Some(target) = selected.plan_limit(&runtime.config, &spec.name) else {
+        return refusal((
+            StatusCode::NOT_FOUND,
+            format!(
+                "unknown_limit: plan `{}` has no limit `{}` for this client",
+                selected.plan, spec.name
+            ),
+        ));
+    };
+    let entry = match overrides.set(target, &spec).await {
+        Ok(entry) => entry,
+        Err(error) => return override_failure(error),
+    };
+    tracing::warn!(
+        identity = %selected.hash,
+        plan = %selected.plan,
+        limit = %entry.name,
+        new_limit = entry.limit,
+        window = ?entry.window,
+        burst = ?entry.burst,
+        expires_in = spec.expires_in.as_secs(),
+        caller = caller(&parts),
+        "limit override set through the admin API"
+    );
+    floodgate::overrides::record_change("set");
+    let mut answer = override_json(&entry, floodgate::Timestamp::now());
+    answer["plan"] = json!(&*selected.plan);
+    Json(answer).into_response()
+}
+
+/// `GET /admin/clients/overrides`: a client's overrides in force, or (without a client) every
+/// override of the store, a page at a time (`per_page`, `after` the previous page's `next`).
+async fn list_overrides(
+    State(state): State<AdminState>,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+) -> Response {
+    let runtime = state.gateway.current();
+    let overrides = match overrides_of(&runtime) {
+        Ok(overrides) => overrides,
+        Err(refused) => return refused,
+    };
+    let now = floodgate::Timestamp::now();
+    let names_a_client = query.as_ref().is_ok_and(|Query(query)| query.names_a_client());
+    if !names_a_client {
+        let Ok(Query(query)) = query else {
+            return refusal((StatusCode::BAD_REQUEST, "invalid query".to_owned()));
+        };
+        let per_page = query.per_page.unwrap_or(100).clamp(1, 1000);
+        let all = match overrides.list().await {
+            Ok(all) => all,
+            Err(error) => return override_failure(error),
+        };
+        let page: Vec<&floodgate::overrides::Override> = all
+            .iter()
+            .filter(|entry| query.after.as_deref().is_none_or(|after| &*entry.target > after))
+            .take(per_page)
+            .collect();
+        let next = (page.len() == per_page)
+            .then(|| page.last().map(|entry| entry.target.to_string()))
+            .flatten()
+            .filter(|last| all.last().is_some_and(|end| &*end.target != last));
+        return Json(json!({
+            "total": all.len(),
+            "overrides": page.iter().map(|entry| override_json(entry, now)).collect::<Vec<_>>(),
+            "next": next,
+        }))
+        .into_response();
+    }
+    let selected = match selected(&runtime, query) {
+        Ok(selected) => selected,
+        Err(refused) => return refusal(refused),
+    };
+    let entries = match overrides.of_client(&selected.tag()).await {
+        Ok(entries) => entries,
+        Err(error) => return override_failure(error),
+    };
+    Json(json!({
+        "identity": selected.hash.to_string(),
+        "scope": selected.scope,
+        "plan": &*selected.plan,
+        "overrides": entries.iter().map(|entry| override_json(entry, now)).collect::<Vec<_>>(),
+    }))
+    .into_response()
+}
+
+/// `DELETE /admin/clients/overrides?api_key=…&name=…`: ends the client's override of `name`
+/// (without `name`, all of the client's) at once.
+async fn remove_overrides(
+    State(state): State<AdminState>,
+    parts: axum::http::request::Parts,
+    query: Result<Query<ClientQuery>, QueryRejection>,
+) -> Response {
+    let runtime = state.gateway.current();
+    let overrides = match overrides_of(&runtime) {
+        Ok(overrides) => overrides,
+        Err(refused) => return refused,
+    };
+    let name = query
+        .as_ref()
+        .ok()
+        .and_then(|Query(query)| query.name.clone());
+    let selected = match selected(&runtime, query) {
+        Ok(selected) => selected,
+        Err(refused) => return refusal(refused),
+    };
+    let entries = match overrides.of_client(&selected.tag()).await {
+        Ok(entries) => entries,
+        Err(error) => return override_failure(error),
+    };
+    let mut removed = Vec::new();
+    for entry in entries
+        .iter()
+        .filter(|entry| name.as_deref().is_none_or(|name| *entry.name == *name))
+    {
+        match overrides.remove(&entry.target).await {
+            Ok(true) => removed.push(entry.name.to_string()),
+            Ok(false) => {}
+            Err(error) => return override_failure(error),
+        }
+    }
+    if removed.is_empty() {
+        return refusal((
+            StatusCode::NOT_FOUND,
+            "no_override: this client has no override in force".to_owned(),
+        ));
+    }
+    tracing::warn!(
+        identity = %selected.hash,
+        plan = %selected.plan,
+        limits = ?removed,
+        caller = caller(&parts),
+        "limit override removed through the admin API"
+    );
+    for _ in &removed {
+        floodgate::overrides::record_change("removed");
+    }
+    Json(json!({
+        "identity": selected.hash.to_string(),
+        "plan": &*selected.plan,
+        "removed": removed,
     }))
     .into_response()
 }

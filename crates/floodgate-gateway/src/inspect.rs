@@ -28,8 +28,14 @@ pub struct ClientQuery {
     plan: Option<String>,
     method: Option<String>,
     path: Option<String>,
-    /// Only this limit (reset).
+    /// Only this limit (inspection, reset).
     pub limit: Option<String>,
+    /// The limit an override is about (`/admin/clients/overrides`).
+    pub name: Option<String>,
+    /// Listing every override: the page after this cursor (the `next` of the page before).
+    pub after: Option<String>,
+    /// Listing every override: entries per page (default 100, at most 1000).
+    pub per_page: Option<usize>,
 }
 
 /// Why a query names no client.
@@ -58,6 +64,11 @@ pub struct Selected {
 }
 
 impl ClientQuery {
+    /// Whether the query names a client at all (listing every override names none).
+    pub fn names_a_client(&self) -> bool {
+        self.api_key.is_some() || self.user.is_some() || self.identity.is_some() || self.ip.is_some()
+    }
+
     /// Resolves the client and the checks of `method path` under `config`.
     pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
         let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
@@ -189,6 +200,39 @@ impl ClientQuery {
             checks,
         })
     }
+}
+
+impl Selected {
+    /// The client's hash tag, `<scope>:<hash>`, as in its storage keys.
+    pub fn tag(&self) -> String {
+        format!("{}:{}", self.scope, self.hash)
+    }
+
+    /// The check of the limit `name` of the client's plan (what an override replaces), among
+    /// every check of the client ([`ClientQuery::select`] without a request).
+    pub fn plan_limit(&self, config: &Config, name: &str) -> Option<&Check> {
+        let plan = config.plans.get(&*self.plan)?;
+        self.checks
+            .iter()
+            .find(|check| check.rule == plan.rule && check.limit.name() == name)
+    }
+}
+
+/// An override as the admin API shows it.
+pub fn override_json(entry: &floodgate::overrides::Override, now: floodgate::Timestamp) -> Value {
+    let (scope, hash) = entry.client().rsplit_once(':').unwrap_or(("", entry.client()));
+    json!({
+        "identity": hash,
+        "scope": scope,
+        "rule": &*entry.rule,
+        "name": &*entry.name,
+        "limit": entry.limit,
+        "window_seconds": seconds(entry.window),
+        "burst": entry.burst,
+        "expires_in": entry.remaining_secs(now),
+        "expires_at": entry.expires_at.as_secs_ceil(),
+        "set_at": entry.set_at.as_micros() / 1_000_000,
+    })
 }
 
 /// 32 hex digits.

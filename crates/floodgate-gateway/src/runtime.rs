@@ -77,7 +77,7 @@ impl Runtime {
         let make =
             |policy: FailurePolicy, rollout: &Rollout| -> Result<RateLimit<Proxy>, GatewayError> {
                 let routes = config.clone();
-                let layer = RateLimitLayer::builder()
+                let mut layer = RateLimitLayer::builder()
                     .plan(GatewayPlan::new(config.clone()))
                     .shared_store(store.store.clone())
                     .identify(|request: &RequestInfo<'_>| {
@@ -103,6 +103,10 @@ impl Runtime {
                     .limited_rate_baseline(observers.baseline.clone())
                     .fallback_share(config.store.fallback_share)
                     .responses(config.response.clone());
+                if let Some(overrides) = &store.overrides {
+                    // One copy for every layer, kept across reloads with the store.
+                    layer = layer.overrides(overrides.clone());
+                }
                 Ok(layer.build()?.layer(proxy.clone()))
             };
         let mut services = HashMap::new();
@@ -111,10 +115,16 @@ impl Runtime {
             let rollout = plan.rollout.as_ref().unwrap_or(&config.rollout);
             services.insert(name.clone(), make(policy, rollout)?);
         }
+        let fallback_service = make(config.on_store_error, &config.rollout)?;
+        if let Some(overrides) = &store.overrides {
+            // Built: the bounds of this version apply to the next changes.
+            let bounds = config.overrides;
+            overrides.set_bounds(bounds.max_active, bounds.max_expires_in);
+        }
         Ok(Runtime {
             version,
             loaded_at: SystemTime::now(),
-            fallback_service: make(config.on_store_error, &config.rollout)?,
+            fallback_service,
             services,
             config,
             store,
@@ -125,6 +135,11 @@ impl Runtime {
     /// The store this version decides with.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store.store
+    }
+
+    /// The per-client overrides of this version's store (`/admin/clients/overrides`).
+    pub fn overrides(&self) -> Option<&Arc<floodgate::overrides::Overrides>> {
+        self.store.overrides.as_ref()
     }
 
     /// Which identities this version's store decides from leases (`store.hot_identities`).

@@ -9,6 +9,7 @@ use floodgate::store::{
     BatchedStore, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder, ShardedRedisStore,
     SplitStore,
 };
+use floodgate::overrides::Overrides;
 use floodgate::{MemoryStore, Store, StoreError};
 
 use crate::config::{Backend, StoreSettings};
@@ -66,13 +67,14 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>,
 }
 
 /// Whether a store built from `new` would be the one built from `current`: then the reload keeps
-/// it, and its counters. The memory store is built from nothing but its backend; the prefix and
-/// `fallback_share` are the layer's, not the store's.
+/// it, and its counters. The memory store is built from nothing but its backend (and the
+/// prefix its overrides are kept under); `fallback_share` is the layer's, not the store's.
 pub fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
     match (&current.backend, &new.backend) {
-        (Backend::Memory, Backend::Memory) => true,
+        (Backend::Memory, Backend::Memory) => current.prefix == new.prefix,
         _ => {
             current.backend == new.backend
+                && current.prefix == new.prefix
                 && current.timeout == new.timeout
                 && current.breaker_failures == new.breaker_failures
                 && current.breaker_open_for == new.breaker_open_for
@@ -94,6 +96,21 @@ pub struct BuiltStore {
     pub store: Arc<dyn Store>,
     /// Which identities this node decides from leases now.
     pub hot_identities: Option<Arc<HotIdentities>>,
+    /// The per-client overrides kept in this store (under the key prefix), this node's copy.
+    pub overrides: Option<Arc<Overrides>>,
+}
+
+impl BuiltStore {
+    fn new(store: Arc<dyn Store>, hot_identities: Option<Arc<HotIdentities>>, prefix: &str) -> Self {
+        let overrides = store
+            .override_backend()
+            .map(|backend| Arc::new(Overrides::new(backend, prefix)));
+        BuiltStore {
+            store,
+            hot_identities,
+            overrides,
+        }
+    }
 }
 
 /// The store `settings` describe, ready to serve (Redis connects lazily).
@@ -103,14 +120,10 @@ pub struct BuiltStore {
 /// (the ceilings outermost, so that a saturated ceiling costs nothing further).
 pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
     let Some(shared) = shared_store(settings)? else {
-        return Ok(BuiltStore {
-            store: Arc::new(
-                MemoryStore::builder()
-                    .evict_every(Duration::from_secs(10))
-                    .build(),
-            ),
-            hot_identities: None,
-        });
+        let memory = MemoryStore::builder()
+            .evict_every(Duration::from_secs(10))
+            .build();
+        return Ok(BuiltStore::new(Arc::new(memory), None, &settings.prefix));
     };
     let batched = |interval: Duration| {
         BatchedStore::builder(shared.clone())
@@ -119,10 +132,11 @@ pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
             .build()
     };
     if let Some(interval) = settings.sync_interval {
-        return Ok(BuiltStore {
-            store: Arc::new(batched(interval)),
-            hot_identities: None,
-        });
+        return Ok(BuiltStore::new(
+            Arc::new(batched(interval)),
+            None,
+            &settings.prefix,
+        ));
     }
     let mut exact: Arc<dyn Store> = shared.clone();
     let hot_identities = settings
@@ -137,8 +151,5 @@ pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
     if let Some(interval) = settings.global_sync_interval {
         exact = Arc::new(SplitStore::new(batched(interval), exact, is_global_ceiling));
     }
-    Ok(BuiltStore {
-        store: exact,
-        hot_identities,
-    })
+    Ok(BuiltStore::new(exact, hot_identities, &settings.prefix))
 }

@@ -585,4 +585,10 @@ impl<S: Store> Store for ServedStore<S> {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         self.store.charge(checks, now)
     }
+
+    fn override_backend(
+        &self,
+    ) -> Option<std::sync::Arc<dyn floodgate::overrides::OverrideBackend>> {
+        self.store.override_backend()
+    }
 }

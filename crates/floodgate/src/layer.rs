@@ -12,6 +12,7 @@ use crate::headers::HeaderStyle;
 use crate::key::{DefaultIdentifier, IdentifyClient, Identity, RequestInfo};
 use crate::limit::{Limit, is_valid_name};
 use crate::lists::ClientList;
+use crate::overrides::{Override, OverrideError, OverrideSpec, Overrides};
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::post_charge::ResponseCost;
 use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
@@ -219,6 +220,103 @@ impl RateLimitLayer {
             .collect();
         self.shared.store.reset(&keys).await
     }
+
+    /// The per-client overrides this layer applies (from its store, or as given to
+    /// [`RateLimitLayerBuilder::overrides`]); `None` if its store keeps none.
+    pub fn overrides(&self) -> Option<&Arc<Overrides>> {
+        self.shared.overrides.as_ref()
+    }
+
+    /// Replaces, until it expires, the limit named `spec.name` of the client of `request` (a
+    /// request that stands for the client, as for [`peek`](Self::peek)), on every node of the
+    /// layer's store: at once here, within [`Overrides::REFRESH_EVERY`] on the others. The
+    /// limit keeps its name and counters. Log who asked.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use floodgate::overrides::OverrideSpec;
+    /// use floodgate::{Limit, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::builder()
+    ///     .limit(Limit::token_bucket("per-second", 10, Duration::from_secs(1))?)
+    ///     .build()?;
+    /// let client = http::Request::get("/").header("x-api-key", "k1").body(())?;
+    /// // Ten times the limit for two hours.
+    /// let spec = OverrideSpec::new("per-second", 100, Duration::from_secs(7200));
+    /// layer.set_override(&client, &spec).await?;
+    /// let decision = layer.peek(&client).await?.expect("a limit applies");
+    /// assert_eq!(decision.limits()[0].limit, 100);
+    /// assert_eq!(layer.overrides_of(&client).await?.len(), 1);
+    /// assert!(layer.remove_override(&client, "per-second").await?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn set_override<B>(
+        &self,
+        request: &http::Request<B>,
+        spec: &OverrideSpec,
+    ) -> Result<Override, OverrideError> {
+        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
+        let target = self
+            .client_checks(request)?
+            .into_iter()
+            .find(|check| check.limit.name() == spec.name)
+            .ok_or_else(|| OverrideError::UnknownLimit(spec.name.clone()))?;
+        overrides.set(&target, spec).await
+    }
+
+    /// The overrides in force for the client of `request`, read from the store.
+    pub async fn overrides_of<B>(
+        &self,
+        request: &http::Request<B>,
+    ) -> Result<Vec<Override>, OverrideError> {
+        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
+        let targets: Vec<Arc<str>> = self
+            .client_checks(request)?
+            .into_iter()
+            .map(|check| check.key)
+            .collect();
+        let mut all = overrides.list().await?;
+        all.retain(|entry| targets.contains(&entry.target));
+        Ok(all)
+    }
+
+    /// Ends the override of the limit `name` of the client of `request` at once on this
+    /// node, and within [`Overrides::REFRESH_EVERY`] on the others; whether there was one.
+    pub async fn remove_override<B>(
+        &self,
+        request: &http::Request<B>,
+        name: &str,
+    ) -> Result<bool, OverrideError> {
+        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
+        let Some(target) = self
+            .client_checks(request)?
+            .into_iter()
+            .find(|check| check.limit.name() == name)
+        else {
+            return Ok(false);
+        };
+        overrides.remove(&target.key).await
+    }
+
+    /// The checks of the client of `request` that count its own identity (not a per-IP or
+    /// global limit it shares), as configured.
+    fn client_checks<B>(&self, request: &http::Request<B>) -> Result<Vec<Check>, OverrideError> {
+        let Ok((checks, _, identity)) = self.shared.configured_checks_of(request, false) else {
+            return Err(OverrideError::NoClient);
+        };
+        let client = format!("{}:{}", identity.scope(), identity.hash());
+        let own: Vec<Check> = checks
+            .into_iter()
+            .filter(|check| crate::key::storage::hash_tag(&check.key) == client)
+            .collect();
+        if own.is_empty() {
+            return Err(OverrideError::NoClient);
+        }
+        Ok(own)
+    }
 }
 
 impl<S> Layer<S> for RateLimitLayer {
@@ -252,6 +350,7 @@ pub struct RateLimitLayerBuilder {
     on_unknown_identity: UnknownIdentity,
     concurrency_retry_hint: Option<Duration>,
     response_cost: Option<Arc<dyn ResponseCost>>,
+    overrides: Option<Arc<Overrides>>,
     /// Which of `rule` and `key_prefix` were set (they conflict with a plan).
     rule_set: bool,
     prefix_set: bool,
@@ -280,6 +379,7 @@ impl Default for RateLimitLayerBuilder {
             on_unknown_identity: UnknownIdentity::default(),
             concurrency_retry_hint: None,
             response_cost: None,
+            overrides: None,
             rule_set: false,
             prefix_set: false,
         }
@@ -505,6 +605,14 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// The per-client overrides to apply (default: those of the store, under the key prefix,
+    /// with [`Overrides`]' default bounds). Give the same `Overrides` to several layers on one
+    /// store, or keep it across rebuilds, so that one copy serves them all.
+    pub fn overrides(mut self, overrides: Arc<Overrides>) -> Self {
+        self.overrides = Some(overrides);
+        self
+    }
+
     /// All of the built-in responses' settings at once (headers, jitter, docs link, body
     /// format), as a configuration file gives them; checked by [`build`](Self::build).
     pub fn responses(mut self, settings: ResponseSettings) -> Self {
@@ -560,7 +668,7 @@ impl RateLimitLayerBuilder {
                     }
                 }
                 let limits = self.limits.into_iter().map(Arc::new).collect();
-                Arc::new(StaticPlan::new(self.prefix, self.rule, limits))
+                Arc::new(StaticPlan::new(self.prefix.clone(), self.rule, limits))
             }
         };
         let store = self.store.unwrap_or_else(|| {
@@ -575,8 +683,13 @@ impl RateLimitLayerBuilder {
                     .build(),
             )
         });
+        let overrides = self.overrides.or_else(|| {
+            let backend = store.override_backend()?;
+            Some(Arc::new(Overrides::new(backend, self.prefix.clone())))
+        });
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
+                overrides,
                 store,
                 plan,
                 identify: self

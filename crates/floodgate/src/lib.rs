@@ -12,6 +12,7 @@ pub mod key;
 mod layer;
 pub mod limit;
 pub mod lists;
+pub mod overrides;
 pub mod plan;
 pub mod post_charge;
 pub mod response;

@@ -21,6 +21,7 @@ use crate::key::Identity;
 use crate::key::{IdentifyClient, RequestInfo};
 use crate::limit::Limit;
 use crate::lists::ClientList;
+use crate::overrides::Overrides;
 use crate::plan::LimitPlan;
 use crate::post_charge::{self, ReportedCost, ResponseCost};
 use crate::response::{
@@ -70,6 +71,7 @@ pub(crate) struct Shared {
     pub(crate) concurrency_retry_hint: Option<Duration>,
     pub(crate) unidentified: Unidentified,
     pub(crate) response_cost: Option<Arc<dyn ResponseCost>>,
+    pub(crate) overrides: Option<Arc<Overrides>>,
 }
 
 /// What happens to a request whose client cannot be identified: no API key, no user, and no
@@ -129,6 +131,19 @@ impl Shared {
     /// [`Shared::checks`]; with `record` false (an operator looking a client up), nothing is
     /// counted or logged.
     pub(crate) fn checks_of<B>(
+        &self,
+        request: &Request<B>,
+        record: bool,
+    ) -> Result<(Vec<Check>, bool, Identity), EarlyAnswer> {
+        let mut planned = self.configured_checks_of(request, record)?;
+        if let Some(overrides) = &self.overrides {
+            overrides.apply(&mut planned.0);
+        }
+        Ok(planned)
+    }
+
+    /// [`Shared::checks_of`] with the limits as configured: no override applied.
+    pub(crate) fn configured_checks_of<B>(
         &self,
         request: &Request<B>,
         record: bool,

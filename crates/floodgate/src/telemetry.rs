@@ -65,6 +65,14 @@ pub const HOT_IDENTITIES: &str = "floodgate_hot_identities";
 /// decisions (`change="promoted"`) and demotions back to exact ones (`"demoted"`).
 pub const HOT_IDENTITY_CHANGES_TOTAL: &str = "floodgate_hot_identity_changes_total";
 
+/// `floodgate_overrides_total{action}`: operators' changes of per-client overrides
+/// (`action="set"`, `"removed"`, or `"refused"` when the bound on overrides in force was
+/// reached).
+pub const OVERRIDES_TOTAL: &str = "floodgate_overrides_total";
+
+/// `floodgate_overrides_active`: overrides in force in this node's copy.
+pub const OVERRIDES_ACTIVE: &str = "floodgate_overrides_active";
+
 /// Counts a promotion (or a demotion) and sets the gauge of hot identities.
 pub fn record_hot_identity_change(promoted: bool, hot_now: usize) {
     let change = if promoted { "promoted" } else { "demoted" };
@@ -474,6 +482,18 @@ pub const METRICS: &[MetricDescription] = &[
         kind: MetricKind::Counter,
         seconds: false,
         help: "Hot identity promotions to lease-based decisions and demotions back to exact ones, by change",
+    },
+    MetricDescription {
+        name: OVERRIDES_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Operators' changes of per-client limit overrides, by action (set, removed, refused)",
+    },
+    MetricDescription {
+        name: OVERRIDES_ACTIVE,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "Per-client limit overrides in force in this node's copy",
     },
     MetricDescription {
         name: UNIDENTIFIED_REQUESTS_TOTAL,

@@ -19,6 +19,7 @@ mod duration;
 mod endpoints;
 mod errors;
 mod limits;
+mod operations;
 mod raw;
 mod response;
 mod rls;
@@ -35,6 +36,7 @@ pub use errors::{ConfigError, ConfigErrors, Problem};
 pub use floodgate::response::ResponseSettings;
 pub use floodgate::rollout::Rollout;
 pub use limits::{EndpointLimits, PlanLimits};
+pub use operations::{AccessLogFormat, AccessLogSettings, AccessLogTarget, OverrideBounds};
 pub use raw::RawConfig;
 pub use rls::RlsSettings;
 pub use routes::{RouteTarget, Upstream};
@@ -106,6 +108,10 @@ pub struct Config {
     pub response: ResponseSettings,
     /// Envoy's rate limit service (`rls:`), when configured.
     pub rls: Option<RlsSettings>,
+    /// The bounds on the admin API's per-client overrides (`admin.overrides`).
+    pub overrides: OverrideBounds,
+    /// The access log (`access_log`), when configured.
+    pub access_log: Option<AccessLogSettings>,
     /// The configuration as JSON with API keys replaced by their hashes and passwords in URLs
     /// by `***`, for `/admin/config`.
     pub redacted: serde_json::Value,
@@ -332,6 +338,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let denylist = clients::client_list(&mut errors, "denylist", &raw.denylist);
     let response = response::response(&mut errors, &raw);
     let rls_settings = rls::rls(&mut errors, raw.rls.as_ref());
+    let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
+    let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
 
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
@@ -349,6 +357,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         Some(rollout_settings),
         Some(response),
         Some(unknown_keys),
+        Some(override_bounds),
+        Some(access_log),
     ) = (
         listen,
         admin_listen,
@@ -361,6 +371,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         rollout_settings,
         response,
         unknown_keys,
+        override_bounds,
+        access_log,
     )
     else {
         return Err(ConfigErrors(vec![ConfigError {
@@ -418,6 +430,8 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         denylist,
         response,
         rls: rls_settings,
+        overrides: override_bounds,
+        access_log,
         redacted,
     })
 }

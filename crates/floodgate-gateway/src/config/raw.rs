@@ -136,6 +136,8 @@ pub struct RawConfig {
     pub response: RawResponse,
     #[serde(default)]
     pub rls: Option<super::rls::RawRls>,
+    #[serde(default)]
+    pub access_log: Option<super::operations::RawAccessLog>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -143,12 +145,15 @@ pub struct RawConfig {
 pub struct RawAdmin {
     #[serde(default = "default_admin_listen")]
     pub listen: String,
+    #[serde(default)]
+    pub overrides: super::operations::RawOverrides,
 }
 
 impl Default for RawAdmin {
     fn default() -> Self {
         RawAdmin {
             listen: default_admin_listen(),
+            overrides: Default::default(),
         }
     }
 }

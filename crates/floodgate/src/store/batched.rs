@@ -1227,6 +1227,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         self.shared.target.breaker_state()
     }
 
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        self.shared.target.override_backend()
+    }
+
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.shared.target.probe()
     }

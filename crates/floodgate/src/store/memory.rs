@@ -43,6 +43,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     next_lease_id: AtomicU64,
     sweep_interval_micros: u64,
+    /// The overrides of this store's clients: in this process, like the counters.
+    overrides: Arc<crate::overrides::MemoryOverrides>,
 }
 
 /// Aligned to two cache lines, so that the lock around it (which this alignment carries) and
@@ -207,6 +209,7 @@ impl MemoryStoreBuilder {
                 clock: self.clock,
                 next_lease_id: AtomicU64::new(1),
                 sweep_interval_micros: duration_to_micros(self.sweep_interval).max(1),
+                overrides: Arc::default(),
             }),
         };
         if let (Some(period), Ok(runtime)) =
@@ -531,6 +534,10 @@ impl Store for MemoryStore {
 
     fn backend(&self) -> &'static str {
         "memory"
+    }
+
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        Some(self.inner.overrides.clone())
     }
 
     fn peek<'a>(

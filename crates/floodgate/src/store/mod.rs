@@ -108,6 +108,13 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Where this store keeps per-client overrides ([`crate::overrides`]), shared by every
+    /// node on the store: the memory store in its process, the Redis stores beside the
+    /// counters. `None`: this store keeps none.
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        None
+    }
+
     /// Asks the store whether it answers this client, without deciding anything (start-up
     /// and readiness checks). Stores that are always there answer at once.
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
@@ -165,6 +172,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn breaker_state(&self) -> Option<resilience::BreakerState> {
         (**self).breaker_state()
+    }
+
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        (**self).override_backend()
     }
 
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -233,6 +233,10 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         self.exact.breaker_state()
     }
 
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        self.exact.override_backend()
+    }
+
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.exact.probe()
     }

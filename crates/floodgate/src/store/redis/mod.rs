@@ -15,6 +15,7 @@ mod coalesce;
 mod connection;
 mod deny_cache;
 mod groups;
+mod overrides;
 mod resets;
 mod script;
 mod sharded;
@@ -416,6 +417,36 @@ impl RedisStore {
         self.inner.connection.query(command, deadline).await
     }
 
+    /// Runs `command` on the decisions' connection (no connection of its own, unlike
+    /// [`RedisStore::query`]: operations that recur, such as reading overrides), within the
+    /// deadline (at least 100ms), outside the breaker.
+    pub(crate) async fn command(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
+        let deadline = self
+            .inner
+            .guard
+            .config()
+            .timeout
+            .max(Duration::from_millis(100));
+        match tokio::time::timeout(deadline, self.inner.connection.run(command)).await {
+            Ok(result) => result.map_err(ConnectionError::into_store_error),
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        }
+    }
+
+    /// Makes every node's deny cache forget what it denied on `keys` (this node's at once,
+    /// the others' through [`RESETS_CHANNEL`]): their limits changed, or were reset. A failed
+    /// publish is logged: other nodes keep denying those keys locally until their waits end.
+    pub(crate) async fn forget_denials(&self, keys: &[&str]) {
+        if let Some(cache) = self.deny_cache() {
+            cache.forget_reset(keys.iter().copied());
+        }
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(RESETS_CHANNEL).arg(keys.join("\n"));
+        if let Err(error) = self.query(&publish).await {
+            tracing::warn!(%error, "could not publish a reset: other nodes may keep denying its keys locally until their waits are over");
+        }
+    }
+
     /// Runs a call of the library: by `FCALL` while the server has its functions, loading them
     /// when they are missing (first use, a restart, a `FUNCTION FLUSH`, a new master); by
     /// `EVALSHA` on a server that has no functions or refuses `FUNCTION`, detected on first
@@ -718,6 +749,7 @@ impl Store for RedisStore {
     /// them (this node's forgets them at once).
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
+            // Forgotten here at once, and again with the publish below.
             if let Some(cache) = self.deny_cache() {
                 cache.forget_reset(keys.iter().map(|key| &**key));
             }
@@ -734,15 +766,15 @@ impl Store for RedisStore {
                         return Err(StoreError::Protocol(format!("DEL answered {other:?}")));
                     }
                 }
-                let message: Vec<&str> = group.iter().map(|&index| &*keys[index]).collect();
-                let mut publish = redis::cmd("PUBLISH");
-                publish.arg(RESETS_CHANNEL).arg(message.join("\n"));
-                if let Err(error) = self.query(&publish).await {
-                    tracing::warn!(%error, "could not publish a reset: other nodes may keep denying its keys locally until their waits are over");
-                }
+                let reset: Vec<&str> = group.iter().map(|&index| &*keys[index]).collect();
+                self.forget_denials(&reset).await;
             }
             Ok(removed)
         })
+    }
+
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        Some(Arc::new(overrides::RedisOverrides::single(self.clone())))
     }
 
     /// `PING`, outside the breaker.

@@ -201,6 +201,12 @@ impl Store for ShardedRedisStore {
     }
 
     /// Open if any node's breaker is not closed: that node's identities follow the policy.
+    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+        Some(Arc::new(super::overrides::RedisOverrides::sharded(
+            self.clone(),
+        )))
+    }
+
     fn breaker_state(&self) -> Option<BreakerState> {
         self.nodes
             .iter()

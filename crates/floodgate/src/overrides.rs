@@ -1,0 +1,758 @@
+//! Per-client limits changed at runtime: an [`Override`] replaces one limit of one client
+//! (its `limit`, and optionally `window` and `burst`) until it expires by itself.
+//!
+//! Overrides live in the store the counters live in ([`OverrideBackend`]: in this process for
+//! the memory store, in Redis under the client's hash tag for the Redis stores), so that every
+//! node on that store applies them. Each node keeps what is in force in memory
+//! ([`Overrides`]) and refreshes it in the background at least every
+//! [`Overrides::REFRESH_EVERY`]: one small read while nothing changed, the whole list when
+//! something did. Deciding costs one hash lookup per check while some override is in force on
+//! the node, and one atomic load when none is.
+//!
+//! An override keeps the limit's name and storage key, so the client's counters carry over:
+//! a bucket keeps its tokens (capped at the new burst), a window keeps its count when the
+//! window length stays the same (a new window length starts counting afresh).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::limit::{Limit, LimitError};
+use crate::store::{BoxFuture, Check, StoreError};
+use crate::time::{Timestamp, duration_to_micros};
+
+/// The shortest `expires_in`.
+pub const MIN_EXPIRES_IN: Duration = Duration::from_secs(1);
+
+/// The default longest `expires_in`.
+pub const DEFAULT_MAX_EXPIRES_IN: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The default most overrides in force at once, per store.
+pub const DEFAULT_MAX_ACTIVE: usize = 1000;
+
+/// One limit of one client, replaced until `expires_at`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Override {
+    /// The storage key of the limit it replaces: which client, rule and limit.
+    pub target: Arc<str>,
+    /// The rule of that limit.
+    pub rule: Arc<str>,
+    /// The limit's name (kept: headers and metrics still name it).
+    pub name: Arc<str>,
+    /// Requests (or units) per window.
+    pub limit: u64,
+    /// The window.
+    pub window: Duration,
+    /// The burst, for the algorithms that have one.
+    pub burst: Option<u64>,
+    /// When it was set.
+    pub set_at: Timestamp,
+    /// When it stops applying.
+    pub expires_at: Timestamp,
+}
+
+impl Override {
+    /// The client's hash tag (`<scope>:<identity hash>`), as in its storage keys.
+    pub fn client(&self) -> &str {
+        crate::key::storage::hash_tag(&self.target)
+    }
+
+    /// Whole seconds left at `now` (rounded up), 0 once expired.
+    pub fn remaining_secs(&self, now: Timestamp) -> u64 {
+        self.expires_at
+            .as_micros()
+            .saturating_sub(now.as_micros())
+            .div_ceil(1_000_000)
+    }
+
+    /// Whether it applies at `now`.
+    pub fn is_active(&self, now: Timestamp) -> bool {
+        self.expires_at > now
+    }
+
+    /// `original` with this override's settings: same name, algorithm and cost.
+    pub fn apply_to(&self, original: &Limit) -> Result<Limit, LimitError> {
+        let mut builder = Limit::builder(original.name())
+            .algorithm(original.algorithm())
+            .limit(self.limit)
+            .window(self.window);
+        if let Some(burst) = self.burst {
+            builder = builder.burst(burst);
+        }
+        if let Some(cost) = original.cost_override() {
+            builder = builder.cost(cost);
+        }
+        builder.build()
+    }
+
+    /// The stored form (JSON), as every backend keeps it.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "target": &*self.target,
+            "rule": &*self.rule,
+            "name": &*self.name,
+            "limit": self.limit,
+            "window_ms": duration_to_micros(self.window) / 1000,
+            "burst": self.burst,
+            "set_at_ms": self.set_at.as_micros() / 1000,
+            "expires_at_ms": self.expires_at.as_micros() / 1000,
+        })
+    }
+
+    /// Reads [`Override::to_json`] back; `None` for anything else (a damaged entry is skipped).
+    pub fn from_json(value: &Value) -> Option<Override> {
+        let text = |field: &str| value.get(field)?.as_str().map(Arc::from);
+        let number = |field: &str| value.get(field)?.as_u64();
+        let millis = |field: &str| number(field).map(|ms| ms.saturating_mul(1000));
+        Some(Override {
+            target: text("target")?,
+            rule: text("rule")?,
+            name: text("name")?,
+            limit: number("limit")?,
+            window: Duration::from_millis(number("window_ms")?),
+            burst: value.get("burst").and_then(Value::as_u64),
+            set_at: Timestamp::from_micros(millis("set_at_ms")?),
+            expires_at: Timestamp::from_micros(millis("expires_at_ms")?),
+        })
+    }
+}
+
+/// What an operator asks for: a new `limit` for the limit `name` of a client, for
+/// `expires_in`. `window` and `burst` default to the limit's own (a burst equal to the limit,
+/// the default, follows the new limit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverrideSpec {
+    /// The limit to replace, by name.
+    pub name: String,
+    /// The new limit.
+    pub limit: u64,
+    /// The new window (default: the limit's).
+    pub window: Option<Duration>,
+    /// The new burst (default: the limit's, or the new limit where the burst was the limit).
+    pub burst: Option<u64>,
+    /// How long it stays in force.
+    pub expires_in: Duration,
+}
+
+impl OverrideSpec {
+    /// `limit` for the limit `name`, for `expires_in`, window and burst as they are.
+    pub fn new(name: impl Into<String>, limit: u64, expires_in: Duration) -> Self {
+        OverrideSpec {
+            name: name.into(),
+            limit,
+            window: None,
+            burst: None,
+            expires_in,
+        }
+    }
+
+    /// The spec as a JSON request body gives it:
+    /// `{"name", "limit", "window", "burst", "expires_in"}`, durations as `"1s"`, `"500ms"`,
+    /// `"2h"`, `"7d"` (or a number of seconds). Errors name the field.
+    pub fn from_json(body: &Value) -> Result<OverrideSpec, OverrideError> {
+        let Some(fields) = body.as_object() else {
+            return Err(OverrideError::invalid("body", "must be a JSON object"));
+        };
+        if let Some(unknown) = fields.keys().find(|field| {
+            !matches!(
+                field.as_str(),
+                "name" | "limit" | "window" | "burst" | "expires_in"
+            )
+        }) {
+            return Err(OverrideError::invalid(
+                unknown,
+                "unknown field; expected name, limit, window, burst, expires_in",
+            ));
+        }
+        let name = match fields.get("name") {
+            Some(Value::String(name)) => name.clone(),
+            Some(_) => return Err(OverrideError::invalid("name", "must be a string")),
+            None => return Err(OverrideError::invalid("name", "is required")),
+        };
+        let count = |field: &'static str| -> Result<Option<u64>, OverrideError> {
+            match fields.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(value) => value
+                    .as_u64()
+                    .map(Some)
+                    .ok_or_else(|| OverrideError::invalid(field, "must be a whole number")),
+            }
+        };
+        let duration = |field: &'static str| -> Result<Option<Duration>, OverrideError> {
+            match fields.get(field) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::Number(secs)) => secs
+                    .as_u64()
+                    .map(|secs| Some(Duration::from_secs(secs)))
+                    .ok_or_else(|| OverrideError::invalid(field, "must be a whole number of seconds")),
+                Some(Value::String(text)) => parse_duration(text).map(Some).ok_or_else(|| {
+                    OverrideError::invalid(field, "must be a duration such as 500ms, 30s, 2h, 7d")
+                }),
+                Some(_) => Err(OverrideError::invalid(field, "must be a duration")),
+            }
+        };
+        Ok(OverrideSpec {
+            name,
+            limit: count("limit")?.ok_or_else(|| OverrideError::invalid("limit", "is required"))?,
+            window: duration("window")?,
+            burst: count("burst")?,
+            expires_in: duration("expires_in")?
+                .ok_or_else(|| OverrideError::invalid("expires_in", "is required"))?,
+        })
+    }
+}
+
+/// `500ms`, `30s`, `5m`, `2h`, `7d`: a whole number and a unit.
+fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().ok()?;
+    let unit_millis: u64 = match unit {
+        "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return None,
+    };
+    Some(Duration::from_millis(number.checked_mul(unit_millis)?))
+}
+
+/// Why an override could not be set, listed or removed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OverrideError {
+    /// A field of the request is wrong: `field` names it.
+    #[error("{field}: {problem}")]
+    Invalid {
+        /// The field (`name`, `limit`, `window`, `burst`, `expires_in`).
+        field: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// The client meets no limit of that name.
+    #[error("name: the client has no limit `{0}`")]
+    UnknownLimit(String),
+    /// No limit applies to the request's client (allowlisted, unidentified, no checks).
+    #[error("no limit applies to this client")]
+    NoClient,
+    /// As many overrides as allowed are in force.
+    #[error("{0} overrides are in force, the most allowed; remove one or wait for one to expire")]
+    Full(usize),
+    /// The store has no place for overrides.
+    #[error("this store keeps no overrides")]
+    Unsupported,
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl OverrideError {
+    fn invalid(field: &str, problem: impl Into<String>) -> Self {
+        OverrideError::Invalid {
+            field: field.to_owned(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Where overrides are stored: every node deciding on one store reads the same ones. Each
+/// operation is scoped to a `namespace` (a key prefix), so that deployments sharing a store
+/// do not see each other's.
+pub trait OverrideBackend: Send + Sync + 'static {
+    /// Stores `entry` (replacing one with the same target) unless `max_active` others are in
+    /// force at `now`: then `Ok(false)`, and nothing is stored.
+    fn put<'a>(
+        &'a self,
+        namespace: &'a str,
+        entry: &'a Override,
+        max_active: usize,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Removes the override of `target`; whether there was one.
+    fn remove<'a>(
+        &'a self,
+        namespace: &'a str,
+        target: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Every override in force at `now`.
+    fn all<'a>(
+        &'a self,
+        namespace: &'a str,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Vec<Override>, StoreError>>;
+
+    /// A number that changes whenever an override is set or removed (expiry aside), so that a
+    /// node can tell cheaply that its copy is current.
+    fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
+}
+
+/// Overrides kept in this process: the memory store's (one node, nothing shared).
+#[derive(Debug, Default)]
+pub struct MemoryOverrides {
+    entries: Mutex<HashMap<(Arc<str>, Arc<str>), Override>>,
+    version: AtomicU64,
+}
+
+impl MemoryOverrides {
+    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, Arc<str>), Override>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl OverrideBackend for MemoryOverrides {
+    fn put<'a>(
+        &'a self,
+        namespace: &'a str,
+        entry: &'a Override,
+        max_active: usize,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let stored = {
+            let mut entries = self.entries();
+            entries.retain(|_, stored| stored.is_active(now));
+            let key = (Arc::from(namespace), entry.target.clone());
+            let in_force = entries.keys().filter(|(ns, _)| **ns == *namespace).count();
+            if !entries.contains_key(&key) && in_force >= max_active {
+                false
+            } else {
+                entries.insert(key, entry.clone());
+                self.version.fetch_add(1, Ordering::AcqRel);
+                true
+            }
+        };
+        Box::pin(std::future::ready(Ok(stored)))
+    }
+
+    fn remove<'a>(
+        &'a self,
+        namespace: &'a str,
+        target: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let removed = self
+            .entries()
+            .remove(&(Arc::from(namespace), Arc::from(target)))
+            .is_some();
+        if removed {
+            self.version.fetch_add(1, Ordering::AcqRel);
+        }
+        Box::pin(std::future::ready(Ok(removed)))
+    }
+
+    fn all<'a>(
+        &'a self,
+        namespace: &'a str,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Vec<Override>, StoreError>> {
+        let all = self
+            .entries()
+            .iter()
+            .filter(|((ns, _), entry)| **ns == *namespace && entry.is_active(now))
+            .map(|(_, entry)| entry.clone())
+            .collect();
+        Box::pin(std::future::ready(Ok(all)))
+    }
+
+    fn version<'a>(&'a self, _namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.version.load(Ordering::Acquire))))
+    }
+}
+
+/// An override in force on this node, with the limits made from it (by the address of the
+/// limit they replace, which each entry holds so that no other limit can take the address).
+struct InForce {
+    stored: Override,
+    limits: Mutex<Vec<(Arc<Limit>, Option<Arc<Limit>>)>>,
+}
+
+impl InForce {
+    /// The limit that replaces `original`, made once; `None` if the override does not fit it
+    /// (a reload changed the limit's algorithm to one without a burst, say).
+    fn limit_for(&self, original: &Arc<Limit>) -> Option<Arc<Limit>> {
+        let mut limits = self.limits.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, made)) = limits.iter().find(|(seen, _)| Arc::ptr_eq(seen, original)) {
+            return made.clone();
+        }
+        let made = self.stored.apply_to(original).ok().map(Arc::new);
+        // A few reloads' worth; past that, start again.
+        if limits.len() >= 8 {
+            limits.clear();
+        }
+        limits.push((original.clone(), made.clone()));
+        made
+    }
+}
+
+/// What this node has in force, by target.
+type InForceMap = HashMap<Arc<str>, Arc<InForce>>;
+
+/// This node's view of one store's overrides: operations go to the store, decisions read a
+/// copy refreshed in the background. Clone the `Arc` to share it (a layer, the admin API).
+pub struct Overrides {
+    backend: Arc<dyn OverrideBackend>,
+    namespace: Arc<str>,
+    in_force: RwLock<Arc<InForceMap>>,
+    /// `in_force.len()`, read on every decision without the lock.
+    count: AtomicUsize,
+    /// When the copy was last refreshed (microseconds since the epoch; 0: never).
+    refreshed_at: AtomicU64,
+    /// When the whole list was last read, changed or not.
+    read_all_at: AtomicU64,
+    /// The backend's version the copy was read at.
+    version: AtomicU64,
+    refreshing: AtomicBool,
+    max_active: AtomicUsize,
+    max_expires_in_ms: AtomicU64,
+}
+
+impl std::fmt::Debug for Overrides {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overrides")
+            .field("namespace", &self.namespace)
+            .field("in_force", &self.count.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Overrides {
+    /// How stale a node's copy may get while it decides: a change on another node is in
+    /// force here within this (plus one store call).
+    pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
+
+    /// The whole list is read at least this often even when the version says nothing changed
+    /// (a Redis restarted without persistence starts its version again).
+    const READ_ALL_EVERY: Duration = Duration::from_secs(10);
+
+    /// Overrides kept in `backend` under `namespace`, at most [`DEFAULT_MAX_ACTIVE`] in force,
+    /// each for at most [`DEFAULT_MAX_EXPIRES_IN`].
+    pub fn new(backend: Arc<dyn OverrideBackend>, namespace: impl Into<Arc<str>>) -> Self {
+        Overrides {
+            backend,
+            namespace: namespace.into(),
+            in_force: RwLock::new(Arc::default()),
+            count: AtomicUsize::new(0),
+            refreshed_at: AtomicU64::new(0),
+            read_all_at: AtomicU64::new(0),
+            version: AtomicU64::new(u64::MAX),
+            refreshing: AtomicBool::new(false),
+            max_active: AtomicUsize::new(DEFAULT_MAX_ACTIVE),
+            max_expires_in_ms: AtomicU64::new(DEFAULT_MAX_EXPIRES_IN.as_secs() * 1000),
+        }
+    }
+
+    /// Overrides in this process only (a node of its own).
+    pub fn in_memory() -> Self {
+        Overrides::new(Arc::new(MemoryOverrides::default()), "fg")
+    }
+
+    /// At most `max_active` overrides in force at once (so that the admin API cannot fill the
+    /// store), each for at most `max_expires_in`.
+    pub fn with_bounds(self, max_active: usize, max_expires_in: Duration) -> Self {
+        self.set_bounds(max_active, max_expires_in);
+        self
+    }
+
+    /// [`Overrides::with_bounds`] on overrides in use (a configuration reload): applies to
+    /// the next changes; overrides already in force stay.
+    pub fn set_bounds(&self, max_active: usize, max_expires_in: Duration) {
+        self.max_active.store(max_active, Ordering::Relaxed);
+        let millis = u64::try_from(max_expires_in.max(MIN_EXPIRES_IN).as_millis()).unwrap_or(u64::MAX);
+        self.max_expires_in_ms.store(millis, Ordering::Relaxed);
+    }
+
+    /// The most overrides in force at once.
+    pub fn max_active(&self) -> usize {
+        self.max_active.load(Ordering::Relaxed)
+    }
+
+    /// The longest `expires_in`.
+    pub fn max_expires_in(&self) -> Duration {
+        Duration::from_millis(self.max_expires_in_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets an override of the limit of `target` (one of the client's checks) as `spec` asks,
+    /// in force on this node at once and on every node of the store within
+    /// [`Overrides::REFRESH_EVERY`]. Answers what was stored.
+    pub async fn set(&self, target: &Check, spec: &OverrideSpec) -> Result<Override, OverrideError> {
+        let max_expires_in = self.max_expires_in();
+        if spec.expires_in < MIN_EXPIRES_IN || spec.expires_in > max_expires_in {
+            return Err(OverrideError::invalid(
+                "expires_in",
+                format!("must be between 1s and {}s", max_expires_in.as_secs()),
+            ));
+        }
+        let original = &target.limit;
+        let burst = match spec.burst {
+            Some(burst) => Some(burst),
+            // A burst left at the limit (the default) follows the new limit.
+            None if original.algorithm().uses_burst() && original.burst() != original.limit() => {
+                Some(original.burst())
+            }
+            None => None,
+        };
+        let now = Timestamp::now();
+        let entry = Override {
+            target: target.key.clone(),
+            rule: target.rule.clone(),
+            name: original.shared_name().clone(),
+            limit: spec.limit,
+            window: spec.window.unwrap_or_else(|| original.window()),
+            burst,
+            set_at: now,
+            expires_at: now.saturating_add(spec.expires_in),
+        };
+        entry
+            .apply_to(original)
+            .map_err(|error| OverrideError::invalid(error.field(), error.problem()))?;
+        let max_active = self.max_active();
+        if !self
+            .backend
+            .put(&self.namespace, &entry, max_active, now)
+            .await?
+        {
+            return Err(OverrideError::Full(max_active));
+        }
+        self.refresh().await?;
+        Ok(entry)
+    }
+
+    /// Removes the override of `target` (a storage key); whether there was one. Out of force
+    /// on this node at once, and on every node within [`Overrides::REFRESH_EVERY`].
+    pub async fn remove(&self, target: &str) -> Result<bool, OverrideError> {
+        let removed = self.backend.remove(&self.namespace, target).await?;
+        self.refresh().await?;
+        Ok(removed)
+    }
+
+    /// Every override in force, read from the store, ordered by client, rule and limit.
+    pub async fn list(&self) -> Result<Vec<Override>, OverrideError> {
+        let mut all = self.backend.all(&self.namespace, Timestamp::now()).await?;
+        all.sort_by(|a, b| a.target.cmp(&b.target));
+        Ok(all)
+    }
+
+    /// The overrides of the client with hash tag `client` (`<scope>:<hash>`), from the store.
+    pub async fn of_client(&self, client: &str) -> Result<Vec<Override>, OverrideError> {
+        let mut all = self.list().await?;
+        all.retain(|entry| entry.client() == client);
+        Ok(all)
+    }
+
+    /// What this node has in force now (its copy, as decisions see it).
+    pub fn in_force(&self) -> Vec<Override> {
+        let now = Timestamp::now();
+        let mut all: Vec<Override> = self
+            .copy()
+            .values()
+            .map(|entry| entry.stored.clone())
+            .filter(|entry| entry.is_active(now))
+            .collect();
+        all.sort_by(|a, b| a.target.cmp(&b.target));
+        all
+    }
+
+    /// The override in force on this node for `target`, if any.
+    pub fn in_force_for(&self, target: &str) -> Option<Override> {
+        let entry = self.copy().get(target)?.stored.clone();
+        entry.is_active(Timestamp::now()).then_some(entry)
+    }
+
+    fn copy(&self) -> Arc<InForceMap> {
+        self.in_force
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the limits of `checks` that have an override in force. Starts a refresh in
+    /// the background when the copy is older than [`Overrides::REFRESH_EVERY`] (inside a
+    /// Tokio runtime; the decision does not wait for it).
+    pub fn apply(self: &Arc<Self>, checks: &mut [Check]) {
+        let now = Timestamp::now();
+        self.refresh_if_stale(now);
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let copy = self.copy();
+        for check in checks {
+            let Some(entry) = copy.get(&check.key) else {
+                continue;
+            };
+            if !entry.stored.is_active(now) {
+                continue;
+            }
+            if let Some(limit) = entry.limit_for(&check.limit) {
+                check.limit = limit;
+            }
+        }
+    }
+
+    fn refresh_if_stale(self: &Arc<Self>, now: Timestamp) {
+        let refreshed_at = self.refreshed_at.load(Ordering::Acquire);
+        let stale = now.as_micros().saturating_sub(refreshed_at)
+            >= duration_to_micros(Overrides::REFRESH_EVERY);
+        if !stale || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        if self.refreshing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let overrides = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = overrides.refresh().await {
+                tracing::debug!(%error, "could not refresh the overrides; the last copy stays in force");
+            }
+            overrides.refreshing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Reads what is in force from the store now: the version, and the whole list if it
+    /// changed (or at least every 10 s). A failure keeps the last copy (its entries still
+    /// expire on time).
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let now = Timestamp::now();
+        let version = self.backend.version(&self.namespace).await?;
+        let read_all_due = now
+            .as_micros()
+            .saturating_sub(self.read_all_at.load(Ordering::Acquire))
+            >= duration_to_micros(Overrides::READ_ALL_EVERY);
+        if version != self.version.load(Ordering::Acquire) || read_all_due {
+            let all = self.backend.all(&self.namespace, now).await?;
+            let previous = self.copy();
+            let map: InForceMap = all
+                .into_iter()
+                .map(|entry| {
+                    // An unchanged entry keeps the limits already made from it.
+                    let kept = previous
+                        .get(&entry.target)
+                        .filter(|old| old.stored == entry)
+                        .cloned();
+                    let in_force = kept.unwrap_or_else(|| {
+                        Arc::new(InForce {
+                            stored: entry.clone(),
+                            limits: Mutex::new(Vec::new()),
+                        })
+                    });
+                    (entry.target.clone(), in_force)
+                })
+                .collect();
+            self.count.store(map.len(), Ordering::Release);
+            metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
+            *self.in_force.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(map);
+            self.version.store(version, Ordering::Release);
+            self.read_all_at.store(now.as_micros(), Ordering::Release);
+        }
+        self.refreshed_at.store(now.as_micros(), Ordering::Release);
+        Ok(())
+    }
+}
+
+/// Counts an operator's change of overrides in `floodgate_overrides_total{action}`: `set`,
+/// `removed` or `refused` (the bound on overrides in force).
+pub fn record_change(action: &'static str) {
+    metrics::counter!(crate::telemetry::OVERRIDES_TOTAL, "action" => action).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(name: &str, limit: Limit) -> Check {
+        Check::new(format!("fg:{{key:abc}}:default:{name}"), Arc::new(limit), 1)
+    }
+
+    #[test]
+    fn a_spec_reads_durations_and_names_its_bad_fields() {
+        let spec = OverrideSpec::from_json(&json!({
+            "name": "per-second", "limit": 100, "window": "1s", "burst": 100, "expires_in": "2h"
+        }))
+        .unwrap();
+        assert_eq!(spec.window, Some(Duration::from_secs(1)));
+        assert_eq!(spec.expires_in, Duration::from_secs(7200));
+        let error = |body: Value| OverrideSpec::from_json(&body).unwrap_err().to_string();
+        assert_eq!(
+            error(json!({"name": "a", "limit": 1})),
+            "expires_in: is required"
+        );
+        assert!(error(json!({"name": "a", "limit": -1, "expires_in": 5})).starts_with("limit:"));
+        assert!(
+            error(json!({"name": "a", "limit": 1, "expires_in": "soon"})).starts_with("expires_in:")
+        );
+        assert!(
+            error(json!({"name": "a", "limit": 1, "expires_in": 5, "x": 1})).starts_with("x:")
+        );
+        assert_eq!(error(json!([1])), "body: must be a JSON object");
+    }
+
+    #[test]
+    fn an_override_round_trips_through_its_stored_form() {
+        let now = Timestamp::from_secs(1_700_000_000);
+        let entry = Override {
+            target: Arc::from("fg:{key:abc}:default:m"),
+            rule: Arc::from("default"),
+            name: Arc::from("m"),
+            limit: 7,
+            window: Duration::from_millis(1500),
+            burst: Some(3),
+            set_at: now,
+            expires_at: now.saturating_add(Duration::from_secs(60)),
+        };
+        assert_eq!(Override::from_json(&entry.to_json()), Some(entry.clone()));
+        assert_eq!(entry.client(), "key:abc");
+        assert_eq!(entry.remaining_secs(now), 60);
+    }
+
+    #[tokio::test]
+    async fn set_apply_and_remove_on_one_node() {
+        let overrides = Arc::new(Overrides::in_memory());
+        let original = check("m", Limit::token_bucket("m", 10, Duration::from_secs(1)).unwrap());
+        let stored = overrides
+            .set(&original, &OverrideSpec::new("m", 100, Duration::from_secs(60)))
+            .await
+            .unwrap();
+        // The burst was the limit: it follows the new limit.
+        assert_eq!(stored.burst, None);
+        let mut checks = vec![original.clone()];
+        overrides.apply(&mut checks);
+        assert_eq!(checks[0].limit.limit(), 100);
+        assert_eq!(checks[0].limit.burst(), 100);
+        assert_eq!(checks[0].limit.name(), "m");
+        assert_eq!(checks[0].key, original.key);
+        assert!(overrides.remove(&original.key).await.unwrap());
+        let mut checks = vec![original.clone()];
+        overrides.apply(&mut checks);
+        assert_eq!(checks[0].limit.limit(), 10);
+    }
+
+    #[tokio::test]
+    async fn the_bound_and_the_expiry_limits_are_enforced() {
+        let overrides = Overrides::in_memory().with_bounds(1, Duration::from_secs(3600));
+        let a = check("a", Limit::fixed_window("a", 10, Duration::from_secs(60)).unwrap());
+        let b = check("b", Limit::fixed_window("b", 10, Duration::from_secs(60)).unwrap());
+        let spec = |name: &str, expires: u64| OverrideSpec::new(name, 20, Duration::from_secs(expires));
+        assert!(matches!(
+            overrides.set(&a, &spec("a", 3601)).await,
+            Err(OverrideError::Invalid { ref field, .. }) if field == "expires_in"
+        ));
+        overrides.set(&a, &spec("a", 60)).await.unwrap();
+        // Replacing the one in force is not a new one.
+        overrides.set(&a, &spec("a", 120)).await.unwrap();
+        assert!(matches!(
+            overrides.set(&b, &spec("b", 60)).await,
+            Err(OverrideError::Full(1))
+        ));
+        // A burst for an algorithm without one is refused with its field.
+        let mut with_burst = spec("a", 60);
+        with_burst.burst = Some(5);
+        assert!(matches!(
+            overrides.set(&a, &with_burst).await,
+            Err(OverrideError::Invalid { ref field, .. }) if field == "burst"
+        ));
+    }
+}

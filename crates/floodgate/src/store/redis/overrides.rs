@@ -1,0 +1,278 @@
+//! Overrides in Redis ([`crate::overrides::OverrideBackend`]).
+//!
+//! Each client's overrides are a hash under the client's own hash tag,
+//! `<namespace>:{<scope>:<hash>}:overrides` (field: the target storage key, value: the
+//! override's JSON), so that on a cluster they sit on the slot of the counters they change, and
+//! expire with the last of them. An index, `<namespace>:{overrides}:index` (a sorted set of
+//! targets by expiry), bounds how many are in force and lets a node read them all without a
+//! scan; `<namespace>:{overrides}:version` counts changes, so that a node polls one `GET`
+//! while nothing changes.
+//!
+//! Setting one takes three calls that no single script can make on a cluster (the index and
+//! the client's hash are on different slots): the index first (it holds the bound), then the
+//! client's hash, then the version. Nodes read the index and then the hashes, so a set that
+//! fails half-way is never half in force: an index entry without its hash is skipped, and is
+//! taken back out.
+
+use std::collections::HashMap;
+
+use deadpool_redis::redis::{self, Value};
+use futures_util::future::join_all;
+
+use super::{RedisStore, ShardedRedisStore};
+use crate::key::storage::hash_tag;
+use crate::overrides::{Override, OverrideBackend};
+use crate::store::{BoxFuture, StoreError};
+use crate::time::Timestamp;
+
+/// Prunes expired entries of the index, and adds `target` unless the bound is reached.
+/// KEYS: index. ARGV: now (ms), expires at (ms), target, most in force.
+const RESERVE: &str = r"
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if not redis.call('ZSCORE', KEYS[1], ARGV[3])
+    and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+return 1
+";
+
+/// Stores an override in its client's hash, drops the hash's expired entries, and makes the
+/// hash expire with its last entry. KEYS: the client's hash. ARGV: target, JSON, now (ms).
+const STORE: &str = r"
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local now = tonumber(ARGV[3])
+local latest = 0
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local ok, entry = pcall(cjson.decode, entries[i + 1])
+  local at = ok and tonumber(entry.expires_at_ms) or 0
+  if at <= now then
+    redis.call('HDEL', KEYS[1], entries[i])
+  elseif at > latest then
+    latest = at
+  end
+end
+if latest > 0 then redis.call('PEXPIREAT', KEYS[1], latest) end
+return 1
+";
+
+/// Where one store's overrides go: a node per key.
+enum Placement {
+    /// A single Redis, a cluster (the connection routes by key) or a sentinel's master.
+    One(RedisStore),
+    /// Independent nodes, placed as the counters are.
+    Sharded(ShardedRedisStore),
+}
+
+/// Overrides kept in Redis, beside the counters.
+pub(crate) struct RedisOverrides {
+    placement: Placement,
+}
+
+impl RedisOverrides {
+    pub(crate) fn single(store: RedisStore) -> Self {
+        RedisOverrides {
+            placement: Placement::One(store),
+        }
+    }
+
+    pub(crate) fn sharded(store: ShardedRedisStore) -> Self {
+        RedisOverrides {
+            placement: Placement::Sharded(store),
+        }
+    }
+
+    fn node(&self, key: &str) -> &RedisStore {
+        match &self.placement {
+            Placement::One(store) => store,
+            Placement::Sharded(store) => store.node(store.node_of(key)),
+        }
+    }
+
+    async fn run(&self, key: &str, command: &redis::Cmd) -> Result<Value, StoreError> {
+        self.node(key).command(command).await
+    }
+}
+
+fn index_key(namespace: &str) -> String {
+    format!("{namespace}:{{overrides}}:index")
+}
+
+fn version_key(namespace: &str) -> String {
+    format!("{namespace}:{{overrides}}:version")
+}
+
+/// The hash of the overrides of the client that `target` belongs to.
+fn client_key(namespace: &str, target: &str) -> String {
+    format!("{namespace}:{{{}}}:overrides", hash_tag(target))
+}
+
+fn millis(at: Timestamp) -> u64 {
+    at.as_micros() / 1000
+}
+
+fn eval(script: &str, key: &str) -> redis::Cmd {
+    let mut command = redis::cmd("EVAL");
+    command.arg(script).arg(1).arg(key);
+    command
+}
+
+fn as_int(value: &Value) -> Result<i64, StoreError> {
+    match value {
+        Value::Int(number) => Ok(*number),
+        Value::Nil => Ok(0),
+        Value::BulkString(bytes) => std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| StoreError::Protocol(format!("expected a number, got {value:?}"))),
+        other => Err(StoreError::Protocol(format!(
+            "expected a number, got {other:?}"
+        ))),
+    }
+}
+
+fn as_strings(value: Value) -> Result<Vec<Option<String>>, StoreError> {
+    match value {
+        Value::Array(items) => Ok(items
+            .into_iter()
+            .map(|item| match item {
+                Value::BulkString(bytes) => String::from_utf8(bytes).ok(),
+                _ => None,
+            })
+            .collect()),
+        other => Err(StoreError::Protocol(format!(
+            "expected a list, got {other:?}"
+        ))),
+    }
+}
+
+impl RedisOverrides {
+    /// Tells every node's deny cache to forget what it denied on `target`: the new limit may
+    /// admit at once.
+    async fn forget_denials(&self, target: &str) {
+        self.node(target).forget_denials(&[target]).await;
+    }
+
+    async fn bump_version(&self, namespace: &str) -> Result<(), StoreError> {
+        let key = version_key(namespace);
+        let mut incr = redis::cmd("INCR");
+        incr.arg(&key);
+        self.run(&key, &incr).await.map(drop)
+    }
+}
+
+impl OverrideBackend for RedisOverrides {
+    fn put<'a>(
+        &'a self,
+        namespace: &'a str,
+        entry: &'a Override,
+        max_active: usize,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let index = index_key(namespace);
+            let mut reserve = eval(RESERVE, &index);
+            reserve
+                .arg(millis(now))
+                .arg(millis(entry.expires_at))
+                .arg(&*entry.target)
+                .arg(max_active);
+            if as_int(&self.run(&index, &reserve).await?)? == 0 {
+                return Ok(false);
+            }
+            let client = client_key(namespace, &entry.target);
+            let mut store = eval(STORE, &client);
+            store
+                .arg(&*entry.target)
+                .arg(entry.to_json().to_string())
+                .arg(millis(now));
+            if let Err(error) = self.run(&client, &store).await {
+                // Not in force anywhere (nodes skip an index entry without its hash); give
+                // the place in the bound back.
+                let mut unreserve = redis::cmd("ZREM");
+                unreserve.arg(&index).arg(&*entry.target);
+                let _ = self.run(&index, &unreserve).await;
+                return Err(error);
+            }
+            self.bump_version(namespace).await?;
+            self.forget_denials(&entry.target).await;
+            Ok(true)
+        })
+    }
+
+    fn remove<'a>(
+        &'a self,
+        namespace: &'a str,
+        target: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let client = client_key(namespace, target);
+            let mut hdel = redis::cmd("HDEL");
+            hdel.arg(&client).arg(target);
+            let removed = as_int(&self.run(&client, &hdel).await?)? > 0;
+            let index = index_key(namespace);
+            let mut zrem = redis::cmd("ZREM");
+            zrem.arg(&index).arg(target);
+            let unindexed = as_int(&self.run(&index, &zrem).await?)? > 0;
+            self.bump_version(namespace).await?;
+            self.forget_denials(target).await;
+            Ok(removed || unindexed)
+        })
+    }
+
+    fn all<'a>(
+        &'a self,
+        namespace: &'a str,
+        now: Timestamp,
+    ) -> BoxFuture<'a, Result<Vec<Override>, StoreError>> {
+        Box::pin(async move {
+            let index = index_key(namespace);
+            let mut range = redis::cmd("ZRANGEBYSCORE");
+            range.arg(&index).arg(format!("({}", millis(now))).arg("+inf");
+            let targets: Vec<String> = as_strings(self.run(&index, &range).await?)?
+                .into_iter()
+                .flatten()
+                .collect();
+            let mut by_client: HashMap<String, Vec<String>> = HashMap::new();
+            for target in targets {
+                by_client
+                    .entry(client_key(namespace, &target))
+                    .or_default()
+                    .push(target);
+            }
+            let reads = by_client.iter().map(|(client, targets)| async move {
+                let mut hmget = redis::cmd("HMGET");
+                hmget.arg(client).arg(targets);
+                as_strings(self.run(client, &hmget).await?)
+            });
+            let mut all = Vec::new();
+            for values in join_all(reads).await {
+                for value in values?.into_iter().flatten() {
+                    let entry = serde_json::from_str(&value)
+                        .ok()
+                        .as_ref()
+                        .and_then(Override::from_json);
+                    match entry {
+                        Some(entry) if entry.is_active(now) => all.push(entry),
+                        Some(_) => {}
+                        None => tracing::warn!(
+                            "an override stored in Redis could not be read; it is skipped"
+                        ),
+                    }
+                }
+            }
+            Ok(all)
+        })
+    }
+
+    fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let key = version_key(namespace);
+            let mut get = redis::cmd("GET");
+            get.arg(&key);
+            let version = as_int(&self.run(&key, &get).await?)?;
+            Ok(u64::try_from(version).unwrap_or(0))
+        })
+    }
+}
