@@ -43,7 +43,9 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/clients", get(inspect_client).delete(reset_client))
         .route(
             "/admin/clients/overrides",
-            get(list_overrides).put(set_override).delete(remove_overrides),
+            get(list_overrides)
+                .put(set_override)
+                .delete(remove_overrides),
         )
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
@@ -558,7 +560,9 @@ async fn list_overrides(
         Err(refused) => return refused,
     };
     let now = floodgate::Timestamp::now();
-    let names_a_client = query.as_ref().is_ok_and(|Query(query)| query.names_a_client());
+    let names_a_client = query
+        .as_ref()
+        .is_ok_and(|Query(query)| query.names_a_client());
     if !names_a_client {
         let Ok(Query(query)) = query else {
             return refusal((StatusCode::BAD_REQUEST, "invalid query".to_owned()));
@@ -570,7 +574,12 @@ async fn list_overrides(
         };
         let page: Vec<&floodgate::overrides::Override> = all
             .iter()
-            .filter(|entry| query.after.as_deref().is_none_or(|after| &*entry.target > after))
+            .filter(|entry| {
+                query
+                    .after
+                    .as_deref()
+                    .is_none_or(|after| &*entry.target > after)
+            })
             .take(per_page)
             .collect();
         let next = (page.len() == per_page)

@@ -66,7 +66,10 @@ pub struct Selected {
 impl ClientQuery {
     /// Whether the query names a client at all (listing every override names none).
     pub fn names_a_client(&self) -> bool {
-        self.api_key.is_some() || self.user.is_some() || self.identity.is_some() || self.ip.is_some()
+        self.api_key.is_some()
+            || self.user.is_some()
+            || self.identity.is_some()
+            || self.ip.is_some()
     }
 
     /// Resolves the client and the checks of `method path` under `config`.
@@ -220,7 +223,10 @@ impl Selected {
 
 /// An override as the admin API shows it.
 pub fn override_json(entry: &floodgate::overrides::Override, now: floodgate::Timestamp) -> Value {
-    let (scope, hash) = entry.client().rsplit_once(':').unwrap_or(("", entry.client()));
+    let (scope, hash) = entry
+        .client()
+        .rsplit_once(':')
+        .unwrap_or(("", entry.client()));
     json!({
         "identity": hash,
         "scope": scope,

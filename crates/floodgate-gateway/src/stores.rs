@@ -4,12 +4,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use floodgate::overrides::Overrides;
 use floodgate::store::batched::SyncTarget;
 use floodgate::store::{
     BatchedStore, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder, ShardedRedisStore,
     SplitStore,
 };
-use floodgate::overrides::Overrides;
 use floodgate::{MemoryStore, Store, StoreError};
 
 use crate::config::{Backend, StoreSettings};
@@ -101,7 +101,11 @@ pub struct BuiltStore {
 }
 
 impl BuiltStore {
-    fn new(store: Arc<dyn Store>, hot_identities: Option<Arc<HotIdentities>>, prefix: &str) -> Self {
+    fn new(
+        store: Arc<dyn Store>,
+        hot_identities: Option<Arc<HotIdentities>>,
+        prefix: &str,
+    ) -> Self {
         let overrides = store
             .override_backend()
             .map(|backend| Arc::new(Overrides::new(backend, prefix)));

@@ -187,7 +187,9 @@ impl OverrideSpec {
                 Some(Value::Number(secs)) => secs
                     .as_u64()
                     .map(|secs| Some(Duration::from_secs(secs)))
-                    .ok_or_else(|| OverrideError::invalid(field, "must be a whole number of seconds")),
+                    .ok_or_else(|| {
+                        OverrideError::invalid(field, "must be a whole number of seconds")
+                    }),
                 Some(Value::String(text)) => parse_duration(text).map(Some).ok_or_else(|| {
                     OverrideError::invalid(field, "must be a duration such as 500ms, 30s, 2h, 7d")
                 }),
@@ -462,7 +464,8 @@ impl Overrides {
     /// the next changes; overrides already in force stay.
     pub fn set_bounds(&self, max_active: usize, max_expires_in: Duration) {
         self.max_active.store(max_active, Ordering::Relaxed);
-        let millis = u64::try_from(max_expires_in.max(MIN_EXPIRES_IN).as_millis()).unwrap_or(u64::MAX);
+        let millis =
+            u64::try_from(max_expires_in.max(MIN_EXPIRES_IN).as_millis()).unwrap_or(u64::MAX);
         self.max_expires_in_ms.store(millis, Ordering::Relaxed);
     }
 
@@ -479,7 +482,11 @@ impl Overrides {
     /// Sets an override of the limit of `target` (one of the client's checks) as `spec` asks,
     /// in force on this node at once and on every node of the store within
     /// [`Overrides::REFRESH_EVERY`]. Answers what was stored.
-    pub async fn set(&self, target: &Check, spec: &OverrideSpec) -> Result<Override, OverrideError> {
+    pub async fn set(
+        &self,
+        target: &Check,
+        spec: &OverrideSpec,
+    ) -> Result<Override, OverrideError> {
         let max_expires_in = self.max_expires_in();
         if spec.expires_in < MIN_EXPIRES_IN || spec.expires_in > max_expires_in {
             return Err(OverrideError::invalid(
@@ -644,7 +651,10 @@ impl Overrides {
                 .collect();
             self.count.store(map.len(), Ordering::Release);
             metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
-            *self.in_force.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(map);
+            *self
+                .in_force
+                .write()
+                .unwrap_or_else(PoisonError::into_inner) = Arc::new(map);
             self.version.store(version, Ordering::Release);
             self.read_all_at.store(now.as_micros(), Ordering::Release);
         }
@@ -682,11 +692,10 @@ mod tests {
         );
         assert!(error(json!({"name": "a", "limit": -1, "expires_in": 5})).starts_with("limit:"));
         assert!(
-            error(json!({"name": "a", "limit": 1, "expires_in": "soon"})).starts_with("expires_in:")
+            error(json!({"name": "a", "limit": 1, "expires_in": "soon"}))
+                .starts_with("expires_in:")
         );
-        assert!(
-            error(json!({"name": "a", "limit": 1, "expires_in": 5, "x": 1})).starts_with("x:")
-        );
+        assert!(error(json!({"name": "a", "limit": 1, "expires_in": 5, "x": 1})).starts_with("x:"));
         assert_eq!(error(json!([1])), "body: must be a JSON object");
     }
 
@@ -711,9 +720,15 @@ mod tests {
     #[tokio::test]
     async fn set_apply_and_remove_on_one_node() {
         let overrides = Arc::new(Overrides::in_memory());
-        let original = check("m", Limit::token_bucket("m", 10, Duration::from_secs(1)).unwrap());
+        let original = check(
+            "m",
+            Limit::token_bucket("m", 10, Duration::from_secs(1)).unwrap(),
+        );
         let stored = overrides
-            .set(&original, &OverrideSpec::new("m", 100, Duration::from_secs(60)))
+            .set(
+                &original,
+                &OverrideSpec::new("m", 100, Duration::from_secs(60)),
+            )
             .await
             .unwrap();
         // The burst was the limit: it follows the new limit.
@@ -733,9 +748,16 @@ mod tests {
     #[tokio::test]
     async fn the_bound_and_the_expiry_limits_are_enforced() {
         let overrides = Overrides::in_memory().with_bounds(1, Duration::from_secs(3600));
-        let a = check("a", Limit::fixed_window("a", 10, Duration::from_secs(60)).unwrap());
-        let b = check("b", Limit::fixed_window("b", 10, Duration::from_secs(60)).unwrap());
-        let spec = |name: &str, expires: u64| OverrideSpec::new(name, 20, Duration::from_secs(expires));
+        let a = check(
+            "a",
+            Limit::fixed_window("a", 10, Duration::from_secs(60)).unwrap(),
+        );
+        let b = check(
+            "b",
+            Limit::fixed_window("b", 10, Duration::from_secs(60)).unwrap(),
+        );
+        let spec =
+            |name: &str, expires: u64| OverrideSpec::new(name, 20, Duration::from_secs(expires));
         assert!(matches!(
             overrides.set(&a, &spec("a", 3601)).await,
             Err(OverrideError::Invalid { ref field, .. }) if field == "expires_in"

@@ -147,7 +147,10 @@ pub(super) fn access_log(
     };
     let target = match raw.path.trim() {
         "" => {
-            errors.push("access_log.path", "is empty; expected stdout or a file path");
+            errors.push(
+                "access_log.path",
+                "is empty; expected stdout or a file path",
+            );
             None
         }
         "stdout" | "-" => Some(AccessLogTarget::Stdout),

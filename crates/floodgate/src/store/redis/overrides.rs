@@ -229,7 +229,10 @@ impl OverrideBackend for RedisOverrides {
         Box::pin(async move {
             let index = index_key(namespace);
             let mut range = redis::cmd("ZRANGEBYSCORE");
-            range.arg(&index).arg(format!("({}", millis(now))).arg("+inf");
+            range
+                .arg(&index)
+                .arg(format!("({}", millis(now)))
+                .arg("+inf");
             let targets: Vec<String> = as_strings(self.run(&index, &range).await?)?
                 .into_iter()
                 .flatten()

@@ -1,0 +1,271 @@
+//! Per-client overrides through the layer (`RateLimitLayer::set_override` and friends): set
+//! on one node, in force on another node of the same store within a second, expiring by
+//! themselves, removed at once; on the memory store, one Redis, a cluster and sharded Redis.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use floodgate::overrides::{OverrideError, OverrideSpec, Overrides};
+use floodgate::store::RedisStore;
+use floodgate::{Limit, PeerAddr, RateLimitLayer, Store};
+use floodgate_test_support::{RedisCluster, ServedStore};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tower::{Layer, ServiceExt, service_fn};
+
+fn client(key: &str) -> Request<()> {
+    let peer: SocketAddr = "203.0.113.9:4000".parse().unwrap();
+    Request::builder()
+        .uri("/v1/things")
+        .header("x-api-key", key)
+        .extension(PeerAddr(peer))
+        .body(())
+        .unwrap()
+}
+
+type Served = floodgate::RateLimit<
+    tower::util::ServiceFn<
+        fn(Request<()>) -> std::future::Ready<Result<Response<Full<Bytes>>, Infallible>>,
+    >,
+>;
+
+fn ok(_: Request<()>) -> std::future::Ready<Result<Response<Full<Bytes>>, Infallible>> {
+    std::future::ready(Ok(Response::new(Full::new(Bytes::from_static(b"ok")))))
+}
+
+/// A node: a layer with three an hour for every client, on `store`.
+fn node(store: Arc<dyn Store>) -> (RateLimitLayer, Served) {
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("hourly", 3, Duration::from_secs(3600)).unwrap())
+        .shared_store(store)
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok as fn(_) -> _));
+    (layer, service)
+}
+
+/// The status and `X-RateLimit-Limit` of one request of `key`.
+async fn send(service: &Served, key: &str) -> (StatusCode, u64) {
+    let response = service.clone().oneshot(client(key)).await.unwrap();
+    let limit = response.headers()["x-ratelimit-limit"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (response.status(), limit)
+}
+
+/// Polls `service` with requests of `key` until one answers `status` with `limit`; how long
+/// that took. Denied polls consume nothing (a fixed window counts admissions only).
+async fn until(
+    service: &Served,
+    key: &str,
+    status: StatusCode,
+    limit: u64,
+    within: Duration,
+) -> Duration {
+    let started = Instant::now();
+    loop {
+        let answer = send(service, key).await;
+        if answer == (status, limit) {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < within,
+            "still {answer:?} after {within:?}, waiting for {status} with limit {limit}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Node A sets, node B applies within a second; the override expires by itself; a second one
+/// is removed at once on A and within a second on B. `a` and `b` are two stores (two nodes'
+/// connections) on the same Redis, or the same memory store.
+async fn across_nodes(a: Arc<dyn Store>, b: Arc<dyn Store>) {
+    let (layer_a, service_a) = node(a);
+    let (_, service_b) = node(b);
+    for _ in 0..3 {
+        assert_eq!(send(&service_b, "k1").await, (StatusCode::OK, 3));
+    }
+    assert_eq!(
+        send(&service_b, "k1").await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    let spec = OverrideSpec::new("hourly", 5, Duration::from_secs(2));
+    let stored = layer_a.set_override(&client("k1"), &spec).await.unwrap();
+    assert_eq!((stored.limit, stored.name.as_ref()), (5, "hourly"));
+    assert_eq!(
+        stored.window,
+        Duration::from_secs(3600),
+        "the limit's own window"
+    );
+    let in_force_after = until(&service_b, "k1", StatusCode::OK, 5, Duration::from_secs(3)).await;
+    assert!(
+        in_force_after < Duration::from_secs(1),
+        "in force on the second node after {in_force_after:?}"
+    );
+    // The counter carried over: 3 before, 1 just now, 1 more and the override is used up.
+    assert_eq!(send(&service_b, "k1").await, (StatusCode::OK, 5));
+    assert_eq!(
+        send(&service_b, "k1").await,
+        (StatusCode::TOO_MANY_REQUESTS, 5)
+    );
+    assert_eq!(layer_a.overrides_of(&client("k1")).await.unwrap().len(), 1);
+    // Another client is untouched.
+    assert_eq!(send(&service_b, "k2").await, (StatusCode::OK, 3));
+
+    // Expires by itself (2 s after it was set), on both nodes.
+    until(
+        &service_b,
+        "k1",
+        StatusCode::TOO_MANY_REQUESTS,
+        3,
+        Duration::from_secs(4),
+    )
+    .await;
+    until(
+        &service_a,
+        "k1",
+        StatusCode::TOO_MANY_REQUESTS,
+        3,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(
+        layer_a
+            .overrides_of(&client("k1"))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    let long = OverrideSpec::new("hourly", 100, Duration::from_secs(3600));
+    layer_a.set_override(&client("k1"), &long).await.unwrap();
+    until(
+        &service_b,
+        "k1",
+        StatusCode::OK,
+        100,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(
+        layer_a
+            .remove_override(&client("k1"), "hourly")
+            .await
+            .unwrap()
+    );
+    // At once on the node that removed it.
+    assert_eq!(
+        send(&service_a, "k1").await,
+        (StatusCode::TOO_MANY_REQUESTS, 3)
+    );
+    let removed_after = until(
+        &service_b,
+        "k1",
+        StatusCode::TOO_MANY_REQUESTS,
+        3,
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!(
+        removed_after < Duration::from_secs(1),
+        "removed on the second node after {removed_after:?}"
+    );
+    assert!(
+        !layer_a
+            .remove_override(&client("k1"), "hourly")
+            .await
+            .unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_on_the_memory_store() {
+    let store: Arc<dyn Store> = Arc::new(floodgate::MemoryStore::new());
+    across_nodes(store.clone(), store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_across_nodes_on_redis() {
+    let served = ServedStore::start();
+    let second = RedisStore::builder(served.servers[0].url())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    across_nodes(Arc::new(served.store.clone()), Arc::new(second)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_across_nodes_on_a_cluster() {
+    let cluster = RedisCluster::start(3);
+    let store = || -> Arc<dyn Store> {
+        Arc::new(
+            RedisStore::cluster(cluster.urls())
+                .timeout(Duration::from_secs(2))
+                .cluster_compatible(true)
+                .build()
+                .unwrap(),
+        )
+    };
+    across_nodes(store(), store()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_across_nodes_on_sharded_redis() {
+    let served = ServedStore::sharded(3);
+    let second = floodgate::store::ShardedRedisStore::new(
+        served
+            .servers
+            .iter()
+            .map(|server| {
+                let node = RedisStore::builder(server.url())
+                    .timeout(Duration::from_secs(2))
+                    .build()
+                    .unwrap();
+                (server.url(), node)
+            })
+            .collect(),
+    )
+    .unwrap();
+    across_nodes(Arc::new(served.store.clone()), Arc::new(second)).await;
+}
+
+#[tokio::test]
+async fn a_bad_override_is_refused_with_its_field() {
+    let store: Arc<dyn Store> = Arc::new(floodgate::MemoryStore::new());
+    let overrides = Arc::new(Overrides::in_memory().with_bounds(1, Duration::from_secs(60)));
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("hourly", 3, Duration::from_secs(3600)).unwrap())
+        .shared_store(store)
+        .overrides(overrides.clone())
+        .build()
+        .unwrap();
+    let unknown = OverrideSpec::new("daily", 5, Duration::from_secs(10));
+    assert!(matches!(
+        layer.set_override(&client("k1"), &unknown).await,
+        Err(OverrideError::UnknownLimit(name)) if name == "daily"
+    ));
+    let too_long = OverrideSpec::new("hourly", 5, Duration::from_secs(61));
+    let error = layer
+        .set_override(&client("k1"), &too_long)
+        .await
+        .unwrap_err();
+    assert_eq!(error.to_string(), "expires_in: must be between 1s and 60s");
+    let zero = OverrideSpec::new("hourly", 0, Duration::from_secs(10));
+    let error = layer.set_override(&client("k1"), &zero).await.unwrap_err();
+    assert!(error.to_string().starts_with("limit:"), "{error}");
+    let fine = OverrideSpec::new("hourly", 5, Duration::from_secs(10));
+    layer.set_override(&client("k1"), &fine).await.unwrap();
+    // The bound: one in force; another client's is refused, the same one's replaced.
+    assert!(matches!(
+        layer.set_override(&client("k2"), &fine).await,
+        Err(OverrideError::Full(1))
+    ));
+    layer.set_override(&client("k1"), &fine).await.unwrap();
+    assert_eq!(overrides.in_force().len(), 1);
+}
