@@ -149,6 +149,20 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
         })
     };
 
+    // An override in force: the page lists it.
+    let set = client
+        .request(
+            http::Request::put(gateway.admin_url("/admin/clients/overrides?api_key=page-a"))
+                .header("authorization", format!("Bearer {TOKEN}"))
+                .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                    br#"{"name": "per-second", "limit": 50, "expires_in": "1h"}"#,
+                )))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(set.status(), StatusCode::OK);
+
     let profile = TempDir::new("chromium");
     let url = gateway.admin_url("/");
     let without_token = tokio::task::spawn_blocking({
@@ -187,6 +201,13 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
     assert!(
         dom.contains("<rect"),
         "the chart draws the last minute's decisions"
+    );
+    assert_eq!(text_of(&dom, "overrides-count"), "(1)");
+    let overrides = &dom[dom.find("id=\"overrides\"").unwrap()..];
+    let overrides = &overrides[..overrides.find("</tbody>").unwrap()];
+    assert!(
+        overrides.contains("<td>per-second</td>") && overrides.contains(">50<"),
+        "the override in force is listed: {overrides}"
     );
 
     let screenshot = directory.file("status.png");
