@@ -79,7 +79,15 @@ pub enum GatewayError {
     /// The `per_core` workers cannot be started (a thread or a runtime cannot be made).
     #[error("cannot start the per_core workers: {0}")]
     Workers(std::io::Error),
-    /// SIGHUP cannot be handled.
-    #[error("SIGHUP: {0}")]
+    /// The access log cannot be opened.
+    #[error("access_log.path: cannot open {}: {source}", path.display())]
+    AccessLog {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// SIGHUP or SIGUSR1 cannot be handled.
+    #[error("signals (SIGHUP, SIGUSR1): {0}")]
     Signal(std::io::Error),
 }

@@ -1,6 +1,7 @@
 //! The floodgate gateway: a reverse proxy that applies floodgate's rate limits from a YAML
 //! configuration (SPEC §5), hot-reloaded, with an admin API (SPEC §7).
 
+pub mod access_log;
 pub mod admin;
 pub mod client;
 pub mod client_body;

@@ -281,6 +281,7 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             reason: error.to_string(),
         })?;
     watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
+    watch::reopen_access_log_on_sigusr1(gateway.clone()).map_err(GatewayError::Signal)?;
     // A change written between the first read and the watch would otherwise go unseen.
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;

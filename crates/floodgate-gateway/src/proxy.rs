@@ -422,6 +422,11 @@ async fn forward(
     let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut request));
 
     let (mut parts, body) = request.into_parts();
+    // The decision that admitted the request, carried to the access log with the response.
+    let logged = config
+        .access_log
+        .is_some()
+        .then(|| parts.extensions.remove::<floodgate::Decision>());
     // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`: the upstream gets a
     // `Host` either way (head::check refused requests where the two disagree).
     let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -465,9 +470,43 @@ async fn forward(
         clients.send(upstream, origin, outgoing),
     )
     .await;
-    upstream_metrics()
-        .duration
-        .record(started.elapsed().as_secs_f64());
+    let elapsed = started.elapsed();
+    upstream_metrics().duration.record(elapsed.as_secs_f64());
+    let mut response = answered(result, &watch, upstream, &config, client_upgrade, route);
+    if let Some(decision) = logged {
+        let upstream_status = response
+            .extensions()
+            .get::<UpstreamAnswered>()
+            .map(|answered| answered.0);
+        response
+            .extensions_mut()
+            .insert(crate::access_log::UpstreamFacts {
+                status: upstream_status,
+                elapsed,
+            });
+        if let Some(decision) = decision {
+            response.extensions_mut().insert(decision);
+        }
+    }
+    response
+}
+
+/// The status the upstream itself answered (the gateway's own 502 and 504 carry none).
+#[derive(Clone, Copy, Debug)]
+struct UpstreamAnswered(StatusCode);
+
+/// The client's response from the upstream's answer (or its failure).
+fn answered(
+    result: Result<
+        Result<Response<UpstreamBody>, Box<dyn std::error::Error + Send + Sync>>,
+        tokio::time::error::Elapsed,
+    >,
+    watch: &crate::client_body::BodyWatch,
+    upstream: &Upstream,
+    config: &Config,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    route: Option<&crate::config::RouteTarget>,
+) -> Response<ProxyBody> {
     if result.as_ref().map_or(true, Result::is_err)
         && let Some(fault) = client_fault(&watch, result.is_err())
     {
@@ -494,6 +533,8 @@ async fn forward(
         }
     };
     upstream_metrics().status(response.status()).increment(1);
+    let status = response.status();
+    response.extensions_mut().insert(UpstreamAnswered(status));
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_upgrade) = client_upgrade else {

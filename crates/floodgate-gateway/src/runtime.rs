@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::SystemTime;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use bytes::Bytes;
 use floodgate::store::HotIdentities;
 use floodgate::telemetry::LimitedRateBaseline;
@@ -27,6 +27,7 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use tower::{Layer, ServiceExt};
 
+use crate::access_log::{AccessLog, RequestFacts, RequestLine};
 use crate::client::{Resolution, ResolvedClient, resolve};
 use crate::config::{self, Config};
 use crate::error::GatewayError;
@@ -147,11 +148,27 @@ impl Runtime {
         self.store.hot_identities.as_ref()
     }
 
-    /// Serves one request under this version.
-    pub async fn handle(&self, mut request: Request<Incoming>) -> Response<GatewayBody> {
+    /// Serves one request under this version. With an access log, the response carries what
+    /// the log needs in its extensions ([`RequestFacts`]).
+    pub async fn handle(&self, request: Request<Incoming>) -> Response<GatewayBody> {
+        if self.config.access_log.is_none() {
+            return self.answer(request, &mut RequestFacts::default()).await;
+        }
+        let mut facts = RequestFacts::default();
+        let mut response = self.answer(request, &mut facts).await;
+        response.extensions_mut().insert(facts);
+        response
+    }
+
+    async fn answer(
+        &self,
+        mut request: Request<Incoming>,
+        facts: &mut RequestFacts,
+    ) -> Response<GatewayBody> {
         if let Err(rejection) = crate::head::check(&request) {
             metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
                 .increment(1);
+            facts.early = Some("rejected");
             return json_error(rejection.status(), rejection.reason());
         }
         // Limits match, and the upstream receives, the normalised path (SPEC §5 "Paths").
@@ -165,12 +182,15 @@ impl Runtime {
                 };
                 metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => reason)
                     .increment(1);
+                facts.early = Some("rejected");
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }
         }
+        facts.path = Some(request.uri().path().to_owned());
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
         let client = match resolution {
             Resolution::Denied => {
+                facts.early = Some("denylisted");
                 floodgate::telemetry::record_decision(
                     "denylist",
                     "denylist",
@@ -179,13 +199,22 @@ impl Runtime {
                 return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
             }
             Resolution::UnknownKey => {
+                facts.early = Some("unknown_key");
                 metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
                     .increment(1);
                 return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
             }
             Resolution::Client(client) => client,
         };
+        if self.config.access_log.is_some() {
+            facts.identity = Some((
+                client.identity.hash().to_string(),
+                client.identity.scope().to_owned(),
+            ));
+            facts.plan = Some(client.plan.clone());
+        }
         if client.bypass {
+            facts.early = Some("bypassed");
             floodgate::telemetry::record_decision(
                 "bypass",
                 "bypass",
@@ -260,6 +289,8 @@ pub struct Gateway {
     /// Top clients and the 429 baseline.
     pub observers: Observers,
     current: ArcSwap<Runtime>,
+    /// The access log (`access_log`), replaced when a reload changes its settings.
+    access_log: ArcSwapOption<AccessLog>,
     config_path: PathBuf,
     /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
     /// counts) only when the file says something else. Held through a reload, so that reloads
@@ -296,14 +327,23 @@ impl Gateway {
         let client_settings = ClientSettings::of(&config);
         let client = upstream_client(&client_settings)?;
         let observers = Observers::default();
+        let access_log = open_access_log(&config)?;
         let runtime = Runtime::build(1, config, store, (client_settings, client), &observers)?;
         metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(1.0);
         Ok(Arc::new(Gateway {
             observers,
             current: ArcSwap::from_pointee(runtime),
+            access_log: ArcSwapOption::new(access_log),
             config_path: config_path.to_owned(),
             last_seen: Mutex::new(text),
         }))
+    }
+
+    /// Reopens the access log's file before its next line (`SIGUSR1`, after logrotate).
+    pub fn reopen_access_log(&self) {
+        if let Some(log) = &*self.access_log.load() {
+            log.reopen();
+        }
     }
 
     /// The version in service.
@@ -416,14 +456,37 @@ impl Gateway {
             upstream_client(&settings)?
         };
         let version = current.version + 1;
+        let access_log = if config.access_log == current.config.access_log {
+            self.access_log.load_full()
+        } else {
+            open_access_log(&config)?
+        };
         let runtime = Runtime::build(version, config, store, (settings, client), &self.observers)?;
         self.current.store(Arc::new(runtime));
+        // The replaced log's writer drains its queue and stops once no request holds it.
+        self.access_log.store(access_log);
         if replaced_store {
             flush_in_background(current.store.store.clone());
         }
         metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(version as f64);
         Ok(Some(version))
     }
+}
+
+/// The access log `config` asks for, opened.
+fn open_access_log(config: &Config) -> Result<Option<Arc<AccessLog>>, GatewayError> {
+    let Some(settings) = &config.access_log else {
+        return Ok(None);
+    };
+    AccessLog::open(settings)
+        .map(|log| Some(Arc::new(log)))
+        .map_err(|source| GatewayError::AccessLog {
+            path: match &settings.target {
+                crate::config::AccessLogTarget::File(path) => path.clone(),
+                crate::config::AccessLogTarget::Stdout => PathBuf::from("stdout"),
+            },
+            source,
+        })
 }
 
 /// The configuration file's text.
@@ -453,7 +516,17 @@ pub async fn handle(
     request: Request<Incoming>,
 ) -> Result<Response<GatewayBody>, Infallible> {
     let runtime = gateway.current();
-    Ok(runtime.handle(request).await)
+    let Some(log) = gateway.access_log.load_full() else {
+        return Ok(runtime.handle(request).await);
+    };
+    let started = std::time::Instant::now();
+    let line = RequestLine::of(request.method(), request.uri().path(), request.headers());
+    let response = runtime.handle(request).await;
+    let (mut parts, body) = response.into_parts();
+    log.record(&line, &parts, started.elapsed());
+    // Read by the log only: not for anything past the gateway.
+    parts.extensions.remove::<RequestFacts>();
+    Ok(Response::from_parts(parts, body))
 }
 
 #[cfg(test)]

@@ -3,6 +3,9 @@
 
 use floodgate::telemetry::{MetricDescription, MetricKind};
 
+/// `floodgate_access_log_dropped_total`: access log lines dropped because the writer could
+/// not keep up (its queue was full).
+pub const ACCESS_LOG_DROPPED_TOTAL: &str = "floodgate_access_log_dropped_total";
 /// `floodgate_config_reloads_total{result}`: `success` or `failure`.
 pub const CONFIG_RELOADS_TOTAL: &str = "floodgate_config_reloads_total";
 /// `floodgate_config_version`: the version in service.
@@ -44,6 +47,10 @@ const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
 
 /// Every metric the gateway records itself.
 pub const GATEWAY_METRICS: &[MetricDescription] = &[
+    counter(
+        ACCESS_LOG_DROPPED_TOTAL,
+        "Access log lines dropped because the writer could not keep up (its queue was full)",
+    ),
     counter(
         CONFIG_RELOADS_TOTAL,
         "Configuration reloads, by result (success, failure)",

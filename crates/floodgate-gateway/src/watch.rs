@@ -134,6 +134,18 @@ pub fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Reopens the access log's file on every SIGUSR1 (logrotate's `postrotate`).
+pub fn reopen_access_log_on_sigusr1(gateway: Arc<Gateway>) -> std::io::Result<()> {
+    let mut signals = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
+    tokio::spawn(async move {
+        while signals.recv().await.is_some() {
+            gateway.reopen_access_log();
+            tracing::info!("SIGUSR1: the access log is reopened before its next line");
+        }
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use notify::event::{CreateKind, DataChange, RenameMode};

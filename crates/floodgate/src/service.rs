@@ -506,7 +506,10 @@ where
         return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
     }
     if !decision.is_allowed() {
-        return Ok(shared.limited_response(&decision).await);
+        let mut response = shared.limited_response(&decision).await;
+        // What was decided, for whoever logs the answer (the gateway's access log).
+        response.extensions_mut().insert(decision);
+        return Ok(response);
     }
     // Held from here: if the client goes away mid-request, dropping the future releases them.
     let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
