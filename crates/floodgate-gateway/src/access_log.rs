@@ -71,8 +71,14 @@ impl RequestLine {
 /// The trace id of a W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), if it is one.
 fn trace_id(traceparent: &str) -> Option<String> {
     let mut parts = traceparent.trim().split('-');
-    let (version, trace, parent, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |text: &str, len: usize| text.len() == len && text.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |text: &str, len: usize| {
+        text.len() == len
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    };
     let valid = hex(version, 2)
         && version != "ff"
         && hex(trace, 32)
@@ -272,7 +278,10 @@ fn rfc3339(at: SystemTime) -> String {
 /// Where the writer writes.
 enum Output {
     Stdout(std::io::Stdout),
-    File { path: PathBuf, file: BufWriter<File> },
+    File {
+        path: PathBuf,
+        file: BufWriter<File>,
+    },
 }
 
 impl Output {
@@ -318,7 +327,9 @@ impl Output {
                 *file = BufWriter::with_capacity(64 * 1024, reopened);
                 tracing::info!(path = %path.display(), "access log reopened");
             }
-            Err(error) => tracing::error!(path = %path.display(), %error, "could not reopen the access log; still writing to the file it had open"),
+            Err(error) => {
+                tracing::error!(path = %path.display(), %error, "could not reopen the access log; still writing to the file it had open")
+            }
         }
     }
 }
@@ -359,18 +370,30 @@ mod tests {
     #[test]
     fn trace_ids_are_read_from_valid_traceparents_only() {
         let id = "4bf92f3577b34da6a3ce929d0e0e4736";
-        assert_eq!(trace_id(&format!("00-{id}-00f067aa0ba902b7-01")).as_deref(), Some(id));
-        assert_eq!(trace_id(&format!("00-{}-00f067aa0ba902b7-01", "0".repeat(32))), None);
+        assert_eq!(
+            trace_id(&format!("00-{id}-00f067aa0ba902b7-01")).as_deref(),
+            Some(id)
+        );
+        assert_eq!(
+            trace_id(&format!("00-{}-00f067aa0ba902b7-01", "0".repeat(32))),
+            None
+        );
         assert_eq!(trace_id("00-xyz-00f067aa0ba902b7-01"), None);
         assert_eq!(trace_id(&format!("00-{id}-00f067aa0ba902b7")), None);
-        assert_eq!(trace_id(&format!("00-{}-00f067aa0ba902b7-01", id.to_uppercase())), None);
+        assert_eq!(
+            trace_id(&format!("00-{}-00f067aa0ba902b7-01", id.to_uppercase())),
+            None
+        );
     }
 
     #[test]
     fn times_are_rfc3339_in_utc() {
         let at = UNIX_EPOCH + Duration::from_millis(1_764_601_445_123);
         assert_eq!(rfc3339(at), "2025-12-01T15:04:05.123Z");
-        assert_eq!(rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000Z"
+        );
     }
 
     #[test]

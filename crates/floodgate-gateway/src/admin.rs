@@ -450,18 +450,6 @@ fn caller(parts: &axum::http::request::Parts) -> String {
         .map_or_else(|| "unknown".to_owned(), |info| info.0.to_string())
 }
 
-/// The overrides of this version's store, or the answer that there are none.
-fn overrides_of(
-    runtime: &crate::runtime::Runtime,
-) -> Result<&Arc<floodgate::overrides::Overrides>, Response> {
-    runtime.overrides().ok_or_else(|| {
-        refusal((
-            StatusCode::NOT_FOUND,
-            "overrides_unsupported: this store keeps no overrides".to_owned(),
-        ))
-    })
-}
-
 /// An override error as the admin API answers it.
 fn override_failure(error: floodgate::overrides::OverrideError) -> Response {
     use floodgate::overrides::OverrideError;
@@ -500,9 +488,8 @@ async fn set_override(
     body: axum::body::Bytes,
 ) -> Response {
     let runtime = state.gateway.current();
-    let overrides = match overrides_of(&runtime) {
-        Ok(overrides) => overrides,
-        Err(refused) => return refused,
+    let Some(overrides) = runtime.overrides() else {
+        return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
     let selected = match selected(&runtime, query) {
         Ok(selected) => selected,
@@ -555,9 +542,8 @@ async fn list_overrides(
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
     let runtime = state.gateway.current();
-    let overrides = match overrides_of(&runtime) {
-        Ok(overrides) => overrides,
-        Err(refused) => return refused,
+    let Some(overrides) = runtime.overrides() else {
+        return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
     let now = floodgate::Timestamp::now();
     let names_a_client = query
@@ -618,9 +604,8 @@ async fn remove_overrides(
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
     let runtime = state.gateway.current();
-    let overrides = match overrides_of(&runtime) {
-        Ok(overrides) => overrides,
-        Err(refused) => return refused,
+    let Some(overrides) = runtime.overrides() else {
+        return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
     let name = query
         .as_ref()

@@ -508,7 +508,7 @@ fn answered(
     route: Option<&crate::config::RouteTarget>,
 ) -> Response<ProxyBody> {
     if result.as_ref().map_or(true, Result::is_err)
-        && let Some(fault) = client_fault(&watch, result.is_err())
+        && let Some(fault) = client_fault(watch, result.is_err())
     {
         return client_fault_response(fault);
     }

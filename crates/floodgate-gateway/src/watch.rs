@@ -136,7 +136,8 @@ pub fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
 
 /// Reopens the access log's file on every SIGUSR1 (logrotate's `postrotate`).
 pub fn reopen_access_log_on_sigusr1(gateway: Arc<Gateway>) -> std::io::Result<()> {
-    let mut signals = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
+    let mut signals =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
     tokio::spawn(async move {
         while signals.recv().await.is_some() {
             gateway.reopen_access_log();

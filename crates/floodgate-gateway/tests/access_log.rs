@@ -67,23 +67,40 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
     );
     let client = client();
     let traceparent = format!("00-{TRACE_ID}-00f067aa0ba902b7-01");
-    let headers = [("x-api-key", API_KEY), ("traceparent", traceparent.as_str())];
+    let headers = [
+        ("x-api-key", API_KEY),
+        ("traceparent", traceparent.as_str()),
+    ];
     let url = gateway.url("/v1/./things?secret=query");
     let first = get(&client, &url, &headers).await;
     assert_eq!(first.status(), 200);
     let echoed: Value = serde_json::from_slice(first.body()).unwrap();
-    assert_eq!(echoed["headers"]["traceparent"], traceparent.as_str(), "passed through unchanged");
+    assert_eq!(
+        echoed["headers"]["traceparent"],
+        traceparent.as_str(),
+        "passed through unchanged"
+    );
     assert_eq!(get(&client, &url, &headers).await.status(), 200);
     assert_eq!(get(&client, &url, &headers).await.status(), 429);
     // Anonymous, and without a trace.
     assert_eq!(get(&client, &gateway.url("/open"), &[]).await.status(), 200);
 
     let lines = wait_for_lines(&path, 4);
-    assert_eq!(lines.len(), 4, "one line per request:\n{}", lines.join("\n"));
+    assert_eq!(
+        lines.len(),
+        4,
+        "one line per request:\n{}",
+        lines.join("\n")
+    );
     let text = lines.join("\n");
     assert!(!text.contains(API_KEY), "a raw API key in the log:\n{text}");
-    assert!(!text.contains("secret=query"), "the query (it may hold secrets) in the log");
-    let hash = floodgate::Identity::ApiKey(API_KEY.to_owned()).hash().to_string();
+    assert!(
+        !text.contains("secret=query"),
+        "the query (it may hold secrets) in the log"
+    );
+    let hash = floodgate::Identity::ApiKey(API_KEY.to_owned())
+        .hash()
+        .to_string();
     let [allowed, _, limited, anonymous] = [0, 1, 2, 3].map(|index| parsed(&lines[index]));
 
     let time = allowed["time"].as_str().unwrap();
@@ -110,12 +127,19 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
     assert_eq!(limited["limit"], "hourly");
     assert_eq!(limited["remaining"], 0);
     assert!(limited["retry_after"].as_u64().unwrap() > 0, "{limited}");
-    assert_eq!(limited["upstream_status"], Value::Null, "never sent upstream");
+    assert_eq!(
+        limited["upstream_status"],
+        Value::Null,
+        "never sent upstream"
+    );
     assert_eq!(limited["upstream_ms"], Value::Null);
 
     assert_eq!(anonymous["scope"], "ip");
     assert_eq!(anonymous["plan"], "anonymous");
-    assert_eq!(anonymous["decision"], "unlimited", "the anonymous plan has no limits");
+    assert_eq!(
+        anonymous["decision"], "unlimited",
+        "the anonymous plan has no limits"
+    );
     assert_eq!(anonymous["trace_id"], Value::Null);
 }
 
@@ -133,22 +157,39 @@ async fn only_limited_keeps_refusals_and_sampling_keeps_a_share() {
     let url = limited_gateway.url("/v1/things");
     let statuses = [200, 200, 429, 429, 429];
     for status in statuses {
-        assert_eq!(get(&client, &url, &[("x-api-key", API_KEY)]).await.status(), status);
+        assert_eq!(
+            get(&client, &url, &[("x-api-key", API_KEY)]).await.status(),
+            status
+        );
     }
     // In order, by one writer: once the third refusal is there, every earlier line is too.
     let refused = wait_for_lines(&limited_path, 3);
     assert_eq!(refused.len(), 3, "{}", refused.join("\n"));
-    assert!(refused.iter().all(|line| parsed(line)["decision"] == "limited"), "{}", refused.join("\n"));
+    assert!(
+        refused
+            .iter()
+            .all(|line| parsed(line)["decision"] == "limited"),
+        "{}",
+        refused.join("\n")
+    );
 
     let sampled_path = directory.file("sampled.log");
     let (sampled_gateway, _dir) = gateway(
         &upstream,
-        &format!("  path: \"{}\"\n  format: text\n  sample: 0.5", sampled_path.display()),
+        &format!(
+            "  path: \"{}\"\n  format: text\n  sample: 0.5",
+            sampled_path.display()
+        ),
         100_000,
     );
     let requests = 400;
     for _ in 0..requests {
-        let answer = get(&client, &sampled_gateway.url("/v1/things"), &[("x-api-key", API_KEY)]).await;
+        let answer = get(
+            &client,
+            &sampled_gateway.url("/v1/things"),
+            &[("x-api-key", API_KEY)],
+        )
+        .await;
         assert_eq!(answer.status(), 200);
     }
     // Sampled lines have no marker to wait for: wait until the count holds still for 300 ms
@@ -165,10 +206,19 @@ async fn only_limited_keeps_refusals_and_sampling_keeps_a_share() {
         assert!(started.elapsed() < Duration::from_secs(10));
     }
     // Binomial(400, 0.5): mean 200, standard deviation 10; these bounds are 8 deviations out.
-    assert!((120..=280).contains(&count), "{count} of {requests} sampled at 0.5");
+    assert!(
+        (120..=280).contains(&count),
+        "{count} of {requests} sampled at 0.5"
+    );
     let line = &lines(&sampled_path)[0];
-    assert!(line.contains("decision=allowed") && line.contains("path=/v1/things"), "{line}");
-    assert!(line.contains("status=200") && line.contains("plan=free"), "{line}");
+    assert!(
+        line.contains("decision=allowed") && line.contains("path=/v1/things"),
+        "{line}"
+    );
+    assert!(
+        line.contains("status=200") && line.contains("plan=free"),
+        "{line}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,7 +254,10 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
     let upstream = Upstream::start().await;
     let directory = TempDir::new("log");
     let fifo = directory.file("stalled.fifo");
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
     assert!(made.success());
     // The reader end, held open and never read (opening blocks until the gateway opens its end).
     let reader = {

@@ -295,15 +295,18 @@ pub trait OverrideBackend: Send + Sync + 'static {
     fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
 }
 
+/// Overrides by namespace and target.
+type ByTarget = HashMap<(Arc<str>, Arc<str>), Override>;
+
 /// Overrides kept in this process: the memory store's (one node, nothing shared).
 #[derive(Debug, Default)]
 pub struct MemoryOverrides {
-    entries: Mutex<HashMap<(Arc<str>, Arc<str>), Override>>,
+    entries: Mutex<ByTarget>,
     version: AtomicU64,
 }
 
 impl MemoryOverrides {
-    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<(Arc<str>, Arc<str>), Override>> {
+    fn entries(&self) -> std::sync::MutexGuard<'_, ByTarget> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -370,8 +373,11 @@ impl OverrideBackend for MemoryOverrides {
 /// limit they replace, which each entry holds so that no other limit can take the address).
 struct InForce {
     stored: Override,
-    limits: Mutex<Vec<(Arc<Limit>, Option<Arc<Limit>>)>>,
+    limits: Mutex<Vec<MadeLimit>>,
 }
+
+/// A limit, and the one an override made of it (`None`: the override does not fit it).
+type MadeLimit = (Arc<Limit>, Option<Arc<Limit>>);
 
 impl InForce {
     /// The limit that replaces `original`, made once; `None` if the override does not fit it
@@ -399,7 +405,11 @@ type InForceMap = HashMap<Arc<str>, Arc<InForce>>;
 pub struct Overrides {
     backend: Arc<dyn OverrideBackend>,
     namespace: Arc<str>,
-    in_force: RwLock<Arc<InForceMap>>,
+    /// The copy, and the number of the refresh that made it.
+    in_force: RwLock<(u64, Arc<InForceMap>)>,
+    /// Refreshes started so far: a refresh that started earlier (and read earlier) never
+    /// replaces the copy of one that started later.
+    refreshes: AtomicU64,
     /// `in_force.len()`, read on every decision without the lock.
     count: AtomicUsize,
     /// When the copy was last refreshed (microseconds since the epoch; 0: never).
@@ -437,7 +447,8 @@ impl Overrides {
         Overrides {
             backend,
             namespace: namespace.into(),
-            in_force: RwLock::new(Arc::default()),
+            in_force: RwLock::new((0, Arc::default())),
+            refreshes: AtomicU64::new(0),
             count: AtomicUsize::new(0),
             refreshed_at: AtomicU64::new(0),
             read_all_at: AtomicU64::new(0),
@@ -574,6 +585,7 @@ impl Overrides {
         self.in_force
             .read()
             .unwrap_or_else(PoisonError::into_inner)
+            .1
             .clone()
     }
 
@@ -623,6 +635,7 @@ impl Overrides {
     /// changed (or at least every 10 s). A failure keeps the last copy (its entries still
     /// expire on time).
     pub async fn refresh(&self) -> Result<(), StoreError> {
+        let refresh = self.refreshes.fetch_add(1, Ordering::AcqRel) + 1;
         let now = Timestamp::now();
         let version = self.backend.version(&self.namespace).await?;
         let read_all_due = now
@@ -649,12 +662,17 @@ impl Overrides {
                     (entry.target.clone(), in_force)
                 })
                 .collect();
-            self.count.store(map.len(), Ordering::Release);
-            metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
-            *self
+            let mut in_force = self
                 .in_force
                 .write()
-                .unwrap_or_else(PoisonError::into_inner) = Arc::new(map);
+                .unwrap_or_else(PoisonError::into_inner);
+            if in_force.0 > refresh {
+                // A later refresh read after this one did: its copy stays.
+                return Ok(());
+            }
+            self.count.store(map.len(), Ordering::Release);
+            metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
+            *in_force = (refresh, Arc::new(map));
             self.version.store(version, Ordering::Release);
             self.read_all_at.store(now.as_micros(), Ordering::Release);
         }
