@@ -1,4 +1,4 @@
-//! Issue 15 through the `floodgate` binary: inspecting and resetting one client from the admin
+//! Through the `floodgate` binary: inspecting and resetting one client from the admin
 //! API on every store, and costs the upstream reports after the response (SPEC §7, §9).
 
 use floodgate_test_support as redis_support;

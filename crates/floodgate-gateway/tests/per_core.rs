@@ -1,4 +1,4 @@
-//! `server.workers: per_core` (issue 13): one current-thread runtime per worker thread, each
+//! `server.workers: per_core`: one current-thread runtime per worker thread, each
 //! with its own `SO_REUSEPORT` listener and upstream pool. Black-box, like the other tests: the
 //! real binary, a real upstream, real sockets.
 

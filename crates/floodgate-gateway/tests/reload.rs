@@ -181,7 +181,7 @@ fn write_in_place(path: &Path, text: &str) {
     file.write_all(text.as_bytes()).unwrap();
 }
 
-/// Issue 11 item 7: the watcher's own read of the file must not set off another reload.
+/// The watcher's own read of the file must not set off another reload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_gateway_never_reloads_by_itself() {
     let upstream = Upstream::start().await;
@@ -255,7 +255,7 @@ async fn sighup_and_admin_reload_apply_what_the_watcher_cannot_see() {
     stays_at(&client, &gateway, (APPLIED, SUCCESSES), 2).await;
 }
 
-/// Issue 11 item 8: `: > floodgate.yaml` is never applied, by any trigger; the watcher waits for
+/// A truncated file (`: > floodgate.yaml`) is never applied, by any trigger; the watcher waits for
 /// the writer to finish, and applies the complete file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_file_is_never_applied() {
@@ -284,14 +284,14 @@ async fn an_empty_file_is_never_applied() {
     wait_for_limit(&client, &gateway, 8, "the complete file").await;
 }
 
-/// Issue 11 item 8: a storm of in-place writes (truncate, then the new text 3ms later) under
+/// A storm of in-place writes (truncate, then the new text 3ms later) under
 /// load: no request gets a 5xx, and every change is in force in the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_place_writes_under_load_never_serve_a_half_written_file() {
     let upstream = Upstream::start().await;
     let (gateway, path, text, _directory) = start("storm", &upstream, 1_000_000);
     let load = Load::start(&gateway, 4);
-    // Two seconds of writes as in the issue's storm: truncate, the new text 3ms later, the
+    // Two seconds of writes in that pattern: truncate, the new text 3ms later, the
     // next write 2ms after that. The sleeps are the writer's own pace, not waits for a signal.
     let started = Instant::now();
     let mut limit = 1_000_000;
@@ -308,7 +308,7 @@ async fn in_place_writes_under_load_never_serve_a_half_written_file() {
     load.finish().await;
 }
 
-/// Issue 11 item 6: on the memory backend, settings under `store.*` that mean nothing to it
+/// On the memory backend, settings under `store.*` that mean nothing to it
 /// (timeout, breaker, fallback share, batched key cap) are edited: the counters stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_counters_survive_edits_of_store_settings_it_does_not_use() {

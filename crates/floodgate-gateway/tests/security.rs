@@ -1,4 +1,4 @@
-//! The gateway as a hostile client sees it (issue 10, SPEC §3, §5 "Paths", §7): identities a
+//! The gateway as a hostile client sees it (SPEC §3, §5 "Paths", §7): identities a
 //! client cannot choose, paths that cannot dodge a limit, an admin API that leaks nothing, and
 //! connection limits. Black-box, through the `floodgate` binary and real sockets.
 
@@ -49,7 +49,7 @@ fn start(upstream: &Upstream, rest: &str) -> (Gateway, TempDir) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_written_forwarded_header_chooses_nothing() {
-    // Regression (issue 10.1): with `Forwarded: for=<rotating>` added, six requests were
+    // Regression: with `Forwarded: for=<rotating>` added, six requests were
     // admitted at 2/min, and an allowlisted address in `Forwarded` bypassed every limit.
     let upstream = Upstream::start().await;
     let rest = format!("{PER_IP_TWO}allowlist: {{ ips: [\"192.0.2.1\"] }}\n");
@@ -93,7 +93,7 @@ async fn the_forwarded_family_is_read_when_configured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_match_exact_ipv6_addresses() {
-    // Regression (issue 10.2): lists saw the /64-grouped address, so a denylisted
+    // Regression: lists saw the /64-grouped address, so a denylisted
     // 2001:db8::5 got 200, and an allowlisted single address covered its whole /64.
     let upstream = Upstream::start().await;
     let rest = format!(
@@ -128,7 +128,7 @@ async fn lists_match_exact_ipv6_addresses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_and_plan_headers_are_off_unless_configured() {
-    // Regression (issue 10.5): x-user-id and x-plan were honoured from any trusted proxy by
+    // Regression: x-user-id and x-plan were honoured from any trusted proxy by
     // default, so a client behind it chose a fresh user (and a bigger plan) per request.
     let upstream = Upstream::start().await;
     let rest = r#"
@@ -155,7 +155,7 @@ plans:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_keys_can_be_limited_as_their_ip_or_rejected() {
-    // Issue 10.6: an invented key per request got a fresh budget each time.
+    // Regression: an invented API key per request got a fresh budget each time.
     let upstream = Upstream::start().await;
     let plans = r#"
 identity:
@@ -202,7 +202,8 @@ clients:
 
 #[test]
 fn check_warns_about_unverified_keys_and_an_exposed_admin_api() {
-    // Issue 10.6 and 10.16: `check` said nothing about either.
+    // Regression: `check` gave no warning about unverified API keys (`clients.unknown_keys`)
+    // or an exposed admin API (`admin.listen` on 0.0.0.0).
     let directory = TempDir::new("check-warn");
     let path = directory.file("floodgate.yaml");
     std::fs::write(
@@ -224,7 +225,7 @@ fn check_warns_about_unverified_keys_and_an_exposed_admin_api() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoint_and_global_limits_cannot_be_dodged_by_spelling_the_path() {
-    // Regression (issue 10.3): `//export`, `/%65xport`, `/./export` and `/a/../export` skipped
+    // Regression: `//export`, `/%65xport`, `/./export` and `/a/../export` skipped
     // an `/export` limit while the upstream (which normalises) served `/export`.
     let upstream = Upstream::start().await;
     let rest = r#"
@@ -266,7 +267,7 @@ global:
     assert_eq!(
         head.status(),
         StatusCode::TOO_MANY_REQUESTS,
-        "HEAD meets the GET limit (issue 10.16)"
+        "HEAD meets the GET limit"
     );
     // The upstream receives the normalised path, query kept.
     let echoed = get(&client, &gateway.url("/x/..//search?q=%41"), &[]).await;
@@ -294,7 +295,7 @@ global:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_admin_endpoint_needs_the_token_and_config_shows_no_secret() {
-    // Regression (issue 10.4): /admin/config and /admin/top answered without the token, and
+    // Regression: /admin/config and /admin/top answered without the token, and
     // /admin/config printed Redis passwords (store.url, nodes, sentinel URLs).
     let upstream = Upstream::start().await;
     let directory = TempDir::new("admin-token");
@@ -413,7 +414,7 @@ const SHORT_DEADLINES: &str = "server:\n  header_read_timeout: 1s\n  idle_timeou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_and_idle_connections_are_closed() {
-    // Regression (issue 10.9): a partial head, nothing at all, a partial HTTP/2 preface, or an
+    // Regression: a partial head, nothing at all, a partial HTTP/2 preface, or an
     // idle keep-alive connection after one request were all still open after 130 s.
     use tokio::io::AsyncWriteExt;
     let upstream = Upstream::start().await;
@@ -474,7 +475,7 @@ async fn a_head_that_trickles_in_is_cut_at_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_heads_are_refused_with_431() {
-    // Regression (issue 10.10): a connection could hold a ~400 KB unfinished head.
+    // Regression: a connection could hold a ~400 KB unfinished head.
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start(&upstream, "");
@@ -509,7 +510,7 @@ async fn oversized_heads_are_refused_with_431() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_connections_cannot_exhaust_descriptors() {
-    // Regression (issue 10.8): with the usual 1024 open-file limit, one client holding 1,100
+    // Regression: with the usual 1024 open-file limit, one client holding 1,100
     // idle connections stopped every new connection, admin /healthz too, while the accept loop
     // spun and logged a warning per retry. Here the limit is 128 descriptors and the client
     // holds 150 connections: the gateway serves at most (128 - 64) / 2 = 32 of them and keeps
@@ -604,7 +605,7 @@ async fn raw_exchange(gateway: &Gateway, request: &[u8], bound: std::time::Durat
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_websocket_upgrades_are_spliced() {
-    // Regression (issue 10.12): `Upgrade: h2c` (or `foo`) was forwarded, and an upstream that
+    // Regression: `Upgrade: h2c` (or `foo`) was forwarded, and an upstream that
     // answered 101 turned the connection into an unlimited tunnel.
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start(&upstream, "");
@@ -640,7 +641,7 @@ async fn only_websocket_upgrades_are_spliced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ambiguous_hosts_and_connect_are_refused() {
-    // Regression (issue 10.14 and 10.16): two Host headers were both forwarded, HTTP/1.1 without
+    // Regression: two Host headers were both forwarded, HTTP/1.1 without
     // Host was accepted, CONNECT was forwarded and never answered.
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start(&upstream, "");
@@ -682,7 +683,7 @@ async fn ambiguous_hosts_and_connect_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http2_requests_carry_host_and_must_agree_with_authority() {
-    // Regression (issue 10.14): HTTP/2 requests lost Host and got no X-Forwarded-Host; a `host`
+    // Regression: HTTP/2 requests lost Host and got no X-Forwarded-Host; a `host`
     // that differed from `:authority` was forwarded.
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start(&upstream, "");
@@ -721,7 +722,7 @@ async fn http2_requests_carry_host_and_must_agree_with_authority() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_body_faults_are_the_clients_not_the_upstreams() {
-    // Regression (issue 10.15): a malformed chunked body was a 502 with a WARN "upstream request
+    // Regression: a malformed chunked body was a 502 with a WARN "upstream request
     // failed" and a 502 in the upstream metrics; a stalled body became 504.
     let upstream = Upstream::start().await;
     let (gateway, _directory) = start(&upstream, "server: { body_read_timeout: 1s }\n");
@@ -764,7 +765,7 @@ async fn client_body_faults_are_the_clients_not_the_upstreams() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_logs_written_to_a_file_carry_no_colour_codes() {
-    // Regression (issue 10.16): text logs carried ANSI escapes when stderr was not a terminal.
+    // Regression: text logs carried ANSI escapes when stderr was not a terminal.
     let upstream = Upstream::start().await;
     let directory = TempDir::new("ansi");
     let (listen, admin) = support::addresses();
@@ -904,7 +905,7 @@ fn alias_bombs_and_huge_files_are_rejected_fast_with_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_top_counts_each_denial_once_under_a_key_flood() {
-    // Issue 10.16 reported /admin/top over-counting under key floods ("a key denied once shows 3
+    // /admin/top was reported to over-count under key floods ("a key denied once shows 3
     // denials"). 3,000 invented keys from one IP, each denied once by a per-IP limit (more keys
     // than the sketch keeps, so it evicts): no identity may show more denials than it had.
     let upstream = Upstream::start().await;

@@ -1,4 +1,4 @@
-//! Issue 15: the status page in a real browser. Headless Chromium (Debian's `chromium`, which
+//! The status page in a real browser. Headless Chromium (Debian's `chromium`, which
 //! `scripts/test.sh` installs) loads the page from a running gateway under traffic; the test
 //! reads the rendered DOM. `--virtual-time-budget` lets the page's own fetches and timers run
 //! before the DOM is dumped (virtual time waits for pending network requests).

@@ -1,5 +1,5 @@
 //! A store that refuses the gateway (a wrong Redis password) is seen at once: at start, on
-//! `/readyz`, and in the breaker's log line, which names its cause (issue 11 item 9).
+//! `/readyz`, and in the breaker's log line, which names its cause.
 //!
 //! Timing: log lines are waited for by polling the captured log every 10ms for up to 5s.
 

@@ -1,4 +1,4 @@
-//! A `per_core` worker's own HTTP/1.1 upstream connections (issue 13): reused while they
+//! A `per_core` worker's own HTTP/1.1 upstream connections: reused while they
 //! last, never reused once the upstream closed them or broke a response, and answered with
 //! 502 / 504 when the upstream fails. The upstreams here are raw sockets, so that each test
 //! decides exactly when a connection closes.

@@ -1,4 +1,4 @@
-//! The app of issue 12, as a newcomer writes it from the crate docs alone: anonymous clients by
+//! A typical app, as a newcomer writes it from the crate docs alone: anonymous clients by
 //! IP and API-key tiers, five login attempts a minute per IP, a per-IP ceiling, Redis with a
 //! local fallback, a concurrency limit on a streaming route, trusted proxies, Prometheus.
 //!

@@ -729,7 +729,7 @@ async fn units_of_an_old_algorithm_are_not_charged_to_the_new_one() {
     );
 }
 
-/// Issue 15 on a split store: a peek reads the hot ceiling (this node's copy) and the exact
+/// Operator calls on a split store: a peek reads the hot ceiling (this node's copy) and the exact
 /// client limit without consuming either; a post-charge reaches both halves; a reset clears
 /// both, the hot ceiling's local copy included.
 #[tokio::test]
@@ -786,7 +786,7 @@ async fn a_split_store_peeks_charges_and_resets_both_halves() {
     assert_eq!(remaining(&after), [99, 9], "both start afresh");
 }
 
-/// Issue 15: a batched node's unsent counts go with a reset, and a sync after it sends none of
+/// A batched node's unsent counts go with a reset, and a sync after it sends none of
 /// them: the shared state starts afresh.
 #[tokio::test]
 async fn a_reset_takes_a_batched_nodes_unsent_counts_with_it() {
@@ -877,8 +877,8 @@ impl SyncTarget for HeldFetches {
     }
 }
 
-/// Issue 15 review: a first-sight fetch that read a key's state before a reset must not install
-/// it after: the request fetches again and is decided on the fresh key.
+/// A first-sight fetch that read a key's state before a reset must not install it after: the
+/// request fetches again and is decided on the fresh key.
 #[tokio::test]
 async fn a_fetch_that_read_the_state_before_a_reset_does_not_install_it() {
     let server = RedisServer::start();

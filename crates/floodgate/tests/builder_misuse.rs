@@ -1,5 +1,6 @@
-//! Misuse that used to show only at run time is a build error with the field named (issue 12,
-//! items 2 and 6).
+//! Misuse that used to show only at run time is a build error with the field named: limit
+//! settings next to a plan, a limit the store cannot decide, a limit without its quantity, and
+//! bad Redis settings.
 
 use floodgate_test_support as support;
 
@@ -15,7 +16,7 @@ fn per_second(limit: u64) -> Limit {
 
 #[test]
 fn limits_rule_or_prefix_next_to_a_plan_are_an_error_not_ignored() {
-    // Regression (issue 12.2): with `.plan()` set, `.limit()` was silently ignored (a 1/s limit
+    // Regression: with `.plan()` set, `.limit()` was silently ignored (a 1/s limit
     // admitted three requests in a row).
     let plan = || {
         StaticPlan::new(
@@ -45,7 +46,7 @@ fn limits_rule_or_prefix_next_to_a_plan_are_an_error_not_ignored() {
 
 #[tokio::test]
 async fn a_batched_store_refuses_limits_it_cannot_decide_at_build_time() {
-    // Regression (issue 12.6): a concurrency limit on a BatchedStore built fine, then every
+    // Regression: a concurrency limit on a BatchedStore built fine, then every
     // request was a StoreError::Protocol and failed open.
     let server = RedisServer::start();
     let batched = BatchedStore::builder(RedisStore::builder(server.url()).build().unwrap()).build();
@@ -72,7 +73,7 @@ async fn a_batched_store_refuses_limits_it_cannot_decide_at_build_time() {
 
 #[test]
 fn a_limit_without_its_quantity_says_it_is_required() {
-    // Issue 12.6: a builder that never called `.limit()` said "must be greater than 0".
+    // Regression: a builder that never called `.limit()` said "must be greater than 0".
     let error = Limit::builder("x")
         .window(Duration::from_secs(1))
         .build()
@@ -88,7 +89,7 @@ fn a_limit_without_its_quantity_says_it_is_required() {
 
 #[test]
 fn bad_redis_settings_are_build_errors_that_name_the_url_without_its_password() {
-    // Issue 12.6: a bad Redis URL was StoreError::Unavailable, transient, with no URL in the
+    // Regression: a bad Redis URL was StoreError::Unavailable, transient, with no URL in the
     // message; zero timeouts and breaker(0, ZERO) were accepted.
     let error = RedisStore::builder("redis://:hunter2@127.0.0.1:6379/not-a-db")
         .build()

@@ -75,7 +75,7 @@ async fn drive(
     admitted
 }
 
-/// The goal: one client at 20× the threshold among 10,000 ordinary ones on 3
+/// The target case: one client at 20× the threshold among 10,000 ordinary ones on 3
 /// gateways. Once it is hot, its decisions cost about one Redis call per gateway and interval;
 /// each ordinary client's decision is one call; no ordinary client is promoted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

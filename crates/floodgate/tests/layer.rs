@@ -870,7 +870,7 @@ async fn shadow_mode_and_the_kill_switch_switch_at_runtime() {
 
 #[tokio::test]
 async fn lists_match_the_exact_resolved_client_address() {
-    // Regression (issue 10.2): lists saw the /64-grouped address for IP clients (a denylisted
+    // Regression: lists saw the /64-grouped address for IP clients (a denylisted
     // 2001:db8::5 was admitted, a single allowlisted IPv6 address allowlisted its /64) and the
     // raw socket peer for keyed clients (an allowlisted load balancer range let every keyed
     // client through; an IP denylist never matched a keyed client behind it).
@@ -941,8 +941,8 @@ async fn lists_match_the_exact_resolved_client_address() {
 
 #[tokio::test]
 async fn unverified_api_keys_fall_back_to_the_client_address() {
-    // Issue 10.6: invented keys got a fresh budget each; with a verification hook they are
-    // treated as absent and the client is limited by IP.
+    // Regression: invented API keys each got a fresh budget; with a verification hook they
+    // are treated as absent and the client is limited by IP.
     let identifier = DefaultIdentifier::new().verify_api_key(|key: &str| key == "issued-key");
     let layer = RateLimitLayer::builder()
         .limit(per_second(2))
@@ -986,7 +986,8 @@ where
 
 #[tokio::test]
 async fn unidentified_clients_are_counted_and_can_be_rejected() {
-    // Issue 10.7: without a peer address every client shared one budget in silence.
+    // Regression: requests without a peer address all shared one budget in silence. By
+    // default they still pass; `UnknownIdentity::Reject` refuses them (500, client_unidentified).
     let shared = RateLimitLayer::builder()
         .limit(per_second(5))
         .build()
@@ -1016,7 +1017,7 @@ async fn unidentified_clients_are_counted_and_can_be_rejected() {
 
 #[tokio::test]
 async fn nested_layers_send_the_binding_limits_headers() {
-    // Regression (issue 12.1): a global 10/s layer around a per-route 1/min login limit put its
+    // Regression: a global 10/s layer around a per-route 1/min login limit put its
     // own `x-ratelimit-limit: 10`, `remaining` and `RateLimit-Policy` over the login 429's.
     let outer = RateLimitLayer::builder()
         .limit(per_second(10))
@@ -1066,7 +1067,7 @@ async fn nested_layers_send_the_binding_limits_headers() {
 
 #[tokio::test]
 async fn concurrency_denials_can_promise_a_short_retry() {
-    // Issue 12.7: a concurrency 429 said `Retry-After: 34` (the 30 s lease lifetime plus
+    // Regression: a concurrency 429 said `Retry-After: 34` (the 30 s lease lifetime plus
     // jitter) for streams that end in seconds. The bound stays the default; a hint shortens it.
     let limit = || {
         Limit::builder("in-flight")
@@ -1115,7 +1116,7 @@ async fn concurrency_denials_can_promise_a_short_retry() {
 
 #[tokio::test]
 async fn the_429_hook_takes_anything_axum_turns_into_a_response() {
-    // Issue 12.4: `limited_response` could not return `impl IntoResponse`.
+    // Regression: the custom 429 hook (`limited_response`) could not return `impl IntoResponse`.
     use axum::response::Html;
     let service = RateLimitLayer::builder()
         .limit(per_second(1))
@@ -1149,7 +1150,7 @@ async fn the_429_hook_takes_anything_axum_turns_into_a_response() {
 
 #[tokio::test]
 async fn one_identifier_serves_several_layers() {
-    // Issue 12.5: DefaultIdentifier was not Clone and `Arc<T>` was no identifier, so a per-route
+    // Regression: DefaultIdentifier was not Clone and `Arc<T>` was no identifier, so a per-route
     // limit keyed like the global one needed a second identifier built the same way.
     let identifier = Arc::new(
         DefaultIdentifier::new()

@@ -1,5 +1,5 @@
-//! Issue 15 through the layer: an operator's peek and reset of one client, and costs known only
-//! after the response (SPEC §9).
+//! Through the layer: an operator's peek and reset of one client, and costs known only after
+//! the response (SPEC §9).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

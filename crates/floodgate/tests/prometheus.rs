@@ -1,5 +1,5 @@
 //! The `prometheus` feature: one call installs a recorder whose output Prometheus reads as
-//! intended (issue 12.9). Compiled when the feature is on (the workspace's gateway turns it on).
+//! intended. Compiled when the feature is on (the workspace's gateway turns it on).
 #![cfg(feature = "prometheus")]
 
 use std::convert::Infallible;
@@ -57,7 +57,7 @@ impl floodgate::store::resilience::StoreObserver for Counting {
 
 #[tokio::test]
 async fn a_custom_observer_does_not_drop_the_store_error_metric() {
-    // Issue 17.5: the metric was recorded in StoreObserver::store_failed's default body, so an
+    // Regression: the metric was recorded in StoreObserver::store_failed's default body, so an
     // observer that overrode it silently dropped floodgate_store_errors_total.
     use floodgate::Store;
     let handle = handle();

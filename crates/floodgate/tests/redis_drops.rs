@@ -54,9 +54,9 @@ fn leases_held(server: &RedisServer, keys: &[String]) -> i64 {
         .sum()
 }
 
-/// Issue 11 item 4, and the drop fault injection: a concurrency decision over three slots (three
-/// script calls in turn, on a cluster-compatible store) is dropped at every point; whatever the
-/// scripts took is released.
+/// Drop fault injection: a concurrency decision over three slots (three script calls in turn,
+/// on a cluster-compatible store) is dropped at every point; whatever the scripts took is
+/// released, so no lease leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_dropped_at_any_await_point_leaves_no_lease() {
     let server = RedisServer::start();
@@ -90,8 +90,8 @@ async fn a_decision_dropped_at_any_await_point_leaves_no_lease() {
     });
 }
 
-/// Issue 11 item 4: the deadline fires while the script waits behind a paused server; the script
-/// runs later and takes its lease, which must then be released.
+/// No lease leaks on a timeout either: the deadline fires while the script waits behind a
+/// paused server; the script runs later and takes its lease, which must then be released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deadline_that_fires_before_the_script_runs_leaves_no_lease() {
     let server = RedisServer::start();
@@ -116,7 +116,7 @@ async fn a_deadline_that_fires_before_the_script_runs_leaves_no_lease() {
     });
 }
 
-/// Issue 11 item 3: a request dropped while its identity's first fetch is in flight must not
+/// A request dropped while its identity's first fetch is in flight must not
 /// leave the slot "fetching" with the key counted: after `max_keys` such drops, new identities
 /// must still be decided.
 // One thread: the connection's task runs only while the decision waits, so a first poll never

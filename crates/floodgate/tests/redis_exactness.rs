@@ -324,8 +324,8 @@ async fn concurrency_leases_in_redis_follow_the_response_body() {
     );
 }
 
-/// Issue 11 item 10: a sliding log's entries must stay distinct when a refund removes one that
-/// is no longer the newest. Request 1 takes a log entry on one node, then waits on a paused
+/// A sliding log's entries must stay distinct when a refund removes one that is no longer the
+/// newest. Request 1 takes a log entry on one node, then waits on a paused
 /// node whose limit denies it; meanwhile request 2 logs an entry at the same instant; the
 /// refund of request 1's entry then shrinks the log, and the next entry must not reuse (and so
 /// overwrite) request 2's.

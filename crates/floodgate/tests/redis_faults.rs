@@ -1,8 +1,8 @@
 //! The store fails: redis-server killed mid-run, paused beyond the deadline (`CLIENT PAUSE`),
 //! then restarted. Each failure policy is held to SPEC §4, and nothing hangs or is lost.
 //!
-//! Timing bounds: the deadline is 50ms and calls must fail within deadline + 10ms, as the issue
-//! requires; breaker rejections within 1ms. Recovery is polled every 10ms up to open_for + 1s.
+//! Timing bounds: the deadline is 50ms and calls must fail within deadline + 10ms; breaker
+//! rejections within 1ms. Recovery is polled every 10ms up to open_for + 1s.
 
 use floodgate_test_support as support;
 

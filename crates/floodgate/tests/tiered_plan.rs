@@ -1,5 +1,5 @@
 //! TieredPlan: tiers, per-route limits and per-IP ceilings in one all-or-nothing decision, and
-//! closures whose argument types are inferred (issue 12: the app a newcomer writes).
+//! closures whose argument types are inferred, as a newcomer writes them.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -216,7 +216,7 @@ fn a_plan_that_cannot_work_is_a_build_error() {
 
 #[tokio::test]
 async fn closures_infer_their_argument_types() {
-    // Issue 12.3: `.identify(|req| …)` needed `|req: &RequestInfo<'_>|`.
+    // Regression: `.identify(|req| …)` needed `|req: &RequestInfo<'_>|`.
     let service = RateLimitLayer::builder()
         .limit(per_minute("tenant", 2))
         .identify_with(|request| match request.headers.get("x-tenant") {

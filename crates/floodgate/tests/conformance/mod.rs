@@ -607,7 +607,7 @@ async fn peek_now(store: &dyn Store, checks: &[Check], now: Timestamp) -> Decisi
     store.peek(checks, Some(now)).await.expect("store peeks")
 }
 
-/// Issue 15: a peek reads a limit as it stands and changes nothing. After three admissions,
+/// A peek reads a limit as it stands and changes nothing. After three admissions,
 /// it shows what the last one's answer showed (twice the same); the key then decides exactly
 /// as a twin that was never peeked at, admitted or, once exhausted, denied with the very
 /// answer the peek gave.
@@ -656,7 +656,7 @@ every_algorithm_and_the_batchable!(peeks_change_nothing =>
     a_peek_changes_nothing,
     a_batchable_peek_changes_nothing);
 
-/// Issue 15: a reset key starts again as a fresh one; other keys keep their state; keys that
+/// A reset key starts again as a fresh one; other keys keep their state; keys that
 /// hold nothing count for nothing.
 async fn resets_forget_a_key(store: &dyn Store, algorithms: &[Algorithm]) {
     let now = at(secs(9));
@@ -694,7 +694,7 @@ every_algorithm_and_the_batchable!(resets_forget_a_key =>
     a_reset_key_starts_fresh,
     a_reset_batchable_key_starts_fresh);
 
-/// Issue 15: a reset frees a concurrency key's leases; the release its old holder sends later
+/// A reset frees a concurrency key's leases; the release its old holder sends later
 /// frees nothing of the new holder's.
 pub async fn a_reset_frees_leases(store: impl Store) {
     let limit = limit(Algorithm::Concurrency, 1, secs(30));
@@ -712,7 +712,7 @@ pub async fn a_reset_frees_leases(store: impl Store) {
     );
 }
 
-/// Issue 15 (SPEC §9): post-charges never deny, may leave debt, and the wait a later denial
+/// SPEC §9: post-charges never deny, may leave debt, and the wait a later denial
 /// promises covers the debt exactly: denied just before it, admitted at it. A concurrency
 /// limit is never post-charged.
 async fn post_charges_leave_debt(store: &dyn Store, algorithms: &[Algorithm]) {
@@ -752,7 +752,7 @@ every_algorithm_and_the_batchable!(post_charges_leave_debt =>
     post_charges_leave_a_debt_that_the_promised_wait_covers,
     batchable_post_charges_leave_a_debt_that_the_promised_wait_covers);
 
-/// Issue 15: the token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
+/// The token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
 /// cost 40: three admitted (the third leaves 20 tokens of debt), the fourth told to wait for 21
 /// tokens at one a second.
 pub async fn a_token_budget_admits_three_forty_token_requests(store: impl Store) {
