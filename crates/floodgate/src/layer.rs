@@ -1,115 +1,29 @@
 //! [`RateLimitLayer`] and its builder.
 
 use std::collections::HashSet;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tower_layer::Layer;
 
-use crate::decision::Decision;
+use crate::error::BuildError;
+use crate::fallback::OnStoreError;
 use crate::headers::HeaderStyle;
-use crate::key::{DefaultIdentifier, IdentifyClient, Identity, RequestInfo};
-use crate::limit::{Limit, is_valid_name};
+use crate::key::storage::check_key_prefix;
+use crate::key::{DefaultIdentifier, IdentifyClient, RequestInfo};
+use crate::limit::{Limit, check_rule_name};
 use crate::lists::ClientList;
-use crate::overrides::{Override, OverrideError, OverrideSpec, Overrides};
+use crate::overrides::Overrides;
 use crate::plan::{LimitPlan, StaticPlan};
 use crate::post_charge::ResponseCost;
 use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
-use crate::service::{LocalFallback, RateLimit, RequestCost, Shared, UnknownIdentity};
-pub use crate::store::resilience::FailurePolicy;
+use crate::service::{RateLimit, RequestCost, Shared, UnknownIdentity};
+use crate::store::resilience::FailurePolicy;
 use crate::store::resilience::{LogObserver, StoreObserver};
-use crate::store::{Check, MemoryStore, Store};
+use crate::store::{MemoryStore, Store};
 use crate::telemetry::LimitedRateBaseline;
 use crate::top::TopClients;
-
-// Parsed here rather than beside the policy: a bad name is a layer build error.
-impl FromStr for FailurePolicy {
-    type Err = BuildError;
-
-    fn from_str(name: &str) -> Result<Self, Self::Err> {
-        match name {
-            "open" => Ok(FailurePolicy::Open),
-            "closed" => Ok(FailurePolicy::Closed),
-            "local" => Ok(FailurePolicy::Local),
-            other => Err(BuildError::UnknownFailurePolicy(other.to_owned())),
-        }
-    }
-}
-
-/// Why a layer could not be built.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum BuildError {
-    /// No limit was given and no custom plan either.
-    #[error("limits: at least one limit is required")]
-    NoLimits,
-    /// Two limits share a name; names key the counters, so they must differ.
-    #[error("limits[{index}].name: `{name}` is used by an earlier limit")]
-    DuplicateLimitName {
-        /// Position of the second limit.
-        index: usize,
-        /// The name.
-        name: String,
-    },
-    /// The rule name has characters outside `A-Z a-z 0-9 - _ .` or is empty or too long.
-    #[error("rule: `{0}` is not a valid rule name (1 to 64 characters among A-Z a-z 0-9 - _ .)")]
-    InvalidRule(String),
-    /// The key prefix is empty, too long, or contains `{`, `}` or `:`.
-    #[error("prefix: `{0}` is not a valid key prefix (1 to 64 characters, no braces or colons)")]
-    InvalidPrefix(String),
-    /// The jitter is negative, not finite, or above 10.
-    #[error("retry_after_jitter: must be between 0 and 10, got {0}")]
-    InvalidJitter(f64),
-    /// The fallback share is not in (0, 1].
-    #[error("fallback_share: must be greater than 0 and at most 1, got {0}")]
-    InvalidFallbackShare(f64),
-    /// No such failure policy.
-    #[error("on_store_error: unknown policy `{0}`; expected open, closed or local")]
-    UnknownFailurePolicy(String),
-    /// `limit`, `limits`, `rule` or `key_prefix` were set together with a custom plan, which
-    /// chooses its own limits and keys: they would be ignored.
-    #[error(
-        "plan: a custom plan picks its own limits, rule and key prefix; `{0}` would be ignored"
-    )]
-    IgnoredWithPlan(&'static str),
-    /// The store cannot decide a limit's algorithm (a batched store counts; it holds no
-    /// concurrency leases, and shaping needs an exact store).
-    #[error("limits[{index}].algorithm: the {store} store cannot decide `{algorithm}` limits")]
-    UnsupportedAlgorithm {
-        /// Position of the limit.
-        index: usize,
-        /// The algorithm.
-        algorithm: crate::Algorithm,
-        /// The store's backend name.
-        store: &'static str,
-    },
-    /// A limit could not be built.
-    #[error(transparent)]
-    Limit(#[from] crate::limit::LimitError),
-}
-
-/// Checks a storage key prefix: 1 to 64 characters, without `{`, `}` or `:` (they delimit the
-/// parts of a key). Plans that build their own keys (a gateway's) use the same rule.
-pub fn check_key_prefix(prefix: &str) -> Result<(), BuildError> {
-    let valid = !prefix.is_empty() && prefix.len() <= 64 && !prefix.contains(['{', '}', ':']);
-    if valid {
-        Ok(())
-    } else {
-        Err(BuildError::InvalidPrefix(prefix.to_owned()))
-    }
-}
-
-/// Checks a rule name: 1 to 64 characters among `A-Z a-z 0-9 - _ .` (rules name counters in
-/// keys, metric labels and logs).
-pub fn check_rule_name(rule: &str) -> Result<(), BuildError> {
-    if is_valid_name(rule) {
-        Ok(())
-    } else {
-        Err(BuildError::InvalidRule(rule.to_owned()))
-    }
-}
 
 /// Applies rate limiting to a service. Clones (and the services they make) share one state.
 ///
@@ -133,7 +47,7 @@ pub fn check_rule_name(rule: &str) -> Result<(), BuildError> {
 /// decided together in one layer (a [`LimitPlan`] picks them per request).
 #[derive(Clone)]
 pub struct RateLimitLayer {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for RateLimitLayer {
@@ -158,164 +72,6 @@ impl RateLimitLayer {
     /// The store the layer decides against.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.shared.store
-    }
-
-    /// Who `request` is from and the checks it would meet, decided by nothing: build a
-    /// request that stands for a client (its API key header, a [`crate::PeerAddr`]) to look
-    /// that client up. `None` when no limit applies (allowlisted, or no check) or the request
-    /// would be answered before any check (denylisted, unidentified under
-    /// [`UnknownIdentity::Reject`]).
-    pub fn checks_for<B>(&self, request: &http::Request<B>) -> Option<(Identity, Vec<Check>)> {
-        match self.shared.checks_of(request, false) {
-            Ok((checks, _, identity)) if !checks.is_empty() => Some((identity, checks)),
-            _ => None,
-        }
-    }
-
-    /// What the client of `request` has left on every limit it meets, read from the store
-    /// without consuming anything (an operator's "why is this client limited?"). With the
-    /// batched store, this node's view.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// use floodgate::{Limit, RateLimitLayer};
-    ///
-    /// let layer = RateLimitLayer::builder()
-    ///     .limit(Limit::fixed_window("per-minute", 100, Duration::from_secs(60))?)
-    ///     .build()?;
-    /// // A request standing for the client with API key "k1".
-    /// let client = http::Request::get("/").header("x-api-key", "k1").body(())?;
-    /// let decision = layer.peek(&client).await?.expect("a limit applies");
-    /// assert_eq!(decision.limits()[0].remaining, 100);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub async fn peek<B>(
-        &self,
-        request: &http::Request<B>,
-    ) -> Result<Option<Decision>, crate::StoreError> {
-        let Some((_, checks)) = self.checks_for(request) else {
-            return Ok(None);
-        };
-        self.shared.store.peek(&checks, None).await.map(Some)
-    }
-
-    /// Resets the state of every limit the client of `request` meets, or only of the limit
-    /// named `only`, on whichever store is in use (leases included); returns how many keys held
-    /// state. Log who asked: this unblocks a client at once.
-    pub async fn reset<B>(
-        &self,
-        request: &http::Request<B>,
-        only: Option<&str>,
-    ) -> Result<u64, crate::StoreError> {
-        let Some((_, checks)) = self.checks_for(request) else {
-            return Ok(0);
-        };
-        let keys: Vec<Arc<str>> = checks
-            .iter()
-            .filter(|check| only.is_none_or(|name| check.limit.name() == name))
-            .map(|check| check.key.clone())
-            .collect();
-        self.shared.store.reset(&keys).await
-    }
-
-    /// The per-client overrides this layer applies (from its store, or as given to
-    /// [`RateLimitLayerBuilder::overrides`]); `None` if its store keeps none.
-    pub fn overrides(&self) -> Option<&Arc<Overrides>> {
-        self.shared.overrides.as_ref()
-    }
-
-    /// Replaces, until it expires, the limit named `spec.name` of the client of `request` (a
-    /// request that stands for the client, as for [`peek`](Self::peek)), on every node of the
-    /// layer's store: at once here, within [`Overrides::REFRESH_EVERY`] on the others. The
-    /// limit keeps its name and counters. Log who asked.
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// use floodgate::overrides::OverrideSpec;
-    /// use floodgate::{Limit, RateLimitLayer};
-    ///
-    /// let layer = RateLimitLayer::builder()
-    ///     .limit(Limit::token_bucket("per-second", 10, Duration::from_secs(1))?)
-    ///     .build()?;
-    /// let client = http::Request::get("/").header("x-api-key", "k1").body(())?;
-    /// // Ten times the limit for two hours.
-    /// let spec = OverrideSpec::new("per-second", 100, Duration::from_secs(7200));
-    /// layer.set_override(&client, &spec).await?;
-    /// let decision = layer.peek(&client).await?.expect("a limit applies");
-    /// assert_eq!(decision.limits()[0].limit, 100);
-    /// assert_eq!(layer.overrides_of(&client).await?.len(), 1);
-    /// assert!(layer.remove_override(&client, "per-second").await?);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub async fn set_override<B>(
-        &self,
-        request: &http::Request<B>,
-        spec: &OverrideSpec,
-    ) -> Result<Override, OverrideError> {
-        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
-        let target = self
-            .client_checks(request)?
-            .into_iter()
-            .find(|check| check.limit.name() == spec.name)
-            .ok_or_else(|| OverrideError::UnknownLimit(spec.name.clone()))?;
-        overrides.set(&target, spec).await
-    }
-
-    /// The overrides in force for the client of `request`, read from the store.
-    pub async fn overrides_of<B>(
-        &self,
-        request: &http::Request<B>,
-    ) -> Result<Vec<Override>, OverrideError> {
-        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
-        let targets: Vec<Arc<str>> = self
-            .client_checks(request)?
-            .into_iter()
-            .map(|check| check.key)
-            .collect();
-        let mut all = overrides.list().await?;
-        all.retain(|entry| targets.contains(&entry.target));
-        Ok(all)
-    }
-
-    /// Ends the override of the limit `name` of the client of `request` at once on this
-    /// node, and within [`Overrides::REFRESH_EVERY`] on the others; whether there was one.
-    pub async fn remove_override<B>(
-        &self,
-        request: &http::Request<B>,
-        name: &str,
-    ) -> Result<bool, OverrideError> {
-        let overrides = self.overrides().ok_or(OverrideError::Unsupported)?;
-        let Some(target) = self
-            .client_checks(request)?
-            .into_iter()
-            .find(|check| check.limit.name() == name)
-        else {
-            return Ok(false);
-        };
-        overrides.remove(&target.key).await
-    }
-
-    /// The checks of the client of `request` that count its own identity (not a per-IP or
-    /// global limit it shares), as configured.
-    fn client_checks<B>(&self, request: &http::Request<B>) -> Result<Vec<Check>, OverrideError> {
-        let Ok((checks, _, identity)) = self.shared.configured_checks_of(request, false) else {
-            return Err(OverrideError::NoClient);
-        };
-        let client = format!("{}:{}", identity.scope(), identity.hash());
-        let own: Vec<Check> = checks
-            .into_iter()
-            .filter(|check| crate::key::storage::hash_tag(&check.key) == client)
-            .collect();
-        if own.is_empty() {
-            return Err(OverrideError::NoClient);
-        }
-        Ok(own)
     }
 }
 
@@ -696,9 +452,7 @@ impl RateLimitLayerBuilder {
                     .identify
                     .unwrap_or_else(|| Arc::new(DefaultIdentifier::new())),
                 cost: self.cost,
-                on_store_error: self.on_store_error,
-                fallback: (self.on_store_error == FailurePolicy::Local)
-                    .then(|| LocalFallback::new(self.fallback_share)),
+                on_store_error: OnStoreError::new(self.on_store_error, self.fallback_share),
                 observer: self.observer,
                 rollout: self.rollout,
                 top: self.top,

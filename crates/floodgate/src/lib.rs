@@ -6,14 +6,18 @@ mod body;
 #[doc = include_str!("cookbook.md")]
 pub mod cookbook {}
 pub mod decision;
+mod error;
+mod fallback;
 mod future;
 pub mod headers;
 pub mod key;
 mod layer;
 pub mod limit;
 pub mod lists;
+mod operator;
 pub mod overrides;
 pub mod plan;
+mod planning;
 pub mod post_charge;
 pub mod response;
 pub mod rollout;
@@ -26,13 +30,16 @@ pub mod top;
 // What an app writes: the layer, its limits, who a client is, what was decided, the stores.
 // Everything else lives in its module (`floodgate::time::FakeClock`, `floodgate::rollout::Mode`).
 pub use decision::Decision;
+pub use error::BuildError;
+pub use fallback::{LocalFallback, OnStoreError};
 pub use headers::HeaderStyle;
 pub use key::{Identity, PeerAddr, RequestInfo, UserId};
-pub use layer::{BuildError, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder};
 pub use limit::{Algorithm, Limit};
 pub use plan::TieredPlan;
 pub use response::Denial;
-pub use service::{LocalFallback, RateLimit, decide_on_store_error};
+pub use service::RateLimit;
+pub use store::resilience::FailurePolicy;
 pub use store::{MemoryStore, Store, StoreError};
 
 // The crate root's earlier names, kept so that code written against them still compiles; not

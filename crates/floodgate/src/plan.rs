@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-pub use crate::layer::{check_key_prefix, check_rule_name};
+pub use crate::key::storage::check_key_prefix;
+pub use crate::limit::check_rule_name;
 
 use crate::key::{Identity, RequestInfo, storage_key};
 use crate::limit::Limit;

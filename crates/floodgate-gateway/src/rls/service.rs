@@ -16,10 +16,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::headers::RateLimitHeaders;
 use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry::{self, DecisionLabel};
-use floodgate::{
-    Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, LocalFallback, Store,
-    decide_on_store_error,
-};
+use floodgate::{Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, OnStoreError, Store};
 use sha2::{Digest, Sha256};
 
 use super::reload::RulesHandle;
@@ -33,8 +30,8 @@ pub struct RlsService {
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     response_headers: bool,
-    /// The per-node limiter of `on_store_error: local`, for the share it was built with.
-    fallback: Mutex<Option<Arc<LocalFallback>>>,
+    /// The failure policy last used, with its node limiter under `local`.
+    on_store_error: Mutex<Option<Arc<OnStoreError>>>,
     /// The limits of Envoy's `limit` overrides seen so far, by value: at most
     /// [`MAX_OVERRIDES`], so that what clients send cannot grow this without bound.
     overrides: Mutex<HashMap<(u32, i32), Arc<DescriptorLimit>>>,
@@ -51,7 +48,7 @@ impl RlsService {
             gateway,
             rules,
             response_headers,
-            fallback: Mutex::new(None),
+            on_store_error: Mutex::new(None),
             overrides: Mutex::new(HashMap::new()),
         }
     }
@@ -187,10 +184,9 @@ impl RlsService {
         telemetry::record_store_error(&error);
         let runtime = self.gateway.current();
         let config = &runtime.config;
-        let policy = config.on_store_error;
-        let fallback = (policy == FailurePolicy::Local)
-            .then(|| self.fallback_for(config.store.fallback_share));
-        match decide_on_store_error(policy, fallback.as_deref(), checks) {
+        let on_store_error =
+            self.on_store_error_for(config.on_store_error, config.store.fallback_share);
+        match on_store_error.decide(checks) {
             None => Err(tonic::Status::unavailable(
                 "rate limit store unavailable (on_store_error: closed)",
             )),
@@ -202,18 +198,24 @@ impl RlsService {
         }
     }
 
-    /// The node's fallback limiter for `share`: kept while the share stays, built afresh when
-    /// a reload changes it (as the layer's is).
-    fn fallback_for(&self, share: f64) -> Arc<LocalFallback> {
-        let mut fallback = self
-            .fallback
+    /// The failure policy in force, with its node limiter for `share` under `local`: kept
+    /// while the policy and the share stay (its counters with it), built afresh when a reload
+    /// changes either, as a layer's is.
+    fn on_store_error_for(&self, policy: FailurePolicy, share: f64) -> Arc<OnStoreError> {
+        let mut current = self
+            .on_store_error
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match &*fallback {
-            Some(current) if current.share() == share => current.clone(),
+        match &*current {
+            Some(kept)
+                if kept.policy() == policy
+                    && kept.fallback_share().is_none_or(|kept| kept == share) =>
+            {
+                kept.clone()
+            }
             _ => {
-                let built = Arc::new(LocalFallback::new(share));
-                *fallback = Some(built.clone());
+                let built = Arc::new(OnStoreError::new(policy, share));
+                *current = Some(built.clone());
                 built
             }
         }

@@ -15,6 +15,17 @@ use std::sync::Arc;
 
 use super::{IdentityHash, StackText};
 
+/// Checks a storage key prefix: 1 to 64 characters, without `{`, `}` or `:` (they delimit the
+/// parts of a key). Plans that build their own keys (a gateway's) use the same rule.
+pub fn check_key_prefix(prefix: &str) -> Result<(), crate::error::BuildError> {
+    let valid = !prefix.is_empty() && prefix.len() <= 64 && !prefix.contains(['{', '}', ':']);
+    if valid {
+        Ok(())
+    } else {
+        Err(crate::error::BuildError::InvalidPrefix(prefix.to_owned()))
+    }
+}
+
 /// The storage key of one limit for one identity:
 /// `<prefix>:{<scope>:<identity-hash>}:<rule>:<limit-name>`. The `{…}` hash tag keeps one
 /// identity's limits on one Redis Cluster slot, so they can be decided in one script call.

@@ -26,6 +26,22 @@ pub enum FailurePolicy {
     Local,
 }
 
+impl std::str::FromStr for FailurePolicy {
+    type Err = crate::error::BuildError;
+
+    /// `open`, `closed` or `local`; anything else is a layer build error.
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "open" => Ok(FailurePolicy::Open),
+            "closed" => Ok(FailurePolicy::Closed),
+            "local" => Ok(FailurePolicy::Local),
+            other => Err(crate::error::BuildError::UnknownFailurePolicy(
+                other.to_owned(),
+            )),
+        }
+    }
+}
+
 impl FailurePolicy {
     /// The configuration name (`open`, `closed`, `local`).
     pub fn as_str(self) -> &'static str {
