@@ -1,24 +1,23 @@
 //! The access log (`access_log`, SPEC §5): one line per request, written off the request path.
 //!
-//! A request's line is formatted where the request is answered and handed to a writer thread
-//! through a bounded queue: the request never waits for the disk. When the queue is full (a
-//! slow disk, a pipe nobody reads) the line is dropped and counted in
-//! `floodgate_access_log_dropped_total`, so that a stalled log costs lines, never latency. A
-//! file is reopened on `SIGUSR1` (after logrotate moved it); the writer flushes whenever the
-//! queue runs empty.
+//! A request's line is formatted where the request is answered and pushed onto a bounded
+//! queue; a writer thread of its own takes the whole queue every [`WRITE_EVERY`] and writes it
+//! in one go. The request never waits for the disk, nor wakes the writer: it takes a lock for
+//! one push. When the queue is full (a slow disk, a pipe nobody reads) the line is dropped and
+//! counted in `floodgate_access_log_dropped_total`, so that a stalled log costs lines, never
+//! latency. A file is reopened on `SIGUSR1` (after logrotate moved it).
 
+use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate::Decision;
 use floodgate::decision::DecisionSource;
 use http::{HeaderMap, Method, StatusCode};
-use serde_json::{Value, json};
 
 use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
 
@@ -89,16 +88,26 @@ fn trace_id(traceparent: &str) -> Option<String> {
     valid.then(|| trace.to_owned())
 }
 
-/// One message to the writer.
-enum Message {
-    Line(String),
+/// How often the writer takes the queue: lines reach the file this long after their request at
+/// most (plus the write), and the writer wakes this often, whatever the traffic.
+pub const WRITE_EVERY: Duration = Duration::from_millis(20);
+
+/// What the request path and the writer share.
+struct Queue {
+    lines: Mutex<Vec<String>>,
+    capacity: usize,
+    /// Reopen the file before the next write.
+    reopen: AtomicBool,
+    /// The log was replaced or the gateway stops: write what is queued, then stop.
+    closed: AtomicBool,
 }
 
-/// The access log of a running gateway. Dropping it lets its writer finish the queue and stop.
+/// The access log of a running gateway. Dropping it makes its writer write what is queued and
+/// stop.
 pub struct AccessLog {
     settings: AccessLogSettings,
-    queue: SyncSender<Message>,
-    reopen: Arc<AtomicBool>,
+    queue: Arc<Queue>,
+    writer: std::thread::Thread,
 }
 
 impl std::fmt::Debug for AccessLog {
@@ -109,20 +118,31 @@ impl std::fmt::Debug for AccessLog {
     }
 }
 
+impl Drop for AccessLog {
+    fn drop(&mut self) {
+        self.queue.closed.store(true, Ordering::Release);
+        self.writer.unpark();
+    }
+}
+
 impl AccessLog {
     /// Opens the log `settings` describe and starts its writer.
     pub fn open(settings: &AccessLogSettings) -> Result<AccessLog, std::io::Error> {
         let output = Output::open(&settings.target)?;
-        let (queue, lines) = sync_channel(settings.buffer);
-        let reopen = Arc::new(AtomicBool::new(false));
-        let flag = reopen.clone();
-        std::thread::Builder::new()
+        let queue = Arc::new(Queue {
+            lines: Mutex::new(Vec::new()),
+            capacity: settings.buffer,
+            reopen: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        });
+        let shared = queue.clone();
+        let writer = std::thread::Builder::new()
             .name("floodgate-access-log".to_owned())
-            .spawn(move || write_lines(output, lines, &flag))?;
+            .spawn(move || write_lines(output, &shared))?;
         Ok(AccessLog {
             settings: settings.clone(),
             queue,
-            reopen,
+            writer: writer.thread().clone(),
         })
     }
 
@@ -131,9 +151,10 @@ impl AccessLog {
         &self.settings
     }
 
-    /// Reopens the file before the next line (`SIGUSR1`, after logrotate moved it).
+    /// Reopens the file before the next write (`SIGUSR1`, after logrotate moved it).
     pub fn reopen(&self) {
-        self.reopen.store(true, Ordering::Release);
+        self.queue.reopen.store(true, Ordering::Release);
+        self.writer.unpark();
     }
 
     /// Logs one answered request, if the sampling and `only` let it through.
@@ -154,37 +175,152 @@ impl AccessLog {
             return;
         }
         let binding = decision.and_then(Decision::binding_limit);
-        let fields = json!({
-            "time": rfc3339(SystemTime::now()),
-            "method": request.method.as_str(),
-            "path": facts.and_then(|facts| facts.path.as_deref()).unwrap_or(&request.path),
-            "status": response.status.as_u16(),
-            "duration_ms": millis(duration),
-            "upstream_status": upstream.and_then(|upstream| upstream.status).map(|status| status.as_u16()),
-            "upstream_ms": upstream.map(|upstream| millis(upstream.elapsed)),
-            "identity": facts.and_then(|facts| facts.identity.as_ref()).map(|(hash, _)| hash),
-            "scope": facts.and_then(|facts| facts.identity.as_ref()).map(|(_, scope)| scope),
-            "plan": facts.and_then(|facts| facts.plan.as_deref()),
-            "decision": label,
-            "limit": binding.map(|binding| &*binding.name),
-            "remaining": binding.map(|binding| binding.remaining),
-            "retry_after": decision
-                .and_then(Decision::retry_after)
-                .filter(|_| label != "allowed")
-                .map(|wait| wait.as_secs_f64().ceil() as u64),
-            "trace_id": request.trace_id,
-        });
+        let identity = facts.and_then(|facts| facts.identity.as_ref());
+        let path = facts
+            .and_then(|facts| facts.path.as_deref())
+            .unwrap_or(&request.path);
+        let retry_after = decision
+            .and_then(Decision::retry_after)
+            .filter(|_| label != "allowed")
+            .map(|wait| wait.as_secs_f64().ceil() as u64);
+        let time = rfc3339(SystemTime::now());
+        let fields = [
+            ("time", Field::Text(Some(&time))),
+            ("method", Field::Text(Some(request.method.as_str()))),
+            ("path", Field::Text(Some(path))),
+            (
+                "status",
+                Field::Count(Some(u64::from(response.status.as_u16()))),
+            ),
+            ("duration_ms", Field::Millis(Some(duration))),
+            (
+                "upstream_status",
+                Field::Count(
+                    upstream
+                        .and_then(|upstream| upstream.status)
+                        .map(|status| u64::from(status.as_u16())),
+                ),
+            ),
+            (
+                "upstream_ms",
+                Field::Millis(upstream.map(|upstream| upstream.elapsed)),
+            ),
+            (
+                "identity",
+                Field::Text(identity.map(|(hash, _)| hash.as_str())),
+            ),
+            (
+                "scope",
+                Field::Text(identity.map(|(_, scope)| scope.as_str())),
+            ),
+            (
+                "plan",
+                Field::Text(facts.and_then(|facts| facts.plan.as_deref())),
+            ),
+            ("decision", Field::Text(Some(label))),
+            ("limit", Field::Text(binding.map(|binding| &*binding.name))),
+            (
+                "remaining",
+                Field::Count(binding.map(|binding| binding.remaining)),
+            ),
+            ("retry_after", Field::Count(retry_after)),
+            ("trace_id", Field::Text(request.trace_id.as_deref())),
+        ];
         let line = match self.settings.format {
-            AccessLogFormat::Json => fields.to_string(),
+            AccessLogFormat::Json => json_line(&fields),
             AccessLogFormat::Text => text_line(&fields),
         };
-        match self.queue.try_send(Message::Line(line)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                metrics::counter!(crate::telemetry::ACCESS_LOG_DROPPED_TOTAL).increment(1);
-            }
+        let mut lines = self
+            .queue
+            .lines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if lines.len() < self.queue.capacity {
+            lines.push(line);
+        } else {
+            drop(lines);
+            metrics::counter!(crate::telemetry::ACCESS_LOG_DROPPED_TOTAL).increment(1);
         }
     }
+}
+
+/// One value of a line.
+#[derive(Clone, Copy)]
+enum Field<'a> {
+    Text(Option<&'a str>),
+    Count(Option<u64>),
+    Millis(Option<Duration>),
+}
+
+/// `{"key":value,...}`, strings escaped as JSON, absent values `null`.
+fn json_line(fields: &[(&str, Field<'_>)]) -> String {
+    let mut line = String::with_capacity(384);
+    line.push('{');
+    for (index, (key, value)) in fields.iter().enumerate() {
+        if index > 0 {
+            line.push(',');
+        }
+        line.push('"');
+        line.push_str(key);
+        line.push_str("\":");
+        match value {
+            Field::Text(Some(text)) => push_json_string(&mut line, text),
+            Field::Count(Some(count)) => {
+                let _ = write!(line, "{count}");
+            }
+            Field::Millis(Some(duration)) => {
+                let _ = write!(line, "{}", millis(*duration));
+            }
+            Field::Text(None) | Field::Count(None) | Field::Millis(None) => line.push_str("null"),
+        }
+    }
+    line.push('}');
+    line
+}
+
+/// `key=value` pairs; text with spaces, quotes or `=` is quoted as JSON, absent values `-`.
+fn text_line(fields: &[(&str, Field<'_>)]) -> String {
+    let mut line = String::with_capacity(320);
+    for (index, (key, value)) in fields.iter().enumerate() {
+        if index > 0 {
+            line.push(' ');
+        }
+        line.push_str(key);
+        line.push('=');
+        match value {
+            Field::Text(Some(text)) if text.is_empty() || text.contains([' ', '"', '=']) => {
+                push_json_string(&mut line, text);
+            }
+            Field::Text(Some(text)) => line.push_str(text),
+            Field::Count(Some(count)) => {
+                let _ = write!(line, "{count}");
+            }
+            Field::Millis(Some(duration)) => {
+                let _ = write!(line, "{}", millis(*duration));
+            }
+            Field::Text(None) | Field::Count(None) | Field::Millis(None) => line.push('-'),
+        }
+    }
+    line
+}
+
+/// `text` as a JSON string, escaped (paths and plan names are the client's and the file's).
+fn push_json_string(line: &mut String, text: &str) {
+    line.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => line.push_str("\\\""),
+            '\\' => line.push_str("\\\\"),
+            '\n' => line.push_str("\\n"),
+            '\r' => line.push_str("\\r"),
+            '\t' => line.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(line, "\\u{:04x}", u32::from(c));
+            }
+            c => line.push(c),
+        }
+    }
+    line.push('"');
 }
 
 /// What the request's answer was, as the log names it.
@@ -224,31 +360,6 @@ fn is_limited(label: &str) -> bool {
 
 fn millis(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 1_000_000.0).round() / 1000.0
-}
-
-/// `key=value` pairs in the JSON line's order; strings with spaces or quotes are quoted,
-/// absent values are `-`.
-fn text_line(fields: &Value) -> String {
-    let Some(object) = fields.as_object() else {
-        return String::new();
-    };
-    let mut line = String::new();
-    for (key, value) in object {
-        if !line.is_empty() {
-            line.push(' ');
-        }
-        line.push_str(key);
-        line.push('=');
-        match value {
-            Value::Null => line.push('-'),
-            Value::String(text) if text.is_empty() || text.contains([' ', '"', '=']) => {
-                line.push_str(&Value::String(text.clone()).to_string());
-            }
-            Value::String(text) => line.push_str(text),
-            other => line.push_str(&other.to_string()),
-        }
-    }
-    line
 }
 
 /// `2026-12-01T15:04:05.123Z`.
@@ -338,29 +449,37 @@ fn open_append(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().create(true).append(true).open(path)
 }
 
-/// The writer thread: writes what comes, flushes whenever the queue is empty, reopens when
-/// asked, and stops once every sender is gone and the queue is drained.
-fn write_lines(mut output: Output, lines: Receiver<Message>, reopen: &AtomicBool) {
+/// The writer thread: every [`WRITE_EVERY`] (or at once when asked to reopen or stop), takes
+/// the whole queue, writes it, and flushes; stops once the log is closed and the queue written.
+fn write_lines(mut output: Output, queue: &Queue) {
+    let mut taken = Vec::new();
     let mut failed = false;
-    while let Ok(first) = lines.recv() {
-        if reopen.swap(false, Ordering::AcqRel) {
+    loop {
+        std::thread::park_timeout(WRITE_EVERY);
+        let closed = queue.closed.load(Ordering::Acquire);
+        if queue.reopen.swap(false, Ordering::AcqRel) {
             output.reopen();
         }
-        let mut next = Some(first);
-        while let Some(Message::Line(line)) = next {
-            if let Err(error) = output.write_line(&line) {
-                if !failed {
-                    tracing::error!(%error, "cannot write the access log; lines are lost until it can");
+        std::mem::swap(
+            &mut taken,
+            &mut *queue.lines.lock().unwrap_or_else(PoisonError::into_inner),
+        );
+        for line in taken.drain(..) {
+            match output.write_line(&line) {
+                Ok(()) => failed = false,
+                Err(error) => {
+                    if !failed {
+                        tracing::error!(%error, "cannot write the access log; lines are lost until it can");
+                    }
+                    failed = true;
                 }
-                failed = true;
-            } else {
-                failed = false;
             }
-            next = lines.try_recv().ok();
         }
         let _ = output.flush();
+        if closed {
+            return;
+        }
     }
-    let _ = output.flush();
 }
 
 #[cfg(test)]
@@ -397,8 +516,22 @@ mod tests {
     }
 
     #[test]
-    fn text_lines_quote_what_needs_it() {
-        let line = text_line(&json!({"a": "x y", "b": null, "c": 3, "d": "plain"}));
-        assert_eq!(line, "a=\"x y\" b=- c=3 d=plain");
+    fn lines_escape_and_quote_what_needs_it() {
+        let fields = [
+            ("a", Field::Text(Some("x \"y\"\n"))),
+            ("b", Field::Text(None)),
+            ("c", Field::Count(Some(3))),
+            ("d", Field::Text(Some("plain"))),
+            ("e", Field::Millis(Some(Duration::from_micros(1500)))),
+        ];
+        assert_eq!(
+            text_line(&fields),
+            "a=\"x \\\"y\\\"\\n\" b=- c=3 d=plain e=1.5"
+        );
+        let json: serde_json::Value = serde_json::from_str(&json_line(&fields)).unwrap();
+        assert_eq!(json["a"], "x \"y\"\n");
+        assert_eq!(json["b"], serde_json::Value::Null);
+        assert_eq!(json["c"], 3);
+        assert_eq!(json["e"], 1.5);
     }
 }

@@ -16,6 +16,8 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use arc_swap::ArcSwap;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -373,7 +375,8 @@ impl OverrideBackend for MemoryOverrides {
 /// limit they replace, which each entry holds so that no other limit can take the address).
 struct InForce {
     stored: Override,
-    limits: Mutex<Vec<MadeLimit>>,
+    /// Read on every decision of the client; written once per limit (and reload).
+    limits: RwLock<Vec<MadeLimit>>,
 }
 
 /// A limit, and the one an override made of it (`None`: the override does not fit it).
@@ -383,9 +386,19 @@ impl InForce {
     /// The limit that replaces `original`, made once; `None` if the override does not fit it
     /// (a reload changed the limit's algorithm to one without a burst, say).
     fn limit_for(&self, original: &Arc<Limit>) -> Option<Arc<Limit>> {
-        let mut limits = self.limits.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, made)) = limits.iter().find(|(seen, _)| Arc::ptr_eq(seen, original)) {
-            return made.clone();
+        let made_before = |limits: &[MadeLimit]| {
+            limits
+                .iter()
+                .find(|(seen, _)| Arc::ptr_eq(seen, original))
+                .map(|(_, made)| made.clone())
+        };
+        if let Some(made) = made_before(&self.limits.read().unwrap_or_else(PoisonError::into_inner))
+        {
+            return made;
+        }
+        let mut limits = self.limits.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(made) = made_before(&limits) {
+            return made;
         }
         let made = self.stored.apply_to(original).ok().map(Arc::new);
         // A few reloads' worth; past that, start again.
@@ -406,7 +419,9 @@ pub struct Overrides {
     backend: Arc<dyn OverrideBackend>,
     namespace: Arc<str>,
     /// The copy, and the number of the refresh that made it.
-    in_force: RwLock<(u64, Arc<InForceMap>)>,
+    in_force: ArcSwap<(u64, InForceMap)>,
+    /// Held while a refresh puts its copy in place.
+    replacing: Mutex<()>,
     /// Refreshes started so far: a refresh that started earlier (and read earlier) never
     /// replaces the copy of one that started later.
     refreshes: AtomicU64,
@@ -447,7 +462,8 @@ impl Overrides {
         Overrides {
             backend,
             namespace: namespace.into(),
-            in_force: RwLock::new((0, Arc::default())),
+            in_force: ArcSwap::from_pointee((0, InForceMap::new())),
+            replacing: Mutex::new(()),
             refreshes: AtomicU64::new(0),
             count: AtomicUsize::new(0),
             refreshed_at: AtomicU64::new(0),
@@ -567,6 +583,7 @@ impl Overrides {
         let now = Timestamp::now();
         let mut all: Vec<Override> = self
             .copy()
+            .1
             .values()
             .map(|entry| entry.stored.clone())
             .filter(|entry| entry.is_active(now))
@@ -577,16 +594,12 @@ impl Overrides {
 
     /// The override in force on this node for `target`, if any.
     pub fn in_force_for(&self, target: &str) -> Option<Override> {
-        let entry = self.copy().get(target)?.stored.clone();
+        let entry = self.copy().1.get(target)?.stored.clone();
         entry.is_active(Timestamp::now()).then_some(entry)
     }
 
-    fn copy(&self) -> Arc<InForceMap> {
-        self.in_force
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .1
-            .clone()
+    fn copy(&self) -> Arc<(u64, InForceMap)> {
+        self.in_force.load_full()
     }
 
     /// Replaces the limits of `checks` that have an override in force. Starts a refresh in
@@ -598,9 +611,9 @@ impl Overrides {
         if self.count.load(Ordering::Acquire) == 0 {
             return;
         }
-        let copy = self.copy();
+        let copy = self.in_force.load();
         for check in checks {
-            let Some(entry) = copy.get(&check.key) else {
+            let Some(entry) = copy.1.get(&check.key) else {
                 continue;
             };
             if !entry.stored.is_active(now) {
@@ -650,29 +663,30 @@ impl Overrides {
                 .map(|entry| {
                     // An unchanged entry keeps the limits already made from it.
                     let kept = previous
+                        .1
                         .get(&entry.target)
                         .filter(|old| old.stored == entry)
                         .cloned();
                     let in_force = kept.unwrap_or_else(|| {
                         Arc::new(InForce {
                             stored: entry.clone(),
-                            limits: Mutex::new(Vec::new()),
+                            limits: RwLock::new(Vec::new()),
                         })
                     });
                     (entry.target.clone(), in_force)
                 })
                 .collect();
-            let mut in_force = self
-                .in_force
-                .write()
+            let _replacing = self
+                .replacing
+                .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            if in_force.0 > refresh {
+            if self.in_force.load().0 > refresh {
                 // A later refresh read after this one did: its copy stays.
                 return Ok(());
             }
             self.count.store(map.len(), Ordering::Release);
             metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
-            *in_force = (refresh, Arc::new(map));
+            self.in_force.store(Arc::new((refresh, map)));
             self.version.store(version, Ordering::Release);
             self.read_all_at.store(now.as_micros(), Ordering::Release);
         }
