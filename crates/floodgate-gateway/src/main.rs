@@ -11,10 +11,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use floodgate_gateway::admin::{self, AdminState};
 use floodgate_gateway::config::{self, Backend, Workers};
 use floodgate_gateway::error::GatewayError;
+use floodgate_gateway::gateway::Gateway;
 use floodgate_gateway::rls::{self, RulesHandle};
-use floodgate_gateway::runtime::Gateway;
+use floodgate_gateway::serve::{self, config_watch};
 use floodgate_gateway::tls::ReloadingCertificate;
-use floodgate_gateway::{server, watch};
 
 /// glibc's malloc takes an arena lock that the proxy's tasks contend on (issue 13's profile:
 /// `__lll_lock_wait_private`); mimalloc's thread-local heaps do not.
@@ -275,13 +275,14 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         }
     };
     let admin_listener = bind(config.admin_listen).await?;
-    let _watcher =
-        watch::watch_config(gateway.clone(), &path).map_err(|error| GatewayError::Watch {
+    let _watcher = config_watch::watch_config(gateway.clone(), &path).map_err(|error| {
+        GatewayError::Watch {
             path: path.clone(),
             reason: error.to_string(),
-        })?;
-    watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
-    watch::reopen_access_log_on_sigusr1(gateway.clone()).map_err(GatewayError::Signal)?;
+        }
+    })?;
+    config_watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
+    config_watch::reopen_access_log_on_sigusr1(gateway.clone()).map_err(GatewayError::Signal)?;
     // A change written between the first read and the watch would otherwise go unseen.
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
@@ -341,17 +342,17 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     });
     let served = match listener {
         Listener::Shared(listener) => {
-            server::serve(listener, gateway, tls, shutdown_signal()).await;
+            serve::serve(listener, gateway, tls, shutdown_signal()).await;
             Ok(())
         }
         Listener::PerCore(listeners) => {
-            server::serve_per_core(listeners, gateway, tls, shutdown_signal())
+            serve::serve_per_core(listeners, gateway, tls, shutdown_signal())
                 .await
                 .map_err(GatewayError::Workers)
         }
         Listener::None => {
             shutdown_signal().await;
-            server::flush_store(&gateway).await;
+            serve::flush_store(&gateway).await;
             Ok(())
         }
     };

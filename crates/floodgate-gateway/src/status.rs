@@ -1,13 +1,15 @@
 //! What the status page shows (SPEC §7 `GET /`): decisions per second by outcome over the last
 //! minute, the 429 share of the last ten seconds with the baseline's anomaly flag, and the
 //! recent reload errors. Sampled once a second from the process's decision totals; bounded
-//! memory.
+//! memory. And [`Observers`]: everything the configuration versions report into, kept across
+//! reloads, that the admin API reads.
 
 use std::collections::VecDeque;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate::telemetry::{DecisionLabel, decision_totals};
+use floodgate::TopClients;
+use floodgate::telemetry::{DecisionLabel, LimitedRateBaseline, decision_totals};
 use serde_json::{Map, Value, json};
 
 /// One-second samples kept: a minute of history, plus the one the first difference needs.
@@ -168,6 +170,17 @@ impl StatusBoard {
         report.insert("reload_errors".to_owned(), Value::Array(reload_errors));
         report
     }
+}
+
+/// What every configuration version reports into: kept across reloads.
+#[derive(Default)]
+pub struct Observers {
+    /// The top clients of the last five minutes.
+    pub top: Arc<TopClients>,
+    /// The 429-rate baseline.
+    pub baseline: Arc<LimitedRateBaseline>,
+    /// What the status page shows.
+    pub status: Arc<StatusBoard>,
 }
 
 #[cfg(test)]

@@ -89,12 +89,6 @@ pub enum TlsError {
     Rustls(#[from] rustls::Error),
 }
 
-impl From<TlsError> for crate::config::Problem {
-    fn from(error: TlsError) -> Self {
-        crate::config::Problem(error.to_string())
-    }
-}
-
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Read {
         path: path.to_owned(),

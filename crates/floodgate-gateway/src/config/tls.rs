@@ -140,3 +140,10 @@ pub(super) fn upstream_protocol(errors: &mut Errors, text: &str) -> UpstreamProt
         }
     }
 }
+
+// A certificate that cannot be loaded is a problem of the setting that names it.
+impl From<crate::tls::TlsError> for super::Problem {
+    fn from(error: crate::tls::TlsError) -> Self {
+        super::Problem(error.to_string())
+    }
+}

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
 use crate::config::RlsSettings;
-use crate::runtime::Gateway;
+use crate::gateway::Gateway;
 
 /// Serves the rate limit service on `listener` until the task is dropped. The domain rules must
 /// have been loaded (and their watcher started) by the caller.

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 use super::reload::RulesHandle;
 use super::rules::{Action, DescriptorLimit, Match, Node, Unit};
 use crate::config::Config;
-use crate::runtime::Gateway;
+use crate::gateway::Gateway;
 use crate::telemetry::RLS_LIMIT_OVERRIDES_TOTAL;
 
 /// The rate limit service: the gateway's store and failure policy, the directory's rules.
@@ -182,8 +182,8 @@ impl RlsService {
             Err(error) => error,
         };
         telemetry::record_store_error(&error);
-        let runtime = self.gateway.current();
-        let config = &runtime.config;
+        let current = self.gateway.current();
+        let config = &current.config;
         let on_store_error =
             self.on_store_error_for(config.on_store_error, config.store.fallback_share);
         match on_store_error.decide(checks) {
@@ -236,8 +236,8 @@ impl RlsService {
                 ..RateLimitResponse::default()
             });
         };
-        let runtime = self.gateway.current();
-        let config = &runtime.config;
+        let current = self.gateway.current();
+        let config = &current.config;
         // Envoy's `limit` override decides a descriptor in place of the file (as
         // envoyproxy/ratelimit does, whether or not the file configures it).
         let overridden: Vec<Option<Arc<DescriptorLimit>>> = request

@@ -29,7 +29,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use crate::client_body::ClientBody;
+use crate::proxy::client_body::ClientBody;
 
 /// Idle connections kept per upstream and worker (hyper-util's client kept 256 per host).
 const MAX_IDLE: usize = 256;

@@ -1,6 +1,8 @@
 //! The admin API (SPEC §7): health, readiness, metrics, reload, active configuration, top
 //! clients, a client's inspection and reset, and the status page.
 
+pub mod inspect;
+
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
@@ -17,8 +19,8 @@ use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
-use crate::inspect::{ClientQuery, SelectError, Selected, limit_json, override_json};
-use crate::runtime::Gateway;
+use crate::admin::inspect::{ClientQuery, SelectError, Selected, limit_json, override_json};
+use crate::gateway::Gateway;
 
 /// What the admin handlers share.
 #[derive(Clone)]
@@ -95,7 +97,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// ([`crate::config::Config::unready_without_store`]). The body lists every plan's policy and
 /// whether its clients are served while the store is down.
 async fn readyz(State(state): State<AdminState>) -> Response {
-    let runtime = state.gateway.current();
+    let current = state.gateway.current();
     // A store that refuses this gateway (a wrong password) is a configuration error, not an
     // outage: not ready under any failure policy, so that a bad rollout stops here.
     if let Err(error @ StoreError::Rejected(_)) = state.gateway.store().probe().await {
@@ -109,7 +111,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         None | Some(BreakerState::Closed) => true,
         Some(BreakerState::Open | BreakerState::HalfOpen) => false,
     };
-    let config = &runtime.config;
+    let config = &current.config;
     let mut names: Vec<&String> = config.plans.keys().collect();
     names.sort();
     let plans: serde_json::Map<String, serde_json::Value> = names
@@ -133,7 +135,7 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         status,
         Json(json!({
             "status": label,
-            "version": runtime.version,
+            "version": current.version,
             "store_reachable": store_ok,
             "plans": plans,
         })),
@@ -170,15 +172,15 @@ async fn reload(State(state): State<AdminState>) -> Response {
 }
 
 async fn active_config(State(state): State<AdminState>) -> Response {
-    let runtime = state.gateway.current();
-    let loaded_at = runtime
+    let current = state.gateway.current();
+    let loaded_at = current
         .loaded_at
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs());
     Json(json!({
-        "version": runtime.version,
+        "version": current.version,
         "loaded_at": loaded_at,
-        "config": runtime.config.redacted,
+        "config": current.config.redacted,
     }))
     .into_response()
 }
@@ -253,9 +255,9 @@ async fn status_page() -> Response {
 
 /// What the status page polls: the version in service, the store, the decision rates.
 async fn status(State(state): State<AdminState>) -> Response {
-    let runtime = state.gateway.current();
+    let current = state.gateway.current();
     let store = state.gateway.store();
-    let loaded_at = runtime
+    let loaded_at = current
         .loaded_at
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs());
@@ -264,9 +266,9 @@ async fn status(State(state): State<AdminState>) -> Response {
         BreakerState::Open => "open",
         BreakerState::HalfOpen => "half_open",
     });
-    let mode = runtime.config.rollout.mode().as_str();
+    let mode = current.config.rollout.mode().as_str();
     let mut report = state.gateway.observers.status.report();
-    report.insert("version".to_owned(), json!(runtime.version));
+    report.insert("version".to_owned(), json!(current.version));
     report.insert("loaded_at".to_owned(), json!(loaded_at));
     report.insert("mode".to_owned(), json!(mode));
     report.insert(
@@ -275,7 +277,7 @@ async fn status(State(state): State<AdminState>) -> Response {
     );
     // This node's copy, as decisions see it: the first 100.
     let now = floodgate::Timestamp::now();
-    let overrides = runtime
+    let overrides = current
         .overrides()
         .map(|overrides| overrides.in_force())
         .unwrap_or_default();
@@ -294,12 +296,12 @@ async fn status(State(state): State<AdminState>) -> Response {
 /// A client named by the query (only the limit it names, if it names one), or the status and
 /// message that say why not.
 fn selected(
-    runtime: &crate::runtime::Runtime,
+    current: &crate::version::ConfigVersion,
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Result<Selected, (StatusCode, String)> {
     let Query(query) =
         query.map_err(|rejection| (StatusCode::BAD_REQUEST, rejection.body_text()))?;
-    let mut selected = query.select(&runtime.config).map_err(|error| match error {
+    let mut selected = query.select(&current.config).map_err(|error| match error {
         SelectError::BadQuery(message) => (StatusCode::BAD_REQUEST, message),
         SelectError::UnknownKey => (
             StatusCode::NOT_FOUND,
@@ -329,14 +331,14 @@ async fn inspect_client(
     State(state): State<AdminState>,
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
-    let runtime = state.gateway.current();
-    let selected = match selected(&runtime, query) {
+    let current = state.gateway.current();
+    let selected = match selected(&current, query) {
         Ok(selected) => selected,
         Err(refused) => return refusal(refused),
     };
     let store = state.gateway.store();
     let mut selected = selected;
-    if let Some(overrides) = runtime.overrides() {
+    if let Some(overrides) = current.overrides() {
         // As the request path decides them.
         overrides.apply(&mut selected.checks);
     }
@@ -344,9 +346,9 @@ async fn inspect_client(
         Ok(decision) => decision,
         Err(error) => return store_failure(&error),
     };
-    let settings = &runtime.config.store;
+    let settings = &current.config.store;
     // Decided from this node's leases (`store.hot_identities`): its limits that can be.
-    let local = runtime.hot_identities().is_some_and(|hot| {
+    let local = current.hot_identities().is_some_and(|hot| {
         selected
             .checks
             .iter()
@@ -363,7 +365,7 @@ async fn inspect_client(
                     && crate::plan::is_global_ceiling(check))
                 || (local && leased && !crate::plan::is_global_ceiling(check));
             let mut limit = limit_json(status, check, batched);
-            let in_force = runtime
+            let in_force = current
                 .overrides()
                 .and_then(|overrides| overrides.in_force_for(&check.key));
             if let Some(entry) = in_force {
@@ -391,8 +393,8 @@ async fn reset_client(
     parts: axum::http::request::Parts,
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
-    let runtime = state.gateway.current();
-    let mut selected = match selected(&runtime, query) {
+    let current = state.gateway.current();
+    let mut selected = match selected(&current, query) {
         Ok(selected) => selected,
         Err(refused) => return refusal(refused),
     };
@@ -487,11 +489,11 @@ async fn set_override(
     query: Result<Query<ClientQuery>, QueryRejection>,
     body: axum::body::Bytes,
 ) -> Response {
-    let runtime = state.gateway.current();
-    let Some(overrides) = runtime.overrides() else {
+    let current = state.gateway.current();
+    let Some(overrides) = current.overrides() else {
         return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
-    let selected = match selected(&runtime, query) {
+    let selected = match selected(&current, query) {
         Ok(selected) => selected,
         Err(refused) => return refusal(refused),
     };
@@ -505,7 +507,7 @@ async fn set_override(
         Ok(spec) => spec,
         Err(error) => return override_failure(error),
     };
-    let Some(target) = selected.plan_limit(&runtime.config, &spec.name) else {
+    let Some(target) = selected.plan_limit(&current.config, &spec.name) else {
         return refusal((
             StatusCode::NOT_FOUND,
             format!(
@@ -541,8 +543,8 @@ async fn list_overrides(
     State(state): State<AdminState>,
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
-    let runtime = state.gateway.current();
-    let Some(overrides) = runtime.overrides() else {
+    let current = state.gateway.current();
+    let Some(overrides) = current.overrides() else {
         return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
     let now = floodgate::Timestamp::now();
@@ -579,7 +581,7 @@ async fn list_overrides(
         }))
         .into_response();
     }
-    let selected = match selected(&runtime, query) {
+    let selected = match selected(&current, query) {
         Ok(selected) => selected,
         Err(refused) => return refusal(refused),
     };
@@ -603,15 +605,15 @@ async fn remove_overrides(
     parts: axum::http::request::Parts,
     query: Result<Query<ClientQuery>, QueryRejection>,
 ) -> Response {
-    let runtime = state.gateway.current();
-    let Some(overrides) = runtime.overrides() else {
+    let current = state.gateway.current();
+    let Some(overrides) = current.overrides() else {
         return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
     let name = query
         .as_ref()
         .ok()
         .and_then(|Query(query)| query.name.clone());
-    let selected = match selected(&runtime, query) {
+    let selected = match selected(&current, query) {
         Ok(selected) => selected,
         Err(refused) => return refusal(refused),
     };

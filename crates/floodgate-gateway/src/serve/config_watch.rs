@@ -11,7 +11,7 @@ use notify::{Event, EventKind, RecursiveMode, Watcher};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, timeout};
 
-use crate::runtime::{FileState, Gateway};
+use crate::gateway::{FileState, Gateway};
 
 /// A change is over once its file has been quiet this long (editors write in several steps).
 const SETTLE: Duration = Duration::from_millis(100);

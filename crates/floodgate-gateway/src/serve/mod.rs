@@ -9,6 +9,8 @@
 //! the open-file limit, so that one client holding idle sockets cannot stop `accept` for
 //! everyone (nor make it spin: accept errors back off, and their log line is rate-limited).
 
+pub mod config_watch;
+
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -31,7 +33,8 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
 use crate::config::ServerLimits;
-use crate::runtime::{Gateway, handle};
+use crate::gateway::{Gateway, handle};
+use crate::proxy::OverTls;
 
 /// How long in-flight requests may take to finish after a shutdown signal.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -326,11 +329,6 @@ fn connection_builder(limits: &ServerLimits) -> auto::Builder<TokioExecutor> {
         .max_header_list_size(u32::try_from(limits.max_head_bytes).unwrap_or(u32::MAX));
     builder
 }
-
-/// A request extension marking requests that arrived over the TLS listener
-/// (`X-Forwarded-Proto: https`).
-#[derive(Clone, Copy, Debug)]
-pub struct OverTls;
 
 #[allow(clippy::too_many_arguments)]
 fn serve_connection(

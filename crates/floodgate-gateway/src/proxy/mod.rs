@@ -5,6 +5,14 @@
 //! spliced through, and an unreachable or slow upstream yields 502 / 504 with no internal
 //! detail in the body.
 
+pub mod client_body;
+pub mod pool;
+
+/// A request extension marking requests that arrived over the TLS listener
+/// (`X-Forwarded-Proto: https`).
+#[derive(Clone, Copy, Debug)]
+pub struct OverTls;
+
 use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,13 +34,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_service::Service;
 
-use crate::client_body::{BodyWatch, ClientBody, ClientFault};
 use crate::config::{Config, Upstream, UpstreamProtocol};
 use crate::error::GatewayError;
-use crate::pool::{self, UpstreamBody};
-use crate::server::OverTls;
 use crate::tls::{TlsError, UpstreamTls, upstream_client_config};
+use client_body::{BodyWatch, ClientBody, ClientFault};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
+use pool::UpstreamBody;
 use rustls::pki_types::ServerName;
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
@@ -66,7 +73,7 @@ impl ClientSettings {
 /// multi-threaded runtime, and one pool per `per_core` worker thread (made on the thread's
 /// first request), so that a worker's upstream connections are driven by the worker that uses
 /// them. A worker sends plain-`http` HTTP/1.1 requests over connections of its own instead
-/// ([`crate::pool`]); its hyper-util pool serves `https` and h2c upstreams. Cheap to clone;
+/// ([`pool`]); its hyper-util pool serves `https` and h2c upstreams. Cheap to clone;
 /// clones share the pools.
 #[derive(Clone)]
 pub struct UpstreamClients {
@@ -104,7 +111,7 @@ impl UpstreamClients {
     }
 
     /// Whether a request to `upstream` on the calling thread goes over the worker's own
-    /// HTTP/1.1 connections ([`crate::pool`]): on a `per_core` worker, to a plain-`http`
+    /// HTTP/1.1 connections ([`pool`]): on a `per_core` worker, to a plain-`http`
     /// upstream, unless `upstream_protocol: http2` asks for h2c.
     fn worker_pool_serves(&self, upstream: &Upstream) -> bool {
         PER_WORKER_POOL.get()
@@ -501,7 +508,7 @@ fn answered(
         Result<Response<UpstreamBody>, Box<dyn std::error::Error + Send + Sync>>,
         tokio::time::error::Elapsed,
     >,
-    watch: &crate::client_body::BodyWatch,
+    watch: &crate::proxy::client_body::BodyWatch,
     upstream: &Upstream,
     config: &Config,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,

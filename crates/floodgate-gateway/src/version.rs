@@ -1,0 +1,265 @@
+//! One configuration version, ready to serve ([`ConfigVersion`]): everything a request or an
+//! operator reaches through it, its limit plan, one rate limit service per plan (a plan may
+//! override the failure policy), the store and the upstream client. [`crate::gateway`] keeps
+//! the version in service and builds the next.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use floodgate::store::HotIdentities;
+use floodgate::{
+    FailurePolicy, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
+};
+use http::{Request, Response};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use tower::{Layer, ServiceExt};
+
+use crate::access_log::RequestFacts;
+use crate::client::{Resolution, ResolvedClient, resolve};
+use crate::config::Config;
+use crate::error::GatewayError;
+use crate::plan::GatewayPlan;
+use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients};
+use crate::status::Observers;
+use crate::stores::BuiltStore;
+
+/// The body of every gateway response.
+pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
+
+/// One configuration version, ready to serve.
+pub struct ConfigVersion {
+    /// Increments with every applied configuration.
+    pub version: u64,
+    /// When it was applied.
+    pub loaded_at: SystemTime,
+    /// The configuration.
+    pub config: Arc<Config>,
+    /// The store this version decides with (the admin API, readiness, the RLS service and the
+    /// shutdown flush use it too), and its hot identity tracker.
+    pub(crate) store: BuiltStore,
+    /// The upstream client and the settings it was built from.
+    pub(crate) client: (ClientSettings, UpstreamClients),
+    services: HashMap<String, RateLimit<Proxy>>,
+    fallback_service: RateLimit<Proxy>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// A test seam: the next [`Runtime::build`] on this thread fails, as a build can only after
+    /// its inputs were validated (no configuration file reaches it).
+    pub(crate) static FAIL_NEXT_BUILD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl ConfigVersion {
+    pub(crate) fn build(
+        version: u64,
+        config: Arc<Config>,
+        store: BuiltStore,
+        client: (ClientSettings, UpstreamClients),
+        observers: &Observers,
+    ) -> Result<ConfigVersion, GatewayError> {
+        #[cfg(test)]
+        if FAIL_NEXT_BUILD.with(|fail| fail.replace(false)) {
+            return Err(GatewayError::Layer(floodgate::BuildError::NoLimits));
+        }
+        let proxy = Proxy::new(client.1.clone(), config.clone());
+        let make =
+            |policy: FailurePolicy, rollout: &Rollout| -> Result<RateLimit<Proxy>, GatewayError> {
+                let routes = config.clone();
+                let mut layer = RateLimitLayer::builder()
+                    .plan(GatewayPlan::new(config.clone()))
+                    .shared_store(store.store.clone())
+                    .identify(|request: &RequestInfo<'_>| {
+                        request
+                            .extensions
+                            .get::<ResolvedClient>()
+                            .map_or(floodgate::Identity::Unknown, |client| {
+                                client.identity.clone()
+                            })
+                    })
+                    .cost(move |request: &RequestInfo<'_>| {
+                        routes
+                            .routes
+                            .find(request.method, request.uri.path())
+                            .and_then(|(_, route)| route.cost)
+                            .unwrap_or(1)
+                    })
+                    .on_store_error(policy)
+                    // Each layer its own controls, as the file describes them (a shared handle would
+                    // also share the shadow log's per-second budget).
+                    .rollout(Rollout::new(rollout.mode(), rollout.enforce_percent()))
+                    .top_clients(observers.top.clone())
+                    .limited_rate_baseline(observers.baseline.clone())
+                    .fallback_share(config.store.fallback_share)
+                    .responses(config.response.clone());
+                if let Some(overrides) = &store.overrides {
+                    // One copy for every layer, kept across reloads with the store.
+                    layer = layer.overrides(overrides.clone());
+                }
+                Ok(layer.build()?.layer(proxy.clone()))
+            };
+        let mut services = HashMap::new();
+        for (name, plan) in &config.plans {
+            let policy = plan.on_store_error.unwrap_or(config.on_store_error);
+            let rollout = plan.rollout.as_ref().unwrap_or(&config.rollout);
+            services.insert(name.clone(), make(policy, rollout)?);
+        }
+        let fallback_service = make(config.on_store_error, &config.rollout)?;
+        if let Some(overrides) = &store.overrides {
+            // Built: the bounds of this version apply to the next changes.
+            let bounds = config.overrides;
+            overrides.set_bounds(bounds.max_active, bounds.max_expires_in);
+        }
+        Ok(ConfigVersion {
+            version,
+            loaded_at: SystemTime::now(),
+            fallback_service,
+            services,
+            config,
+            store,
+            client,
+        })
+    }
+
+    /// The store this version decides with.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store.store
+    }
+
+    /// The per-client overrides of this version's store (`/admin/clients/overrides`).
+    pub fn overrides(&self) -> Option<&Arc<floodgate::overrides::Overrides>> {
+        self.store.overrides.as_ref()
+    }
+
+    /// Which identities this version's store decides from leases (`store.hot_identities`).
+    pub fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
+        self.store.hot_identities.as_ref()
+    }
+
+    /// Serves one request under this version. With an access log, the response carries what
+    /// the log needs in its extensions ([`RequestFacts`]).
+    pub async fn handle(&self, request: Request<Incoming>) -> Response<GatewayBody> {
+        if self.config.access_log.is_none() {
+            return self.answer(request, &mut RequestFacts::default()).await;
+        }
+        let mut facts = RequestFacts::default();
+        let mut response = self.answer(request, &mut facts).await;
+        response.extensions_mut().insert(facts);
+        response
+    }
+
+    async fn answer(
+        &self,
+        mut request: Request<Incoming>,
+        facts: &mut RequestFacts,
+    ) -> Response<GatewayBody> {
+        if let Err(rejection) = crate::head::check(&request) {
+            metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
+                .increment(1);
+            facts.early = Some("rejected");
+            return json_error(rejection.status(), rejection.reason());
+        }
+        // Limits match, and the upstream receives, the normalised path (SPEC §5 "Paths").
+        match crate::path::normalize_uri(request.uri()) {
+            Ok(Some(normal)) => *request.uri_mut() = normal,
+            Ok(None) => {}
+            Err(error) => {
+                let reason = match error {
+                    crate::path::PathError::AboveRoot => "path_above_root",
+                    crate::path::PathError::BadEscape => "path_bad_escape",
+                };
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => reason)
+                    .increment(1);
+                facts.early = Some("rejected");
+                return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
+            }
+        }
+        facts.path = Some(request.uri().path().to_owned());
+        let resolution = resolve(&self.config, &RequestInfo::new(&request));
+        let client = match resolution {
+            Resolution::Denied => {
+                facts.early = Some("denylisted");
+                floodgate::telemetry::record_decision(
+                    "denylist",
+                    "denylist",
+                    floodgate::telemetry::DecisionLabel::Denylisted,
+                );
+                return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
+            }
+            Resolution::UnknownKey => {
+                facts.early = Some("unknown_key");
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
+                    .increment(1);
+                return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
+            }
+            Resolution::Client(client) => client,
+        };
+        if self.config.access_log.is_some() {
+            facts.identity = Some((
+                client.identity.hash().to_string(),
+                client.identity.scope().to_owned(),
+            ));
+            facts.plan = Some(client.plan.clone());
+        }
+        if client.bypass {
+            facts.early = Some("bypassed");
+            floodgate::telemetry::record_decision(
+                "bypass",
+                "bypass",
+                floodgate::telemetry::DecisionLabel::Bypassed,
+            );
+        }
+        let service = self
+            .services
+            .get(&*client.plan)
+            .unwrap_or(&self.fallback_service)
+            .clone();
+        request.extensions_mut().insert(client);
+        let grpc = is_grpc(request.headers());
+        let response = match service.oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
+        if grpc && response.status() == http::StatusCode::TOO_MANY_REQUESTS {
+            return grpc_resource_exhausted(response);
+        }
+        response.map(Either::Left)
+    }
+}
+
+/// Whether a request is gRPC (`content-type: application/grpc`, `application/grpc+proto`, ...).
+fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// A 429 as a gRPC client understands it: a trailers-only answer with `grpc-status: 8`
+/// (RESOURCE_EXHAUSTED), keeping the rate limit headers and `Retry-After`.
+fn grpc_resource_exhausted<B>(limited: Response<B>) -> Response<GatewayBody> {
+    let (mut parts, _body) = limited.into_parts();
+    parts.status = http::StatusCode::OK;
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    parts.headers.remove(http::header::CACHE_CONTROL);
+    parts.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    parts
+        .headers
+        .insert("grpc-status", http::HeaderValue::from_static("8"));
+    parts.headers.insert(
+        "grpc-message",
+        http::HeaderValue::from_static("rate%20limit%20exceeded"),
+    );
+    Response::from_parts(parts, Either::Right(Full::new(Bytes::new())))
+}
+
+/// The gateway's own answer `{"error": error}` with `status`: 400 for a path above the root,
+/// 401 for an API key the configuration does not know (`clients.unknown_keys: reject`).
+fn json_error(status: http::StatusCode, error: &'static str) -> Response<GatewayBody> {
+    crate::proxy::json_error(status, error).map(Either::Right)
+}
