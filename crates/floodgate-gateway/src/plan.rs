@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use floodgate::key::storage_key;
-use floodgate::{Check, Identity, IdentityHash, Limit, LimitPlan, RequestInfo};
+use floodgate::{Identity, Limit, RequestInfo, key::IdentityHash, plan::LimitPlan, store::Check};
 use http::Method;
 
 use crate::client::ResolvedClient;

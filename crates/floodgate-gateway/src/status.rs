@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate::TopClients;
 use floodgate::telemetry::{DecisionLabel, LimitedRateBaseline, decision_totals};
+use floodgate::top::TopClients;
 use serde_json::{Map, Value, json};
 
 /// One-second samples kept: a minute of history, plus the one the first difference needs.

@@ -148,8 +148,12 @@ pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
         .map(|hot| Arc::new(HotIdentities::new(hot.above_per_second, hot.interval)));
     if let (Some(tracker), Some(hot)) = (&hot_identities, settings.hot_identities) {
         exact = Arc::new(
-            SplitStore::new(batched(hot.interval), exact, |_: &floodgate::Check| false)
-                .with_hot_identities(tracker.clone()),
+            SplitStore::new(
+                batched(hot.interval),
+                exact,
+                |_: &floodgate::store::Check| false,
+            )
+            .with_hot_identities(tracker.clone()),
         );
     }
     if let Some(interval) = settings.global_sync_interval {

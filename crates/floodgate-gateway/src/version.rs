@@ -10,7 +10,8 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use floodgate::store::HotIdentities;
 use floodgate::{
-    FailurePolicy, RateLimit, RateLimitBody, RateLimitLayer, RequestInfo, Rollout, Store,
+    FailurePolicy, RateLimit, RateLimitLayer, RequestInfo, Store, rollout::Rollout,
+    service::RateLimitBody,
 };
 use http::{Request, Response};
 use http_body_util::{Either, Full};
@@ -187,7 +188,8 @@ impl ConfigVersion {
                     "denylist",
                     floodgate::telemetry::DecisionLabel::Denylisted,
                 );
-                return floodgate::forbidden_response().map(|body| Either::Right(Full::new(body)));
+                return floodgate::response::forbidden_response()
+                    .map(|body| Either::Right(Full::new(body)));
             }
             Resolution::UnknownKey => {
                 facts.early = Some("unknown_key");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate::store::{BatchedStore, RedisStore};
-use floodgate::{Check, Limit, Store};
+use floodgate::{Limit, Store, store::Check};
 
 /// How the traffic of one client spreads over the fleet.
 #[derive(Clone, Copy, Debug, PartialEq)]

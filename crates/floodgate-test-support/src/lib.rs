@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore};
-use floodgate::{Check, Decision, Lease, Store, StoreError, Timestamp};
+use floodgate::{Decision, Store, StoreError, store::Check, store::Lease, time::Timestamp};
 
 /// A `redis-server` child process: no persistence, loopback only.
 pub struct RedisServer {

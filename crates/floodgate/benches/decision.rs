@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_main};
-use floodgate::{Algorithm, Check, Lease, Limit, MemoryStore, Store};
+use floodgate::{Algorithm, Limit, MemoryStore, Store, store::Check, store::Lease};
 use governor::{Quota, RateLimiter};
 
 /// High enough that nothing is denied during a run: the admitted path is what is measured.

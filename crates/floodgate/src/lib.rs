@@ -41,38 +41,3 @@ pub use response::Denial;
 pub use service::RateLimit;
 pub use store::resilience::FailurePolicy;
 pub use store::{MemoryStore, Store, StoreError};
-
-// The crate root's earlier names, kept so that code written against them still compiles; not
-// shown in the documentation. Use the module paths.
-#[doc(hidden)]
-pub use body::RateLimitBody;
-#[doc(hidden)]
-pub use decision::{DecisionSource, LimitStatus};
-#[doc(hidden)]
-pub use future::ResponseFuture;
-#[doc(hidden)]
-pub use key::IdentityHash;
-#[doc(hidden)]
-pub use limit::{
-    DEFAULT_LEASE_TTL, LimitBuilder, LimitError, MAX_NAME_LEN, MAX_QUANTITY, MAX_WINDOW,
-};
-#[doc(hidden)]
-pub use lists::{ClientList, api_key_digest};
-#[doc(hidden)]
-pub use plan::{LimitPlan, StaticPlan};
-#[doc(hidden)]
-pub use post_charge::{CostHeader, ReportedCost, ResponseCost};
-#[doc(hidden)]
-pub use response::{
-    MakeLimitedResponse, forbidden_response, unavailable_response, unidentified_response,
-};
-#[doc(hidden)]
-pub use rollout::{Mode, Rollout};
-#[doc(hidden)]
-pub use service::{RequestCost, UnknownIdentity};
-#[doc(hidden)]
-pub use store::{Check, Lease};
-#[doc(hidden)]
-pub use time::{Clock, FakeClock, SystemClock, Timestamp};
-#[doc(hidden)]
-pub use top::{TopClients, TopEntry};

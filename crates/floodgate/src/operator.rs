@@ -78,7 +78,7 @@ impl RateLimitLayer {
     }
 
     /// The per-client overrides this layer applies (from its store, or as given to
-    /// [`RateLimitLayerBuilder::overrides`]); `None` if its store keeps none.
+    /// [`RateLimitLayerBuilder::overrides`](crate::RateLimitLayerBuilder::overrides)); `None` if its store keeps none.
     pub fn overrides(&self) -> Option<&Arc<Overrides>> {
         self.shared.overrides.as_ref()
     }

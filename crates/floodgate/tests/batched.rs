@@ -10,7 +10,8 @@ use std::time::Duration;
 use floodgate::store::batched::{BatchedStats, BatchedStore, SyncTarget};
 use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore, SplitStore};
 use floodgate::{
-    Algorithm, Check, Decision, FakeClock, Lease, Limit, Store, StoreError, Timestamp,
+    Algorithm, Decision, Limit, Store, StoreError, store::Check, store::Lease, time::FakeClock,
+    time::Timestamp,
 };
 use support::RedisServer;
 

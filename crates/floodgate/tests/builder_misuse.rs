@@ -7,7 +7,7 @@ use floodgate_test_support as support;
 use std::time::Duration;
 
 use floodgate::store::{BatchedStore, RedisStore};
-use floodgate::{BuildError, Limit, LimitPlan, RateLimitLayer, StaticPlan};
+use floodgate::{BuildError, Limit, RateLimitLayer, plan::LimitPlan, plan::StaticPlan};
 use support::RedisServer;
 
 fn per_second(limit: u64) -> Limit {

@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
 
 use floodgate::store::RedisStore;
-use floodgate::{Algorithm, Check, Limit, Store};
+use floodgate::{Algorithm, Limit, Store, store::Check};
 use support::RedisServer;
 
 fn store(server: &RedisServer, in_flight: usize) -> RedisStore {

@@ -52,7 +52,7 @@ mod sharded {
     use std::time::Duration;
 
     use floodgate::store::ShardedRedisStore;
-    use floodgate::{Check, Store};
+    use floodgate::{Store, store::Check};
 
     use super::conformance;
     use super::support::ServedStore;
@@ -117,7 +117,7 @@ mod cluster {
     use std::time::Duration;
 
     use floodgate::store::RedisStore;
-    use floodgate::{Check, Limit, Store};
+    use floodgate::{Limit, Store, store::Check};
 
     use super::conformance;
     use super::support::RedisCluster;
@@ -131,7 +131,7 @@ mod cluster {
         fn check_and_consume<'a>(
             &'a self,
             checks: &'a [Check],
-            now: Option<floodgate::Timestamp>,
+            now: Option<floodgate::time::Timestamp>,
         ) -> floodgate::store::BoxFuture<'a, Result<floodgate::Decision, floodgate::StoreError>>
         {
             self.store.check_and_consume(checks, now)
@@ -139,7 +139,7 @@ mod cluster {
 
         fn release<'a>(
             &'a self,
-            leases: Vec<floodgate::Lease>,
+            leases: Vec<floodgate::store::Lease>,
         ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
             self.store.release(leases)
         }
@@ -151,7 +151,7 @@ mod cluster {
         fn peek<'a>(
             &'a self,
             checks: &'a [Check],
-            now: Option<floodgate::Timestamp>,
+            now: Option<floodgate::time::Timestamp>,
         ) -> floodgate::store::BoxFuture<'a, Result<floodgate::Decision, floodgate::StoreError>>
         {
             self.store.peek(checks, now)
@@ -167,7 +167,7 @@ mod cluster {
         fn charge<'a>(
             &'a self,
             checks: &'a [Check],
-            now: Option<floodgate::Timestamp>,
+            now: Option<floodgate::time::Timestamp>,
         ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
             self.store.charge(checks, now)
         }

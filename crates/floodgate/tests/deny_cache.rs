@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate::store::{RedisStore, ShardedRedisStore};
-use floodgate::{Algorithm, Check, Decision, Limit, Store};
+use floodgate::{Algorithm, Decision, Limit, Store, store::Check};
 use support::{RedisCluster, RedisServer};
 
 fn store(url: String) -> RedisStore {

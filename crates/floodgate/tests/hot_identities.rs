@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use floodgate::key::storage::hash_tag;
 use floodgate::store::{BatchedStore, HotIdentities, RedisStore, SplitStore};
-use floodgate::{Check, Limit, Store};
+use floodgate::{Limit, Store, store::Check};
 use support::RedisServer;
 
 const INTERVAL: Duration = Duration::from_millis(50);

@@ -9,9 +9,9 @@ use bytes::Bytes;
 use floodgate::key::DefaultIdentifier;
 use floodgate::store::BoxFuture;
 use floodgate::{
-    Algorithm, Check, Decision, Denial, FailurePolicy, FakeClock, HeaderStyle, Identity, Lease,
-    Limit, MemoryStore, PeerAddr, RateLimitLayer, RequestInfo, Store, StoreError, Timestamp,
-    UserId,
+    Algorithm, Decision, Denial, FailurePolicy, HeaderStyle, Identity, Limit, MemoryStore,
+    PeerAddr, RateLimitLayer, RequestInfo, Store, StoreError, UserId, store::Check, store::Lease,
+    time::FakeClock, time::Timestamp,
 };
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
@@ -629,7 +629,7 @@ async fn concurrency_lease_is_held_until_the_body_ends() {
 /// The store's clock following Tokio's (paused) time, so sleeps and decisions agree.
 struct TokioClock(tokio::time::Instant);
 
-impl floodgate::Clock for TokioClock {
+impl floodgate::time::Clock for TokioClock {
     fn now(&self) -> Timestamp {
         START.saturating_add(self.0.elapsed())
     }
@@ -780,7 +780,7 @@ fn the_builder_rejects_bad_configuration_with_the_field_named() {
 
 #[tokio::test]
 async fn allowlisted_clients_skip_the_store_and_denylisted_get_403() {
-    use floodgate::ClientList;
+    use floodgate::lists::ClientList;
     let store = MemoryStore::new();
     let layer = RateLimitLayer::builder()
         .limit(per_second(1))
@@ -834,7 +834,7 @@ async fn allowlisted_clients_skip_the_store_and_denylisted_get_403() {
 
 #[tokio::test]
 async fn shadow_mode_and_the_kill_switch_switch_at_runtime() {
-    use floodgate::{Mode, Rollout};
+    use floodgate::{rollout::Mode, rollout::Rollout};
     let store = MemoryStore::new();
     let rollout = Rollout::new(Mode::Shadow, 100.0);
     let layer = RateLimitLayer::builder()
@@ -874,7 +874,7 @@ async fn lists_match_the_exact_resolved_client_address() {
     // 2001:db8::5 was admitted, a single allowlisted IPv6 address allowlisted its /64) and the
     // raw socket peer for keyed clients (an allowlisted load balancer range let every keyed
     // client through; an IP denylist never matched a keyed client behind it).
-    use floodgate::ClientList;
+    use floodgate::lists::ClientList;
     let store = MemoryStore::new();
     let identifier = DefaultIdentifier::new()
         .trusted_proxies(["10.0.0.0/8"])
@@ -998,7 +998,7 @@ async fn unidentified_clients_are_counted_and_can_be_rejected() {
 
     let strict = RateLimitLayer::builder()
         .limit(per_second(5))
-        .on_unknown_identity(floodgate::UnknownIdentity::Reject)
+        .on_unknown_identity(floodgate::service::UnknownIdentity::Reject)
         .build()
         .unwrap()
         .layer(service_fn(ok_handler));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cap::Cap;
-use floodgate::{Check, FakeClock, Limit, MemoryStore, Timestamp};
+use floodgate::{Limit, MemoryStore, store::Check, time::FakeClock, time::Timestamp};
 
 /// Counts live heap bytes, so the test measures the store rather than guessing.
 #[global_allocator]

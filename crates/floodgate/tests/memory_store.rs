@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use floodgate::{Algorithm, Check, FakeClock, Limit, MemoryStore, Store, Timestamp};
+use floodgate::{
+    Algorithm, Limit, MemoryStore, Store, store::Check, time::FakeClock, time::Timestamp,
+};
 
 const START: Timestamp = Timestamp::from_secs(1_700_006_400);
 

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use floodgate::{
-    CostHeader, FakeClock, Limit, MemoryStore, PeerAddr, RateLimitLayer, ReportedCost, Timestamp,
+    Limit, MemoryStore, PeerAddr, RateLimitLayer, post_charge::CostHeader,
+    post_charge::ReportedCost, time::FakeClock, time::Timestamp,
 };
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};

@@ -73,7 +73,7 @@ async fn a_custom_observer_does_not_drop_the_store_error_metric() {
         .build()
         .unwrap();
     let limit = std::sync::Arc::new(Limit::token_bucket("s", 1, Duration::from_secs(1)).unwrap());
-    let check = floodgate::Check::new("fg:{ip:x}:r:s", limit, 1);
+    let check = floodgate::store::Check::new("fg:{ip:x}:r:s", limit, 1);
     assert!(store.check_and_consume(&[check], None).await.is_err());
     assert!(observer.0.load(std::sync::atomic::Ordering::Relaxed) >= 1);
     let text = handle.render();

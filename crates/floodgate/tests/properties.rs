@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use floodgate::Limit;
 use floodgate::algorithm::{self, State};
-use floodgate::{Algorithm, LimitBuilder};
+use floodgate::{Algorithm, limit::LimitBuilder};
 use proptest::prelude::*;
 
 /// One request: time since the previous one (µs) and its cost.

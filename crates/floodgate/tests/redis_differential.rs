@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::algorithm::{self, State};
-use floodgate::{Algorithm, Check, Limit, Store, Timestamp};
+use floodgate::{Algorithm, Limit, Store, store::Check, time::Timestamp};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use support::ServedStore;

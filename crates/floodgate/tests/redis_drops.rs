@@ -15,7 +15,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use floodgate::store::{BatchedStore, RedisStore};
-use floodgate::{Check, Limit, Store, StoreError};
+use floodgate::{Limit, Store, StoreError, store::Check};
 use support::{RedisServer, wait_until};
 
 /// Polls `future` `polls` times, `pause` apart, then drops it; its output if it finished first.

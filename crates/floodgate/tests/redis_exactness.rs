@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use deadpool_redis::redis::AsyncCommands;
 use floodgate::store::{ConnectionMode, RedisStore};
-use floodgate::{Algorithm, Check, Limit, Store, Timestamp};
+use floodgate::{Algorithm, Limit, Store, store::Check, time::Timestamp};
 use support::RedisServer;
 use tokio::sync::Barrier;
 

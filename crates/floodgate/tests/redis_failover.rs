@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use floodgate::store::RedisStore;
-use floodgate::{FailurePolicy, Limit, PeerAddr, RateLimitBody, RateLimitLayer};
+use floodgate::{FailurePolicy, Limit, PeerAddr, RateLimitLayer, service::RateLimitBody};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use support::{SENTINEL_MASTER, SentinelGroup};

@@ -16,7 +16,8 @@ use bytes::Bytes;
 use floodgate::store::RedisStore;
 use floodgate::store::resilience::BreakerState;
 use floodgate::{
-    Check, FailurePolicy, Limit, PeerAddr, RateLimitBody, RateLimitLayer, Store, StoreError,
+    FailurePolicy, Limit, PeerAddr, RateLimitLayer, Store, StoreError, service::RateLimitBody,
+    store::Check,
 };
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};

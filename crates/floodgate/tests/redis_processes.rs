@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::store::RedisStore;
-use floodgate::{Algorithm, Check, Limit, Store, Timestamp};
+use floodgate::{Algorithm, Limit, Store, store::Check, time::Timestamp};
 
 const URL_VAR: &str = "FLOODGATE_TEST_REDIS_URL";
 const ALGORITHM_VAR: &str = "FLOODGATE_TEST_ALGORITHM";

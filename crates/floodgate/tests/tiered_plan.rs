@@ -59,7 +59,7 @@ where
 
 fn app() -> impl Service<
     Request<()>,
-    Response = Response<floodgate::RateLimitBody<Full<Bytes>>>,
+    Response = Response<floodgate::service::RateLimitBody<Full<Bytes>>>,
     Error = Infallible,
 > + Clone {
     let identifier = DefaultIdentifier::new();

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use floodgate::{Check, Identity, IdentityHash, LimitStatus};
+use floodgate::{Identity, decision::LimitStatus, key::IdentityHash, store::Check};
 use http::Method;
 use serde_json::{Value, json};
 
@@ -222,7 +222,10 @@ impl Selected {
 }
 
 /// An override as the admin API shows it.
-pub fn override_json(entry: &floodgate::overrides::Override, now: floodgate::Timestamp) -> Value {
+pub fn override_json(
+    entry: &floodgate::overrides::Override,
+    now: floodgate::time::Timestamp,
+) -> Value {
     let (scope, hash) = entry
         .client()
         .rsplit_once(':')

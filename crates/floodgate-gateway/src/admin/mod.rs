@@ -209,7 +209,7 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
                 .is_some_and(|(_, tagged)| tagged == hash)
         })
     };
-    let render = |entries: Vec<floodgate::TopEntry>| -> Vec<serde_json::Value> {
+    let render = |entries: Vec<floodgate::top::TopEntry>| -> Vec<serde_json::Value> {
         entries
             .into_iter()
             .map(|entry| {
@@ -224,7 +224,7 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
             .collect()
     };
     Json(json!({
-        "window_seconds": floodgate::TopClients::WINDOW.as_secs(),
+        "window_seconds": floodgate::top::TopClients::WINDOW.as_secs(),
         "local_identities": &local_identities,
         "by_denials": render(by_denials),
         "by_closeness": render(by_closeness),
@@ -276,7 +276,7 @@ async fn status(State(state): State<AdminState>) -> Response {
         json!({"backend": store.backend(), "breaker": breaker}),
     );
     // This node's copy, as decisions see it: the first 100.
-    let now = floodgate::Timestamp::now();
+    let now = floodgate::time::Timestamp::now();
     let overrides = current
         .overrides()
         .map(|overrides| overrides.in_force())
@@ -369,7 +369,7 @@ async fn inspect_client(
                 .overrides()
                 .and_then(|overrides| overrides.in_force_for(&check.key));
             if let Some(entry) = in_force {
-                limit["override"] = override_json(&entry, floodgate::Timestamp::now());
+                limit["override"] = override_json(&entry, floodgate::time::Timestamp::now());
             }
             limit
         })
@@ -532,7 +532,7 @@ async fn set_override(
         "limit override set through the admin API"
     );
     floodgate::overrides::record_change("set");
-    let mut answer = override_json(&entry, floodgate::Timestamp::now());
+    let mut answer = override_json(&entry, floodgate::time::Timestamp::now());
     answer["plan"] = json!(&*selected.plan);
     Json(answer).into_response()
 }
@@ -547,7 +547,7 @@ async fn list_overrides(
     let Some(overrides) = current.overrides() else {
         return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
-    let now = floodgate::Timestamp::now();
+    let now = floodgate::time::Timestamp::now();
     let names_a_client = query
         .as_ref()
         .is_ok_and(|Query(query)| query.names_a_client());

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use floodgate::ClientList;
 use floodgate::key::DefaultIdentifier;
+use floodgate::lists::ClientList;
 use http::header::HeaderName;
 use ipnet::IpNet;
 

@@ -49,7 +49,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate::{ClientList, FailurePolicy, Limit};
+use floodgate::{FailurePolicy, Limit, lists::ClientList};
 
 use clients::{hex, key_entry};
 use errors::Errors;
@@ -117,7 +117,7 @@ pub struct Config {
     pub redacted: serde_json::Value,
 }
 
-pub use floodgate::api_key_digest as key_digest;
+pub use floodgate::lists::api_key_digest as key_digest;
 
 pub use floodgate::store::redact_url;
 

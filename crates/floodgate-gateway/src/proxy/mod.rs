@@ -23,7 +23,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use floodgate::{CostHeader, PeerAddr, ResponseCost};
+use floodgate::{PeerAddr, post_charge::CostHeader, post_charge::ResponseCost};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};

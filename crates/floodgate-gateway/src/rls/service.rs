@@ -16,7 +16,10 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::headers::RateLimitHeaders;
 use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry::{self, DecisionLabel};
-use floodgate::{Check, Decision, DecisionSource, FailurePolicy, HeaderStyle, OnStoreError, Store};
+use floodgate::{
+    Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decision::DecisionSource,
+    store::Check,
+};
 use sha2::{Digest, Sha256};
 
 use super::reload::RulesHandle;

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate::{Algorithm, Check, Decision, Limit, Store, Timestamp};
+use floodgate::{Algorithm, Decision, Limit, Store, store::Check, time::Timestamp};
 
 /// A timestamp aligned to a day, so every window of the suite starts there.
 pub const T0: u64 = 1_700_006_400 * 1_000_000;
@@ -77,7 +77,7 @@ pub async fn admit_until_denied(store: &dyn Store, limit: &Arc<Limit>, now: Time
     admitted
 }
 
-fn binding(decision: &Decision) -> &floodgate::LimitStatus {
+fn binding(decision: &Decision) -> &floodgate::decision::LimitStatus {
     decision.binding_limit().expect("a binding limit")
 }
 
