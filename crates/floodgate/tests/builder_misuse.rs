@@ -2,17 +2,16 @@
 //! settings next to a plan, a limit the store cannot decide, a limit without its quantity, and
 //! bad Redis settings.
 
+mod common;
+
 use floodgate_test_support as support;
 
 use std::time::Duration;
 
+use common::per_second;
 use floodgate::store::{BatchedStore, RedisStore};
 use floodgate::{BuildError, Limit, RateLimitLayer, plan::LimitPlan, plan::StaticPlan};
 use support::RedisServer;
-
-fn per_second(limit: u64) -> Limit {
-    Limit::token_bucket("per-second", limit, Duration::from_secs(1)).unwrap()
-}
 
 #[test]
 fn limits_rule_or_prefix_next_to_a_plan_are_an_error_not_ignored() {

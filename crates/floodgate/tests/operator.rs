@@ -1,18 +1,21 @@
 //! Through the layer: an operator's peek and reset of one client, and costs known only after
 //! the response (SPEC §9).
 
+mod common;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::{remaining, send};
 use floodgate::{
     Limit, MemoryStore, PeerAddr, RateLimitLayer, post_charge::CostHeader,
     post_charge::ReportedCost, time::FakeClock, time::Timestamp,
 };
 use http::{HeaderName, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
-use tower::{Layer, Service, ServiceExt, service_fn};
+use http_body_util::Full;
+use tower::{Layer, service_fn};
 
 const START: Timestamp = Timestamp::from_secs(1_700_006_400);
 const TOKENS_USED: HeaderName = HeaderName::from_static("x-tokens-used");
@@ -23,29 +26,6 @@ fn client(key: &str) -> http::request::Builder {
         .uri("/v1/completions")
         .header("x-api-key", key)
         .extension(PeerAddr(peer))
-}
-
-async fn send<S, B>(service: &S, request: http::request::Builder) -> Response<Bytes>
-where
-    S: Service<Request<()>, Response = Response<B>, Error = Infallible> + Clone,
-    B: http_body::Body<Data = Bytes>,
-    B::Error: std::fmt::Debug,
-{
-    let response = service
-        .clone()
-        .oneshot(request.body(()).unwrap())
-        .await
-        .unwrap();
-    let (parts, body) = response.into_parts();
-    Response::from_parts(parts, body.collect().await.unwrap().to_bytes())
-}
-
-fn remaining(response: &Response<Bytes>) -> u64 {
-    response.headers()["x-ratelimit-remaining"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 /// An upstream that reports `used` in `x-tokens-used`.
