@@ -16,8 +16,8 @@ use floodgate_gateway::rls::{self, RulesHandle};
 use floodgate_gateway::serve::{self, config_watch};
 use floodgate_gateway::tls::ReloadingCertificate;
 
-/// glibc's malloc takes an arena lock that the proxy's tasks contend on (issue 13's profile:
-/// `__lll_lock_wait_private`); mimalloc's thread-local heaps do not.
+/// glibc's malloc takes an arena lock that the proxy's tasks contend on (a profile of the
+/// gateway under load showed `__lll_lock_wait_private`); mimalloc's thread-local heaps do not.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

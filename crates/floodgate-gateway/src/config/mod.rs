@@ -469,7 +469,7 @@ mod tests {
 
     #[test]
     fn yaml_errors_never_quote_the_source() {
-        // Regression (issue 10.11): a typo next to the Redis URL or api_keys put the password
+        // Regression: a typo next to the Redis URL or api_keys put the password
         // or raw keys into the error, which reaches logs, /admin/reload and `check`.
         let text = "store:\n  url: \"redis://:hunter2@127.0.0.1:6379\"\n  timeout: [oops\nclients:\n  api_keys: { \"raw-secret-key\": free }\n";
         let errors = parse(text).err().unwrap().to_string();
@@ -484,7 +484,7 @@ mod tests {
 
     #[test]
     fn many_api_keys_fit_in_the_yaml_budget() {
-        // Regression (issue 10.16): past ~125,000 keys the parser's node budget refused the
+        // Regression: past ~125,000 keys the parser's node budget refused the
         // file ("budget breached: Nodes").
         let mut text = String::from(
             "plans: { free: { limits: [] }, anonymous: { limits: [] } }\nclients:\n  api_keys:\n",

@@ -1,4 +1,4 @@
-//! `server.*`: what the listener enforces on every client connection, whoever it is (issue 10:
+//! `server.*`: what the listener enforces on every client connection, whoever it is (against
 //! slowloris, descriptor exhaustion, oversized heads). Defaults follow nginx's and Envoy's edge
 //! settings; read at start (like `listen`), so a change needs a restart.
 

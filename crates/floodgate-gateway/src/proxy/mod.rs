@@ -321,7 +321,7 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: std::net::IpAddr) {
 
 /// Handles of the upstream metrics, looked up once: the `metrics!` macros hash the name and
 /// labels into the registry on every call (and the status label was a new `String` per
-/// request), which showed in the gateway's profile (issue 13).
+/// request), which showed in a profile of the gateway under load.
 struct UpstreamMetrics {
     duration: metrics::Histogram,
     /// `floodgate_upstream_requests_total{status}` by status code, each registered on first use

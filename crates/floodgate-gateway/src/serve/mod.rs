@@ -2,7 +2,7 @@
 //! extension, the limits of `server.*` on every connection, and graceful shutdown (stop
 //! accepting, let in-flight requests finish).
 //!
-//! A client must not be able to hold the gateway's resources for free (issue 10): heads have a
+//! A client must not be able to hold the gateway's resources for free: heads have a
 //! size cap and a deadline (hyper's for HTTP/1.1 heads; ours for the first request of any
 //! connection, which also covers the HTTP/2 preface that hyper-util reads without one);
 //! connections on which nothing moves are closed; and the number of connections stays below

@@ -270,7 +270,7 @@ mod tests {
 
     #[test]
     fn a_client_written_forwarded_header_is_ignored_by_default() {
-        // Regression (issue 10.1): `Forwarded` used to win over `X-Forwarded-For`, so a client
+        // Regression: `Forwarded` used to win over `X-Forwarded-For`, so a client
         // behind nginx (which appends to X-Forwarded-For and passes Forwarded through) chose
         // its own address.
         let chain = headers(&[
@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn a_byte_that_is_not_utf8_spoils_only_its_own_entry() {
-        // Regression (issue 10.13): invalid UTF-8 anywhere made the whole header unreadable,
+        // Regression: invalid UTF-8 anywhere made the whole header unreadable,
         // so the client was counted as the trusted proxy.
         let mut chain = HeaderMap::new();
         chain.append(
