@@ -31,69 +31,151 @@ pub enum Resolution {
     Client(ResolvedClient),
 }
 
-/// Resolves the client of `request` under `config`.
-pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
-    let identifier = &config.identity.identifier;
-    let api_key = identifier.api_key(request);
-    let key_digest = api_key.map(key_digest);
-    let user = if api_key.is_none() {
-        identifier.user_id(request)
+/// Who names a client: what a request carries, or what an operator's query gives
+/// ([`crate::admin::inspect`]). Both resolve through [`resolve_parts`], so an inspection
+/// resolves a client exactly as its requests are.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClientParts<'a> {
+    /// The API key.
+    pub api_key: Option<&'a str>,
+    /// The user id (ignored next to an API key, as a request's is).
+    pub user: Option<&'a str>,
+    /// The exact client address (lists match it; limits count its group).
+    pub exact_ip: Option<IpAddr>,
+    /// A plan named besides the key's own (a trusted proxy's header, an operator's `plan=`):
+    /// used when it names a plan and the key has none of its own.
+    pub named_plan: Option<&'a str>,
+}
+
+/// Which list, if any, decides a client's requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listed {
+    /// Refused with 403.
+    Denylist,
+    /// No limit applies.
+    Allowlist,
+}
+
+impl Listed {
+    /// `denylist` or `allowlist`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Listed::Denylist => "denylist",
+            Listed::Allowlist => "allowlist",
+        }
+    }
+}
+
+/// A client, resolved from its parts.
+#[derive(Clone, Debug)]
+pub struct ResolvedParts {
+    /// Who the plan's limits count against.
+    pub identity: Identity,
+    /// The plan's name.
+    pub plan: Arc<str>,
+    /// The client's IP grouped as limits count it (for `per_ip`), when known.
+    pub client_ip: Option<IpAddr>,
+    /// The list that decides its requests, if any.
+    pub listed: Option<Listed>,
+}
+
+/// Resolves a client from its parts under `config`: `None` for an API key not in
+/// `clients.api_keys` under `clients.unknown_keys: reject` (a listed client is resolved all
+/// the same: its list decides first).
+pub fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<ResolvedParts> {
+    let key_digest = parts.api_key.map(key_digest);
+    let user = if parts.api_key.is_none() {
+        parts.user
     } else {
         None
     };
+    let client_ip = parts
+        .exact_ip
+        .map(|ip| config.identity.identifier.client_ip().group(ip));
     // Lists match the exact address (SPEC §3); limits count the grouped one.
-    let exact_ip = identifier.exact_client_ip(request);
-    let client_ip = exact_ip.map(|ip| identifier.client_ip().group(ip));
-    if config
+    let listed = if config
         .denylist
-        .contains(exact_ip, key_digest.as_ref(), user)
+        .contains(parts.exact_ip, key_digest.as_ref(), user)
     {
-        return Resolution::Denied;
-    }
-    let bypass = config
+        Some(Listed::Denylist)
+    } else if config
         .allowlist
-        .contains(exact_ip, key_digest.as_ref(), user);
+        .contains(parts.exact_ip, key_digest.as_ref(), user)
+    {
+        Some(Listed::Allowlist)
+    } else {
+        None
+    };
     let known_plan = key_digest
         .as_ref()
         .and_then(|digest| config.api_keys.get(digest));
-    let api_key = match (api_key, known_plan, config.unknown_keys) {
-        (Some(_), None, UnknownKeys::Reject) if !bypass => return Resolution::UnknownKey,
+    let api_key = match (parts.api_key, known_plan, config.unknown_keys) {
+        (Some(_), None, UnknownKeys::Reject) if listed.is_none() => return None,
         (Some(_), None, UnknownKeys::Anonymous) => None,
-        _ => api_key,
+        _ => parts.api_key,
     };
-
-    // A plan named by a trusted proxy; honoured only from one.
-    let trusted_peer = request
-        .peer_addr()
-        .is_some_and(|peer| identifier.client_ip().is_trusted(peer.ip()));
-    let header_plan = config
-        .identity
-        .plan_header
-        .as_ref()
-        .filter(|_| trusted_peer)
-        .and_then(|name| request.headers.get(name))
-        .and_then(|value| value.to_str().ok())
+    let named_plan = parts
+        .named_plan
         .filter(|plan| config.plans.contains_key(*plan));
-
     let (identity, plan) = match (api_key, user, client_ip) {
         (Some(key), _, _) => {
             let plan = known_plan
                 .map(String::as_str)
-                .or(header_plan)
+                .or(named_plan)
                 .unwrap_or(&config.default_plan);
             (Identity::ApiKey(key.to_owned()), plan)
         }
         (None, Some(user), _) => (
             Identity::User(user.to_owned()),
-            header_plan.unwrap_or(&config.default_plan),
+            named_plan.unwrap_or(&config.default_plan),
         ),
         (None, None, Some(ip)) => (Identity::Ip(ip), config.anonymous_plan.as_str()),
         (None, None, None) => (Identity::Unknown, config.anonymous_plan.as_str()),
     };
-    Resolution::Client(ResolvedClient {
+    Some(ResolvedParts {
         identity,
         plan: Arc::from(plan),
         client_ip,
-        bypass,
+        listed,
+    })
+}
+
+/// Resolves the client of `request` under `config`.
+pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
+    let identifier = &config.identity.identifier;
+    let api_key = identifier.api_key(request);
+    let user = if api_key.is_none() {
+        identifier.user_id(request)
+    } else {
+        None
+    };
+    // A plan named by a trusted proxy; honoured only from one.
+    let trusted_peer = request
+        .peer_addr()
+        .is_some_and(|peer| identifier.client_ip().is_trusted(peer.ip()));
+    let named_plan = config
+        .identity
+        .plan_header
+        .as_ref()
+        .filter(|_| trusted_peer)
+        .and_then(|name| request.headers.get(name))
+        .and_then(|value| value.to_str().ok());
+    let parts = ClientParts {
+        api_key,
+        user,
+        exact_ip: identifier.exact_client_ip(request),
+        named_plan,
+    };
+    let Some(resolved) = resolve_parts(config, parts) else {
+        return Resolution::UnknownKey;
+    };
+    if resolved.listed == Some(Listed::Denylist) {
+        return Resolution::Denied;
+    }
+    Resolution::Client(ResolvedClient {
+        identity: resolved.identity,
+        plan: resolved.plan,
+        client_ip: resolved.client_ip,
+        bypass: resolved.listed == Some(Listed::Allowlist),
     })
 }

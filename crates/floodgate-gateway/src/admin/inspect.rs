@@ -9,7 +9,8 @@ use floodgate::{Identity, decision::LimitStatus, key::IdentityHash, store::Check
 use http::Method;
 use serde_json::{Value, json};
 
-use crate::config::{Config, UnknownKeys, key_digest};
+use crate::client::{ClientParts, Listed, resolve_parts};
+use crate::config::Config;
 use crate::plan::{ClientKeys, GatewayPlan, is_global_ceiling};
 
 /// The query of `/admin/clients`: one of `api_key`, `user`, `identity` (with `scope`, default
@@ -75,7 +76,6 @@ impl ClientQuery {
     /// Resolves the client and the checks of `method path` under `config`.
     pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
         let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
-        let identifier = &config.identity.identifier;
         let exact_ip = match &self.ip {
             Some(text) => match text.trim().parse::<IpAddr>() {
                 Ok(ip) => Some(ip),
@@ -83,7 +83,6 @@ impl ClientQuery {
             },
             None => None,
         };
-        let client_ip = exact_ip.map(|ip| identifier.client_ip().group(ip));
         let named = [&self.api_key, &self.user, &self.identity]
             .iter()
             .filter(|selector| selector.is_some())
@@ -97,36 +96,33 @@ impl ClientQuery {
         if self.scope.is_some() && self.identity.is_none() {
             return bad("scope: only with identity");
         }
-        let key_digest = self.api_key.as_deref().map(key_digest);
-        let listed =
-            if config
-                .denylist
-                .contains(exact_ip, key_digest.as_ref(), self.user.as_deref())
-            {
-                Some("denylist")
-            } else if config
-                .allowlist
-                .contains(exact_ip, key_digest.as_ref(), self.user.as_deref())
-            {
-                Some("allowlist")
-            } else {
-                None
-            };
-        let known_plan = key_digest.and_then(|digest| config.api_keys.get(&digest));
-        let identity = match (&self.api_key, &self.user, client_ip) {
-            (Some(key), _, _) if known_plan.is_some() => Some(Identity::ApiKey(key.clone())),
-            (Some(key), _, ip) => match config.unknown_keys {
-                UnknownKeys::DefaultPlan => Some(Identity::ApiKey(key.clone())),
-                UnknownKeys::Anonymous => match ip {
-                    Some(ip) => Some(Identity::Ip(ip)),
-                    None => return bad("this key is unknown and counted by IP: add ip"),
-                },
-                UnknownKeys::Reject if listed.is_none() => return Err(SelectError::UnknownKey),
-                UnknownKeys::Reject => Some(Identity::ApiKey(key.clone())),
-            },
-            (None, Some(user), _) => Some(Identity::User(user.clone())),
-            (None, None, Some(ip)) if self.identity.is_none() => Some(Identity::Ip(ip)),
-            _ => None,
+        if self
+            .plan
+            .as_ref()
+            .is_some_and(|plan| !config.plans.contains_key(plan))
+        {
+            return bad("plan: no such plan");
+        }
+        // Resolved as the client's requests are (`identity=` names one by its hash only).
+        let parts = ClientParts {
+            api_key: self.api_key.as_deref(),
+            user: self.user.as_deref(),
+            exact_ip,
+            named_plan: self.plan.as_deref(),
+        };
+        let Some(resolved) = resolve_parts(config, parts) else {
+            return Err(SelectError::UnknownKey);
+        };
+        let listed = resolved.listed.map(Listed::as_str);
+        let client_ip = resolved.client_ip;
+        let identity = match resolved.identity {
+            // An unknown key counted by IP, named without its IP.
+            Identity::Unknown if self.api_key.is_some() => {
+                return bad("this key is unknown and counted by IP: add ip");
+            }
+            _ if self.identity.is_some() => None,
+            Identity::Unknown => None,
+            identity => Some(identity),
         };
         let (hash, scope) = match (&identity, &self.identity) {
             (Some(identity), _) => (identity.hash(), identity.scope().to_owned()),
@@ -142,14 +138,13 @@ impl ClientQuery {
             }
             (None, None) => return bad("name the client: api_key, user, identity or ip"),
         };
-        let default_plan = match scope.as_str() {
-            "ip" | "unknown" => &config.anonymous_plan,
-            _ => known_plan.unwrap_or(&config.default_plan),
-        };
-        let plan = match &self.plan {
-            Some(plan) if config.plans.contains_key(plan) => plan.as_str(),
-            Some(_) => return bad("plan: no such plan"),
-            None => default_plan.as_str(),
+        // `plan=` names the plan outright (a client whose plan a trusted proxy names); a client
+        // named by its hash alone gets its scope's default plan.
+        let plan: &str = match (&self.plan, &identity) {
+            (Some(plan), _) => plan,
+            (None, Some(_)) => &resolved.plan,
+            (None, None) if scope == "ip" || scope == "unknown" => &config.anonymous_plan,
+            (None, None) => &config.default_plan,
         };
         let keys = match &identity {
             Some(identity) => ClientKeys::Identity(identity),
