@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::RedisStore;
 use super::deny_cache;
-use super::script::Mode;
+use super::script::{LeaseToken, Mode};
 use crate::algorithm::LimitOutcome;
 use crate::decision::{Check, Decision, Lease};
 use crate::limit::Algorithm;
@@ -250,7 +250,7 @@ async fn decide_by_calls(
 }
 
 /// The concurrency leases an admission of `checks` took: the script answers each lease's
-/// member, `"<id>:<cost>"`, as the check's token.
+/// member ([`LeaseToken`]) as the check's token.
 pub(super) fn leases_of<'c>(
     checks: impl Iterator<Item = &'c Check>,
     tokens: &[String],
@@ -259,10 +259,9 @@ pub(super) fn leases_of<'c>(
         .zip(tokens)
         .filter(|(check, _)| check.limit.algorithm() == Algorithm::Concurrency)
         .filter_map(|(check, token)| {
-            let (id, _) = token.split_once(':')?;
             Some(Lease {
                 key: check.key.clone(),
-                id: id.parse().ok()?,
+                id: LeaseToken::parse(token)?.id,
                 cost: check.cost,
             })
         })

@@ -704,9 +704,9 @@ impl Store for RedisStore {
             let leases = &leases;
             let calls = by_slot.iter().map(|group| async move {
                 let keys: Vec<&str> = group.iter().map(|&index| &*leases[index].key).collect();
-                let members: Vec<String> = group
+                let members: Vec<script::LeaseToken> = group
                     .iter()
-                    .map(|&index| format!("{}:{}", leases[index].id, leases[index].cost))
+                    .map(|&index| script::LeaseToken::of(&leases[index]))
                     .collect();
                 self.run_library(|dispatch| script::release_command(dispatch, &keys, &members))
                     .await

@@ -131,6 +131,40 @@ impl Mode {
     }
 }
 
+/// A concurrency lease as the library keeps it, a member `"<id>:<cost>"` of its limit's sorted
+/// set: written when a lease is released, read back from a decision's reply. The one place
+/// that knows the format (`lua/concurrency.lua` makes it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LeaseToken {
+    pub(crate) id: u64,
+    pub(crate) cost: u64,
+}
+
+impl LeaseToken {
+    /// The token of `lease`.
+    pub(crate) fn of(lease: &crate::store::Lease) -> Self {
+        LeaseToken {
+            id: lease.id,
+            cost: lease.cost,
+        }
+    }
+
+    /// The token a reply answered (`None` for anything else: no lease was taken).
+    pub(crate) fn parse(member: &str) -> Option<Self> {
+        let (id, cost) = member.split_once(':')?;
+        Some(LeaseToken {
+            id: id.parse().ok()?,
+            cost: cost.parse().ok()?,
+        })
+    }
+}
+
+impl std::fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.id, self.cost)
+    }
+}
+
 /// One decision of a call: its checks (all on one slot where calls must stay on one) and, per
 /// check, the token the script takes or gives back (`""` if none).
 #[derive(Clone, Copy)]
@@ -269,7 +303,11 @@ pub(crate) fn decode_lease(
 }
 
 /// The command that releases `members` of `keys` (one each).
-pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[String]) -> redis::Cmd {
+pub(crate) fn release_command(
+    dispatch: Dispatch,
+    keys: &[&str],
+    members: &[LeaseToken],
+) -> redis::Cmd {
     let library = &*LIBRARY;
     let mut command = invoking(
         dispatch,
@@ -281,7 +319,7 @@ pub(crate) fn release_command(dispatch: Dispatch, keys: &[&str], members: &[Stri
         command.arg(*key);
     }
     for member in members {
-        command.arg(member);
+        command.arg(member.to_string());
     }
     command
 }
