@@ -108,6 +108,8 @@ pub struct AccessLog {
     settings: AccessLogSettings,
     queue: Arc<Queue>,
     writer: std::thread::Thread,
+    /// Joined by [`AccessLog::close`].
+    finished: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for AccessLog {
@@ -143,7 +145,23 @@ impl AccessLog {
             settings: settings.clone(),
             queue,
             writer: writer.thread().clone(),
+            finished: Mutex::new(Some(writer)),
         })
+    }
+
+    /// Writes what is queued and stops the writer, waiting for it (on shutdown: the last
+    /// lines are not lost with the process). Lines recorded later are dropped and counted.
+    pub fn close(&self) {
+        self.queue.closed.store(true, Ordering::Release);
+        self.writer.unpark();
+        let finished = self
+            .finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(writer) = finished {
+            let _ = writer.join();
+        }
     }
 
     /// The settings it was opened with.
@@ -235,7 +253,7 @@ impl AccessLog {
             .lines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if lines.len() < self.queue.capacity {
+        if lines.len() < self.queue.capacity && !self.queue.closed.load(Ordering::Relaxed) {
             lines.push(line);
         } else {
             drop(lines);
@@ -469,9 +487,10 @@ fn write_lines(mut output: Output, queue: &Queue) {
                 Ok(()) => failed = false,
                 Err(error) => {
                     if !failed {
-                        tracing::error!(%error, "cannot write the access log; lines are lost until it can");
+                        tracing::error!(%error, "cannot write the access log; lines are lost (and counted) until it can");
                     }
                     failed = true;
+                    metrics::counter!(crate::telemetry::ACCESS_LOG_DROPPED_TOTAL).increment(1);
                 }
             }
         }

@@ -79,6 +79,13 @@ impl Gateway {
         }))
     }
 
+    /// Writes the access log's last lines and closes it (on shutdown).
+    pub fn close_access_log(&self) {
+        if let Some(log) = self.access_log.swap(None) {
+            log.close();
+        }
+    }
+
     /// Reopens the access log's file before its next line (`SIGUSR1`, after logrotate).
     pub fn reopen_access_log(&self) {
         if let Some(log) = &*self.access_log.load() {

@@ -106,9 +106,12 @@ impl BuiltStore {
         hot_identities: Option<Arc<HotIdentities>>,
         prefix: &str,
     ) -> Self {
-        let overrides = store
-            .override_backend()
-            .map(|backend| Arc::new(Overrides::new(backend, prefix)));
+        let overrides = store.override_backend().map(|backend| {
+            let overrides = Arc::new(Overrides::new(backend, prefix));
+            // Fresh whether requests come or not (the status page, /admin/clients).
+            overrides.keep_fresh();
+            overrides
+        });
         BuiltStore {
             store,
             hot_identities,

@@ -206,6 +206,16 @@ impl ConfigVersion {
             ));
             facts.plan = Some(client.plan.clone());
         }
+        let rollout = self
+            .config
+            .plans
+            .get(&*client.plan)
+            .and_then(|plan| plan.rollout.as_ref())
+            .unwrap_or(&self.config.rollout);
+        if rollout.mode() == floodgate::rollout::Mode::Off {
+            // The kill switch: no limit applies, as the decision metrics count it.
+            facts.early = Some("bypassed");
+        }
         if client.bypass {
             facts.early = Some("bypassed");
             floodgate::telemetry::record_decision(
@@ -226,6 +236,8 @@ impl ConfigVersion {
             Err(never) => match never {},
         };
         if grpc && response.status() == http::StatusCode::TOO_MANY_REQUESTS {
+            // Answered 200 with `grpc-status: 8`: limited all the same.
+            facts.early = Some("limited");
             return grpc_resource_exhausted(response);
         }
         response.map(Either::Left)

@@ -85,10 +85,19 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
     // Anonymous, and without a trace.
     assert_eq!(get(&client, &gateway.url("/open"), &[]).await.status(), 200);
 
-    let lines = wait_for_lines(&path, 4);
+    // A gRPC call over the limit: answered 200 with `grpc-status: 8`, limited all the same.
+    let grpc = get(
+        &client,
+        &url,
+        &[("x-api-key", API_KEY), ("content-type", "application/grpc")],
+    )
+    .await;
+    assert_eq!(grpc.headers()["grpc-status"], "8");
+
+    let lines = wait_for_lines(&path, 5);
     assert_eq!(
         lines.len(),
-        4,
+        5,
         "one line per request:\n{}",
         lines.join("\n")
     );
@@ -101,7 +110,7 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
     let hash = floodgate::Identity::ApiKey(API_KEY.to_owned())
         .hash()
         .to_string();
-    let [allowed, _, limited, anonymous] = [0, 1, 2, 3].map(|index| parsed(&lines[index]));
+    let [allowed, _, limited, anonymous, grpc] = [0, 1, 2, 3, 4].map(|index| parsed(&lines[index]));
 
     let time = allowed["time"].as_str().unwrap();
     assert_eq!(time.len(), 24, "RFC 3339 with milliseconds: {time}");
@@ -141,6 +150,42 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
         "the anonymous plan has no limits"
     );
     assert_eq!(anonymous["trace_id"], Value::Null);
+
+    // Regression: a limited gRPC call (status 200) was logged as `shadow_limited`.
+    assert_eq!(grpc["status"], 200);
+    assert_eq!(grpc["decision"], "limited", "{grpc}");
+}
+
+/// Regression: with the kill switch (`rollout: off`) requests were logged as `unlimited`
+/// while the decision metrics count them as bypassed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_switch_requests_are_logged_as_bypassed() {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("log");
+    let path = directory.file("access.log");
+    let (gateway, _dir) = gateway(
+        &upstream,
+        &format!("  path: \"{}\"\nrollout:\n  mode: off", path.display()),
+        1,
+    );
+    let client = client();
+    for _ in 0..2 {
+        let answer = get(
+            &client,
+            &gateway.url("/v1/things"),
+            &[("x-api-key", API_KEY)],
+        )
+        .await;
+        assert_eq!(answer.status(), 200, "the kill switch limits nothing");
+    }
+    let lines = wait_for_lines(&path, 2);
+    assert!(
+        lines
+            .iter()
+            .all(|line| parsed(line)["decision"] == "bypassed"),
+        "{}",
+        lines.join("\n")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -121,6 +121,21 @@ async fn across_gateways(store: &str) {
     assert_eq!(stored["plan"], "free");
     assert_eq!(stored["window_seconds"], 3600.0, "the limit's own window");
     assert_eq!(stored["expires_in"], 2);
+    // Regression: a gateway refreshed its copy only when requests came. Without any request
+    // to it, the second gateway's status report (its copy) shows the override within 1 s.
+    let set_at = Instant::now();
+    loop {
+        let (_, report) = admin(&client, &b, Method::GET, "/admin/status", None, Some(TOKEN)).await;
+        if report["overrides_in_force"] == 1 {
+            break;
+        }
+        assert!(
+            set_at.elapsed() < Duration::from_secs(1),
+            "not in the second gateway's copy after {:?}: {report}",
+            set_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let in_force_after = until(
         &client,
         &b,

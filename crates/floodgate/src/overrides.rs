@@ -10,8 +10,9 @@
 //! the node, and one atomic load when none is.
 //!
 //! An override keeps the limit's name and storage key, so the client's counters carry over:
-//! a bucket keeps its tokens (capped at the new burst), a window keeps its count when the
-//! window length stays the same (a new window length starts counting afresh).
+//! the algorithms read the state they kept under the new settings (a bucket keeps its tokens,
+//! capped at the new burst; a log keeps its entries; a fixed window of a new length counts in
+//! windows of that length, so its current one may start afresh).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -427,13 +428,12 @@ pub struct Overrides {
     refreshes: AtomicU64,
     /// `in_force.len()`, read on every decision without the lock.
     count: AtomicUsize,
-    /// When the copy was last refreshed (microseconds since the epoch; 0: never).
-    refreshed_at: AtomicU64,
     /// When the whole list was last read, changed or not.
     read_all_at: AtomicU64,
     /// The backend's version the copy was read at.
     version: AtomicU64,
-    refreshing: AtomicBool,
+    /// Whether the background refresh was started.
+    kept_fresh: AtomicBool,
     max_active: AtomicUsize,
     max_expires_in_ms: AtomicU64,
 }
@@ -466,10 +466,9 @@ impl Overrides {
             replacing: Mutex::new(()),
             refreshes: AtomicU64::new(0),
             count: AtomicUsize::new(0),
-            refreshed_at: AtomicU64::new(0),
             read_all_at: AtomicU64::new(0),
             version: AtomicU64::new(u64::MAX),
-            refreshing: AtomicBool::new(false),
+            kept_fresh: AtomicBool::new(false),
             max_active: AtomicUsize::new(DEFAULT_MAX_ACTIVE),
             max_expires_in_ms: AtomicU64::new(DEFAULT_MAX_EXPIRES_IN.as_secs() * 1000),
         }
@@ -552,7 +551,11 @@ impl Overrides {
         {
             return Err(OverrideError::Full(max_active));
         }
-        self.refresh().await?;
+        if let Err(error) = self.refresh().await {
+            // Stored: in force here at once all the same, and on the others when they read it.
+            tracing::debug!(%error, "override stored; this node's copy updated without a refresh");
+            self.replace_locally(&entry.target, Some(entry.clone()));
+        }
         Ok(entry)
     }
 
@@ -560,7 +563,11 @@ impl Overrides {
     /// on this node at once, and on every node within [`Overrides::REFRESH_EVERY`].
     pub async fn remove(&self, target: &str) -> Result<bool, OverrideError> {
         let removed = self.backend.remove(&self.namespace, target).await?;
-        self.refresh().await?;
+        if let Err(error) = self.refresh().await {
+            // Removed: out of force here at once all the same.
+            tracing::debug!(%error, "override removed; this node's copy updated without a refresh");
+            self.replace_locally(target, None);
+        }
         Ok(removed)
     }
 
@@ -598,16 +605,50 @@ impl Overrides {
         entry.is_active(Timestamp::now()).then_some(entry)
     }
 
+    /// The override that decisions of `check` apply now: in force for its key, and fitting its
+    /// limit (an override set before a reload changed the limit's algorithm may not).
+    pub fn applied_to(&self, check: &Check) -> Option<Override> {
+        let copy = self.copy();
+        let entry = copy.1.get(&check.key)?;
+        let applies =
+            entry.stored.is_active(Timestamp::now()) && entry.limit_for(&check.limit).is_some();
+        applies.then(|| entry.stored.clone())
+    }
+
+    /// Puts `entry` (or nothing) in this node's copy for `target`, without reading the store.
+    fn replace_locally(&self, target: &str, entry: Option<Override>) {
+        let _replacing = self
+            .replacing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let current = self.in_force.load_full();
+        let mut map = current.1.clone();
+        match entry {
+            Some(entry) => {
+                let in_force = InForce {
+                    stored: entry,
+                    limits: RwLock::new(Vec::new()),
+                };
+                map.insert(Arc::from(target), Arc::new(in_force));
+            }
+            None => {
+                map.remove(target);
+            }
+        }
+        self.count.store(map.len(), Ordering::Release);
+        self.in_force.store(Arc::new((current.0, map)));
+    }
+
     fn copy(&self) -> Arc<(u64, InForceMap)> {
         self.in_force.load_full()
     }
 
-    /// Replaces the limits of `checks` that have an override in force. Starts a refresh in
-    /// the background when the copy is older than [`Overrides::REFRESH_EVERY`] (inside a
-    /// Tokio runtime; the decision does not wait for it).
+    /// Replaces the limits of `checks` that have an override in force. The first call inside
+    /// a Tokio runtime starts the background refresh ([`Overrides::keep_fresh`]); the
+    /// decision never waits for it.
     pub fn apply(self: &Arc<Self>, checks: &mut [Check]) {
         let now = Timestamp::now();
-        self.refresh_if_stale(now);
+        self.keep_fresh();
         if self.count.load(Ordering::Acquire) == 0 {
             return;
         }
@@ -625,22 +666,30 @@ impl Overrides {
         }
     }
 
-    fn refresh_if_stale(self: &Arc<Self>, now: Timestamp) {
-        let refreshed_at = self.refreshed_at.load(Ordering::Acquire);
-        let stale = now.as_micros().saturating_sub(refreshed_at)
-            >= duration_to_micros(Overrides::REFRESH_EVERY);
-        if !stale || tokio::runtime::Handle::try_current().is_err() {
+    /// Starts (once, from inside a Tokio runtime) the task that refreshes this node's copy
+    /// every [`Overrides::REFRESH_EVERY`], traffic or not, for as long as the `Overrides`
+    /// lives. A failed refresh keeps the last copy (its entries still expire on time).
+    pub fn keep_fresh(self: &Arc<Self>) {
+        if self.kept_fresh.load(Ordering::Acquire) || tokio::runtime::Handle::try_current().is_err()
+        {
             return;
         }
-        if self.refreshing.swap(true, Ordering::AcqRel) {
+        if self.kept_fresh.swap(true, Ordering::AcqRel) {
             return;
         }
-        let overrides = self.clone();
+        let overrides = Arc::downgrade(self);
         tokio::spawn(async move {
-            if let Err(error) = overrides.refresh().await {
-                tracing::debug!(%error, "could not refresh the overrides; the last copy stays in force");
+            let mut ticks = tokio::time::interval(Overrides::REFRESH_EVERY);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(overrides) = overrides.upgrade() else {
+                    return;
+                };
+                if let Err(error) = overrides.refresh().await {
+                    tracing::debug!(%error, "could not refresh the overrides; the last copy stays in force");
+                }
             }
-            overrides.refreshing.store(false, Ordering::Release);
         });
     }
 
@@ -690,7 +739,6 @@ impl Overrides {
             self.version.store(version, Ordering::Release);
             self.read_all_at.store(now.as_micros(), Ordering::Release);
         }
-        self.refreshed_at.store(now.as_micros(), Ordering::Release);
         Ok(())
     }
 }

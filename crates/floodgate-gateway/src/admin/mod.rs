@@ -367,7 +367,7 @@ async fn inspect_client(
             let mut limit = limit_json(status, check, batched);
             let in_force = current
                 .overrides()
-                .and_then(|overrides| overrides.in_force_for(&check.key));
+                .and_then(|overrides| overrides.applied_to(check));
             if let Some(entry) = in_force {
                 limit["override"] = override_json(&entry, floodgate::time::Timestamp::now());
             }
@@ -422,12 +422,11 @@ async fn reset_client(
         .iter()
         .map(|check| format!("{}/{}", check.rule, check.limit.name()))
         .collect();
-    tracing::warn!(
-        identity = %selected.hash,
-        plan = %selected.plan,
-        limits = ?names,
-        caller = caller(&parts),
-        "client counters reset through the admin API"
+    log_change(
+        &selected,
+        &names,
+        &parts,
+        "client counters reset through the admin API",
     );
     metrics::counter!(crate::telemetry::ADMIN_RESETS_TOTAL).increment(1);
     let reset: Vec<serde_json::Value> = selected
@@ -442,6 +441,22 @@ async fn reset_client(
         "keys_with_state": held,
     }))
     .into_response()
+}
+
+/// A change an operator made to a client, at WARN with who asked.
+fn log_change(
+    selected: &Selected,
+    limits: &[String],
+    parts: &axum::http::request::Parts,
+    what: &'static str,
+) {
+    tracing::warn!(
+        identity = %selected.hash,
+        plan = %selected.plan,
+        limits = ?limits,
+        caller = caller(parts),
+        "{what}"
+    );
 }
 
 /// Who called the admin API, for the log of a change.
@@ -622,6 +637,7 @@ async fn remove_overrides(
         Err(error) => return override_failure(error),
     };
     let mut removed = Vec::new();
+    let mut failed = None;
     for entry in entries
         .iter()
         .filter(|entry| name.as_deref().is_none_or(|name| *entry.name == *name))
@@ -629,24 +645,32 @@ async fn remove_overrides(
         match overrides.remove(&entry.target).await {
             Ok(true) => removed.push(entry.name.to_string()),
             Ok(false) => {}
-            Err(error) => return override_failure(error),
+            Err(error) => {
+                failed = Some(error);
+                break;
+            }
         }
+    }
+    if !removed.is_empty() {
+        // Logged and counted even when a later one failed: these are gone.
+        log_change(
+            &selected,
+            &removed,
+            &parts,
+            "limit override removed through the admin API",
+        );
+        for _ in &removed {
+            floodgate::overrides::record_change("removed");
+        }
+    }
+    if let Some(error) = failed {
+        return override_failure(error);
     }
     if removed.is_empty() {
         return refusal((
             StatusCode::NOT_FOUND,
             "no_override: this client has no override in force".to_owned(),
         ));
-    }
-    tracing::warn!(
-        identity = %selected.hash,
-        plan = %selected.plan,
-        limits = ?removed,
-        caller = caller(&parts),
-        "limit override removed through the admin API"
-    );
-    for _ in &removed {
-        floodgate::overrides::record_change("removed");
     }
     Json(json!({
         "identity": selected.hash.to_string(),

@@ -187,12 +187,14 @@ async fn drain(graceful: GracefulShutdown) {
     }
 }
 
-/// Batched mode: the last interval's counts go to the shared store before the process ends.
-/// Gives the store's leases back and delivers its debts before the process exits.
+/// On shutdown: the batched store gives its leases back and delivers its debts, and the
+/// access log writes its last lines, before the process exits.
 pub async fn flush_store(gateway: &Gateway) {
     if let Err(error) = gateway.store().flush().await {
         tracing::warn!(%error, "could not flush batched counts on shutdown");
     }
+    // Its writer writes what is queued (one batch at most) and stops.
+    gateway.close_access_log();
 }
 
 /// When an accept loop takes its slot under `server.max_connections`.

@@ -11,8 +11,10 @@
 //! Setting one takes three calls that no single script can make on a cluster (the index and
 //! the client's hash are on different slots): the index first (it holds the bound), then the
 //! client's hash, then the version. Nodes read the index and then the hashes, so a set that
-//! fails half-way is never half in force: an index entry without its hash is skipped, and is
-//! taken back out.
+//! fails half-way is never half in force: an index entry without its hash is skipped (a new
+//! one is taken back out; one that could not be taken out holds its place in the bound until
+//! it expires). A version that could not be bumped only delays the other nodes until their
+//! next full read (10 s at most).
 
 use std::collections::HashMap;
 
@@ -25,15 +27,17 @@ use crate::overrides::{Override, OverrideBackend};
 use crate::store::{BoxFuture, StoreError};
 use crate::time::Timestamp;
 
-/// Prunes expired entries of the index, and adds `target` unless the bound is reached.
-/// KEYS: index. ARGV: now (ms), expires at (ms), target, most in force.
+/// Prunes expired entries of the index, and adds `target` unless the bound is reached: 0
+/// refused, 1 a new entry, 2 an entry in force replaced. KEYS: index. ARGV: now (ms), expires
+/// at (ms), target, most in force.
 const RESERVE: &str = r"
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if not redis.call('ZSCORE', KEYS[1], ARGV[3])
-    and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
+local replaced = redis.call('ZSCORE', KEYS[1], ARGV[3])
+if not replaced and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
   return 0
 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+if replaced then return 2 end
 return 1
 ";
 
@@ -154,11 +158,15 @@ impl RedisOverrides {
         self.node(target).forget_denials(&[target]).await;
     }
 
-    async fn bump_version(&self, namespace: &str) -> Result<(), StoreError> {
+    /// Counts a change, so that every node reads the list again; a failure only delays
+    /// them until their next full read, and is logged.
+    async fn bump_version_or_warn(&self, namespace: &str) {
         let key = version_key(namespace);
         let mut incr = redis::cmd("INCR");
         incr.arg(&key);
-        self.run(&key, &incr).await.map(drop)
+        if let Err(error) = self.run(&key, &incr).await {
+            tracing::warn!(%error, "override changed, but its change counter was not: other gateways apply it at their next full read (within 10 s)");
+        }
     }
 }
 
@@ -178,7 +186,8 @@ impl OverrideBackend for RedisOverrides {
                 .arg(millis(entry.expires_at))
                 .arg(&*entry.target)
                 .arg(max_active);
-            if as_int(&self.run(&index, &reserve).await?)? == 0 {
+            let reserved = as_int(&self.run(&index, &reserve).await?)?;
+            if reserved == 0 {
                 return Ok(false);
             }
             let client = client_key(namespace, &entry.target);
@@ -188,14 +197,16 @@ impl OverrideBackend for RedisOverrides {
                 .arg(entry.to_json().to_string())
                 .arg(millis(now));
             if let Err(error) = self.run(&client, &store).await {
-                // Not in force anywhere (nodes skip an index entry without its hash); give
-                // the place in the bound back.
-                let mut unreserve = redis::cmd("ZREM");
-                unreserve.arg(&index).arg(&*entry.target);
-                let _ = self.run(&index, &unreserve).await;
+                // Not stored (nodes skip an index entry without its hash): a new entry gives
+                // its place in the bound back; one it was to replace stays, in force as it was.
+                if reserved == 1 {
+                    let mut unreserve = redis::cmd("ZREM");
+                    unreserve.arg(&index).arg(&*entry.target);
+                    let _ = self.run(&index, &unreserve).await;
+                }
                 return Err(error);
             }
-            self.bump_version(namespace).await?;
+            self.bump_version_or_warn(namespace).await;
             self.forget_denials(&entry.target).await;
             Ok(true)
         })
@@ -215,7 +226,7 @@ impl OverrideBackend for RedisOverrides {
             let mut zrem = redis::cmd("ZREM");
             zrem.arg(&index).arg(target);
             let unindexed = as_int(&self.run(&index, &zrem).await?)? > 0;
-            self.bump_version(namespace).await?;
+            self.bump_version_or_warn(namespace).await;
             self.forget_denials(target).await;
             Ok(removed || unindexed)
         })
