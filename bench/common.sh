@@ -67,3 +67,15 @@ NGINX
     nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
     wait_for "http://127.0.0.1:$nginx_port/"
 }
+
+# One wrk run of $seconds with $connections against 127.0.0.1:port (over `scheme`, default
+# http): requests per second, p50, p99 and non-2xx answers on one line.
+load() { # name port [scheme]
+    wrk -t1 -c"$connections" -d"${seconds}s" --latency "${3:-http}://127.0.0.1:$2/" > "$work/wrk.txt"
+    local rps p50 p99 non2xx
+    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
+    p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
+    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    printf '%-26s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
+}

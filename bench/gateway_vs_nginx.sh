@@ -45,16 +45,6 @@ redis_per_core_port=$started_port
 start_floodgate "listen_tls: { cert: \"$work/tls.crt\", key: \"$work/tls.key\" }" https
 tls_gateway_port=$started_port
 
-load() { # name port [scheme]
-    wrk -t1 -c"$connections" -d"${seconds}s" --latency "${3:-http}://127.0.0.1:$2/" > "$work/wrk.txt"
-    local rps p50 p99
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
-    p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
-    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
-    printf '%-20s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
-}
-
 echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstream (axum hello, examples/overhead.rs)"
 for round in 1 2 3; do
     load nginx "$nginx_port"

@@ -45,16 +45,6 @@ for i in $(seq 999); do
 done
 in_force=$(curl -fs "http://127.0.0.1:$admin/admin/clients/overrides?per_page=1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["total"])')
 
-load() { # name port
-    wrk -t1 -c"$connections" -d"${seconds}s" --latency "http://127.0.0.1:$2/" > "$work/wrk.txt"
-    local rps p50 p99 non2xx
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
-    p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
-    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
-    printf '%-26s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
-}
-
 echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstream (examples/overhead.rs); $in_force overrides in force"
 for round in 1 2 3; do
     load no-log "$plain_port"

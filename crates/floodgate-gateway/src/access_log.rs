@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate::Decision;
+use floodgate::Identity;
 use floodgate::decision::DecisionSource;
+use floodgate::rollout::Shadowed;
 use http::{HeaderMap, Method, StatusCode};
 
 use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
@@ -25,13 +27,14 @@ use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
 /// answered without a decision. Carried to the access log in the response's extensions.
 #[derive(Clone, Debug, Default)]
 pub struct RequestFacts {
-    /// `<hash>` of the identity (never the raw key), and its scope.
-    pub identity: Option<(String, String)>,
+    /// Who the request is from: only its hash and scope are written, and only for lines that
+    /// are (after sampling and `only`).
+    pub identity: Option<Identity>,
     /// The plan.
     pub plan: Option<Arc<str>>,
     /// Decided before any limit: `denylisted`, `unknown_key`, `rejected`, `bypassed`.
     pub early: Option<&'static str>,
-    /// The normalised path (absent for a request refused before normalisation).
+    /// The path: normalised, or as it came for a request refused before normalisation.
     pub path: Option<String>,
 }
 
@@ -44,21 +47,19 @@ pub struct UpstreamFacts {
     pub elapsed: Duration,
 }
 
-/// What the request itself says, read before it is handed on.
+/// What the request itself says, read before it is handed on (its path, normalised and
+/// without the query, comes with [`RequestFacts`]).
 #[derive(Debug)]
 pub struct RequestLine {
     method: Method,
-    path: String,
     trace_id: Option<String>,
 }
 
 impl RequestLine {
-    /// The method, the normalised path (no query: it may hold secrets) and the trace id of
-    /// `traceparent`.
-    pub fn of(method: &Method, path: &str, headers: &HeaderMap) -> Self {
+    /// The method and the trace id of `traceparent`.
+    pub fn of(method: &Method, headers: &HeaderMap) -> Self {
         RequestLine {
             method: method.clone(),
-            path: path.to_owned(),
             trace_id: headers
                 .get("traceparent")
                 .and_then(|value| value.to_str().ok())
@@ -185,7 +186,8 @@ impl AccessLog {
         let facts = response.extensions.get::<RequestFacts>();
         let decision = response.extensions.get::<Decision>();
         let upstream = response.extensions.get::<UpstreamFacts>();
-        let label = decision_label(facts, decision, upstream, response.status);
+        let shadowed = response.extensions.get::<Shadowed>().is_some();
+        let label = decision_label(facts, decision, shadowed, upstream, response.status);
         if self.settings.only_limited && !is_limited(label) {
             return;
         }
@@ -193,10 +195,10 @@ impl AccessLog {
             return;
         }
         let binding = decision.and_then(Decision::binding_limit);
-        let identity = facts.and_then(|facts| facts.identity.as_ref());
-        let path = facts
-            .and_then(|facts| facts.path.as_deref())
-            .unwrap_or(&request.path);
+        let identity = facts
+            .and_then(|facts| facts.identity.as_ref())
+            .map(|identity| (identity.hash().to_string(), identity.scope()));
+        let path = facts.and_then(|facts| facts.path.as_deref());
         let retry_after = decision
             .and_then(Decision::retry_after)
             .filter(|_| label != "allowed")
@@ -205,7 +207,7 @@ impl AccessLog {
         let fields = [
             ("time", Field::Text(Some(&time))),
             ("method", Field::Text(Some(request.method.as_str()))),
-            ("path", Field::Text(Some(path))),
+            ("path", Field::Text(path)),
             (
                 "status",
                 Field::Count(Some(u64::from(response.status.as_u16()))),
@@ -225,11 +227,11 @@ impl AccessLog {
             ),
             (
                 "identity",
-                Field::Text(identity.map(|(hash, _)| hash.as_str())),
+                Field::Text(identity.as_ref().map(|(hash, _)| hash.as_str())),
             ),
             (
                 "scope",
-                Field::Text(identity.map(|(_, scope)| scope.as_str())),
+                Field::Text(identity.as_ref().map(|(_, scope)| *scope)),
             ),
             (
                 "plan",
@@ -345,6 +347,7 @@ fn push_json_string(line: &mut String, text: &str) {
 fn decision_label(
     facts: Option<&RequestFacts>,
     decision: Option<&Decision>,
+    shadowed: bool,
     upstream: Option<&UpstreamFacts>,
     status: StatusCode,
 ) -> &'static str {
@@ -355,9 +358,8 @@ fn decision_label(
         Some(decision) => match (decision.source(), decision.is_allowed()) {
             (DecisionSource::Store, true) => "allowed",
             // A denial the client did not get: shadow mode or a canary outside its share.
-            (DecisionSource::Store, false) if status != StatusCode::TOO_MANY_REQUESTS => {
-                "shadow_limited"
-            }
+            (DecisionSource::Store, false) if shadowed => "shadow_limited",
+            // A 429, or a gRPC call's 200 with `grpc-status: 8`.
             (DecisionSource::Store, false) => "limited",
             (_, true) => "fallback_allowed",
             (_, false) => "fallback_limited",

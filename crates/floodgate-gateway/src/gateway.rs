@@ -268,7 +268,7 @@ pub async fn handle(
         return Ok(current.handle(request).await);
     };
     let started = std::time::Instant::now();
-    let line = RequestLine::of(request.method(), request.uri().path(), request.headers());
+    let line = RequestLine::of(request.method(), request.headers());
     let response = current.handle(request).await;
     let (mut parts, body) = response.into_parts();
     log.record(&line, &parts, started.elapsed());

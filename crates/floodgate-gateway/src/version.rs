@@ -161,6 +161,7 @@ impl ConfigVersion {
             metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
                 .increment(1);
             facts.early = Some("rejected");
+            facts.path = Some(request.uri().path().to_owned());
             return json_error(rejection.status(), rejection.reason());
         }
         // Limits match, and the upstream receives, the normalised path (SPEC §5 "Paths").
@@ -175,6 +176,7 @@ impl ConfigVersion {
                 metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => reason)
                     .increment(1);
                 facts.early = Some("rejected");
+                facts.path = Some(request.uri().path().to_owned());
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }
         }
@@ -200,10 +202,7 @@ impl ConfigVersion {
             Resolution::Client(client) => client,
         };
         if self.config.access_log.is_some() {
-            facts.identity = Some((
-                client.identity.hash().to_string(),
-                client.identity.scope().to_owned(),
-            ));
+            facts.identity = Some(client.identity.clone());
             facts.plan = Some(client.plan.clone());
         }
         let rollout = self
@@ -236,8 +235,6 @@ impl ConfigVersion {
             Err(never) => match never {},
         };
         if grpc && response.status() == http::StatusCode::TOO_MANY_REQUESTS {
-            // Answered 200 with `grpc-status: 8`: limited all the same.
-            facts.early = Some("limited");
             return grpc_resource_exhausted(response);
         }
         response.map(Either::Left)

@@ -355,3 +355,37 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
     assert!(dropped >= 2000, "{dropped} of {requests} lines dropped");
     eprintln!("{requests} requests in {elapsed:?}, slowest {slowest:?}, {dropped} lines dropped");
 }
+
+/// In shadow mode the client gets no denial; the log tells it apart from an admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_denials_are_logged_as_shadow_limited() {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("log");
+    let path = directory.file("access.log");
+    let (gateway, _dir) = gateway(
+        &upstream,
+        &format!("  path: \"{}\"\nrollout:\n  mode: shadow", path.display()),
+        1,
+    );
+    let client = client();
+    for _ in 0..2 {
+        let answer = get(
+            &client,
+            &gateway.url("/v1/things"),
+            &[("x-api-key", API_KEY)],
+        )
+        .await;
+        assert_eq!(answer.status(), 200, "shadow mode denies nothing");
+    }
+    let lines = wait_for_lines(&path, 2);
+    let decisions: Vec<Value> = lines
+        .iter()
+        .map(|line| parsed(line)["decision"].clone())
+        .collect();
+    assert_eq!(
+        decisions,
+        ["allowed", "shadow_limited"],
+        "{}",
+        lines.join("\n")
+    );
+}

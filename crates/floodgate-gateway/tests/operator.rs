@@ -5,8 +5,7 @@ use floodgate_test_support as redis_support;
 mod support;
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{Method, StatusCode};
 use serde_json::Value;
 use support::{Gateway, TempDir, TestClient, Upstream, client, get, start_gateway};
 
@@ -29,19 +28,7 @@ async fn admin(
     path_and_query: &str,
     token: Option<&str>,
 ) -> (StatusCode, Value) {
-    let mut request = Request::builder()
-        .method(method)
-        .uri(gateway.admin_url(path_and_query));
-    if let Some(token) = token {
-        request = request.header("authorization", format!("Bearer {token}"));
-    }
-    let response = client
-        .request(request.body(Full::new(Bytes::new())).unwrap())
-        .await
-        .expect("admin answers");
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    support::admin_call(client, gateway, method, path_and_query, None, token).await
 }
 
 fn remaining(response: &http::Response<Bytes>) -> u64 {

@@ -9,9 +9,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http::{Method, StatusCode};
 use serde_json::{Value, json};
 use support::{Gateway, TempDir, TestClient, Upstream, client, get};
 
@@ -49,20 +47,7 @@ async fn admin(
     body: Option<Value>,
     token: Option<&str>,
 ) -> (StatusCode, Value) {
-    let mut request = Request::builder()
-        .method(method)
-        .uri(gateway.admin_url(path_and_query));
-    if let Some(token) = token {
-        request = request.header("authorization", format!("Bearer {token}"));
-    }
-    let body = body.map_or_else(Bytes::new, |body| Bytes::from(body.to_string()));
-    let response = client
-        .request(request.body(Full::new(body)).unwrap())
-        .await
-        .expect("admin answers");
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    support::admin_call(client, gateway, method, path_and_query, body, token).await
 }
 
 /// The status and `X-RateLimit-Limit` of one request of `key`.

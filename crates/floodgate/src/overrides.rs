@@ -647,11 +647,11 @@ impl Overrides {
     /// a Tokio runtime starts the background refresh ([`Overrides::keep_fresh`]); the
     /// decision never waits for it.
     pub fn apply(self: &Arc<Self>, checks: &mut [Check]) {
-        let now = Timestamp::now();
         self.keep_fresh();
         if self.count.load(Ordering::Acquire) == 0 {
             return;
         }
+        let now = Timestamp::now();
         let copy = self.in_force.load();
         for check in checks {
             let Some(entry) = copy.1.get(&check.key) else {

@@ -45,6 +45,12 @@ impl Mode {
     }
 }
 
+/// A request extension the layer adds next to the request's [`Decision`](crate::Decision)
+/// when that decision is not enforced (shadow mode, or a canary outside its share): whoever
+/// logs the request can tell a shadow denial from one the client got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shadowed;
+
 /// The rollout controls of one layer; clones share them, so a handle kept by the app switches
 /// a running service (the kill switch takes effect on the next request).
 #[derive(Clone, Debug)]

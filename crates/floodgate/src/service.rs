@@ -251,6 +251,7 @@ where
         // Invisible to the client: no denial, no delay, no rate limit headers.
         let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
         request.extensions_mut().insert(decision);
+        request.extensions_mut().insert(crate::rollout::Shadowed);
         let mut response = inner.call(request).await?;
         shared.settle_cost(&mut response, charge_to).await;
         return Ok(response.map(|body| RateLimitBody::inner(body, leases)));

@@ -430,10 +430,12 @@ async fn forward(
 
     let (mut parts, body) = request.into_parts();
     // The decision that admitted the request, carried to the access log with the response.
-    let logged = config
-        .access_log
-        .is_some()
-        .then(|| parts.extensions.remove::<floodgate::Decision>());
+    let logged = config.access_log.is_some().then(|| {
+        (
+            parts.extensions.remove::<floodgate::Decision>(),
+            parts.extensions.remove::<floodgate::rollout::Shadowed>(),
+        )
+    });
     // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`: the upstream gets a
     // `Host` either way (head::check refused requests where the two disagree).
     let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -480,7 +482,7 @@ async fn forward(
     let elapsed = started.elapsed();
     upstream_metrics().duration.record(elapsed.as_secs_f64());
     let mut response = answered(result, &watch, upstream, &config, client_upgrade, route);
-    if let Some(decision) = logged {
+    if let Some((decision, shadowed)) = logged {
         let upstream_status = response
             .extensions()
             .get::<UpstreamAnswered>()
@@ -493,6 +495,9 @@ async fn forward(
             });
         if let Some(decision) = decision {
             response.extensions_mut().insert(decision);
+        }
+        if let Some(shadowed) = shadowed {
+            response.extensions_mut().insert(shadowed);
         }
     }
     response

@@ -226,6 +226,35 @@ impl Drop for Gateway {
 
 pub type TestClient = Client<HttpConnector, Full<Bytes>>;
 
+/// One admin API call: `method` on `path_and_query`, with a JSON `body` and the bearer
+/// `token` when given; the status and the JSON answer (`null` when it is not JSON).
+pub async fn admin_call(
+    client: &TestClient,
+    gateway: &Gateway,
+    method: http::Method,
+    path_and_query: &str,
+    body: Option<serde_json::Value>,
+    token: Option<&str>,
+) -> (StatusCode, serde_json::Value) {
+    let mut request = Request::builder()
+        .method(method)
+        .uri(gateway.admin_url(path_and_query));
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let body = body.map_or_else(Bytes::new, |body| Bytes::from(body.to_string()));
+    let response = client
+        .request(request.body(Full::new(body)).unwrap())
+        .await
+        .expect("admin answers");
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+    )
+}
+
 /// `POST /admin/reload`: its status and JSON body.
 pub async fn admin_reload(
     client: &TestClient,
