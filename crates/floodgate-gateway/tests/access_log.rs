@@ -156,16 +156,15 @@ async fn json_lines_carry_every_field_and_no_raw_key() {
     assert_eq!(grpc["decision"], "limited", "{grpc}");
 }
 
-/// Regression: with the kill switch (`rollout: off`) requests were logged as `unlimited`
-/// while the decision metrics count them as bypassed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_switch_requests_are_logged_as_bypassed() {
+/// The decisions logged for two requests of a client allowed one, under `rollout.mode`; both
+/// must be answered 200.
+async fn decisions_under_rollout(mode: &str) -> Vec<Value> {
     let upstream = Upstream::start().await;
     let directory = TempDir::new("log");
     let path = directory.file("access.log");
     let (gateway, _dir) = gateway(
         &upstream,
-        &format!("  path: \"{}\"\nrollout:\n  mode: off", path.display()),
+        &format!("  path: \"{}\"\nrollout:\n  mode: {mode}", path.display()),
         1,
     );
     let client = client();
@@ -176,15 +175,30 @@ async fn kill_switch_requests_are_logged_as_bypassed() {
             &[("x-api-key", API_KEY)],
         )
         .await;
-        assert_eq!(answer.status(), 200, "the kill switch limits nothing");
+        assert_eq!(answer.status(), 200, "{mode} denies nothing");
     }
-    let lines = wait_for_lines(&path, 2);
-    assert!(
-        lines
-            .iter()
-            .all(|line| parsed(line)["decision"] == "bypassed"),
-        "{}",
-        lines.join("\n")
+    wait_for_lines(&path, 2)
+        .iter()
+        .map(|line| parsed(line)["decision"].clone())
+        .collect()
+}
+
+/// Regression: with the kill switch (`rollout: off`) requests were logged as `unlimited`
+/// while the decision metrics count them as bypassed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_switch_requests_are_logged_as_bypassed() {
+    assert_eq!(
+        decisions_under_rollout("off").await,
+        ["bypassed", "bypassed"]
+    );
+}
+
+/// In shadow mode the client gets no denial; the log tells it apart from an admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_denials_are_logged_as_shadow_limited() {
+    assert_eq!(
+        decisions_under_rollout("shadow").await,
+        ["allowed", "shadow_limited"]
     );
 }
 
@@ -354,38 +368,4 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
     // about 400 bytes: some 330) were taken; the rest was dropped.
     assert!(dropped >= 2000, "{dropped} of {requests} lines dropped");
     eprintln!("{requests} requests in {elapsed:?}, slowest {slowest:?}, {dropped} lines dropped");
-}
-
-/// In shadow mode the client gets no denial; the log tells it apart from an admission.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shadow_denials_are_logged_as_shadow_limited() {
-    let upstream = Upstream::start().await;
-    let directory = TempDir::new("log");
-    let path = directory.file("access.log");
-    let (gateway, _dir) = gateway(
-        &upstream,
-        &format!("  path: \"{}\"\nrollout:\n  mode: shadow", path.display()),
-        1,
-    );
-    let client = client();
-    for _ in 0..2 {
-        let answer = get(
-            &client,
-            &gateway.url("/v1/things"),
-            &[("x-api-key", API_KEY)],
-        )
-        .await;
-        assert_eq!(answer.status(), 200, "shadow mode denies nothing");
-    }
-    let lines = wait_for_lines(&path, 2);
-    let decisions: Vec<Value> = lines
-        .iter()
-        .map(|line| parsed(line)["decision"].clone())
-        .collect();
-    assert_eq!(
-        decisions,
-        ["allowed", "shadow_limited"],
-        "{}",
-        lines.join("\n")
-    );
 }
