@@ -250,6 +250,27 @@ pub fn wait_until(within: Duration, what: &str, mut condition: impl FnMut() -> b
     }
 }
 
+/// Returns once the current fixed window of length `window` has at least `needed` left,
+/// waiting for the next window to begin if it has not. Fixed windows are aligned to multiples
+/// of their length since the epoch (by the same clock on loopback as Redis's), so a test that
+/// counts in one window and runs across its end would see the count restart.
+pub fn clear_of_window_end(window: Duration, needed: Duration) {
+    assert!(
+        needed < window,
+        "{needed:?} cannot fit in a window of {window:?}"
+    );
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is after 1970");
+    let into_window = since_epoch.as_nanos() % window.as_nanos();
+    let left = Duration::from_nanos((window.as_nanos() - into_window) as u64);
+    if left < needed {
+        // The clock is the only signal a window's end has; a margin past it keeps the
+        // server's clock (read a moment later) in the new window too.
+        std::thread::sleep(left + Duration::from_millis(50));
+    }
+}
+
 /// A real Redis Cluster: `masters` servers with `--cluster-enabled yes`, joined by
 /// `redis-cli --cluster create`, no replicas. `cluster-require-full-coverage no` lets the
 /// surviving masters serve their slots when one dies.
