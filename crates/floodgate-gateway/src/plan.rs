@@ -5,7 +5,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use floodgate::key::storage_key;
-use floodgate::{Identity, Limit, RequestInfo, key::IdentityHash, plan::LimitPlan, store::Check};
+use floodgate::{
+    Identity, Limit, RequestInfo,
+    key::IdentityHash,
+    plan::LimitPlan,
+    store::{Check, Scope},
+};
 use http::Method;
 
 use crate::client::ResolvedClient;
@@ -77,7 +82,7 @@ impl GatewayPlan {
             .hash();
             self.push(
                 &mut checks,
-                ("global", &hash),
+                (Scope::Shared, "global", &hash),
                 &global.rule,
                 &global.limits,
                 cost,
@@ -90,11 +95,17 @@ impl GatewayPlan {
                 return checks;
             }
             let (hash, scope) = client.hash_and_scope();
-            self.push(&mut checks, (scope, &hash), &plan.rule, &plan.limits, cost);
+            self.push(
+                &mut checks,
+                (Scope::Client, scope, &hash),
+                &plan.rule,
+                &plan.limits,
+                cost,
+            );
             if let Some((_, endpoint)) = endpoint {
                 self.push(
                     &mut checks,
-                    (scope, &hash),
+                    (Scope::Client, scope, &hash),
                     &endpoint.rule,
                     &endpoint.limits,
                     cost,
@@ -120,11 +131,17 @@ impl GatewayPlan {
             return checks;
         };
         let (hash, scope) = client.hash_and_scope();
-        self.push(&mut checks, (scope, &hash), &plan.rule, &plan.limits, 1);
+        self.push(
+            &mut checks,
+            (Scope::Client, scope, &hash),
+            &plan.rule,
+            &plan.limits,
+            1,
+        );
         for (_, endpoint) in plan.endpoints.entries() {
             self.push(
                 &mut checks,
-                (scope, &hash),
+                (Scope::Client, scope, &hash),
                 &endpoint.rule,
                 &endpoint.limits,
                 1,
@@ -140,15 +157,22 @@ impl GatewayPlan {
         {
             let hash = Identity::Ip(ip).hash();
             let rule = &self.per_ip_rule;
-            self.push(checks, ("ip", &hash), rule, &self.config.per_ip, cost);
+            self.push(
+                checks,
+                (Scope::Client, "ip", &hash),
+                rule,
+                &self.config.per_ip,
+                cost,
+            );
         }
     }
 
-    /// One check per limit of `rule`, keyed by the identity's scope and hash.
+    /// One check per limit of `rule`, of a counter in `counter`'s scope, keyed by the
+    /// identity's scope and hash.
     fn push(
         &self,
         checks: &mut Vec<Check>,
-        (scope, hash): (&str, &IdentityHash),
+        (counter, scope, hash): (Scope, &str, &IdentityHash),
         rule: &Arc<str>,
         limits: &[Arc<Limit>],
         cost: u64,
@@ -156,14 +180,15 @@ impl GatewayPlan {
         let prefix = self.config.store.prefix.as_str();
         for limit in limits {
             let key = storage_key(prefix, scope, hash, rule, limit.name());
-            checks.push(Check::new(key, limit.clone(), cost).with_rule(rule.clone()));
+            let check = Check::new(key, limit.clone(), cost).with_rule(rule.clone());
+            checks.push(check.with_scope(counter));
         }
     }
 }
 
 /// Whether `check` is a `global` ceiling: one counter every client writes.
 pub fn is_global_ceiling(check: &Check) -> bool {
-    floodgate::key::storage::scope(&check.key) == Some("global")
+    check.scope == Scope::Shared
 }
 
 impl LimitPlan for GatewayPlan {

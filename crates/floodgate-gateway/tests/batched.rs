@@ -109,8 +109,11 @@ async fn four_batched_gateways_hold_one_limit_within_five_percent() {
 async fn global_ceilings_run_batched_while_client_limits_stay_exact() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
+    // Without the deny cache, an exact ceiling would cost a call per request, refused or
+    // not (with it, the refusals after the first on each gateway would cost none, and exact
+    // mode would look batched).
     let rest = format!(
-        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 1s\n\
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 1s\n  deny_cache: false\n\
          identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n\
          plans:\n  free: {{}}\n  anonymous:\n    endpoints:\n      \"GET /other\": [ {{ name: hourly, algorithm: fixed_window, limit: 3, window: 1h }} ]\n\
          global:\n  \"GET /search\": [ {{ name: ceiling, algorithm: fixed_window, limit: 40, window: 1h }} ]\n",

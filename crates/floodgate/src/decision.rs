@@ -23,6 +23,20 @@ pub struct Check {
     pub limit: Arc<Limit>,
     /// Units this request costs against this limit.
     pub cost: u64,
+    /// Whose counter the key names: one client's (the default) or one every client shares.
+    pub scope: Scope,
+}
+
+/// Whose counter a [`Check`] writes, said by the plan that builds it so that nothing has to
+/// read it back from the key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// The counter of the identity the request counts against.
+    #[default]
+    Client,
+    /// One counter every client writes, such as a gateway's `global` ceiling: stores may
+    /// decide it apart from the clients' own (see [`crate::store::SplitStore`]).
+    Shared,
 }
 
 impl Check {
@@ -35,14 +49,18 @@ impl Check {
             rule: DEFAULT_RULE.clone(),
             limit,
             cost,
+            scope: Scope::Client,
         }
     }
-}
 
-impl Check {
     /// The same check, labelled with `rule`.
     pub fn with_rule(self, rule: Arc<str>) -> Check {
         Check { rule, ..self }
+    }
+
+    /// The same check, of a counter in `scope`.
+    pub fn with_scope(self, scope: Scope) -> Check {
+        Check { scope, ..self }
     }
 }
 

@@ -129,10 +129,8 @@ impl LocalFallback {
                         })
                         .clone();
                     Check {
-                        key: check.key.clone(),
-                        rule: check.rule.clone(),
                         limit,
-                        cost: check.cost,
+                        ..check.clone()
                     }
                 })
                 .collect()

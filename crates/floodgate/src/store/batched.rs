@@ -50,7 +50,7 @@ use tokio::sync::watch;
 
 use super::resilience::BreakerState;
 use super::shards::{LockedShards, lock};
-use super::{BoxFuture, Check, Lease, Store, StoreError};
+use super::{BoxFuture, Check, Lease, Scope, Store, StoreError};
 use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::Decision;
 use crate::limit::{Algorithm, Limit};
@@ -1134,6 +1134,8 @@ fn sync_check(key: &Arc<str>, limit: &Arc<Limit>, units: u64) -> Check {
         rule: limit.shared_name().clone(),
         limit: limit.clone(),
         cost: units,
+        // Only the store behind reads this check, and it decides by key.
+        scope: Scope::Client,
     }
 }
 

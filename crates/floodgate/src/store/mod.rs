@@ -27,7 +27,7 @@ pub use split::SplitStore;
 
 // Defined where the store's dependencies can reach them without a cycle (a decision is made
 // of checks; the error module imports nothing), and re-exported at the paths apps know.
-pub use crate::decision::{Check, Lease};
+pub use crate::decision::{Check, Lease, Scope};
 pub use error::{StoreError, redact_url};
 
 use std::future::Future;
