@@ -1,7 +1,7 @@
 //! Who clients are: `identity` (the identifier and the plan header), `clients` (API keys and
 //! their plans, unknown keys) and the allow and deny lists.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -9,10 +9,98 @@ use floodgate::key::DefaultIdentifier;
 use floodgate::lists::ClientList;
 use http::header::HeaderName;
 use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
 use super::key_digest;
-use super::raw::{RawConfig, RawLists};
+use super::raw::RawConfig;
+
+/// `identity:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawIdentity {
+    /// Where an API key is read from.
+    pub api_key: RawApiKey,
+    /// Off unless configured: a header that lets a client pick its user is opt-in.
+    pub user_header: Option<String>,
+    /// Off unless configured, like `user_header`.
+    pub plan_header: Option<String>,
+    /// Networks whose forwarding headers are believed (CIDRs or addresses).
+    pub trusted_proxies: Vec<String>,
+    /// The header family the trusted proxies write: `x-forwarded-for` or `forwarded`.
+    pub forwarded: String,
+    /// IPv6 clients are grouped by this prefix length.
+    pub ipv6_prefix: u8,
+}
+
+impl Default for RawIdentity {
+    fn default() -> Self {
+        RawIdentity {
+            api_key: RawApiKey::default(),
+            user_header: None,
+            plan_header: None,
+            trusted_proxies: Vec::new(),
+            forwarded: "x-forwarded-for".to_owned(),
+            ipv6_prefix: 64,
+        }
+    }
+}
+
+/// `identity.api_key:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawApiKey {
+    /// The header that carries the key.
+    pub header: String,
+    /// Whether `Authorization: Bearer <key>` carries one too.
+    pub bearer: bool,
+}
+
+impl Default for RawApiKey {
+    fn default() -> Self {
+        RawApiKey {
+            header: "x-api-key".to_owned(),
+            bearer: true,
+        }
+    }
+}
+
+/// `clients:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawClients {
+    /// The plan of a client identified by API key or user id.
+    pub default_plan: String,
+    /// The plan of a client identified by its IP only.
+    pub anonymous_plan: String,
+    /// What a key not in `api_keys` gets: `default_plan`, `anonymous` or `reject`.
+    pub unknown_keys: String,
+    /// Each key (raw, or `sha256:<hex>`) and its plan.
+    pub api_keys: BTreeMap<String, String>,
+}
+
+impl Default for RawClients {
+    fn default() -> Self {
+        RawClients {
+            default_plan: "free".to_owned(),
+            anonymous_plan: "anonymous".to_owned(),
+            unknown_keys: "default_plan".to_owned(),
+            api_keys: BTreeMap::new(),
+        }
+    }
+}
+
+/// `allowlist:` or `denylist:` as written.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLists {
+    /// Addresses and CIDRs.
+    pub ips: Vec<String>,
+    /// API keys (raw, or `sha256:<hex>`).
+    pub api_keys: Vec<String>,
+    /// User ids.
+    pub users: Vec<String>,
+}
 
 /// `clients.unknown_keys`: what an API key not in `clients.api_keys` gets (SPEC §3).
 ///
@@ -99,8 +187,7 @@ pub(super) fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> Cl
 }
 
 /// `identity`: the identifier and the plan header.
-pub(super) fn identity(errors: &mut Errors, raw: &RawConfig) -> Option<IdentitySettings> {
-    let identity = &raw.identity;
+pub(super) fn identity(errors: &mut Errors, identity: &RawIdentity) -> Option<IdentitySettings> {
     let identifier = match DefaultIdentifier::new()
         .bearer(identity.api_key.bearer)
         .api_key_header(Some(&identity.api_key.header))

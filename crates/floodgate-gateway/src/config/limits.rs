@@ -5,12 +5,55 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use floodgate::Limit;
+use serde::{Deserialize, Serialize};
 
 use super::errors::Errors;
-use super::raw::{RawConfig, RawLimit};
-use super::rollout::{policy, rollout};
+use super::raw::RawConfig;
+use super::rollout::{RawRollout, policy, rollout};
 use super::{Endpoint, EndpointTable, Rollout, positive_duration};
 use floodgate::FailurePolicy;
+
+/// One plan under `plans:`, as written.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPlan {
+    /// Limits on every request of the plan's clients.
+    pub limits: Vec<RawLimit>,
+    /// Limits on the requests of one endpoint, by pattern.
+    pub endpoints: BTreeMap<String, Vec<RawLimit>>,
+    /// Overrides the top-level `on_store_error` for this plan's rules.
+    pub on_store_error: Option<String>,
+    /// Overrides the top-level `rollout` for this plan (shadow one plan while enforcing others).
+    pub rollout: Option<RawRollout>,
+}
+
+/// One limit, as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimit {
+    /// Its name, unique within its list (headers, metrics and storage keys carry it).
+    pub name: String,
+    /// `token_bucket`, `gcra`, `fixed_window`, `sliding_window_log`,
+    /// `sliding_window_counter`, `leaky_bucket` or `concurrency`.
+    pub algorithm: String,
+    /// Requests (or cost units) per window; for `concurrency`, at once.
+    pub limit: u64,
+    /// The window or refill period (for `concurrency`, how long a lease lives).
+    #[serde(default)]
+    pub window: Option<String>,
+    /// The burst a bucket admits at once, by default `limit`.
+    #[serde(default)]
+    pub burst: Option<u64>,
+    /// What a request costs against this limit, whatever its route says.
+    #[serde(default)]
+    pub cost: Option<u64>,
+    /// A response header holding the request's real cost (SPEC §9), post-charged.
+    #[serde(default)]
+    pub cost_header: Option<String>,
+    /// Whether the client still sees `cost_header` (default false: removed).
+    #[serde(default)]
+    pub cost_header_visible: bool,
+}
 
 /// Limits on one endpoint, with the rule name their counters are kept under.
 #[derive(Debug)]

@@ -326,7 +326,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let routes = routes::routes(&mut errors, &raw.routes);
     let store = store::store(&mut errors, &raw);
     let on_store_error = errors.ok("on_store_error", rollout::policy(&raw.on_store_error));
-    let identity = clients::identity(&mut errors, &raw);
+    let identity = clients::identity(&mut errors, &raw.identity);
     // Also checks that clients.default_plan and clients.anonymous_plan name plans.
     let plans = limits::plans(&mut errors, &raw);
     let api_keys = clients::api_keys(&mut errors, &raw);
@@ -336,7 +336,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let rollout_settings = rollout::rollout(&mut errors, "rollout", &raw.rollout);
     let allowlist = clients::client_list(&mut errors, "allowlist", &raw.allowlist);
     let denylist = clients::client_list(&mut errors, "denylist", &raw.denylist);
-    let response = response::response(&mut errors, &raw);
+    let response = response::response(&mut errors, &raw.response);
     let rls_settings = rls::rls(&mut errors, raw.rls.as_ref());
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());

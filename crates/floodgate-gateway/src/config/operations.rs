@@ -10,6 +10,25 @@ use serde::{Deserialize, Serialize};
 use super::duration::parse_duration;
 use super::errors::Errors;
 
+/// `admin:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawAdmin {
+    /// The admin API's address (loopback by default).
+    pub listen: String,
+    /// Bounds of the per-client overrides.
+    pub overrides: RawOverrides,
+}
+
+impl Default for RawAdmin {
+    fn default() -> Self {
+        RawAdmin {
+            listen: "127.0.0.1:9090".to_owned(),
+            overrides: Default::default(),
+        }
+    }
+}
+
 /// `admin.overrides` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]

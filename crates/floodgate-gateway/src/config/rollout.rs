@@ -3,9 +3,28 @@
 
 use floodgate::FailurePolicy;
 use floodgate::rollout::{Mode, Rollout};
+use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
-use super::raw;
+
+/// `rollout:` (or a plan's), as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRollout {
+    /// `enforce`, `shadow` or `off`.
+    pub mode: String,
+    /// The share of clients, in percent, whose limits are enforced; the others are shadowed.
+    pub enforce_percent: f64,
+}
+
+impl Default for RawRollout {
+    fn default() -> Self {
+        RawRollout {
+            mode: "enforce".to_owned(),
+            enforce_percent: 100.0,
+        }
+    }
+}
 
 pub(super) fn policy(text: &str) -> Result<FailurePolicy, Problem> {
     text.parse::<FailurePolicy>()
@@ -13,7 +32,7 @@ pub(super) fn policy(text: &str) -> Result<FailurePolicy, Problem> {
 }
 
 /// `rollout` (or a plan's): the library's live rollout controls, starting as the file says.
-pub(super) fn rollout(errors: &mut Errors, path: &str, raw: &raw::RawRollout) -> Option<Rollout> {
+pub(super) fn rollout(errors: &mut Errors, path: &str, raw: &RawRollout) -> Option<Rollout> {
     let mode = errors.ok(format!("{path}.mode"), raw.mode.parse::<Mode>());
     if !(0.0..=100.0).contains(&raw.enforce_percent) {
         errors.push(

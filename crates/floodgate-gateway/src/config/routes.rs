@@ -1,10 +1,31 @@
 //! `upstream` and `routes`: where requests go, and what a route sets for them.
 
 use http::Uri;
+use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
-use super::raw::RawRoute;
 use super::{Endpoint, EndpointTable, redact_url};
+
+/// One entry of `routes:`, as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    /// The endpoint pattern the route applies to.
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// Where its requests go instead of `upstream`.
+    #[serde(default)]
+    pub upstream: Option<String>,
+    /// What one of its requests costs.
+    #[serde(default)]
+    pub cost: Option<u64>,
+    /// A response header holding the request's real cost (SPEC §9), post-charged.
+    #[serde(default)]
+    pub cost_header: Option<String>,
+    /// Whether the client still sees `cost_header` (default false: removed).
+    #[serde(default)]
+    pub cost_header_visible: bool,
+}
 
 /// Where requests go upstream.
 #[derive(Clone, Debug, PartialEq, Eq)]

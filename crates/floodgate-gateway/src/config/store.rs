@@ -2,10 +2,123 @@
 
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use super::errors::{Errors, Problem};
 use super::limits::all_limit_lists;
-use super::raw::{self, RawConfig};
+use super::raw::RawConfig;
 use super::{positive_duration, redact_url};
+
+/// `store:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStore {
+    /// `memory`, `redis` (with `sentinel`, the master Sentinel elects), `redis_cluster` or
+    /// `redis_sharded`.
+    pub backend: String,
+    /// The Redis server's URL (`redis` backend).
+    pub url: String,
+    /// The servers' URLs (`redis_cluster`'s seeds, `redis_sharded`'s shards).
+    pub nodes: Vec<String>,
+    /// `multiplexed` (one pipelined connection, the default: measured faster) or `pool`.
+    pub connection: String,
+    /// Connections in the pool when `connection` is `pool`.
+    pub pool_size: usize,
+    /// How long one call to the store may take before the failure policy decides.
+    pub timeout: String,
+    /// The first part of every storage key.
+    pub prefix: String,
+    /// When to stop calling a store that keeps failing.
+    pub breaker: RawBreaker,
+    /// Batched mode: how often a node trades its leases with the store (absent: exact mode).
+    pub sync_interval: Option<String>,
+    /// Sync interval of the `global` ceilings (hot keys) when the rest is exact, or `exact`.
+    pub global_sync_interval: String,
+    /// Batched mode: most identities' limits cached at once (a bounded buffer while Redis is
+    /// unreachable).
+    pub max_keys: usize,
+    /// Exact mode: a denial remembered and repeated locally until its wait is over.
+    pub deny_cache: bool,
+    /// Exact mode: most calls out per node before decisions are coalesced (0: never).
+    pub coalesce: usize,
+    /// Exact mode: identities above a decision rate on a node decided from leases.
+    pub hot_identities: Option<RawHotIdentities>,
+    /// Redis Sentinel: the master's name and the sentinels' URLs (replaces `url`).
+    pub sentinel: Option<RawSentinel>,
+    /// The share of each limit a node keeps deciding alone under `on_store_error: local`.
+    pub fallback_share: f64,
+    /// This deployment's share of every limit (a region's fixed share of a global limit).
+    pub share: f64,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            backend: "memory".to_owned(),
+            url: "redis://127.0.0.1:6379".to_owned(),
+            nodes: Vec::new(),
+            connection: "multiplexed".to_owned(),
+            pool_size: 16,
+            timeout: "50ms".to_owned(),
+            prefix: "fg".to_owned(),
+            breaker: RawBreaker::default(),
+            sync_interval: None,
+            global_sync_interval: "100ms".to_owned(),
+            max_keys: 1_000_000,
+            deny_cache: true,
+            coalesce: 2,
+            hot_identities: None,
+            sentinel: None,
+            fallback_share: 1.0,
+            share: 1.0,
+        }
+    }
+}
+
+/// `store.sentinel:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSentinel {
+    /// The name the sentinels know the master by.
+    pub master: String,
+    /// The sentinels' URLs.
+    pub nodes: Vec<String>,
+}
+
+/// `store.hot_identities`: `{ above: 500/s, interval: 50ms }`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHotIdentities {
+    /// A decision rate on one node, `<n>/s`, `<n>/m` or `<n>/<duration>`.
+    pub above: String,
+    /// How long a rate is measured over (and the leases' trading interval).
+    #[serde(default = "default_hot_interval")]
+    pub interval: String,
+}
+
+/// `above` has no default, so the section cannot be `#[serde(default)]` as a whole.
+fn default_hot_interval() -> String {
+    "50ms".to_owned()
+}
+
+/// `store.breaker:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawBreaker {
+    /// Failures in a row that open the breaker.
+    pub failures: u32,
+    /// How long an open breaker keeps calls away from the store.
+    pub open_for: String,
+}
+
+impl Default for RawBreaker {
+    fn default() -> Self {
+        RawBreaker {
+            failures: 5,
+            open_for: "2s".to_owned(),
+        }
+    }
+}
 
 /// Which store backs the limits.
 #[derive(Clone, Debug, PartialEq)]
@@ -117,7 +230,7 @@ fn per_second(text: &str) -> Result<u64, Problem> {
 /// `store.hot_identities`, checked against the rest of `store`.
 fn hot_identities(
     errors: &mut Errors,
-    store: &raw::RawStore,
+    store: &RawStore,
     backend: Option<&Backend>,
     batched: bool,
 ) -> Option<HotIdentitySettings> {
@@ -161,7 +274,7 @@ pub(super) fn bounded_sync_interval(text: &str) -> Result<Duration, Problem> {
 }
 
 /// `store.backend` with its URLs, checked.
-pub(super) fn store_backend(errors: &mut Errors, store: &raw::RawStore) -> Option<Backend> {
+pub(super) fn store_backend(errors: &mut Errors, store: &RawStore) -> Option<Backend> {
     let urls: Vec<(String, &String)> = match store.backend.as_str() {
         "memory" => Vec::new(),
         "redis" => match &store.sentinel {
