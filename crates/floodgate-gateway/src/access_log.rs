@@ -6,6 +6,9 @@
 //! one push. When the queue is full (a slow disk, a pipe nobody reads) the line is dropped and
 //! counted in `floodgate_access_log_dropped_total`, so that a stalled log costs lines, never
 //! latency. A file is reopened on `SIGUSR1` (after logrotate moved it).
+//!
+//! A request whose client goes away before its answer's head (its future is dropped) still
+//! gets a line, with status 499 as nginx writes it: [`PendingLine`] writes it when dropped.
 
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
@@ -13,7 +16,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use floodgate::Decision;
 use floodgate::Identity;
@@ -23,8 +26,8 @@ use http::{HeaderMap, Method, StatusCode};
 
 use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
 
-/// What the gateway knew of a request before the layer: who, which plan, and whether it was
-/// answered without a decision. Carried to the access log in the response's extensions.
+/// What the gateway learns of a request on its way to the layer: who, which plan, and whether
+/// it was answered without a decision. Filled in while the request is answered.
 #[derive(Clone, Debug, Default)]
 pub struct RequestFacts {
     /// Who the request is from: only its hash and scope are written, and only for lines that
@@ -176,18 +179,26 @@ impl AccessLog {
         self.writer.unpark();
     }
 
-    /// Logs one answered request, if the sampling and `only` let it through.
-    pub fn record(
+    /// Logs one request, if the sampling and `only` let it through.
+    fn record(
         &self,
         request: &RequestLine,
-        response: &http::response::Parts,
+        facts: &RequestFacts,
+        answer: Answer<'_>,
         duration: Duration,
     ) {
-        let facts = response.extensions.get::<RequestFacts>();
-        let decision = response.extensions.get::<Decision>();
-        let upstream = response.extensions.get::<UpstreamFacts>();
-        let shadowed = response.extensions.get::<Shadowed>().is_some();
-        let label = decision_label(facts, decision, shadowed, upstream, response.status);
+        let (status, extensions) = match answer {
+            Answer::Head(response) => (response.status, Some(&response.extensions)),
+            Answer::ClientGone => (CLIENT_CLOSED_REQUEST, None),
+        };
+        let decision = extensions.and_then(|extensions| extensions.get::<Decision>());
+        let upstream = extensions.and_then(|extensions| extensions.get::<UpstreamFacts>());
+        let shadowed = extensions.is_some_and(|extensions| extensions.get::<Shadowed>().is_some());
+        let label = match answer {
+            Answer::Head(_) => decision_label(facts, decision, shadowed, upstream, status),
+            // What the limiter decided rides on the answer the client did not wait for.
+            Answer::ClientGone => facts.early.unwrap_or("client_closed"),
+        };
         if self.settings.only_limited && !is_limited(label) {
             return;
         }
@@ -196,9 +207,10 @@ impl AccessLog {
         }
         let binding = decision.and_then(Decision::binding_limit);
         let identity = facts
-            .and_then(|facts| facts.identity.as_ref())
+            .identity
+            .as_ref()
             .map(|identity| (identity.hash().to_string(), identity.scope()));
-        let path = facts.and_then(|facts| facts.path.as_deref());
+        let path = facts.path.as_deref();
         let retry_after = decision
             .and_then(Decision::retry_after)
             .filter(|_| label != "allowed")
@@ -208,10 +220,7 @@ impl AccessLog {
             ("time", Field::Text(Some(&time))),
             ("method", Field::Text(Some(request.method.as_str()))),
             ("path", Field::Text(path)),
-            (
-                "status",
-                Field::Count(Some(u64::from(response.status.as_u16()))),
-            ),
+            ("status", Field::Count(Some(u64::from(status.as_u16())))),
             ("duration_ms", Field::Millis(Some(duration))),
             (
                 "upstream_status",
@@ -233,10 +242,7 @@ impl AccessLog {
                 "scope",
                 Field::Text(identity.as_ref().map(|(_, scope)| *scope)),
             ),
-            (
-                "plan",
-                Field::Text(facts.and_then(|facts| facts.plan.as_deref())),
-            ),
+            ("plan", Field::Text(facts.plan.as_deref())),
             ("decision", Field::Text(Some(label))),
             ("limit", Field::Text(binding.map(|binding| &*binding.name))),
             (
@@ -260,6 +266,67 @@ impl AccessLog {
         } else {
             drop(lines);
             metrics::counter!(crate::telemetry::ACCESS_LOG_DROPPED_TOTAL).increment(1);
+        }
+    }
+}
+
+/// The status nginx writes for a client that closed its connection before the answer.
+const CLIENT_CLOSED_REQUEST: StatusCode = match StatusCode::from_u16(499) {
+    Ok(status) => status,
+    Err(_) => panic!("499 is a valid status code"),
+};
+
+/// How a request ended, for its line.
+#[derive(Clone, Copy)]
+enum Answer<'a> {
+    /// Its answer's head is ready to be sent.
+    Head(&'a http::response::Parts),
+    /// Its client went away first.
+    ClientGone,
+}
+
+/// One request's line while it is being answered: written by [`PendingLine::answered`], or,
+/// if the request's future is dropped first (its client went away), when dropped.
+pub struct PendingLine {
+    log: Arc<AccessLog>,
+    request: RequestLine,
+    facts: RequestFacts,
+    started: Instant,
+    written: bool,
+}
+
+impl PendingLine {
+    /// The line of the request `request` describes, timed from now.
+    pub fn new(log: Arc<AccessLog>, request: RequestLine) -> PendingLine {
+        PendingLine {
+            log,
+            request,
+            facts: RequestFacts::default(),
+            started: Instant::now(),
+            written: false,
+        }
+    }
+
+    /// What the gateway learns of the request on its way, for the line.
+    pub fn facts(&mut self) -> &mut RequestFacts {
+        &mut self.facts
+    }
+
+    /// Writes the line of a request answered with `response`'s head.
+    pub fn answered(mut self, response: &http::response::Parts) {
+        self.written = true;
+        let elapsed = self.started.elapsed();
+        self.log
+            .record(&self.request, &self.facts, Answer::Head(response), elapsed);
+    }
+}
+
+impl Drop for PendingLine {
+    fn drop(&mut self) {
+        if !self.written {
+            let elapsed = self.started.elapsed();
+            self.log
+                .record(&self.request, &self.facts, Answer::ClientGone, elapsed);
         }
     }
 }
@@ -345,13 +412,13 @@ fn push_json_string(line: &mut String, text: &str) {
 
 /// What the request's answer was, as the log names it.
 fn decision_label(
-    facts: Option<&RequestFacts>,
+    facts: &RequestFacts,
     decision: Option<&Decision>,
     shadowed: bool,
     upstream: Option<&UpstreamFacts>,
     status: StatusCode,
 ) -> &'static str {
-    if let Some(early) = facts.and_then(|facts| facts.early) {
+    if let Some(early) = facts.early {
         return early;
     }
     match decision {

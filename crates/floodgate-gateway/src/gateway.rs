@@ -16,7 +16,7 @@ use floodgate::Store;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use crate::access_log::{AccessLog, RequestFacts, RequestLine};
+use crate::access_log::{AccessLog, PendingLine, RequestLine};
 use crate::config::{self, Config};
 use crate::error::GatewayError;
 use crate::proxy::{ClientSettings, upstream_client};
@@ -258,22 +258,21 @@ fn flush_in_background(store: Arc<dyn Store>) {
     }
 }
 
-/// Serves a request under the version in service when it arrives.
+/// Serves a request under the version in service when it arrives, and gives it its line in
+/// the access log, if there is one.
 pub async fn handle(
     gateway: Arc<Gateway>,
     request: Request<Incoming>,
 ) -> Result<Response<GatewayBody>, Infallible> {
     let current = gateway.current();
     let Some(log) = gateway.access_log.load_full() else {
-        return Ok(current.handle(request).await);
+        return Ok(current.handle(request, None).await);
     };
-    let started = std::time::Instant::now();
-    let line = RequestLine::of(request.method(), request.headers());
-    let response = current.handle(request).await;
-    let (mut parts, body) = response.into_parts();
-    log.record(&line, &parts, started.elapsed());
-    // Read by the log only: not for anything past the gateway.
-    parts.extensions.remove::<RequestFacts>();
+    // Dropped unanswered with this future when the client goes away: then it writes a 499.
+    let mut line = PendingLine::new(log, RequestLine::of(request.method(), request.headers()));
+    let response = current.handle(request, Some(line.facts())).await;
+    let (parts, body) = response.into_parts();
+    line.answered(&parts);
     Ok(Response::from_parts(parts, body))
 }
 

@@ -140,22 +140,30 @@ impl ConfigVersion {
         self.store.hot_identities.as_ref()
     }
 
-    /// Serves one request under this version. With an access log, the response carries what
-    /// the log needs in its extensions ([`RequestFacts`]).
-    pub async fn handle(&self, request: Request<Incoming>) -> Response<GatewayBody> {
-        if self.config.access_log.is_none() {
-            return self.answer(request, &mut RequestFacts::default()).await;
+    /// Serves one request under this version. `facts`, when the access log wants the
+    /// request's line, is filled in with what the gateway learns on the way; it is filled in
+    /// as the request goes, so that a request whose client goes away has it too.
+    pub async fn handle(
+        &self,
+        request: Request<Incoming>,
+        facts: Option<&mut RequestFacts>,
+    ) -> Response<GatewayBody> {
+        match facts {
+            Some(facts) => self.answer(request, facts, true).await,
+            None => {
+                self.answer(request, &mut RequestFacts::default(), false)
+                    .await
+            }
         }
-        let mut facts = RequestFacts::default();
-        let mut response = self.answer(request, &mut facts).await;
-        response.extensions_mut().insert(facts);
-        response
     }
 
+    /// The answer to `request`. The facts that cost an allocation (the path, the identity)
+    /// are kept only for a request that is `logged`.
     async fn answer(
         &self,
         mut request: Request<Incoming>,
         facts: &mut RequestFacts,
+        logged: bool,
     ) -> Response<GatewayBody> {
         if let Err(rejection) = crate::head::check(&request) {
             metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
@@ -180,7 +188,9 @@ impl ConfigVersion {
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }
         }
-        facts.path = Some(request.uri().path().to_owned());
+        if logged {
+            facts.path = Some(request.uri().path().to_owned());
+        }
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
         let client = match resolution {
             Resolution::Denied => {
@@ -201,7 +211,7 @@ impl ConfigVersion {
             }
             Resolution::Client(client) => client,
         };
-        if self.config.access_log.is_some() {
+        if logged {
             facts.identity = Some(client.identity.clone());
             facts.plan = Some(client.plan.clone());
         }

@@ -280,6 +280,46 @@ async fn only_limited_keeps_refusals_and_sampling_keeps_a_share() {
     );
 }
 
+/// A client that goes away before its answer still gets a line, when it leaves (not when the
+/// upstream answers): status 499 as nginx writes it, with who it was and its trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_gets_a_499_line() {
+    use tokio::io::AsyncWriteExt;
+
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("log");
+    let path = directory.file("access.log");
+    let (gateway, _dir) = gateway(&upstream, &format!("  path: \"{}\"", path.display()), 10);
+    let mut connection = tokio::net::TcpStream::connect(gateway.listen)
+        .await
+        .unwrap();
+    let request = format!(
+        "GET /slow?ms=20000 HTTP/1.1\r\nhost: floodgate\r\nx-api-key: {API_KEY}\r\n\
+         traceparent: 00-{TRACE_ID}-00f067aa0ba902b7-01\r\n\r\n"
+    );
+    connection.write_all(request.as_bytes()).await.unwrap();
+    upstream.slow_arrived.notified().await;
+    let left = Instant::now();
+    drop(connection);
+
+    let lines = wait_for_lines(&path, 1);
+    let waited = left.elapsed();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let line = parsed(&lines[0]);
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["decision"], "client_closed");
+    assert_eq!(line["method"], "GET");
+    assert_eq!(line["path"], "/slow");
+    assert_eq!(line["plan"], "free");
+    assert_eq!(line["scope"], "key");
+    assert_eq!(line["trace_id"], TRACE_ID);
+    assert!(line["upstream_status"].is_null() && line["limit"].is_null());
+    assert!(!lines[0].contains(API_KEY));
+    // Written when the client left: the upstream would have answered after 20 s.
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    assert!(line["duration_ms"].as_f64().unwrap() < 5_000.0, "{line}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigusr1_reopens_a_moved_file() {
     let upstream = Upstream::start().await;
