@@ -293,8 +293,9 @@ pub trait OverrideBackend: Send + Sync + 'static {
         now: Timestamp,
     ) -> BoxFuture<'a, Result<Vec<Override>, StoreError>>;
 
-    /// A number that changes whenever an override is set or removed (expiry aside), so that a
-    /// node can tell cheaply that its copy is current.
+    /// A value that changes whenever an override is set or removed (expiry aside), and is
+    /// never the one before, even after the store lost its data: a node whose copy was read
+    /// at this value can tell cheaply that it is current.
     fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
 }
 
@@ -453,7 +454,7 @@ impl Overrides {
     pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
 
     /// The whole list is read at least this often even when the version says nothing changed
-    /// (a Redis restarted without persistence starts its version again).
+    /// (a change whose version could not be written, or entries a store lost without a change).
     const READ_ALL_EVERY: Duration = Duration::from_secs(10);
 
     /// Overrides kept in `backend` under `namespace`, at most [`DEFAULT_MAX_ACTIVE`] in force,

@@ -269,3 +269,56 @@ async fn a_bad_override_is_refused_with_its_field() {
     layer.set_override(&client("k1"), &fine).await.unwrap();
     assert_eq!(overrides.in_force().len(), 1);
 }
+
+/// Regression: a Redis restarted without its data started the version (a change counter)
+/// again, so a node that read change 1 before the restart took the first change after it for
+/// one it had seen, and kept its old copy for up to the 10 s of a full read. Each change now
+/// writes a random token. The nodes refresh by hand here (no request starts their background
+/// refresh), so the order is the test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_after_redis_restarts_empty_is_seen_at_the_next_refresh() {
+    let mut server = floodgate_test_support::RedisServer::start();
+    let store = || -> Arc<dyn Store> {
+        Arc::new(
+            RedisStore::builder(server.url())
+                .timeout(Duration::from_secs(2))
+                .build()
+                .unwrap(),
+        )
+    };
+    let (a, b) = (store(), store());
+    let overrides =
+        |store: &Arc<dyn Store>| Overrides::new(store.override_backend().unwrap(), "fg");
+    let (a, b) = (overrides(&a), overrides(&b));
+    let limit = Arc::new(Limit::fixed_window("hourly", 3, Duration::from_secs(3600)).unwrap());
+    let check = |client: &str| {
+        floodgate::store::Check::new(
+            format!("fg:{{key:{client}}}:default:hourly"),
+            limit.clone(),
+            1,
+        )
+    };
+    let spec = OverrideSpec::new("hourly", 30, Duration::from_secs(3600));
+
+    a.set(&check("before"), &spec).await.unwrap();
+    b.refresh().await.unwrap();
+    assert!(b.in_force_for(&check("before").key).is_some());
+
+    server.restart();
+    // The first calls after the restart may find the old connections closed.
+    let started = Instant::now();
+    while let Err(error) = a.set(&check("after"), &spec).await {
+        assert!(started.elapsed() < Duration::from_secs(5), "{error}");
+    }
+    while let Err(error) = b.refresh().await {
+        assert!(started.elapsed() < Duration::from_secs(5), "{error}");
+    }
+    assert!(
+        b.in_force_for(&check("after").key).is_some(),
+        "the change after the restart is in the second node's copy"
+    );
+    assert!(
+        b.in_force_for(&check("before").key).is_none(),
+        "what the restarted Redis lost is out of it"
+    );
+}

@@ -5,8 +5,10 @@
 //! override's JSON), so that on a cluster they sit on the slot of the counters they change, and
 //! expire with the last of them. An index, `<namespace>:{overrides}:index` (a sorted set of
 //! targets by expiry), bounds how many are in force and lets a node read them all without a
-//! scan; `<namespace>:{overrides}:version` counts changes, so that a node polls one `GET`
-//! while nothing changes.
+//! scan; `<namespace>:{overrides}:version` holds a token that every change replaces with a
+//! random one, so that a node polls one `GET` while nothing changes. A counter would start
+//! again at 1 on a Redis restarted without its data, and a node that had read change 1 before
+//! would take the first change after the restart for one it had seen.
 //!
 //! Setting one takes three calls that no single script can make on a cluster (the index and
 //! the client's hash are on different slots): the index first (it holds the bound), then the
@@ -158,14 +160,17 @@ impl RedisOverrides {
         self.node(target).forget_denials(&[target]).await;
     }
 
-    /// Counts a change, so that every node reads the list again; a failure only delays
-    /// them until their next full read, and is logged.
+    /// Marks a change with a new version token, so that every node reads the list again; a
+    /// failure only delays them until their next full read, and is logged.
     async fn bump_version_or_warn(&self, namespace: &str) {
         let key = version_key(namespace);
-        let mut incr = redis::cmd("INCR");
-        incr.arg(&key);
-        if let Err(error) = self.run(&key, &incr).await {
-            tracing::warn!(%error, "override changed, but its change counter was not: other gateways apply it at their next full read (within 10 s)");
+        // Positive, to read back as the integer it is written as; never 0, which a missing
+        // key reads as. Two changes draw the same token once in 2^63.
+        let token = fastrand::u64(1..=i64::MAX as u64);
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg(token);
+        if let Err(error) = self.run(&key, &set).await {
+            tracing::warn!(%error, "override changed, but its version was not: other gateways apply it at their next full read (within 10 s)");
         }
     }
 }
