@@ -431,3 +431,178 @@ fn urlencode(text: &str) -> String {
         })
         .collect()
 }
+
+/// This gateway's count of overrides in its copy (`/admin/status`).
+async fn in_force(client: &TestClient, gateway: &Gateway) -> Value {
+    let (_, report) = admin(
+        client,
+        gateway,
+        Method::GET,
+        "/admin/status",
+        None,
+        Some(TOKEN),
+    )
+    .await;
+    report["overrides_in_force"].clone()
+}
+
+/// Redis down: every override operation answers 503 `store_unavailable` and changes nothing,
+/// requests are served by the failure policy, and the gateway keeps the copy it had. Redis
+/// back, and empty (it kept nothing): the copy follows it, and a new override can be set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_while_redis_is_down_and_after() {
+    let mut redis = redis_support::RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 200ms\n",
+        redis.url()
+    );
+    let (gateway, _dir) = gateway(&upstream, &config(&store, 10));
+    let client = client();
+    let body = json!({"name": "hourly", "limit": 5, "expires_in": "1h"});
+    let set = "/admin/clients/overrides?api_key=k-one";
+    let (status, stored) = admin(
+        &client,
+        &gateway,
+        Method::PUT,
+        set,
+        Some(body.clone()),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{stored}");
+    assert_eq!(send(&client, &gateway, "k-one").await, (StatusCode::OK, 5));
+
+    redis.kill();
+    for (method, path_and_query, body) in [
+        (
+            Method::PUT,
+            "/admin/clients/overrides?api_key=k-two",
+            Some(body.clone()),
+        ),
+        (Method::GET, "/admin/clients/overrides?api_key=k-one", None),
+        (Method::GET, "/admin/clients/overrides", None),
+        (
+            Method::DELETE,
+            "/admin/clients/overrides?api_key=k-one&name=hourly",
+            None,
+        ),
+    ] {
+        let (status, answer) = admin(
+            &client,
+            &gateway,
+            method.clone(),
+            path_and_query,
+            body,
+            Some(TOKEN),
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{method} {path_and_query}: {answer}"
+        );
+        assert_eq!(answer["error"], "store_unavailable", "{answer}");
+    }
+    // `on_store_error: open`: served, without made-up limit headers.
+    assert_eq!(send(&client, &gateway, "k-one").await, (StatusCode::OK, 0));
+    assert_eq!(in_force(&client, &gateway).await, 1, "the copy is kept");
+
+    redis.restart();
+    // The store is reached again after the breaker's `open_for` (2 s) and a reconnection:
+    // a generous bound of 10 s for both.
+    let back = Instant::now();
+    while in_force(&client, &gateway).await != 0 {
+        assert!(
+            back.elapsed() < Duration::from_secs(10),
+            "the copy still holds what Redis lost"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, stored) = admin(
+        &client,
+        &gateway,
+        Method::PUT,
+        "/admin/clients/overrides?api_key=k-two",
+        Some(body),
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{stored}");
+    assert_eq!(send(&client, &gateway, "k-two").await, (StatusCode::OK, 5));
+    assert_eq!(send(&client, &gateway, "k-one").await, (StatusCode::OK, 3));
+}
+
+/// An override set on a token bucket with a burst of its own no longer fits once a reload
+/// makes that limit a fixed window (which has no burst): decisions and `/admin/clients` use
+/// the configured limit, and the override stays listed until it expires or is removed. A
+/// reload back to the bucket applies it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_that_a_reload_makes_unfit_stops_applying() {
+    let upstream = Upstream::start().await;
+    let plan = |algorithm: &str| {
+        format!(
+            "clients:\n  api_keys: {{ \"k-one\": free }}\nplans:\n  free:\n    limits: [ {{ name: hourly, algorithm: {algorithm}, limit: 3, window: 1h }} ]\n  anonymous: {{}}\n"
+        )
+    };
+    let (gateway, directory) = gateway(&upstream, &(10, plan("token_bucket")));
+    let client = client();
+    let body = json!({"name": "hourly", "limit": 5, "burst": 8, "expires_in": "1h"});
+    let set = "/admin/clients/overrides?api_key=k-one";
+    let (status, stored) =
+        admin(&client, &gateway, Method::PUT, set, Some(body), Some(TOKEN)).await;
+    assert_eq!(status, StatusCode::OK, "{stored}");
+    let applied = |inspected: &Value| inspected["limits"][0]["override"]["burst"].clone();
+    let inspect = || {
+        admin(
+            &client,
+            &gateway,
+            Method::GET,
+            "/admin/clients?api_key=k-one",
+            None,
+            Some(TOKEN),
+        )
+    };
+    assert_eq!(applied(&inspect().await.1), 8);
+
+    let path = directory.file("floodgate.yaml");
+    let reload_to = |algorithm: &str| {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let (head, _) = text.split_once("clients:").unwrap();
+        support::write_atomically(&path, &format!("{head}{}", plan(algorithm)));
+    };
+    reload_to("fixed_window");
+    let (status, answer) = admin(
+        &client,
+        &gateway,
+        Method::POST,
+        "/admin/reload",
+        None,
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let (_, inspected) = inspect().await;
+    assert_eq!(inspected["limits"][0]["limit"], 3, "{inspected}");
+    assert!(applied(&inspected).is_null(), "{inspected}");
+    assert_eq!(send(&client, &gateway, "k-one").await, (StatusCode::OK, 3));
+    let (_, listed) = admin(&client, &gateway, Method::GET, set, None, Some(TOKEN)).await;
+    assert_eq!(
+        listed["overrides"].as_array().map(Vec::len),
+        Some(1),
+        "{listed}"
+    );
+
+    reload_to("token_bucket");
+    let (status, answer) = admin(
+        &client,
+        &gateway,
+        Method::POST,
+        "/admin/reload",
+        None,
+        Some(TOKEN),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(applied(&inspect().await.1), 8);
+}
