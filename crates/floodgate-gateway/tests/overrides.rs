@@ -566,22 +566,16 @@ async fn an_override_that_a_reload_makes_unfit_stops_applying() {
     assert_eq!(applied(&inspect().await.1), 8);
 
     let path = directory.file("floodgate.yaml");
-    let reload_to = |algorithm: &str| {
+    let reload_to = async |algorithm: &str| {
         let text = std::fs::read_to_string(&path).unwrap();
         let (head, _) = text.split_once("clients:").unwrap();
         support::write_atomically(&path, &format!("{head}{}", plan(algorithm)));
+        let reload = "/admin/reload";
+        let (status, answer) =
+            admin(&client, &gateway, Method::POST, reload, None, Some(TOKEN)).await;
+        assert_eq!(status, StatusCode::OK, "{answer}");
     };
-    reload_to("fixed_window");
-    let (status, answer) = admin(
-        &client,
-        &gateway,
-        Method::POST,
-        "/admin/reload",
-        None,
-        Some(TOKEN),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{answer}");
+    reload_to("fixed_window").await;
     let (_, inspected) = inspect().await;
     assert_eq!(inspected["limits"][0]["limit"], 3, "{inspected}");
     assert!(applied(&inspected).is_null(), "{inspected}");
@@ -593,16 +587,6 @@ async fn an_override_that_a_reload_makes_unfit_stops_applying() {
         "{listed}"
     );
 
-    reload_to("token_bucket");
-    let (status, answer) = admin(
-        &client,
-        &gateway,
-        Method::POST,
-        "/admin/reload",
-        None,
-        Some(TOKEN),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK, "{answer}");
+    reload_to("token_bucket").await;
     assert_eq!(applied(&inspect().await.1), 8);
 }
