@@ -15,7 +15,7 @@
 //! windows of that length, so its current one may start afresh).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use arc_swap::ArcSwap;
@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 
 use crate::limit::{Limit, LimitError};
 use crate::store::{BoxFuture, Check, StoreError};
-use crate::time::{Timestamp, duration_to_micros};
+use crate::time::{Clock, SystemClock, Timestamp, duration_to_micros};
 
 /// The shortest `expires_in`.
 pub const MIN_EXPIRES_IN: Duration = Duration::from_secs(1);
@@ -295,8 +295,20 @@ pub trait OverrideBackend: Send + Sync + 'static {
 
     /// A value that changes whenever an override is set or removed (expiry aside), and is
     /// never the one before, even after the store lost its data: a node whose copy was read
-    /// at this value can tell cheaply that it is current.
-    fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
+    /// at this value can tell cheaply that it is current. With it, the store's own time when
+    /// the store is shared, so that every node reckons expiry by one clock.
+    fn version<'a>(&'a self, namespace: &'a str)
+    -> BoxFuture<'a, Result<StoreVersion, StoreError>>;
+}
+
+/// What [`OverrideBackend::version`] answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreVersion {
+    /// The version of the overrides.
+    pub version: u64,
+    /// The store's clock as it answered; `None` for a store in this process (its clock is
+    /// this node's).
+    pub time: Option<Timestamp>,
 }
 
 /// Overrides by namespace and target.
@@ -368,8 +380,14 @@ impl OverrideBackend for MemoryOverrides {
         Box::pin(std::future::ready(Ok(all)))
     }
 
-    fn version<'a>(&'a self, _namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
-        Box::pin(std::future::ready(Ok(self.version.load(Ordering::Acquire))))
+    fn version<'a>(
+        &'a self,
+        _namespace: &'a str,
+    ) -> BoxFuture<'a, Result<StoreVersion, StoreError>> {
+        Box::pin(std::future::ready(Ok(StoreVersion {
+            version: self.version.load(Ordering::Acquire),
+            time: None,
+        })))
     }
 }
 
@@ -435,6 +453,13 @@ pub struct Overrides {
     version: AtomicU64,
     /// Whether the background refresh was started.
     kept_fresh: AtomicBool,
+    /// This node's clock (the system's, or a test's).
+    clock: Arc<dyn Clock>,
+    /// The store's clock minus this node's, in microseconds, as the last refresh measured it:
+    /// expiry is reckoned on the store's clock, so that nodes whose clocks disagree agree on
+    /// when an override ends (and a node whose clock runs behind does not store an override
+    /// that Redis takes for expired at once).
+    store_offset_micros: AtomicI64,
     max_active: AtomicUsize,
     max_expires_in_ms: AtomicU64,
 }
@@ -470,9 +495,25 @@ impl Overrides {
             read_all_at: AtomicU64::new(0),
             version: AtomicU64::new(u64::MAX),
             kept_fresh: AtomicBool::new(false),
+            clock: Arc::new(SystemClock),
+            store_offset_micros: AtomicI64::new(0),
             max_active: AtomicUsize::new(DEFAULT_MAX_ACTIVE),
             max_expires_in_ms: AtomicU64::new(DEFAULT_MAX_EXPIRES_IN.as_secs() * 1000),
         }
+    }
+
+    /// The same overrides, on `clock` instead of the system's (tests of clocks that disagree).
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The store's time as this node reckons it: its own clock, corrected by how far the
+    /// store's was from it at the last refresh. Expiry is decided by this time.
+    pub fn now(&self) -> Timestamp {
+        let offset = self.store_offset_micros.load(Ordering::Relaxed);
+        let local = self.clock.now().as_micros();
+        Timestamp::from_micros(local.saturating_add_signed(offset))
     }
 
     /// Overrides in this process only (a node of its own).
@@ -530,7 +571,9 @@ impl Overrides {
             }
             None => None,
         };
-        let now = Timestamp::now();
+        // Measures the store's clock (and reads what is in force) before reckoning expiry.
+        self.refresh().await?;
+        let now = self.now();
         let entry = Override {
             target: target.key.clone(),
             rule: target.rule.clone(),
@@ -574,7 +617,7 @@ impl Overrides {
 
     /// Every override in force, read from the store, ordered by client, rule and limit.
     pub async fn list(&self) -> Result<Vec<Override>, OverrideError> {
-        let mut all = self.backend.all(&self.namespace, Timestamp::now()).await?;
+        let mut all = self.backend.all(&self.namespace, self.now()).await?;
         all.sort_by(|a, b| a.target.cmp(&b.target));
         Ok(all)
     }
@@ -588,7 +631,7 @@ impl Overrides {
 
     /// What this node has in force now (its copy, as decisions see it).
     pub fn in_force(&self) -> Vec<Override> {
-        let now = Timestamp::now();
+        let now = self.now();
         let mut all: Vec<Override> = self
             .copy()
             .1
@@ -603,7 +646,7 @@ impl Overrides {
     /// The override in force on this node for `target`, if any.
     pub fn in_force_for(&self, target: &str) -> Option<Override> {
         let entry = self.copy().1.get(target)?.stored.clone();
-        entry.is_active(Timestamp::now()).then_some(entry)
+        entry.is_active(self.now()).then_some(entry)
     }
 
     /// The override that decisions of `check` apply now: in force for its key, and fitting its
@@ -611,8 +654,7 @@ impl Overrides {
     pub fn applied_to(&self, check: &Check) -> Option<Override> {
         let copy = self.copy();
         let entry = copy.1.get(&check.key)?;
-        let applies =
-            entry.stored.is_active(Timestamp::now()) && entry.limit_for(&check.limit).is_some();
+        let applies = entry.stored.is_active(self.now()) && entry.limit_for(&check.limit).is_some();
         applies.then(|| entry.stored.clone())
     }
 
@@ -652,7 +694,7 @@ impl Overrides {
         if self.count.load(Ordering::Acquire) == 0 {
             return;
         }
-        let now = Timestamp::now();
+        let now = self.now();
         let copy = self.in_force.load();
         for check in checks {
             let Some(entry) = copy.1.get(&check.key) else {
@@ -699,14 +741,19 @@ impl Overrides {
     /// expire on time).
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let refresh = self.refreshes.fetch_add(1, Ordering::AcqRel) + 1;
-        let now = Timestamp::now();
-        let version = self.backend.version(&self.namespace).await?;
-        let read_all_due = now
-            .as_micros()
-            .saturating_sub(self.read_all_at.load(Ordering::Acquire))
+        let asked = self.clock.now().as_micros();
+        let StoreVersion { version, time } = self.backend.version(&self.namespace).await?;
+        let local = self.clock.now().as_micros();
+        if let Some(store_time) = time {
+            // The store read its clock about halfway through the call.
+            let midpoint = asked + local.saturating_sub(asked) / 2;
+            let offset = store_time.as_micros() as i64 - midpoint as i64;
+            self.store_offset_micros.store(offset, Ordering::Relaxed);
+        }
+        let read_all_due = local.saturating_sub(self.read_all_at.load(Ordering::Acquire))
             >= duration_to_micros(Overrides::READ_ALL_EVERY);
         if version != self.version.load(Ordering::Acquire) || read_all_due {
-            let all = self.backend.all(&self.namespace, now).await?;
+            let all = self.backend.all(&self.namespace, self.now()).await?;
             let previous = self.copy();
             let map: InForceMap = all
                 .into_iter()
@@ -738,7 +785,7 @@ impl Overrides {
             metrics::gauge!(crate::telemetry::OVERRIDES_ACTIVE).set(map.len() as f64);
             self.in_force.store(Arc::new((refresh, map)));
             self.version.store(version, Ordering::Release);
-            self.read_all_at.store(now.as_micros(), Ordering::Release);
+            self.read_all_at.store(local, Ordering::Release);
         }
         Ok(())
     }

@@ -322,3 +322,57 @@ async fn a_change_after_redis_restarts_empty_is_seen_at_the_next_refresh() {
         "what the restarted Redis lost is out of it"
     );
 }
+
+/// A node clock that runs behind the system's.
+struct Behind(Duration);
+
+impl floodgate::time::Clock for Behind {
+    fn now(&self) -> floodgate::time::Timestamp {
+        let now = floodgate::time::Timestamp::now().as_micros();
+        floodgate::time::Timestamp::from_micros(now - self.0.as_micros() as u64)
+    }
+}
+
+/// Nodes whose clocks disagree agree on when an override ends: expiry is reckoned on Redis's
+/// clock. Regression: a node whose clock ran 30 s behind stored a 2 s override that, by
+/// Redis's clock and every other node's, had ended 28 s before it was set: Redis dropped it
+/// at once and no other node applied it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_whose_clocks_disagree_agree_on_expiry() {
+    let server = floodgate_test_support::RedisServer::start();
+    let backend = || {
+        RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap()
+            .override_backend()
+            .unwrap()
+    };
+    let behind = Overrides::new(backend(), "fg").with_clock(Behind(Duration::from_secs(30)));
+    let on_time = Overrides::new(backend(), "fg");
+    let limit = Arc::new(Limit::fixed_window("hourly", 3, Duration::from_secs(3600)).unwrap());
+    let target = floodgate::store::Check::new("fg:{key:skewed}:default:hourly", limit, 1);
+    let spec = OverrideSpec::new("hourly", 30, Duration::from_secs(2));
+
+    let stored = behind.set(&target, &spec).await.unwrap();
+    let system_now = floodgate::time::Timestamp::now().as_micros();
+    let left = stored.expires_at.as_micros().saturating_sub(system_now);
+    assert!(
+        (1_000_000..=2_000_000).contains(&left),
+        "ends {left} µs from now by the store's clock"
+    );
+    let exists: u64 = server.command(&["EXISTS", "fg:{key:skewed}:overrides"]);
+    assert_eq!(exists, 1, "Redis keeps it");
+    on_time.refresh().await.unwrap();
+    for node in [&behind, &on_time] {
+        assert!(node.in_force_for(&target.key).is_some(), "{node:?}");
+    }
+
+    // Both take it out when the store's clock passes its end (the copies are not refreshed:
+    // each decides by its own reckoning). Waiting on the clock is the point here.
+    let until_end = Duration::from_micros(stored.expires_at.as_micros().saturating_sub(system_now));
+    tokio::time::sleep(until_end + Duration::from_millis(200)).await;
+    for node in [&behind, &on_time] {
+        assert!(node.in_force_for(&target.key).is_none(), "{node:?}");
+    }
+}

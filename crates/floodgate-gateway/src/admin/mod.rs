@@ -276,10 +276,9 @@ async fn status(State(state): State<AdminState>) -> Response {
         json!({"backend": store.backend(), "breaker": breaker}),
     );
     // This node's copy, as decisions see it: the first 100.
-    let now = floodgate::time::Timestamp::now();
-    let overrides = current
+    let (now, overrides) = current
         .overrides()
-        .map(|overrides| overrides.in_force())
+        .map(|overrides| (overrides.now(), overrides.in_force()))
         .unwrap_or_default();
     report.insert("overrides_in_force".to_owned(), json!(overrides.len()));
     report.insert(
@@ -365,11 +364,10 @@ async fn inspect_client(
                     && crate::plan::is_global_ceiling(check))
                 || (local && leased && !crate::plan::is_global_ceiling(check));
             let mut limit = limit_json(status, check, batched);
-            let in_force = current
-                .overrides()
-                .and_then(|overrides| overrides.applied_to(check));
-            if let Some(entry) = in_force {
-                limit["override"] = override_json(&entry, floodgate::time::Timestamp::now());
+            if let Some(overrides) = current.overrides()
+                && let Some(entry) = overrides.applied_to(check)
+            {
+                limit["override"] = override_json(&entry, overrides.now());
             }
             limit
         })
@@ -547,7 +545,7 @@ async fn set_override(
         "limit override set through the admin API"
     );
     floodgate::overrides::record_change("set");
-    let mut answer = override_json(&entry, floodgate::time::Timestamp::now());
+    let mut answer = override_json(&entry, overrides.now());
     answer["plan"] = json!(&*selected.plan);
     Json(answer).into_response()
 }
@@ -562,7 +560,7 @@ async fn list_overrides(
     let Some(overrides) = current.overrides() else {
         return override_failure(floodgate::overrides::OverrideError::Unsupported);
     };
-    let now = floodgate::time::Timestamp::now();
+    let now = overrides.now();
     let names_a_client = query
         .as_ref()
         .is_ok_and(|Query(query)| query.names_a_client());
