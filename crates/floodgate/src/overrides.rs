@@ -295,20 +295,17 @@ pub trait OverrideBackend: Send + Sync + 'static {
 
     /// A value that changes whenever an override is set or removed (expiry aside), and is
     /// never the one before, even after the store lost its data: a node whose copy was read
-    /// at this value can tell cheaply that it is current. With it, the store's own time when
-    /// the store is shared, so that every node reckons expiry by one clock.
-    fn version<'a>(&'a self, namespace: &'a str)
-    -> BoxFuture<'a, Result<StoreVersion, StoreError>>;
-}
+    /// at this value can tell cheaply that it is current.
+    fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
 
-/// What [`OverrideBackend::version`] answers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StoreVersion {
-    /// The version of the overrides.
-    pub version: u64,
-    /// The store's clock as it answered; `None` for a store in this process (its clock is
-    /// this node's).
-    pub time: Option<Timestamp>,
+    /// The store's clock, by which every node reckons expiry; `None` (the default) for a
+    /// store in this process, whose clock is the node's.
+    fn time<'a>(
+        &'a self,
+        _namespace: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Timestamp>, StoreError>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
 }
 
 /// Overrides by namespace and target.
@@ -380,14 +377,8 @@ impl OverrideBackend for MemoryOverrides {
         Box::pin(std::future::ready(Ok(all)))
     }
 
-    fn version<'a>(
-        &'a self,
-        _namespace: &'a str,
-    ) -> BoxFuture<'a, Result<StoreVersion, StoreError>> {
-        Box::pin(std::future::ready(Ok(StoreVersion {
-            version: self.version.load(Ordering::Acquire),
-            time: None,
-        })))
+    fn version<'a>(&'a self, _namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.version.load(Ordering::Acquire))))
     }
 }
 
@@ -742,14 +733,15 @@ impl Overrides {
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let refresh = self.refreshes.fetch_add(1, Ordering::AcqRel) + 1;
         let asked = self.clock.now().as_micros();
-        let StoreVersion { version, time } = self.backend.version(&self.namespace).await?;
-        let local = self.clock.now().as_micros();
-        if let Some(store_time) = time {
+        if let Some(store_time) = self.backend.time(&self.namespace).await? {
             // The store read its clock about halfway through the call.
-            let midpoint = asked + local.saturating_sub(asked) / 2;
+            let answered = self.clock.now().as_micros();
+            let midpoint = asked + answered.saturating_sub(asked) / 2;
             let offset = store_time.as_micros() as i64 - midpoint as i64;
             self.store_offset_micros.store(offset, Ordering::Relaxed);
         }
+        let version = self.backend.version(&self.namespace).await?;
+        let local = self.clock.now().as_micros();
         let read_all_due = local.saturating_sub(self.read_all_at.load(Ordering::Acquire))
             >= duration_to_micros(Overrides::READ_ALL_EVERY);
         if version != self.version.load(Ordering::Acquire) || read_all_due {

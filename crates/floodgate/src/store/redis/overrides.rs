@@ -25,7 +25,7 @@ use futures_util::future::join_all;
 
 use super::{RedisStore, ShardedRedisStore};
 use crate::key::storage::hash_tag;
-use crate::overrides::{Override, OverrideBackend, StoreVersion};
+use crate::overrides::{Override, OverrideBackend};
 use crate::store::{BoxFuture, StoreError};
 use crate::time::Timestamp;
 
@@ -61,13 +61,6 @@ for i = 1, #entries, 2 do
 end
 if latest > 0 then redis.call('PEXPIREAT', KEYS[1], latest) end
 return 1
-";
-
-/// The version token and the server's clock, in one call. KEYS: the version key. Answers the
-/// token (nil before the first change), then `TIME`'s seconds and microseconds.
-const VERSION_AND_TIME: &str = r"
-local time = redis.call('TIME')
-return {redis.call('GET', KEYS[1]), time[1], time[2]}
 ";
 
 /// Where one store's overrides go: a node per key.
@@ -292,27 +285,36 @@ impl OverrideBackend for RedisOverrides {
         })
     }
 
-    fn version<'a>(
-        &'a self,
-        namespace: &'a str,
-    ) -> BoxFuture<'a, Result<StoreVersion, StoreError>> {
+    fn version<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
             let key = version_key(namespace);
-            let answer = self.run(&key, &eval(VERSION_AND_TIME, &key)).await?;
+            let mut get = redis::cmd("GET");
+            get.arg(&key);
+            let version = as_int(&self.run(&key, &get).await?)?;
+            Ok(u64::try_from(version).unwrap_or(0))
+        })
+    }
+
+    /// `TIME` of the node that holds the version (a plain command, not a script: the poll of
+    /// every node stays apart from the decisions' scripts in `INFO commandstats`).
+    fn time<'a>(
+        &'a self,
+        namespace: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Timestamp>, StoreError>> {
+        Box::pin(async move {
+            let key = version_key(namespace);
+            let answer = self.run(&key, &redis::cmd("TIME")).await?;
             let unexpected =
-                || StoreError::Protocol(format!("expected a version and a time, got {answer:?}"));
+                || StoreError::Protocol(format!("expected TIME's answer, got {answer:?}"));
             let Value::Array(parts) = &answer else {
                 return Err(unexpected());
             };
-            let [version, seconds, micros] = parts.as_slice() else {
+            let [seconds, micros] = parts.as_slice() else {
                 return Err(unexpected());
             };
             let (seconds, micros) = (as_int(seconds)?, as_int(micros)?);
-            let time = u64::try_from(seconds * 1_000_000 + micros).map_err(|_| unexpected())?;
-            Ok(StoreVersion {
-                version: u64::try_from(as_int(version)?).unwrap_or(0),
-                time: Some(Timestamp::from_micros(time)),
-            })
+            let micros = u64::try_from(seconds * 1_000_000 + micros).map_err(|_| unexpected())?;
+            Ok(Some(Timestamp::from_micros(micros)))
         })
     }
 }
