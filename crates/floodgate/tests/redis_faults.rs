@@ -55,8 +55,10 @@ fn service(store: RedisStore, policy: FailurePolicy, limit: Limit) -> Service {
     })))
 }
 
-fn per_minute(limit: u64) -> Limit {
-    Limit::fixed_window("per-minute", limit, Duration::from_secs(60)).unwrap()
+/// An hour's window: the tests here run for seconds (a server killed and restarted), and a
+/// window aligned to the epoch that ended mid-test would restart its count.
+fn per_hour(limit: u64) -> Limit {
+    Limit::fixed_window("per-hour", limit, Duration::from_secs(3600)).unwrap()
 }
 
 async fn send(service: &Service, client: &str) -> Response<Bytes> {
@@ -105,7 +107,7 @@ async fn timed(
 async fn open_admits_within_the_deadline_then_enforcement_resumes() {
     let mut server = RedisServer::start();
     let redis = store(&server);
-    let service = service(redis.clone(), FailurePolicy::Open, per_minute(3));
+    let service = service(redis.clone(), FailurePolicy::Open, per_hour(3));
     for _ in 0..3 {
         assert_eq!(send(&service, "203.0.113.1").await.status(), StatusCode::OK);
     }
@@ -128,7 +130,7 @@ async fn open_admits_within_the_deadline_then_enforcement_resumes() {
     }
     assert_eq!(redis.guard().state(), BreakerState::Open);
     // Open breaker: an answer in under 1ms, without a call to the (dead) server.
-    let limit = Arc::new(per_minute(3));
+    let limit = Arc::new(per_hour(3));
     let (result, elapsed) = timed(&redis, &check(&limit)).await;
     assert!(matches!(result, Err(StoreError::BreakerOpen)), "{result:?}");
     assert!(elapsed < Duration::from_millis(1), "{elapsed:?}");
@@ -153,7 +155,7 @@ async fn open_admits_within_the_deadline_then_enforcement_resumes() {
 async fn a_paused_server_costs_at_most_the_deadline() {
     let server = RedisServer::start();
     let redis = store(&server);
-    let limit = Arc::new(per_minute(100));
+    let limit = Arc::new(per_hour(100));
     assert!(timed(&redis, &check(&limit)).await.0.is_ok());
 
     let _: () = server.command(&["CLIENT", "PAUSE", "1000", "ALL"]);
@@ -171,7 +173,7 @@ async fn a_paused_server_costs_at_most_the_deadline() {
     assert!(elapsed < Duration::from_millis(1), "{elapsed:?}");
 
     // The pause ends after 1s; the probe after open_for then succeeds.
-    let service = service(redis.clone(), FailurePolicy::Open, per_minute(100));
+    let service = service(redis.clone(), FailurePolicy::Open, per_hour(100));
     let recovery = time_to_recover(&service, "203.0.113.3").await;
     assert!(
         recovery <= Duration::from_secs(1) + OPEN_FOR + Duration::from_secs(1),
@@ -183,7 +185,7 @@ async fn a_paused_server_costs_at_most_the_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_answers_503_while_the_store_is_down() {
     let mut server = RedisServer::start();
-    let service = service(store(&server), FailurePolicy::Closed, per_minute(3));
+    let service = service(store(&server), FailurePolicy::Closed, per_hour(3));
     assert_eq!(send(&service, "203.0.113.1").await.status(), StatusCode::OK);
     server.kill();
     for _ in 0..8 {
@@ -199,7 +201,7 @@ async fn local_enforces_the_fallback_limits() {
     let mut server = RedisServer::start();
     let redis = store(&server);
     let layer = RateLimitLayer::builder()
-        .limit(per_minute(6))
+        .limit(per_hour(6))
         .store(redis)
         .on_store_error(FailurePolicy::Local)
         .fallback_share(0.5)
@@ -237,7 +239,7 @@ async fn local_enforces_the_fallback_limits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_request_is_lost_across_a_crash_and_restart() {
     let mut server = RedisServer::start();
-    let service = service(store(&server), FailurePolicy::Open, per_minute(1_000_000));
+    let service = service(store(&server), FailurePolicy::Open, per_hour(1_000_000));
     let stop = Arc::new(AtomicBool::new(false));
     let answered = Arc::new(AtomicU64::new(0));
     let clients: Vec<_> = (0..4)

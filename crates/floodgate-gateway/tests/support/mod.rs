@@ -141,6 +141,12 @@ impl Gateway {
         listen: SocketAddr,
         admin: SocketAddr,
     ) -> Gateway {
+        // Many tests count in one-minute fixed windows, which are aligned to the epoch: a
+        // gateway started in a minute's last seconds would see its counts restart mid-test.
+        floodgate_test_support::clear_of_window_end(
+            Duration::from_secs(60),
+            Duration::from_secs(3),
+        );
         let mut child = command
             .args(["--log-format", "json", "serve", "--config"])
             .arg(config)
