@@ -13,16 +13,20 @@
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
+use std::mem::take;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate::Decision;
-use floodgate::Identity;
+use bytes::Bytes;
 use floodgate::decision::DecisionSource;
 use floodgate::rollout::Shadowed;
-use http::{HeaderMap, Method, StatusCode};
+use floodgate::{Decision, Identity};
+use http::{HeaderMap, Method, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
 
 use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
 
@@ -52,7 +56,7 @@ pub struct UpstreamFacts {
 
 /// What the request itself says, read before it is handed on (its path, normalised and
 /// without the query, comes with [`RequestFacts`]).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct RequestLine {
     method: Method,
     trace_id: Option<String>,
@@ -179,14 +183,14 @@ impl AccessLog {
         self.writer.unpark();
     }
 
-    /// Logs one request, if the sampling and `only` let it through.
-    fn record(
+    /// The line of a request that ended as `answer`, if the sampling and `only` keep it;
+    /// its duration and bytes are added when it is written.
+    fn line_of(
         &self,
-        request: &RequestLine,
-        facts: &RequestFacts,
+        request: RequestLine,
+        facts: RequestFacts,
         answer: Answer<'_>,
-        duration: Duration,
-    ) {
+    ) -> Option<Line> {
         let (status, extensions) = match answer {
             Answer::Head(response) => (response.status, Some(&response.extensions)),
             Answer::ClientGone => (CLIENT_CLOSED_REQUEST, None),
@@ -195,64 +199,79 @@ impl AccessLog {
         let upstream = extensions.and_then(|extensions| extensions.get::<UpstreamFacts>());
         let shadowed = extensions.is_some_and(|extensions| extensions.get::<Shadowed>().is_some());
         let label = match answer {
-            Answer::Head(_) => decision_label(facts, decision, shadowed, upstream, status),
+            Answer::Head(_) => decision_label(&facts, decision, shadowed, upstream, status),
             // What the limiter decided rides on the answer the client did not wait for.
             Answer::ClientGone => facts.early.unwrap_or("client_closed"),
         };
         if self.settings.only_limited && !is_limited(label) {
-            return;
+            return None;
         }
         if self.settings.sample < 1.0 && fastrand::f64() >= self.settings.sample {
-            return;
+            return None;
         }
         let binding = decision.and_then(Decision::binding_limit);
-        let identity = facts
+        Some(Line {
+            method: request.method,
+            path: facts.path,
+            status,
+            upstream_status: upstream.and_then(|upstream| upstream.status),
+            upstream_elapsed: upstream.map(|upstream| upstream.elapsed),
+            identity: facts.identity,
+            plan: facts.plan,
+            decision: label,
+            limit: binding.map(|binding| (binding.name.clone(), binding.remaining)),
+            retry_after: decision
+                .and_then(Decision::retry_after)
+                .filter(|_| label != "allowed")
+                .map(|wait| wait.as_secs_f64().ceil() as u64),
+            trace_id: request.trace_id,
+        })
+    }
+
+    /// Formats `line` and queues it, or counts it dropped when the queue is full.
+    fn write(&self, line: &Line, duration: Duration, bytes: u64) {
+        let time = rfc3339(SystemTime::now());
+        let identity = line
             .identity
             .as_ref()
-            .map(|identity| (identity.hash().to_string(), identity.scope()));
-        let path = facts.path.as_deref();
-        let retry_after = decision
-            .and_then(Decision::retry_after)
-            .filter(|_| label != "allowed")
-            .map(|wait| wait.as_secs_f64().ceil() as u64);
-        let time = rfc3339(SystemTime::now());
+            .map(|identity| identity.hash().to_string());
         let fields = [
             ("time", Field::Text(Some(&time))),
-            ("method", Field::Text(Some(request.method.as_str()))),
-            ("path", Field::Text(path)),
-            ("status", Field::Count(Some(u64::from(status.as_u16())))),
+            ("method", Field::Text(Some(line.method.as_str()))),
+            ("path", Field::Text(line.path.as_deref())),
+            (
+                "status",
+                Field::Count(Some(u64::from(line.status.as_u16()))),
+            ),
             ("duration_ms", Field::Millis(Some(duration))),
+            ("bytes", Field::Count(Some(bytes))),
             (
                 "upstream_status",
                 Field::Count(
-                    upstream
-                        .and_then(|upstream| upstream.status)
+                    line.upstream_status
                         .map(|status| u64::from(status.as_u16())),
                 ),
             ),
-            (
-                "upstream_ms",
-                Field::Millis(upstream.map(|upstream| upstream.elapsed)),
-            ),
-            (
-                "identity",
-                Field::Text(identity.as_ref().map(|(hash, _)| hash.as_str())),
-            ),
+            ("upstream_ms", Field::Millis(line.upstream_elapsed)),
+            ("identity", Field::Text(identity.as_deref())),
             (
                 "scope",
-                Field::Text(identity.as_ref().map(|(_, scope)| *scope)),
+                Field::Text(line.identity.as_ref().map(Identity::scope)),
             ),
-            ("plan", Field::Text(facts.plan.as_deref())),
-            ("decision", Field::Text(Some(label))),
-            ("limit", Field::Text(binding.map(|binding| &*binding.name))),
+            ("plan", Field::Text(line.plan.as_deref())),
+            ("decision", Field::Text(Some(line.decision))),
+            (
+                "limit",
+                Field::Text(line.limit.as_ref().map(|(name, _)| &**name)),
+            ),
             (
                 "remaining",
-                Field::Count(binding.map(|binding| binding.remaining)),
+                Field::Count(line.limit.as_ref().map(|(_, remaining)| *remaining)),
             ),
-            ("retry_after", Field::Count(retry_after)),
-            ("trace_id", Field::Text(request.trace_id.as_deref())),
+            ("retry_after", Field::Count(line.retry_after)),
+            ("trace_id", Field::Text(line.trace_id.as_deref())),
         ];
-        let line = match self.settings.format {
+        let text = match self.settings.format {
             AccessLogFormat::Json => json_line(&fields),
             AccessLogFormat::Text => text_line(&fields),
         };
@@ -262,12 +281,28 @@ impl AccessLog {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if lines.len() < self.queue.capacity && !self.queue.closed.load(Ordering::Relaxed) {
-            lines.push(line);
+            lines.push(text);
         } else {
             drop(lines);
             metrics::counter!(crate::telemetry::ACCESS_LOG_DROPPED_TOTAL).increment(1);
         }
     }
+}
+
+/// A request's line, but for its duration and bytes.
+struct Line {
+    method: Method,
+    path: Option<String>,
+    status: StatusCode,
+    upstream_status: Option<StatusCode>,
+    upstream_elapsed: Option<Duration>,
+    identity: Option<Identity>,
+    plan: Option<Arc<str>>,
+    decision: &'static str,
+    /// The binding limit's name, and what it has left.
+    limit: Option<(Arc<str>, u64)>,
+    retry_after: Option<u64>,
+    trace_id: Option<String>,
 }
 
 /// The status nginx writes for a client that closed its connection before the answer.
@@ -285,14 +320,16 @@ enum Answer<'a> {
     ClientGone,
 }
 
-/// One request's line while it is being answered: written by [`PendingLine::answered`], or,
-/// if the request's future is dropped first (its client went away), when dropped.
+/// One request's line until its answer's head is ready: [`PendingLine::answered`] hands it
+/// to the answer's body ([`LoggedBody`]), which writes it once sent. If the request's future
+/// is dropped first (its client went away), it is written when dropped, as a 499.
 pub struct PendingLine {
     log: Arc<AccessLog>,
     request: RequestLine,
     facts: RequestFacts,
     started: Instant,
-    written: bool,
+    /// Set by `answered`, which takes the request and the facts.
+    answered: bool,
 }
 
 impl PendingLine {
@@ -303,7 +340,7 @@ impl PendingLine {
             request,
             facts: RequestFacts::default(),
             started: Instant::now(),
-            written: false,
+            answered: false,
         }
     }
 
@@ -312,22 +349,95 @@ impl PendingLine {
         &mut self.facts
     }
 
-    /// Writes the line of a request answered with `response`'s head.
-    pub fn answered(mut self, response: &http::response::Parts) {
-        self.written = true;
-        let elapsed = self.started.elapsed();
-        self.log
-            .record(&self.request, &self.facts, Answer::Head(response), elapsed);
+    /// The answer `response` with a body that writes the request's line once it is sent
+    /// (or cut short), when the sampling and `only` keep it.
+    pub fn answered<B>(mut self, response: Response<B>) -> Response<LoggedBody<B>> {
+        let (parts, body) = response.into_parts();
+        self.answered = true;
+        let (request, facts) = (take(&mut self.request), take(&mut self.facts));
+        let line = self.log.line_of(request, facts, Answer::Head(&parts));
+        let sent = line.map(|line| SentLine {
+            log: self.log.clone(),
+            line,
+            started: self.started,
+            bytes: 0,
+        });
+        Response::from_parts(parts, LoggedBody { inner: body, sent })
     }
 }
 
 impl Drop for PendingLine {
     fn drop(&mut self) {
-        if !self.written {
-            let elapsed = self.started.elapsed();
-            self.log
-                .record(&self.request, &self.facts, Answer::ClientGone, elapsed);
+        if self.answered {
+            return;
         }
+        let (request, facts) = (take(&mut self.request), take(&mut self.facts));
+        if let Some(line) = self.log.line_of(request, facts, Answer::ClientGone) {
+            self.log.write(&line, self.started.elapsed(), 0);
+        }
+    }
+}
+
+/// A line whose answer's body is being sent: written when the body is dropped (sent in full,
+/// or cut short by the client), with the time until then and the bytes sent.
+struct SentLine {
+    log: Arc<AccessLog>,
+    line: Line,
+    started: Instant,
+    bytes: u64,
+}
+
+impl Drop for SentLine {
+    fn drop(&mut self) {
+        self.log
+            .write(&self.line, self.started.elapsed(), self.bytes);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An answer's body, counting what is sent of it for the request's line (none when the
+    /// request has no line: no log, or one that sampling or `only` left out).
+    pub struct LoggedBody<B> {
+        #[pin]
+        inner: B,
+        sent: Option<SentLine>,
+    }
+}
+
+impl<B> LoggedBody<B> {
+    /// `body` with no line to write.
+    pub fn unlogged(body: B) -> Self {
+        LoggedBody {
+            inner: body,
+            sent: None,
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for LoggedBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.project();
+        let frame = ready!(this.inner.poll_frame(context));
+        if let (Some(sent), Some(Ok(frame))) = (this.sent.as_mut(), &frame)
+            && let Some(data) = frame.data_ref()
+        {
+            sent.bytes += data.len() as u64;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

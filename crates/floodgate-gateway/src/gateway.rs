@@ -16,7 +16,7 @@ use floodgate::Store;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use crate::access_log::{AccessLog, PendingLine, RequestLine};
+use crate::access_log::{AccessLog, LoggedBody, PendingLine, RequestLine};
 use crate::config::{self, Config};
 use crate::error::GatewayError;
 use crate::proxy::{ClientSettings, upstream_client};
@@ -263,17 +263,18 @@ fn flush_in_background(store: Arc<dyn Store>) {
 pub async fn handle(
     gateway: Arc<Gateway>,
     request: Request<Incoming>,
-) -> Result<Response<GatewayBody>, Infallible> {
+) -> Result<Response<LoggedBody<GatewayBody>>, Infallible> {
     let current = gateway.current();
     let Some(log) = gateway.access_log.load_full() else {
-        return Ok(current.handle(request, None).await);
+        return Ok(current
+            .handle(request, None)
+            .await
+            .map(LoggedBody::unlogged));
     };
     // Dropped unanswered with this future when the client goes away: then it writes a 499.
     let mut line = PendingLine::new(log, RequestLine::of(request.method(), request.headers()));
     let response = current.handle(request, Some(line.facts())).await;
-    let (parts, body) = response.into_parts();
-    line.answered(&parts);
-    Ok(Response::from_parts(parts, body))
+    Ok(line.answered(response))
 }
 
 #[cfg(test)]

@@ -280,6 +280,61 @@ async fn only_limited_keeps_refusals_and_sampling_keeps_a_share() {
     );
 }
 
+/// A line is written once its answer's body is sent: `duration_ms` covers a client that takes
+/// its time to read the body, and `bytes` counts what was sent, in full or cut short by a
+/// client that leaves mid-body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lines_time_the_whole_body_and_count_its_bytes() {
+    use http_body_util::{BodyExt, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("log");
+    let path = directory.file("access.log");
+    let (gateway, _dir) = gateway(&upstream, &format!("  path: \"{}\"", path.display()), 10);
+    // Far more than the loopback socket buffers hold, so that the body waits for the reader.
+    const TOTAL: u64 = 32 * 1024 * 1024;
+    let url = gateway.url(&format!("/download?bytes={TOTAL}"));
+    let request = http::Request::get(&url)
+        .header("x-api-key", API_KEY)
+        .body(Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let response = client().request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    // The gateway cannot send the last of the body before the reader starts, 300 ms after
+    // the head: the socket buffers hold far less than the body.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len() as u64, TOTAL);
+
+    let lines = wait_for_lines(&path, 1);
+    let line = parsed(&lines[0]);
+    assert_eq!(line["bytes"], TOTAL, "{line}");
+    let duration = line["duration_ms"].as_f64().unwrap();
+    assert!(
+        duration >= 300.0,
+        "{duration} ms logged for a body read 300 ms after its head"
+    );
+    assert!(line["upstream_ms"].as_f64().unwrap() < duration, "{line}");
+
+    // Cut short: the client reads the head and a little, then leaves.
+    let mut connection = tokio::net::TcpStream::connect(gateway.listen)
+        .await
+        .unwrap();
+    let request = format!(
+        "GET /download?bytes={TOTAL} HTTP/1.1\r\nhost: floodgate\r\nx-api-key: {API_KEY}\r\n\r\n"
+    );
+    connection.write_all(request.as_bytes()).await.unwrap();
+    let mut start = vec![0u8; 64 * 1024];
+    connection.read_exact(&mut start).await.unwrap();
+    drop(connection);
+    let lines = wait_for_lines(&path, 2);
+    let line = parsed(&lines[1]);
+    assert_eq!(line["status"], 200, "the status it was sent: {line}");
+    let bytes = line["bytes"].as_u64().unwrap();
+    assert!(bytes > 0 && bytes < TOTAL, "{line}");
+}
+
 /// A client that goes away before its answer still gets a line, when it leaves (not when the
 /// upstream answers): status 499 as nginx writes it, with who it was and its trace id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
