@@ -378,3 +378,98 @@ async fn nodes_whose_clocks_disagree_agree_on_expiry() {
         assert!(node.in_force_for(&target.key).is_none(), "{node:?}");
     }
 }
+
+/// The memory backend, with the first full read held at a gate after it has read: a refresh
+/// that read earlier finishes after one that read later.
+struct HeldFirstRead {
+    inner: Arc<floodgate::overrides::MemoryOverrides>,
+    /// Taken by the first full read, which waits on it once it has read.
+    gate: std::sync::Mutex<Option<Arc<tokio::sync::Notify>>>,
+    /// Signalled once the first full read has read, and waits.
+    read: Arc<tokio::sync::Notify>,
+}
+
+impl floodgate::overrides::OverrideBackend for HeldFirstRead {
+    fn put<'a>(
+        &'a self,
+        namespace: &'a str,
+        entry: &'a floodgate::overrides::Override,
+        max_active: usize,
+        now: floodgate::time::Timestamp,
+    ) -> floodgate::store::BoxFuture<'a, Result<bool, floodgate::StoreError>> {
+        self.inner.put(namespace, entry, max_active, now)
+    }
+
+    fn remove<'a>(
+        &'a self,
+        namespace: &'a str,
+        target: &'a str,
+    ) -> floodgate::store::BoxFuture<'a, Result<bool, floodgate::StoreError>> {
+        self.inner.remove(namespace, target)
+    }
+
+    fn all<'a>(
+        &'a self,
+        namespace: &'a str,
+        now: floodgate::time::Timestamp,
+    ) -> floodgate::store::BoxFuture<
+        'a,
+        Result<Vec<floodgate::overrides::Override>, floodgate::StoreError>,
+    > {
+        Box::pin(async move {
+            let read = self.inner.all(namespace, now).await;
+            let gate = self.gate.lock().unwrap().take();
+            if let Some(gate) = gate {
+                self.read.notify_one();
+                gate.notified().await;
+            }
+            read
+        })
+    }
+
+    fn version<'a>(
+        &'a self,
+        namespace: &'a str,
+    ) -> floodgate::store::BoxFuture<'a, Result<u64, floodgate::StoreError>> {
+        self.inner.version(namespace)
+    }
+}
+
+/// A refresh that read before a change, and finishes after a refresh that read the change,
+/// leaves the later copy in place: the change stays in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_refreshs_copy_is_never_replaced_by_an_earlier_ones() {
+    use floodgate::overrides::OverrideBackend;
+
+    let memory = Arc::new(floodgate::overrides::MemoryOverrides::default());
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let held = Arc::new(HeldFirstRead {
+        inner: memory.clone(),
+        gate: std::sync::Mutex::new(Some(gate.clone())),
+        read: Arc::new(tokio::sync::Notify::new()),
+    });
+    let node = Arc::new(Overrides::new(held.clone(), "fg"));
+    let writer = Overrides::new(memory.clone() as Arc<dyn OverrideBackend>, "fg");
+    let limit = Arc::new(Limit::fixed_window("hourly", 3, Duration::from_secs(3600)).unwrap());
+    let target = floodgate::store::Check::new("fg:{key:raced}:default:hourly", limit, 1);
+
+    // The earlier refresh reads (nothing yet) and is held.
+    let earlier = tokio::spawn({
+        let node = node.clone();
+        async move { node.refresh().await }
+    });
+    held.read.notified().await;
+    // A change, and a later refresh that reads it and puts its copy in place.
+    let spec = OverrideSpec::new("hourly", 30, Duration::from_secs(3600));
+    writer.set(&target, &spec).await.unwrap();
+    node.refresh().await.unwrap();
+    assert!(node.in_force_for(&target.key).is_some());
+
+    // The earlier one finishes last, with what it read before the change.
+    gate.notify_one();
+    earlier.await.unwrap().unwrap();
+    assert!(
+        node.in_force_for(&target.key).is_some(),
+        "the later copy stays"
+    );
+}
