@@ -1,7 +1,8 @@
 //! The access log (`access_log`, SPEC §5): one line per request, written off the request path.
 //!
-//! A request's line is formatted where the request is answered and pushed onto a bounded
-//! queue; a writer thread of its own takes the whole queue every [`WRITE_EVERY`] and writes it
+//! A request's fields are taken when its answer's head is ready; its line is formatted once
+//! the answer's body is sent (or cut short: [`LoggedBody`] writes it when hyper drops the body)
+//! and pushed onto a bounded queue; a writer thread of its own takes the whole queue every [`WRITE_EVERY`] and writes it
 //! in one go. The request never waits for the disk, nor wakes the writer: it takes a lock for
 //! one push. When the queue is full (a slow disk, a pipe nobody reads) the line is dropped and
 //! counted in `floodgate_access_log_dropped_total`, so that a stalled log costs lines, never

@@ -5,8 +5,8 @@
 //! the memory store, in Redis under the client's hash tag for the Redis stores), so that every
 //! node on that store applies them. Each node keeps what is in force in memory
 //! ([`Overrides`]) and refreshes it in the background at least every
-//! [`Overrides::REFRESH_EVERY`]: one small read while nothing changed, the whole list when
-//! something did. Deciding costs one hash lookup per check while some override is in force on
+//! [`Overrides::REFRESH_EVERY`]: the store's clock and the version while nothing changed (two
+//! small reads), the whole list when something did. Expiry is reckoned on the store's clock. Deciding costs one hash lookup per check while some override is in force on
 //! the node, and one atomic load when none is.
 //!
 //! An override keeps the limit's name and storage key, so the client's counters carry over:
@@ -451,6 +451,8 @@ pub struct Overrides {
     /// when an override ends (and a node whose clock runs behind does not store an override
     /// that Redis takes for expired at once).
     store_offset_micros: AtomicI64,
+    /// Whether `store_offset_micros` was measured at least once.
+    clock_measured: AtomicBool,
     max_active: AtomicUsize,
     max_expires_in_ms: AtomicU64,
 }
@@ -468,6 +470,10 @@ impl Overrides {
     /// How stale a node's copy may get while it decides: a change on another node is in
     /// force here within this (plus one store call).
     pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
+
+    /// The slowest read of the store's clock that is taken as a measurement: half of it is the
+    /// most the estimate can be off by.
+    const CLOCK_CALL_AT_MOST: Duration = Duration::from_millis(100);
 
     /// The whole list is read at least this often even when the version says nothing changed
     /// (a change whose version could not be written, or entries a store lost without a change).
@@ -488,6 +494,7 @@ impl Overrides {
             kept_fresh: AtomicBool::new(false),
             clock: Arc::new(SystemClock),
             store_offset_micros: AtomicI64::new(0),
+            clock_measured: AtomicBool::new(false),
             max_active: AtomicUsize::new(DEFAULT_MAX_ACTIVE),
             max_expires_in_ms: AtomicU64::new(DEFAULT_MAX_EXPIRES_IN.as_secs() * 1000),
         }
@@ -505,6 +512,41 @@ impl Overrides {
         let offset = self.store_offset_micros.load(Ordering::Relaxed);
         let local = self.clock.now().as_micros();
         Timestamp::from_micros(local.saturating_add_signed(offset))
+    }
+
+    /// Measures how far the store's clock is from this node's. A call slower than
+    /// [`Overrides::CLOCK_CALL_AT_MOST`] says too little about when the store read its clock
+    /// (it is taken only while nothing better was measured), and a store that cannot tell its
+    /// time (a failure, a proxy without `TIME`) leaves the last measurement in place: both are
+    /// logged at debug, and neither fails the refresh.
+    async fn measure_store_clock(&self) {
+        let asked = self.clock.now().as_micros();
+        let store_time = match self.backend.time(&self.namespace).await {
+            Ok(Some(time)) => time.as_micros(),
+            Ok(None) => return,
+            Err(error) => {
+                tracing::debug!(%error, "could not read the store's clock; the last measurement stays");
+                return;
+            }
+        };
+        let answered = self.clock.now().as_micros();
+        let call = answered.saturating_sub(asked);
+        if call > duration_to_micros(Overrides::CLOCK_CALL_AT_MOST)
+            && self.clock_measured.load(Ordering::Relaxed)
+        {
+            tracing::debug!(
+                call_micros = call,
+                "the store's clock took too long to read; the last measurement stays"
+            );
+            return;
+        }
+        // The store read its clock about halfway through the call.
+        let midpoint = asked + call / 2;
+        let offset = i64::try_from(store_time)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(midpoint).unwrap_or(i64::MAX));
+        self.store_offset_micros.store(offset, Ordering::Relaxed);
+        self.clock_measured.store(true, Ordering::Relaxed);
     }
 
     /// Overrides in this process only (a node of its own).
@@ -732,14 +774,7 @@ impl Overrides {
     /// expire on time).
     pub async fn refresh(&self) -> Result<(), StoreError> {
         let refresh = self.refreshes.fetch_add(1, Ordering::AcqRel) + 1;
-        let asked = self.clock.now().as_micros();
-        if let Some(store_time) = self.backend.time(&self.namespace).await? {
-            // The store read its clock about halfway through the call.
-            let answered = self.clock.now().as_micros();
-            let midpoint = asked + answered.saturating_sub(asked) / 2;
-            let offset = store_time.as_micros() as i64 - midpoint as i64;
-            self.store_offset_micros.store(offset, Ordering::Relaxed);
-        }
+        self.measure_store_clock().await;
         let version = self.backend.version(&self.namespace).await?;
         let local = self.clock.now().as_micros();
         let read_all_due = local.saturating_sub(self.read_all_at.load(Ordering::Acquire))

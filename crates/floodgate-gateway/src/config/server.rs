@@ -18,65 +18,41 @@ const MAX_WORKER_THREADS: usize = 1024;
 
 /// `server:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct RawServer {
     /// Time for a request head to arrive in full (the HTTP/2 preface and first request on a new
     /// connection, each next head on an HTTP/1.1 keep-alive connection).
-    #[serde(default = "default_header_read_timeout")]
     pub header_read_timeout: String,
     /// A connection on which no byte moves either way for this long is closed.
-    #[serde(default = "default_idle_timeout")]
     pub idle_timeout: String,
     /// The longest gap between two pieces of a client's request body: then 408.
-    #[serde(default = "default_body_read_timeout")]
     pub body_read_timeout: String,
     /// The largest request head (request line and headers), in bytes: then 431.
-    #[serde(default = "default_max_head_bytes")]
     pub max_head_bytes: usize,
     /// Client connections served at once; `null`: derived from the open-file limit.
-    #[serde(default)]
     pub max_connections: Option<usize>,
     /// The serving model: `multi_thread` (one work-stealing runtime) or `per_core` (one
     /// single-threaded runtime per core, each with its own `SO_REUSEPORT` listener and upstream
     /// pool, like nginx's workers).
-    #[serde(default = "default_workers")]
     pub workers: String,
     /// How many `per_core` workers; `null`: one per available core. Ignored by `multi_thread`.
-    #[serde(default)]
     pub worker_threads: Option<usize>,
 }
 
 impl Default for RawServer {
     fn default() -> Self {
         RawServer {
-            header_read_timeout: default_header_read_timeout(),
-            idle_timeout: default_idle_timeout(),
-            body_read_timeout: default_body_read_timeout(),
-            max_head_bytes: default_max_head_bytes(),
+            header_read_timeout: "30s".to_owned(),
+            idle_timeout: "60s".to_owned(),
+            body_read_timeout: "30s".to_owned(),
+            max_head_bytes: 32 * 1024,
             max_connections: None,
-            workers: default_workers(),
+            // It measured faster on memory and Redis stores (BENCHMARKS.md, "Gateway vs
+            // nginx").
+            workers: "per_core".to_owned(),
             worker_threads: None,
         }
     }
-}
-
-/// `per_core`: it measured faster on memory and Redis stores (BENCHMARKS.md, "Gateway vs
-/// nginx").
-fn default_workers() -> String {
-    "per_core".to_owned()
-}
-
-fn default_header_read_timeout() -> String {
-    "30s".to_owned()
-}
-fn default_idle_timeout() -> String {
-    "60s".to_owned()
-}
-fn default_body_read_timeout() -> String {
-    "30s".to_owned()
-}
-fn default_max_head_bytes() -> usize {
-    32 * 1024
 }
 
 /// Validated `server:` settings.

@@ -6,7 +6,7 @@
 //! expire with the last of them. An index, `<namespace>:{overrides}:index` (a sorted set of
 //! targets by expiry), bounds how many are in force and lets a node read them all without a
 //! scan; `<namespace>:{overrides}:version` holds a token that every change replaces with a
-//! random one, so that a node polls one `GET` while nothing changes. A counter would start
+//! random one, so that a node polls one `GET` (and `TIME`, for the clock) while nothing changes. A counter would start
 //! again at 1 on a Redis restarted without its data, and a node that had read change 1 before
 //! would take the first change after the restart for one it had seen.
 //!
@@ -295,8 +295,11 @@ impl OverrideBackend for RedisOverrides {
         })
     }
 
-    /// `TIME` of the node that holds the version (a plain command, not a script: the poll of
-    /// every node stays apart from the decisions' scripts in `INFO commandstats`).
+    /// `TIME`: of the node that holds the version on a single Redis, a sentinel's master and
+    /// sharded Redis; of any master on a cluster (a command without a key goes to any), whose
+    /// clocks are taken to agree, as the clients' `PEXPIREAT` on their own masters assumes too.
+    /// A plain command, not a script: the poll of every node stays apart from the decisions'
+    /// scripts in `INFO commandstats`.
     fn time<'a>(
         &'a self,
         namespace: &'a str,
@@ -313,7 +316,11 @@ impl OverrideBackend for RedisOverrides {
                 return Err(unexpected());
             };
             let (seconds, micros) = (as_int(seconds)?, as_int(micros)?);
-            let micros = u64::try_from(seconds * 1_000_000 + micros).map_err(|_| unexpected())?;
+            let micros = seconds
+                .checked_mul(1_000_000)
+                .and_then(|whole| whole.checked_add(micros))
+                .and_then(|total| u64::try_from(total).ok())
+                .ok_or_else(unexpected)?;
             Ok(Some(Timestamp::from_micros(micros)))
         })
     }
