@@ -82,21 +82,13 @@ async fn inspection_changes_nothing_on_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspection_changes_nothing_on_redis() {
     let redis = redis_support::RedisServer::start();
-    inspection_changes_nothing(&format!(
-        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
-        redis.url()
-    ))
-    .await;
+    inspection_changes_nothing(&support::redis_store(&redis.url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspection_changes_nothing_on_a_cluster() {
     let cluster = redis_support::RedisCluster::start(3);
-    inspection_changes_nothing(&format!(
-        "store: {{ backend: redis_cluster, nodes: [{}], timeout: 2s }}\n",
-        redis_support::yaml_items(&cluster.urls())
-    ))
-    .await;
+    inspection_changes_nothing(&support::cluster_store(&cluster.urls())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -278,11 +270,7 @@ async fn a_reset_unblocks_one_client_on_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_unblocks_one_client_on_redis() {
     let redis = redis_support::RedisServer::start();
-    reset_unblocks_one_client(&format!(
-        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
-        redis.url()
-    ))
-    .await;
+    reset_unblocks_one_client(&support::redis_store(&redis.url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -424,11 +412,7 @@ async fn costs_known_after_the_response_on_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn costs_known_after_the_response_on_redis() {
     let redis = redis_support::RedisServer::start();
-    costs_after_the_response(&format!(
-        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
-        redis.url()
-    ))
-    .await;
+    costs_after_the_response(&support::redis_store(&redis.url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -522,10 +506,7 @@ async fn a_reset_clears_every_limit_of_the_client_and_no_global_ceiling() {
 async fn a_reset_on_one_gateway_ends_local_denials_on_another() {
     let redis = redis_support::RedisServer::start();
     let upstream = Upstream::start().await;
-    let store = format!(
-        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
-        redis.url()
-    );
+    let store = support::redis_store(&redis.url());
     let (first, _first_dir) = start_gateway(&upstream.url(), &hourly_five(&store));
     let (second, _second_dir) = start_gateway(&upstream.url(), &hourly_five(&store));
     let client = client();

@@ -207,21 +207,13 @@ async fn across_gateways(store: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overrides_cross_gateways_on_redis() {
     let redis = redis_support::RedisServer::start();
-    across_gateways(&format!(
-        "store: {{ backend: redis, url: \"{}\", timeout: 2s }}\n",
-        redis.url()
-    ))
-    .await;
+    across_gateways(&support::redis_store(&redis.url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overrides_cross_gateways_on_a_cluster() {
     let cluster = redis_support::RedisCluster::start(3);
-    across_gateways(&format!(
-        "store: {{ backend: redis_cluster, nodes: [{}], timeout: 2s }}\n",
-        redis_support::yaml_items(&cluster.urls())
-    ))
-    .await;
+    across_gateways(&support::cluster_store(&cluster.urls())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,11 +222,7 @@ async fn overrides_cross_gateways_on_sharded_redis() {
         .map(|_| redis_support::RedisServer::start())
         .collect();
     let urls: Vec<String> = nodes.iter().map(redis_support::RedisServer::url).collect();
-    across_gateways(&format!(
-        "store: {{ backend: redis_sharded, nodes: [{}], timeout: 2s }}\n",
-        redis_support::yaml_items(&urls)
-    ))
-    .await;
+    across_gateways(&support::sharded_store(&urls)).await;
 }
 
 /// The token is required for every override operation; the bound answers 409 and is counted;

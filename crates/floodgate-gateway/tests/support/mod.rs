@@ -230,6 +230,23 @@ impl Drop for Gateway {
     }
 }
 
+/// The `store:` section of a gateway on the Redis at `url`, with a deadline generous for tests.
+pub fn redis_store(url: &str) -> String {
+    format!("store: {{ backend: redis, url: \"{url}\", timeout: 2s }}\n")
+}
+
+/// The `store:` section of a gateway on a Redis Cluster seeded by `urls`.
+pub fn cluster_store(urls: &[String]) -> String {
+    let nodes = floodgate_test_support::yaml_items(urls);
+    format!("store: {{ backend: redis_cluster, nodes: [{nodes}], timeout: 2s }}\n")
+}
+
+/// The `store:` section of a gateway on sharded Redis over `urls`.
+pub fn sharded_store(urls: &[String]) -> String {
+    let nodes = floodgate_test_support::yaml_items(urls);
+    format!("store: {{ backend: redis_sharded, nodes: [{nodes}], timeout: 2s }}\n")
+}
+
 pub type TestClient = Client<HttpConnector, Full<Bytes>>;
 
 /// One admin API call: `method` on `path_and_query`, with a JSON `body` and the bearer
