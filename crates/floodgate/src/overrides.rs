@@ -604,8 +604,8 @@ impl Overrides {
             }
             None => None,
         };
-        // Measures the store's clock (and reads what is in force) before reckoning expiry.
-        self.refresh().await?;
+        // The store's clock, before reckoning expiry (the refresh after the put reads the rest).
+        self.measure_store_clock().await;
         let now = self.now();
         let entry = Override {
             target: target.key.clone(),
