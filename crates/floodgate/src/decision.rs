@@ -64,6 +64,73 @@ impl Check {
     }
 }
 
+/// A request's checks with every repeated key folded into its first check, their costs added:
+/// a request that names one counter twice (an Envoy request carrying a descriptor twice)
+/// costs the counter both, and is admitted only if the counter has room for both, as
+/// envoyproxy/ratelimit counts each descriptor (SPEC §3). Every store decides the folded
+/// checks and unfolds the decision, so that one meaning holds in every mode.
+#[derive(Debug)]
+pub(crate) struct Folded {
+    /// One check per distinct key, in order of first appearance.
+    pub(crate) checks: Vec<Check>,
+    /// For each original check, the index of the folded check that stands for it.
+    of: Vec<usize>,
+}
+
+impl Folded {
+    /// The folded form of `checks`, or `None` when no key repeats (the common case: no
+    /// allocation).
+    pub(crate) fn of(checks: &[Check]) -> Option<Folded> {
+        let repeats = checks.iter().enumerate().any(|(index, check)| {
+            checks[..index]
+                .iter()
+                .any(|earlier| same_key(&earlier.key, &check.key))
+        });
+        if !repeats {
+            return None;
+        }
+        let mut folded: Vec<Check> = Vec::with_capacity(checks.len());
+        let mut of = Vec::with_capacity(checks.len());
+        for check in checks {
+            match folded
+                .iter()
+                .position(|earlier| same_key(&earlier.key, &check.key))
+            {
+                Some(index) => {
+                    folded[index].cost = folded[index].cost.saturating_add(check.cost);
+                    of.push(index);
+                }
+                None => {
+                    of.push(folded.len());
+                    folded.push(check.clone());
+                }
+            }
+        }
+        Some(Folded { checks: folded, of })
+    }
+
+    /// The decision on the folded checks, told in the order of the original ones: each check
+    /// reports its counter as the decision left it (a counter named twice reports the same
+    /// status twice, under each check's rule).
+    pub(crate) fn unfold(&self, checks: &[Check], decision: Decision) -> Decision {
+        let limits = checks
+            .iter()
+            .zip(&self.of)
+            .map(|(check, &index)| LimitStatus {
+                rule: check.rule.clone(),
+                ..decision.limits[index].clone()
+            })
+            .collect();
+        let decided =
+            Decision::from_statuses(decision.decided_at, limits, decision.delay, decision.leases);
+        decided.with_source(decision.source)
+    }
+}
+
+fn same_key(a: &Arc<str>, b: &Arc<str>) -> bool {
+    Arc::ptr_eq(a, b) || **a == **b
+}
+
 /// A concurrency lease held by an admitted request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lease {

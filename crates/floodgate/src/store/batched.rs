@@ -52,7 +52,7 @@ use super::resilience::BreakerState;
 use super::shards::{LockedShards, lock};
 use super::{BoxFuture, Check, Lease, Scope, Store, StoreError};
 use crate::algorithm::{self, LimitOutcome, State};
-use crate::decision::Decision;
+use crate::decision::{Decision, Folded};
 use crate::limit::{Algorithm, Limit};
 use crate::telemetry;
 use crate::time::{Clock, SystemClock, Timestamp};
@@ -84,14 +84,73 @@ pub struct LeaseRequest {
     pub charge: u64,
 }
 
-/// What the shared store answered to a lease trade.
+/// What the shared store answered to a lease trade, request by request: a store of several
+/// nodes (or slots) trades each node's part by its own call, and one failing part leaves the
+/// others' answers standing.
 #[derive(Debug)]
 pub struct Leased {
-    /// The shared store's clock when it answered.
+    /// Per request, in order: its grant, or why it went unanswered.
+    pub grants: Vec<Result<Grant, Unanswered>>,
+    /// The first error behind an unanswered request, for the caller to report.
+    pub failure: Option<StoreError>,
+}
+
+impl Leased {
+    /// A trade of `requests` requests that failed whole with `error`.
+    pub fn failed(requests: usize, error: StoreError) -> Leased {
+        let unanswered = Unanswered::after(&error);
+        Leased {
+            grants: (0..requests).map(|_| Err(unanswered)).collect(),
+            failure: Some(error),
+        }
+    }
+
+    /// The latest shared-store time among the answers, if any came.
+    fn latest(&self) -> Option<Timestamp> {
+        self.grants
+            .iter()
+            .filter_map(|grant| grant.as_ref().ok().map(|grant| grant.now))
+            .max()
+    }
+}
+
+/// The shared store's answer to one request of a lease trade.
+#[derive(Debug)]
+pub struct Grant {
+    /// The shared store's clock when it granted (the call's own time): the window a
+    /// window's lease belongs to, and the start of the lease's lifetime.
     pub now: Timestamp,
-    /// Per request, in order: the units granted, and the limit's state after the trade (every
-    /// lease counted as used).
-    pub grants: Vec<(u64, Option<State>)>,
+    /// The units granted.
+    pub granted: u64,
+    /// The limit's state after the trade (every lease counted as used).
+    pub state: Option<State>,
+}
+
+/// Why a request of a lease trade has no answer, which says what its units may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unanswered {
+    /// The call was never made (a breaker refused it, the store refused the credentials):
+    /// nothing of the trade happened, and it may be sent again as it was.
+    NotSent,
+    /// The call was made and its answer lost (a reply after the deadline, a connection that
+    /// broke): the shared store may have applied the trade. Its given-back units may have
+    /// been credited, and its grant taken: neither may be counted on again.
+    Lost,
+}
+
+impl Unanswered {
+    /// What a call that failed with `error` may have done.
+    pub fn after(error: &StoreError) -> Unanswered {
+        match error {
+            StoreError::BreakerOpen
+            | StoreError::Rejected(_)
+            | StoreError::Config(_)
+            | StoreError::Unsupported(_) => Unanswered::NotSent,
+            StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_) => {
+                Unanswered::Lost
+            }
+        }
+    }
 }
 
 /// A shared store that batched nodes trade leases with. Every such store also decides exactly
@@ -106,12 +165,21 @@ pub trait SyncTarget: Store {
     ) -> BoxFuture<'a, Result<Synced, StoreError>>;
 
     /// Trades leases: per request, charges `charge`, takes back `give_back`, then grants up to
-    /// `want` units of what the limit has left (consuming them), and returns the state.
+    /// `want` units of what the limit has left (consuming them), and returns the state. A
+    /// store of several nodes answers each node's requests apart: one node's failure leaves
+    /// the others' grants in the answer.
     fn lease<'a>(
         &'a self,
         requests: &'a [LeaseRequest],
         now: Option<Timestamp>,
-    ) -> BoxFuture<'a, Result<Leased, StoreError>>;
+    ) -> BoxFuture<'a, Leased>;
+
+    /// Calls `listener` with the keys of every reset this store hears of, made through any
+    /// node (Redis: the resets channel), until it answers `false` (its owner is gone). A
+    /// store that cannot hear resets ignores it (the default).
+    fn on_reset(&self, listener: ResetListener) {
+        let _ = listener;
+    }
 
     /// Whether calls on `key` are refused by an open breaker: batched decisions that need a
     /// call then follow the failure policy. Stores with one breaker per node or slot answer
@@ -135,14 +203,22 @@ impl<T: SyncTarget + ?Sized> SyncTarget for Arc<T> {
         &'a self,
         requests: &'a [LeaseRequest],
         now: Option<Timestamp>,
-    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+    ) -> BoxFuture<'a, Leased> {
         (**self).lease(requests, now)
     }
 
     fn is_refused(&self, key: &str) -> bool {
         (**self).is_refused(key)
     }
+
+    fn on_reset(&self, listener: ResetListener) {
+        (**self).on_reset(listener);
+    }
 }
+
+/// Hears resets made through other nodes ([`SyncTarget::on_reset`]): called with their keys,
+/// it answers whether it still wants to hear of them.
+pub type ResetListener = Arc<dyn Fn(&[&str]) -> bool + Send + Sync>;
 
 /// Whether `algorithm` can be decided from batched counters ([`Algorithm::is_batchable`]).
 pub fn supports(algorithm: Algorithm) -> bool {
@@ -211,12 +287,21 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             sync_lock: tokio::sync::Mutex::new(()),
             resets: AtomicU64::new(0),
             next_round_micros: AtomicU64::new(0),
-            failing: std::sync::atomic::AtomicBool::new(false),
             stats: Stats::default(),
         });
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(sync_periodically(Arc::downgrade(&shared), self.interval));
+                let node = Arc::downgrade(&shared);
+                shared
+                    .target
+                    .on_reset(Arc::new(move |keys| match node.upgrade() {
+                        Some(shared) => {
+                            shared.forget(keys);
+                            true
+                        }
+                        None => false,
+                    }));
             }
             // Easy to do by mistake (a store built in `main` before the runtime starts), and
             // silent otherwise: no lease would ever be traded.
@@ -275,9 +360,6 @@ struct Shared<T> {
     resets: AtomicU64,
     /// Local time (µs) of the next periodic round: the wait a request short of lease is told.
     next_round_micros: AtomicU64,
-    /// Whether the last trade with the shared store failed: a request short of lease is then
-    /// the failure policy's (no round will bring more), not denied to wait for a round.
-    failing: std::sync::atomic::AtomicBool,
     stats: Stats,
 }
 
@@ -351,6 +433,11 @@ struct Entry {
     refreshing: Option<watch::Receiver<bool>>,
     /// Rounds since the last request touched this key.
     idle_rounds: u32,
+    /// Whether the last trade of this key went unanswered (or was not sent, its node
+    /// refusing calls): a request short of lease is then the failure policy's, since no trade
+    /// brings more, not denied to wait for a round. Per key, so that one lost node or slot
+    /// sends only its own identities to the policy.
+    unanswered: bool,
 }
 
 impl Entry {
@@ -371,6 +458,7 @@ impl Entry {
             queued: 0,
             refreshing: None,
             idle_rounds: 0,
+            unanswered: false,
         }
     }
 
@@ -398,32 +486,49 @@ impl Entry {
         if window_changed {
             self.lease = 0;
             self.returning = 0;
+            // What the old window was short of says nothing of the new one.
+            self.starved = false;
         } else if self.lease > 0 && now >= self.lease_expires {
             self.returning += std::mem::take(&mut self.lease);
         }
     }
 
-    /// Takes in a trade's answer to a call that `wanted` units: the new shared state, and
-    /// `granted` more units.
-    fn adopt(&mut self, state: Option<State>, wanted: u64, granted: u64, now: u64) {
-        self.starved |= granted < wanted;
-        self.shared = state;
-        if granted > 0 {
-            self.lease += granted;
-            self.lease_expires = now + duration_micros(LEASE_LIFETIME);
+    /// Takes in a trade's answer to a call that `wanted` units: the new shared state, and more
+    /// units. The grant belongs to the shared store's time of the grant, not to this node's
+    /// time when the answer arrived: a window's lease granted just before its window ended
+    /// is of that window, and is not spent in the next one (`now`, the decisions' time).
+    fn adopt(&mut self, grant: Grant, wanted: u64, now: u64) {
+        let granted_at = grant.now.as_micros();
+        self.unanswered = false;
+        self.starved |= grant.granted < wanted;
+        self.shared = grant.state;
+        // What is held of an earlier window than the grant's is of no use any more.
+        self.expire_lease(granted_at);
+        if grant.granted > 0 {
+            self.lease += grant.granted;
+            self.lease_expires = granted_at + duration_micros(LEASE_LIFETIME);
         }
         self.lease_window =
-            is_windowed(self.limit.algorithm()).then(|| window_of(&self.limit, now));
+            is_windowed(self.limit.algorithm()).then(|| window_of(&self.limit, granted_at));
+        self.expire_lease(now);
     }
 
-    /// Whether a request short of lease may ask for more now: once per interval, or as long
-    /// as the key has asked for little this interval (a sixteenth of its capacity, or 8 units:
-    /// a low-rate client's few requests each cost a call, as in exact mode, rather than wait
-    /// for the next round; a busy key is held to one call per interval), and not after a call
-    /// that got less than it asked.
+    /// Whether a request short of lease may ask for more now: always for the key's first call
+    /// of an interval, and after it unless a call got less than it asked (the limit is short
+    /// everywhere, and asking again before the next round would only cost calls). A lone node,
+    /// or one whose client's other nodes are idle, so gets all the shared state has room for;
+    /// each top-up asks for as much again as the interval asked so far
+    /// ([`Entry::top_up_extra`]), so that a burst costs a logarithm of its size in calls, not
+    /// one per request.
     fn may_top_up(&self) -> bool {
-        !self.topped_up
-            || (!self.starved && self.demand < self.limit.capacity().div_ceil(16).max(8))
+        !self.topped_up || !self.starved
+    }
+
+    /// Units a top-up asks for beyond what its requests lack: as much again as this interval
+    /// asked so far, at least the estimate (a client whose rate rises gets a lease that
+    /// doubles call by call).
+    fn top_up_extra(&self) -> u64 {
+        self.estimate.max(self.demand)
     }
 
     /// The most units a lease of this limit may hold: what it refills in the lease's lifetime
@@ -603,15 +708,23 @@ impl<T: SyncTarget> Shared<T> {
     /// does not install it. Other nodes keep what their leases hold until their next trade.
     async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
         let _no_sync_meanwhile = self.sync_lock.lock().await;
+        self.forget(keys);
+        self.target.reset(keys).await
+    }
+
+    /// Drops this node's entries of `keys`, reset here or on another node: their leases are
+    /// of the state before the reset, and are neither spent nor given back into the fresh
+    /// one; their debts go with it. A fetch that read the old state does not install it.
+    fn forget<K: AsRef<str>>(&self, keys: &[K]) {
         self.resets.fetch_add(1, Ordering::SeqCst);
         for key in keys {
+            let key = key.as_ref();
             let mut shard = self.lock_shard_of(key);
-            if matches!(shard.get(&**key), Some(Slot::Ready(_))) {
-                shard.remove(&**key);
+            if matches!(shard.get(key), Some(Slot::Ready(_))) {
+                shard.remove(key);
                 self.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        self.target.reset(keys).await
     }
 
     fn shard_index(&self, key: &str) -> usize {
@@ -762,7 +875,7 @@ impl<T: SyncTarget> Shared<T> {
                 Vec::new(),
             )));
         }
-        // Short of lease where the shared store may have more: ask once per key and round.
+        // Short of lease where the shared store may have more: ask for it.
         let mut top_up = Vec::new();
         for (index, (check, &shard)) in checks.iter().zip(&check_shards).enumerate() {
             let entry = ready(guards.get(shard), &check.key);
@@ -772,7 +885,11 @@ impl<T: SyncTarget> Shared<T> {
                 entry.refreshing = Some(receiver);
                 let need = check.cost - entry.lease;
                 let queued = std::mem::take(&mut entry.queued);
-                top_up.push((index, need + queued * check.cost, sender));
+                top_up.push(TopUp {
+                    index,
+                    need: need + queued * check.cost,
+                    sender,
+                });
             }
         }
         if !top_up.is_empty() {
@@ -784,7 +901,11 @@ impl<T: SyncTarget> Shared<T> {
         }
         // Denied: by a limit that has nothing left, or for want of lease until the next round.
         let admitted_nowhere = outcomes.iter().all(|outcome| outcome.allowed);
-        if admitted_nowhere && self.failing.load(Ordering::Relaxed) {
+        let unanswered = checks
+            .iter()
+            .zip(&check_shards)
+            .any(|(check, &shard)| ready(guards.get(shard), &check.key).unanswered);
+        if admitted_nowhere && unanswered {
             return Err(StoreError::Unavailable(
                 "batched lease spent while the shared store fails".into(),
             ));
@@ -812,12 +933,13 @@ impl<T: SyncTarget> Shared<T> {
     }
 
     /// Fetches the first lease of the keys this request found missing, and tops up the ones
-    /// it found short, in one call; makes them ready and wakes their waiters.
+    /// it found short, in one call; makes them ready and wakes their waiters. Fails when any
+    /// of them went unanswered (the request needs them all).
     async fn fetch(
         &self,
         checks: &[Check],
         fetch: Vec<(usize, watch::Sender<bool>)>,
-        top_up: Vec<(usize, u64, watch::Sender<bool>)>,
+        top_up: Vec<TopUp>,
         now: Option<Timestamp>,
     ) -> Result<(), StoreError> {
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
@@ -833,24 +955,34 @@ impl<T: SyncTarget> Shared<T> {
                 charge: 0,
             });
         }
-        for &(index, need, _) in &top_up {
-            let check = &checks[index];
+        let mut carried = Vec::with_capacity(top_up.len());
+        for top in &top_up {
+            let check = &checks[top.index];
             let mut shard = self.lock_shard_of(&check.key);
             let (extra, debt, returning, most) = match shard.get_mut(&*check.key) {
                 Some(Slot::Ready(entry)) => {
-                    let debt = std::mem::take(&mut entry.debt);
-                    let returning = std::mem::take(&mut entry.returning);
-                    // As much again as this interval asked so far, at least the estimate: a
-                    // client whose rate rises gets a lease that doubles call by call.
-                    let extra = entry.estimate.max(entry.demand);
-                    (extra, debt, returning, entry.most_leased())
+                    carried.push(Carried {
+                        debt: std::mem::take(&mut entry.debt),
+                        debt_since: entry.debt_since,
+                        returning: std::mem::take(&mut entry.returning),
+                    });
+                    let taken = carried.last().expect("just pushed");
+                    (
+                        entry.top_up_extra(),
+                        taken.debt,
+                        taken.returning,
+                        entry.most_leased(),
+                    )
                 }
-                _ => (0, 0, 0, u64::MAX),
+                _ => {
+                    carried.push(Carried::default());
+                    (0, 0, 0, u64::MAX)
+                }
             };
             requests.push(LeaseRequest {
                 check: sync_check(&check.key, &check.limit, 0),
                 give_back: returning,
-                want: (need + extra).min(most.max(need)),
+                want: (top.need + extra).min(most.max(top.need)),
                 charge: debt,
             });
         }
@@ -858,38 +990,43 @@ impl<T: SyncTarget> Shared<T> {
         // request goes away mid-way, they go, and the key count with them; a top-up that does
         // not finish lets the next request try again.
         let mut claim = FetchClaim::new(self, checks, fetch, &top_up);
-        claim.carried = requests[requests.len() - top_up.len()..]
+        // A request that goes away mid-call leaves its top-ups' trades unanswered, and maybe
+        // applied.
+        claim.carried = carried
             .iter()
-            .map(|request| (request.charge, request.give_back))
+            .map(|carried| carried.after(Unanswered::Lost))
             .collect();
         let first_sights = claim.slots.len();
         let resets_before = self.resets.load(Ordering::SeqCst);
         let local_at_send = self.clock.now().as_micros();
-        let leased = match self.target.lease(&requests, now).await {
-            Ok(leased) => leased,
-            Err(error) => {
-                self.failing.store(true, Ordering::Relaxed);
-                return Err(error);
-            }
-        };
-        self.failing.store(false, Ordering::Relaxed);
-        self.observe_shared_time(leased.now, local_at_send);
+        let leased = self.target.lease(&requests, now).await;
+        if let Some(latest) = leased.latest() {
+            self.observe_shared_time(latest, local_at_send);
+        }
         if self.resets.load(Ordering::SeqCst) != resets_before {
             // What was read may predate a reset: the claim gives the slots up, and this
-            // request and the waiters fetch again. What it carried was delivered.
-            claim
-                .carried
-                .iter_mut()
-                .for_each(|carried| *carried = (0, 0));
-            return Ok(());
+            // request and the waiters fetch again. What it carried was delivered, or is
+            // forgotten with the reset.
+            claim.carried.iter_mut().for_each(|carried| {
+                *carried = Carried::default();
+            });
+            return match leased.failure {
+                Some(error) => Err(error),
+                None => Ok(()),
+            };
         }
         let decided_at = self.now(now);
         let mut grants = leased.grants.into_iter();
-        for ((key, sender), request) in std::mem::take(&mut claim.slots).into_iter().zip(&requests)
-        {
-            let (granted, state) = grants.next().unwrap_or((0, None));
+        let mut slots = std::mem::take(&mut claim.slots).into_iter();
+        for request in &requests[..first_sights] {
+            let (key, sender) = slots.next().expect("one slot per first sight");
+            let Some(Ok(grant)) = grants.next() else {
+                // Unanswered: the slot goes, and its waiters decide for themselves.
+                claim.slots.push((key, sender));
+                continue;
+            };
             let mut entry = Entry::new(request.check.limit.clone());
-            entry.adopt(state, request.want, granted, decided_at);
+            entry.adopt(grant, request.want, decided_at);
             let mut shard = self.lock_shard_of(&key);
             // The slot's own receiver goes with this insert: what is left are the waiters'.
             shard.insert(key.clone(), Slot::Ready(entry));
@@ -903,23 +1040,49 @@ impl<T: SyncTarget> Shared<T> {
             // Waiters retry: they find the key ready.
             let _ = sender.send(true);
         }
-        claim.top_ups.clear();
+        let mut unanswered_top_ups = Vec::new();
         claim.carried.clear();
-        for ((_, _, sender), request) in top_up.into_iter().zip(&requests[first_sights..]) {
-            let (granted, state) = grants.next().unwrap_or((0, None));
-            let key = &request.check.key;
-            if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
-                entry.adopt(state, request.want, granted, decided_at);
-                entry.refreshing = None;
-                entry.queued = sender.receiver_count() as u64;
+        let top_up_claims = std::mem::take(&mut claim.top_ups).into_iter().zip(carried);
+        for (((key, carried), top), request) in
+            top_up_claims.zip(top_up).zip(&requests[first_sights..])
+        {
+            match grants.next() {
+                Some(Ok(grant)) => {
+                    if let Some(Slot::Ready(entry)) = self.lock_shard_of(&key).get_mut(&*key) {
+                        entry.adopt(grant, request.want, decided_at);
+                        entry.refreshing = None;
+                        entry.queued = top.sender.receiver_count() as u64;
+                    }
+                    let _ = top.sender.send(true);
+                }
+                unanswered => {
+                    let unanswered = match unanswered {
+                        Some(Err(unanswered)) => unanswered,
+                        _ => Unanswered::Lost,
+                    };
+                    unanswered_top_ups.push((key, carried.after(unanswered)));
+                }
             }
-            let _ = sender.send(true);
         }
-        Ok(())
+        // The unanswered top-ups are given up as the claim's (their waiters wake and decide
+        // for themselves), with what they carried as it may still be owed.
+        for (key, carried) in unanswered_top_ups {
+            claim.top_ups.push(key);
+            claim.carried.push(carried);
+            claim.unanswered = true;
+        }
+        match leased.failure {
+            Some(error) => Err(error),
+            None if !claim.slots.is_empty() || !claim.top_ups.is_empty() => Err(
+                StoreError::Protocol("a lease trade left requests unanswered".into()),
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Trades every active key's lease: gives back what it holds beyond its estimate, asks for
-    /// what it lacks, delivers debts.
+    /// what it lacks, delivers debts. A key whose node refuses calls (its breaker is open) is
+    /// left as it is for a later round.
     async fn sync_round(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
         let _one_round_at_a_time = self.sync_lock.lock().await;
         let local_now = self.clock.now().as_micros();
@@ -927,6 +1090,7 @@ impl<T: SyncTarget> Shared<T> {
             .store(local_now + self.interval_micros, Ordering::Relaxed);
         let decided_at = self.now(now);
         let mut batch = Vec::new();
+        let mut debts_since = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             shard.retain(|key, slot| {
@@ -954,6 +1118,7 @@ impl<T: SyncTarget> Shared<T> {
                     return false;
                 }
                 entry.idle_rounds = entry.idle_rounds.saturating_add(1);
+                let active = entry.demand > 0;
                 // What the next interval will ask: the last one's demand if it rose, else half
                 // the estimate (it follows a rise at once and a fall within a few rounds).
                 entry.estimate = if idle {
@@ -968,6 +1133,18 @@ impl<T: SyncTarget> Shared<T> {
                     // It had its call this interval.
                     return true;
                 }
+                if self.target.is_refused(key) {
+                    // Its node is down: nothing is sent, so nothing is put at risk.
+                    entry.unanswered = true;
+                    return true;
+                }
+                if entry.debt > 0
+                    && local_now.saturating_sub(entry.debt_since) > entry.limit.window_micros()
+                {
+                    // Too old to belong to any window the limit still looks at.
+                    let stale = std::mem::take(&mut entry.debt);
+                    self.drop_stale_debt(stale, &entry.limit);
+                }
                 // A quarter more than the estimate, so that a steady client is not short: a node
                 // that sees a client rarely keeps (almost) nothing of its capacity.
                 let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
@@ -975,56 +1152,56 @@ impl<T: SyncTarget> Shared<T> {
                 entry.lease -= beyond_target;
                 let give_back = beyond_target + std::mem::take(&mut entry.returning);
                 let want = target.saturating_sub(entry.lease);
-                let mut charge = std::mem::take(&mut entry.debt);
-                if charge > 0
-                    && local_now.saturating_sub(entry.debt_since) > entry.limit.window_micros()
-                {
-                    // Too old to belong to any window the limit still looks at.
-                    self.stats
-                        .dropped_units
-                        .fetch_add(charge, Ordering::Relaxed);
-                    telemetry::record_batched_dropped(charge);
-                    tracing::warn!(
-                        units = charge,
-                        limit = entry.limit.name(),
-                        "batched post-charges older than their window dropped after a store outage"
-                    );
-                    charge = 0;
-                }
-                if give_back > 0 || want > 0 || charge > 0 {
+                let charge = std::mem::take(&mut entry.debt);
+                // An active key is traded even with nothing to give or take: its view of the
+                // shared state (what its headers say) stays at most an interval behind.
+                if active || give_back > 0 || want > 0 || charge > 0 {
                     batch.push(LeaseRequest {
                         check: sync_check(key, &entry.limit, 0),
                         give_back,
                         want,
                         charge,
                     });
+                    debts_since.push(entry.debt_since);
                 }
                 true
             });
         }
         let mut outcome = Ok(());
-        for chunk in batch.chunks(SYNC_CHUNK) {
+        for (chunk, debts_since) in batch.chunks(SYNC_CHUNK).zip(debts_since.chunks(SYNC_CHUNK)) {
             let local_at_send = self.clock.now().as_micros();
-            match self.target.lease(chunk, now).await {
-                Ok(leased) => {
-                    self.observe_shared_time(leased.now, local_at_send);
-                    let decided_at = self.now(now);
-                    for (request, (granted, state)) in chunk.iter().zip(leased.grants) {
-                        let key = &request.check.key;
+            let leased = self.target.lease(chunk, now).await;
+            if let Some(latest) = leased.latest() {
+                self.observe_shared_time(latest, local_at_send);
+            }
+            let decided_at = self.now(now);
+            for ((request, grant), &debt_since) in chunk.iter().zip(leased.grants).zip(debts_since)
+            {
+                let key = &request.check.key;
+                match grant {
+                    Ok(grant) => {
                         if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
-                            entry.adopt(state, request.want, granted, decided_at);
+                            entry.adopt(grant, request.want, decided_at);
                         }
                     }
+                    Err(unanswered) => self.keep_for_later(
+                        request,
+                        Carried {
+                            debt: request.charge,
+                            debt_since,
+                            returning: request.give_back,
+                        }
+                        .after(unanswered),
+                    ),
+                }
+            }
+            match leased.failure {
+                None => {
                     self.stats.syncs.fetch_add(1, Ordering::Relaxed);
-                    self.failing.store(false, Ordering::Relaxed);
                     telemetry::record_batched_sync(true);
                 }
-                Err(error) => {
-                    for request in chunk {
-                        self.keep_for_later(request);
-                    }
+                Some(error) => {
                     self.stats.failed_syncs.fetch_add(1, Ordering::Relaxed);
-                    self.failing.store(true, Ordering::Relaxed);
                     telemetry::record_batched_sync(false);
                     outcome = Err(error);
                 }
@@ -1033,30 +1210,93 @@ impl<T: SyncTarget> Shared<T> {
         outcome
     }
 
-    /// Puts back what a failed trade carried: the lease it gave back, the debt it charged.
-    fn keep_for_later(&self, request: &LeaseRequest) {
+    /// Counts and logs a debt dropped for being older than its limit's window.
+    fn drop_stale_debt(&self, units: u64, limit: &Limit) {
+        self.stats.dropped_units.fetch_add(units, Ordering::Relaxed);
+        telemetry::record_batched_dropped(units);
+        tracing::warn!(
+            units,
+            limit = limit.name(),
+            "batched post-charges older than their window dropped after a store outage"
+        );
+    }
+
+    /// Takes back onto the key's entry what an unanswered trade carried and may still owe
+    /// ([`Carried::after`]), and marks the key as failing: a request short of lease is then
+    /// the failure policy's, since no trade brings it more.
+    fn keep_for_later(&self, request: &LeaseRequest, carried: Carried) {
         let key = &request.check.key;
-        let mut shard = self.lock_shard_of(key);
-        if let Some(Slot::Ready(entry)) = shard.get_mut(&**key) {
-            entry.lease += request.give_back;
-            if request.charge > 0 && entry.debt == 0 {
-                entry.debt_since = self.clock.now().as_micros();
-            }
-            entry.debt += request.charge;
+        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+            carried.put_back(entry);
+            entry.unanswered = true;
         }
     }
 }
 
+/// What a trade carried from a key's entry, for when it goes unanswered: its debt (with the
+/// local time of the oldest of it) and the lease it gave back.
+#[derive(Clone, Copy, Debug, Default)]
+struct Carried {
+    debt: u64,
+    debt_since: u64,
+    returning: u64,
+}
+
+impl Carried {
+    /// What is still owed after a trade that went `unanswered`. Units are never counted twice
+    /// in the node's favour: a lost trade's given-back units may have been credited already,
+    /// so they are not given back again (if they were not, they stay counted as used until
+    /// they refill or their window ends: lost, not duplicated). Its debt is sent again: if the
+    /// lost trade delivered it, the shared store counts it twice, which costs capacity and
+    /// never admits above the limit.
+    fn after(self, unanswered: Unanswered) -> Carried {
+        match unanswered {
+            Unanswered::NotSent => self,
+            Unanswered::Lost => Carried {
+                returning: 0,
+                ..self
+            },
+        }
+    }
+
+    /// Puts what is owed back on `entry`, the debt keeping its age: a debt that waits out an
+    /// outage still ages out with its window.
+    fn put_back(self, entry: &mut Entry) {
+        entry.returning += self.returning;
+        if self.debt > 0 {
+            entry.debt_since = if entry.debt == 0 {
+                self.debt_since
+            } else {
+                entry.debt_since.min(self.debt_since)
+            };
+            entry.debt += self.debt;
+        }
+    }
+}
+
+/// A top-up a request starts for one of its keys.
+struct TopUp {
+    /// The check's index in the request.
+    index: usize,
+    /// Units the request (and those queued behind the last call) lack.
+    need: u64,
+    /// Wakes the requests that wait for this top-up.
+    sender: watch::Sender<bool>,
+}
+
 /// The slots and top-ups one fetch holds. Dropped while it still holds them (the fetch
 /// failed, or was abandoned), it removes the fetched slots still its own and uncounts their
-/// keys, and lets the topped-up keys be topped up again (their debts kept); its senders go
-/// with it, which wakes the waiters, who then decide for themselves.
+/// keys, and lets the topped-up keys be topped up again, with what they carried put back as
+/// it may still be owed; its senders go with it, which wakes the waiters, who then decide for
+/// themselves.
 struct FetchClaim<'s, T: SyncTarget> {
     shared: &'s Shared<T>,
     slots: Vec<(Arc<str>, watch::Sender<bool>)>,
     top_ups: Vec<Arc<str>>,
-    /// Per top-up, the debt it charges and the lease of earlier settings it gives back.
-    carried: Vec<(u64, u64)>,
+    /// Per top-up, what it carries.
+    carried: Vec<Carried>,
+    /// Whether a top-up went unanswered: its key is marked as failing.
+    unanswered: bool,
 }
 
 impl<'s, T: SyncTarget> FetchClaim<'s, T> {
@@ -1066,7 +1306,7 @@ impl<'s, T: SyncTarget> FetchClaim<'s, T> {
         shared: &'s Shared<T>,
         checks: &[Check],
         fetch: Vec<(usize, watch::Sender<bool>)>,
-        top_up: &[(usize, u64, watch::Sender<bool>)],
+        top_up: &[TopUp],
     ) -> Self {
         FetchClaim {
             shared,
@@ -1076,9 +1316,10 @@ impl<'s, T: SyncTarget> FetchClaim<'s, T> {
                 .collect(),
             top_ups: top_up
                 .iter()
-                .map(|(index, _, _)| checks[*index].key.clone())
+                .map(|top| checks[top.index].key.clone())
                 .collect(),
-            carried: vec![(0, 0); top_up.len()],
+            carried: vec![Carried::default(); top_up.len()],
+            unanswered: false,
         }
     }
 }
@@ -1095,15 +1336,12 @@ impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
                 self.shared.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        for (key, (debt, returning)) in self.top_ups.drain(..).zip(self.carried.drain(..)) {
+        for (key, carried) in self.top_ups.drain(..).zip(self.carried.drain(..)) {
             if let Some(Slot::Ready(entry)) = self.shared.lock_shard_of(&key).get_mut(&*key) {
                 entry.refreshing = None;
                 entry.topped_up = false;
-                entry.returning += returning;
-                if debt > 0 && entry.debt == 0 {
-                    entry.debt_since = self.shared.clock.now().as_micros();
-                }
-                entry.debt += debt;
+                carried.put_back(entry);
+                entry.unanswered |= self.unanswered;
             }
         }
     }
@@ -1111,11 +1349,11 @@ impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
 
 enum Attempt {
     Decided(Decision),
-    /// Keys this request must fetch or top up (with the sender that wakes other waiters; a
-    /// top-up with the units the request lacks), and calls by other requests to wait for.
+    /// Keys this request must fetch or top up (with the sender that wakes other waiters),
+    /// and calls by other requests to wait for.
     Wait {
         fetch: Vec<(usize, watch::Sender<bool>)>,
-        top_up: Vec<(usize, u64, watch::Sender<bool>)>,
+        top_up: Vec<TopUp>,
         wait: Vec<watch::Receiver<bool>>,
     },
 }
@@ -1161,6 +1399,10 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
         Box::pin(async move {
+            if let Some(folded) = Folded::of(checks) {
+                let decision = self.check_and_consume(&folded.checks, now).await?;
+                return Ok(folded.unfold(checks, decision));
+            }
             let shared = &self.shared;
             loop {
                 match shared.decide_locally(checks, shared.now(now))? {
@@ -1206,7 +1448,14 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(self.shared.peek(checks, now))
+        Box::pin(async move {
+            match Folded::of(checks) {
+                Some(folded) => {
+                    Ok(folded.unfold(checks, self.shared.peek(&folded.checks, now).await?))
+                }
+                None => self.shared.peek(checks, now).await,
+            }
+        })
     }
 
     fn charge<'a>(
@@ -1248,12 +1497,14 @@ impl<T: SyncTarget> Shared<T> {
     async fn give_back_everything(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
         let _one_round_at_a_time = self.sync_lock.lock().await;
         let mut batch = Vec::new();
+        let mut debts_since = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             for (key, slot) in shard.iter_mut() {
                 if let Slot::Ready(entry) = slot
                     && (entry.lease > 0 || entry.returning > 0 || entry.debt > 0)
                 {
+                    debts_since.push(entry.debt_since);
                     batch.push(LeaseRequest {
                         check: sync_check(key, &entry.limit, 0),
                         give_back: std::mem::take(&mut entry.lease)
@@ -1264,14 +1515,24 @@ impl<T: SyncTarget> Shared<T> {
                 }
             }
         }
-        for chunk in batch.chunks(SYNC_CHUNK) {
-            if let Err(error) = self.target.lease(chunk, now).await {
-                for request in chunk {
-                    self.keep_for_later(request);
+        let mut outcome = Ok(());
+        for (chunk, debts_since) in batch.chunks(SYNC_CHUNK).zip(debts_since.chunks(SYNC_CHUNK)) {
+            let leased = self.target.lease(chunk, now).await;
+            for ((request, grant), &debt_since) in chunk.iter().zip(leased.grants).zip(debts_since)
+            {
+                if let Err(unanswered) = grant {
+                    let carried = Carried {
+                        debt: request.charge,
+                        debt_since,
+                        returning: request.give_back,
+                    };
+                    self.keep_for_later(request, carried.after(unanswered));
                 }
-                return Err(error);
+            }
+            if let Some(error) = leased.failure {
+                outcome = Err(error);
             }
         }
-        Ok(())
+        outcome
     }
 }

@@ -27,7 +27,7 @@ use super::shards::{LockedShards, lock, read};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::algorithm::gcra::{self, GcraState};
 use crate::algorithm::{self, LimitOutcome, State};
-use crate::decision::Decision;
+use crate::decision::{Decision, Folded};
 use crate::limit::Limit;
 use crate::time::{Clock, SystemClock, Timestamp, duration_to_micros};
 
@@ -374,6 +374,9 @@ impl Inner {
     /// Decides `checks` all-or-nothing; with `peek`, reports the same outcomes and changes
     /// nothing.
     fn decide(&self, checks: &[Check], now: Timestamp, peek: bool) -> Decision {
+        if let Some(folded) = Folded::of(checks) {
+            return folded.unfold(checks, self.decide(&folded.checks, now, peek));
+        }
         let now_micros = now.as_micros();
         if let ([check], false) = (checks, peek) {
             let (outcome, lease) = self.check_one(check, now_micros);

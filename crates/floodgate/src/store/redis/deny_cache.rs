@@ -22,7 +22,11 @@
 //! was lost) it denies nothing locally, and when the subscription comes (back) it forgets
 //! everything, since a reset may have gone unheard. A refund on another node (a later Redis
 //! slot denied its request) is not published: what it frees may stay denied here until the
-//! denial's wait is over, at most. Concurrency limits never use this (a lease can come back at
+//! denial's wait is over, at most. Neither is what batched nodes give back of their leases (a
+//! hot identity is decided from leases on some nodes and exactly on others): so that it is seen,
+//! a denial is remembered for [`LEASE_LIFETIME`] at most, the longest a lease is held before it
+//! goes back. A client far over a long window's limit costs one call per node every two
+//! seconds, not one per request. Concurrency limits never use this (a lease can come back at
 //! any moment), nor do the log and the leaky bucket (their state is not exported), nor
 //! decisions with an explicit `now` (tests that move time by hand).
 
@@ -35,12 +39,16 @@ use std::time::Instant;
 use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::{Check, Decision};
 use crate::limit::Algorithm;
+use crate::store::batched::LEASE_LIFETIME;
 use crate::time::Timestamp;
 
 /// The channel resets are published on: each message is the reset keys, one per line.
 pub const RESETS_CHANNEL: &str = "floodgate:resets";
 
 const SHARDS: usize = 16;
+
+/// The longest a denial is remembered, in microseconds: [`LEASE_LIFETIME`].
+const LONGEST_MEMORY_MICROS: u64 = LEASE_LIFETIME.as_micros() as u64;
 
 /// Most keys remembered at once (a node denying more distinct keys within their waits asks
 /// Redis for the rest).
@@ -67,6 +75,17 @@ impl Entry {
     fn time_now(&self) -> u64 {
         self.read_at
             .saturating_add(u64::try_from(self.arrived.elapsed().as_micros()).unwrap_or(u64::MAX))
+    }
+
+    /// Whether the state is recent enough to decide on: read less than a lease's lifetime
+    /// ago, so that what batched nodes gave back since is seen.
+    fn is_recent(&self) -> bool {
+        self.time_now() < self.read_at.saturating_add(LONGEST_MEMORY_MICROS)
+    }
+
+    /// Whether the entry is still of use: recent, and its wait not over.
+    fn is_kept(&self) -> bool {
+        self.is_recent() && self.time_now() < self.until
     }
 }
 
@@ -115,7 +134,7 @@ impl DenyCache {
     fn entry(&self, check: &Check) -> Option<Entry> {
         self.shard(&check.key)
             .get(&*check.key)
-            .filter(|entry| entry.algorithm == check.limit.algorithm())
+            .filter(|entry| entry.algorithm == check.limit.algorithm() && entry.is_recent())
             .cloned()
     }
 
@@ -138,7 +157,7 @@ impl DenyCache {
             if !shard.contains_key(&key) && self.len.load(Ordering::Relaxed) >= CAPACITY {
                 // Full: make room from what is over, or keep nothing more.
                 let before = shard.len();
-                shard.retain(|_, entry| entry.time_now() < entry.until);
+                shard.retain(|_, entry| entry.is_kept());
                 self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
                 if self.len.load(Ordering::Relaxed) >= CAPACITY {
                     continue;
@@ -212,7 +231,7 @@ impl DenyCache {
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
             let before = shard.len();
-            shard.retain(|_, entry| entry.time_now() < entry.until);
+            shard.retain(|_, entry| entry.is_kept());
             self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
         }
     }

@@ -8,11 +8,39 @@ use super::RedisStore;
 use super::deny_cache;
 use super::script::{LeaseToken, Mode};
 use crate::algorithm::LimitOutcome;
-use crate::decision::{Check, Decision, Lease};
+use crate::decision::{Check, Decision, Folded, Lease};
 use crate::limit::Algorithm;
-use crate::store::batched::{LeaseRequest, Leased, Synced};
+use crate::store::batched::{Grant, LeaseRequest, Leased, Synced, Unanswered};
 use crate::store::{Store, StoreError};
 use crate::time::Timestamp;
+
+/// What a store asks of its groups: a decision, or a peek.
+#[derive(Clone, Copy)]
+pub(super) enum Asking {
+    Decide,
+    Peek,
+}
+
+/// Decides (or peeks at) `checks` over the groups `groups_of` makes of them, folded first when
+/// a key repeats ([`Folded`]: a counter named twice costs both).
+pub(super) async fn decide_folded<'s>(
+    asking: Asking,
+    groups_of: impl Fn(&[Check]) -> Vec<Group<'s>>,
+    checks: &[Check],
+    now: Option<Timestamp>,
+) -> Result<Decision, StoreError> {
+    let folded = Folded::of(checks);
+    let asked = folded.as_ref().map_or(checks, |folded| &folded.checks);
+    let groups = groups_of(asked);
+    let decision = match asking {
+        Asking::Decide => decide_groups(&groups, asked, now).await?,
+        Asking::Peek => peek_groups(&groups, asked, now).await?,
+    };
+    Ok(match &folded {
+        Some(folded) => folded.unfold(checks, decision),
+        None => decision,
+    })
+}
 
 /// Decides `checks` by one script call per group, in group order; a group's node is the store
 /// that runs its call. When a group denies, what earlier groups took is refunded, and every
@@ -402,12 +430,14 @@ pub(super) async fn sync_groups(
 }
 
 /// Trades the leases of `requests` by one call per group (of the requests' checks),
-/// concurrently, and puts the grants back in the order of `requests`.
+/// concurrently, and puts the grants back in the order of `requests`. Each group's call
+/// stands alone: a node (or slot) that fails leaves the others' grants answered, and only its
+/// own requests unanswered.
 pub(super) async fn lease_groups(
     groups: &[Group<'_>],
     requests: &[LeaseRequest],
     now: Option<Timestamp>,
-) -> Result<Leased, StoreError> {
+) -> Leased {
     let calls = groups.iter().map(|group| async move {
         let members: Vec<&LeaseRequest> = group
             .members
@@ -416,19 +446,28 @@ pub(super) async fn lease_groups(
             .collect();
         group.node.guarded_lease(&members, now).await
     });
-    let replies = futures_util::future::try_join_all(calls).await?;
-    let mut grants = vec![(0, None); requests.len()];
-    let mut latest = now.unwrap_or(Timestamp::EPOCH);
+    let replies = futures_util::future::join_all(calls).await;
+    let mut grants: Vec<Result<Grant, Unanswered>> = (0..requests.len())
+        .map(|_| Err(Unanswered::NotSent))
+        .collect();
+    let mut failure = None;
     for (group, reply) in groups.iter().zip(replies) {
-        latest = latest.max(reply.now);
-        for (&index, grant) in group.members.iter().zip(reply.grants) {
-            grants[index] = grant;
+        match reply {
+            Ok(answered) => {
+                for (&index, grant) in group.members.iter().zip(answered) {
+                    grants[index] = Ok(grant);
+                }
+            }
+            Err(error) => {
+                let unanswered = Unanswered::after(&error);
+                for &index in &group.members {
+                    grants[index] = Err(unanswered);
+                }
+                failure.get_or_insert(error);
+            }
         }
     }
-    Ok(Leased {
-        now: latest,
-        grants,
-    })
+    Leased { grants, failure }
 }
 
 /// Checks decided together by one script call on `node`.

@@ -46,14 +46,14 @@ use std::time::Duration;
 
 use deadpool_redis::redis::{self, Client, RedisError, Value};
 
-use super::batched::{LeaseRequest, Leased, SyncTarget, Synced};
+use super::batched::{Grant, LeaseRequest, Leased, ResetListener, SyncTarget, Synced};
 use super::resilience::{BreakerState, Guard, GuardConfig, LogObserver, StoreObserver};
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::decision::Decision;
 use crate::time::Timestamp;
 use cluster::ClusterBreakers;
 use connection::{Connection, ConnectionError};
-use groups::{Group, charge_groups, decide_groups, lease_groups, peek_groups, sync_groups};
+use groups::{Asking, Group, charge_groups, decide_folded, lease_groups, sync_groups};
 use script::{Dispatch, Mode, Reply};
 
 /// How the store talks to Redis.
@@ -174,6 +174,7 @@ impl RedisStoreBuilder {
                 loading: tokio::sync::Mutex::new(()),
                 deny_cache: self.deny_cache.then(deny_cache::DenyCache::new),
                 listening: std::sync::atomic::AtomicBool::new(false),
+                reset_listeners: std::sync::Mutex::default(),
                 reset_source,
                 stop_listening,
                 coalescer: coalesce::Coalescer::default(),
@@ -234,8 +235,11 @@ struct Inner {
     loading: tokio::sync::Mutex<()>,
     /// What this node remembers of denials (`None` when turned off).
     deny_cache: Option<deny_cache::DenyCache>,
-    /// Whether the resets subscription was started (by the first decision).
+    /// Whether the resets subscription was started (by the first decision, or the first
+    /// listener).
     listening: std::sync::atomic::AtomicBool,
+    /// Who else hears resets: batched nodes over this store drop their leases of reset keys.
+    reset_listeners: std::sync::Mutex<Vec<ResetListener>>,
     reset_source: resets::Source,
     /// Dropped with the store: ends the subscription task.
     stop_listening: tokio::sync::watch::Sender<()>,
@@ -318,7 +322,9 @@ impl RedisStore {
 
     /// Starts hearing resets (once, from inside a runtime), so that local denials can begin.
     fn ensure_listening(&self) {
-        if self.inner.deny_cache.is_none() || self.inner.listening.load(Ordering::Relaxed) {
+        if self.inner.listening.load(Ordering::Relaxed)
+            || (self.inner.deny_cache.is_none() && self.inner.reset_listeners().is_empty())
+        {
             return;
         }
         if tokio::runtime::Handle::try_current().is_ok()
@@ -587,7 +593,7 @@ impl RedisStore {
         &self,
         requests: &[&LeaseRequest],
         now: Option<Timestamp>,
-    ) -> Result<Leased, StoreError> {
+    ) -> Result<Vec<Grant>, StoreError> {
         let key = requests.first().map_or("", |request| &*request.check.key);
         self.guarded(key, async {
             let value = self
@@ -668,7 +674,7 @@ impl SyncTarget for RedisStore {
         &'a self,
         requests: &'a [LeaseRequest],
         now: Option<Timestamp>,
-    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+    ) -> BoxFuture<'a, Leased> {
         Box::pin(async move {
             let groups: Vec<Group<'_>> = self
                 .slot_groups(requests.iter().map(|request| &*request.check.key))
@@ -685,6 +691,31 @@ impl SyncTarget for RedisStore {
     fn is_refused(&self, key: &str) -> bool {
         RedisStore::is_refused(self, key)
     }
+
+    fn on_reset(&self, listener: ResetListener) {
+        self.inner.reset_listeners().push(listener);
+        self.ensure_listening();
+    }
+}
+
+impl Inner {
+    fn reset_listeners(&self) -> std::sync::MutexGuard<'_, Vec<ResetListener>> {
+        self.reset_listeners
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets what a reset of `keys` (one per line), heard on the resets channel, undid.
+    fn heard_reset(&self, keys: &str) {
+        if let Some(cache) = &self.deny_cache {
+            cache.forget_reset(keys.lines());
+        }
+        let mut listeners = self.reset_listeners();
+        if !listeners.is_empty() {
+            let keys: Vec<&str> = keys.lines().collect();
+            listeners.retain(|listener| listener(&keys));
+        }
+    }
 }
 
 impl Store for RedisStore {
@@ -693,7 +724,12 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move { decide_groups(&self.node_groups(checks), checks, now).await })
+        Box::pin(decide_folded(
+            Asking::Decide,
+            |checks| self.node_groups(checks),
+            checks,
+            now,
+        ))
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -733,7 +769,12 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move { peek_groups(&self.node_groups(checks), checks, now).await })
+        Box::pin(decide_folded(
+            Asking::Peek,
+            |checks| self.node_groups(checks),
+            checks,
+            now,
+        ))
     }
 
     fn charge<'a>(

@@ -1,5 +1,6 @@
 //! Hearing other nodes' resets: a subscription to [`RESETS_CHANNEL`] that makes the deny cache
-//! forget what an operator reset anywhere (see [`super::deny_cache`]).
+//! forget what an operator reset anywhere (see [`super::deny_cache`]), and batched nodes drop
+//! their leases of the reset keys.
 //!
 //! One task per store, started by its first decision (a store may be built before the runtime
 //! that serves it), ended when the store is dropped. Until it is subscribed, and from the moment
@@ -71,9 +72,7 @@ async fn listen(store: Weak<Inner>, source: Source, mut stop: watch::Receiver<()
                                 return;
                             };
                             let keys: String = message.get_payload().unwrap_or_default();
-                            if let Some(cache) = &inner.deny_cache {
-                                cache.forget_reset(keys.lines());
-                            }
+                            inner.heard_reset(&keys);
                         }
                         _ = sweeps.tick() => {
                             let Some(inner) = store.upgrade() else {

@@ -275,11 +275,12 @@ pub(crate) fn lease_command(
     command
 }
 
-/// Decodes a lease reply, `{ now, (granted, present, field, field, field)* }`.
+/// Decodes a lease reply, `{ now, (granted, present, field, field, field)* }`: each request's
+/// grant, stamped with the call's time.
 pub(crate) fn decode_lease(
     value: Value,
     requests: &[&crate::store::batched::LeaseRequest],
-) -> Result<crate::store::batched::Leased, StoreError> {
+) -> Result<Vec<crate::store::batched::Grant>, StoreError> {
     let mut fields = Fields::of(value)?;
     let now = Timestamp::from_micros(fields.non_negative()?);
     let grants = requests
@@ -295,11 +296,15 @@ pub(crate) fn decode_lease(
                         })?,
                 ),
             };
-            Ok((granted, state))
+            Ok(crate::store::batched::Grant {
+                now,
+                granted,
+                state,
+            })
         })
         .collect::<Result<_, StoreError>>()?;
     fields.finish()?;
-    Ok(crate::store::batched::Leased { now, grants })
+    Ok(grants)
 }
 
 /// The command that releases `members` of `keys` (one each).

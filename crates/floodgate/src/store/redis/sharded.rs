@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use super::RedisStore;
-use super::groups::{Group, charge_groups, decide_groups, lease_groups, peek_groups, sync_groups};
+use super::groups::{Asking, Group, charge_groups, decide_folded, lease_groups, sync_groups};
 use crate::decision::Decision;
 use crate::key::storage::hash_tag;
-use crate::store::batched::{LeaseRequest, Leased, SyncTarget, Synced};
+use crate::store::batched::{LeaseRequest, Leased, ResetListener, SyncTarget, Synced};
 use crate::store::resilience::BreakerState;
 use crate::store::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::time::Timestamp;
@@ -104,7 +104,7 @@ impl SyncTarget for ShardedRedisStore {
         &'a self,
         requests: &'a [LeaseRequest],
         now: Option<Timestamp>,
-    ) -> BoxFuture<'a, Result<Leased, StoreError>> {
+    ) -> BoxFuture<'a, Leased> {
         Box::pin(async move {
             let mut groups: Vec<Group<'_>> = Vec::new();
             for (index, request) in requests.iter().enumerate() {
@@ -127,6 +127,13 @@ impl SyncTarget for ShardedRedisStore {
     fn is_refused(&self, key: &str) -> bool {
         SyncTarget::is_refused(&self.nodes[self.node_of(key)], key)
     }
+
+    fn on_reset(&self, listener: ResetListener) {
+        // Each node publishes the resets of its own identities.
+        for node in &self.nodes {
+            node.on_reset(listener.clone());
+        }
+    }
 }
 
 impl Store for ShardedRedisStore {
@@ -135,7 +142,12 @@ impl Store for ShardedRedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move { decide_groups(&self.node_groups(checks), checks, now).await })
+        Box::pin(decide_folded(
+            Asking::Decide,
+            |checks| self.node_groups(checks),
+            checks,
+            now,
+        ))
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -165,7 +177,12 @@ impl Store for ShardedRedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async move { peek_groups(&self.node_groups(checks), checks, now).await })
+        Box::pin(decide_folded(
+            Asking::Peek,
+            |checks| self.node_groups(checks),
+            checks,
+            now,
+        ))
     }
 
     fn charge<'a>(
