@@ -1,8 +1,13 @@
 //! Test support for floodgate's crates (dev-only, not published): real `redis-server`
 //! processes and clusters on free ports, owned by the test that starts them and killed when it
-//! ends (even on panic), and stores that keep their servers alive.
+//! ends (even on panic), and stores that keep their servers alive; a fault-injecting proxy
+//! ([`faults`]) to put between a store and a server.
 
+mod cluster;
+pub mod faults;
 pub mod fleet;
+
+pub use cluster::{ClusterNode, RedisCluster};
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -17,9 +22,11 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     extra: Vec<String>,
+    /// Stopped by [`RedisServer::freeze`] and not yet thawed.
+    frozen: bool,
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
@@ -103,6 +110,7 @@ impl RedisServer {
             child: Some(child),
             port,
             extra: extra.to_vec(),
+            frozen: false,
         })
     }
 
@@ -135,6 +143,39 @@ impl RedisServer {
             let _ = child.kill();
             let _ = child.wait();
         }
+        self.frozen = false;
+    }
+
+    /// Whether the process runs (it was not killed, or was restarted since).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Whether the process is stopped by [`freeze`](Self::freeze).
+    pub fn is_frozen(&self) -> bool {
+        self.frozen
+    }
+
+    /// Stops the process (SIGSTOP): a node gone silent to everyone at once (clients, its
+    /// replicas, the cluster bus), its connections left open, until [`thaw`](Self::thaw).
+    pub fn freeze(&mut self) {
+        self.signal("-STOP");
+        self.frozen = true;
+    }
+
+    /// Resumes a process stopped by [`freeze`](Self::freeze) (SIGCONT).
+    pub fn thaw(&mut self) {
+        self.signal("-CONT");
+        self.frozen = false;
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("the server runs");
+        let status = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .expect("kill(1) is installed");
+        assert!(status.success(), "kill {signal} {} failed", child.id());
     }
 
     /// Starts a new server on the same port after [`kill`](Self::kill).
@@ -181,6 +222,8 @@ impl RedisServer {
         }
         let client = deadpool_redis::redis::Client::open(self.url())?;
         let mut connection = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        // A frozen server accepts (the kernel does) but never answers.
+        connection.set_read_timeout(Some(Duration::from_secs(2)))?;
         command.query(&mut connection)
     }
 
@@ -268,130 +311,6 @@ pub fn clear_of_window_end(window: Duration, needed: Duration) {
         // The clock is the only signal a window's end has; a margin past it keeps the
         // server's clock (read a moment later) in the new window too.
         std::thread::sleep(left + Duration::from_millis(50));
-    }
-}
-
-/// A real Redis Cluster: `masters` servers with `--cluster-enabled yes`, joined by
-/// `redis-cli --cluster create`, no replicas. `cluster-require-full-coverage no` lets the
-/// surviving masters serve their slots when one dies.
-pub struct RedisCluster {
-    /// The masters, in the order they were created.
-    pub masters: Vec<RedisServer>,
-    config_dir: std::path::PathBuf,
-}
-
-impl RedisCluster {
-    /// Starts a cluster of `masters` masters (no replicas) on free ports and waits until it is up.
-    pub fn start(masters: usize) -> RedisCluster {
-        let config_dir = std::env::temp_dir().join(format!(
-            "floodgate-cluster-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::create_dir_all(&config_dir).expect("cluster config dir");
-        let dir = config_dir.clone();
-        let servers: Vec<RedisServer> = (0..masters)
-            .map(|_| {
-                RedisServer::start_with(|port| {
-                    let file = dir.join(format!("nodes-{port}.conf"));
-                    let _ = std::fs::remove_file(&file);
-                    vec![
-                        "--cluster-enabled".into(),
-                        "yes".into(),
-                        "--cluster-config-file".into(),
-                        file.display().to_string(),
-                        "--cluster-node-timeout".into(),
-                        "1000".into(),
-                        "--cluster-require-full-coverage".into(),
-                        "no".into(),
-                    ]
-                })
-            })
-            .collect();
-        let addresses: Vec<String> = servers
-            .iter()
-            .map(|server| format!("127.0.0.1:{}", server.port()))
-            .collect();
-        let output = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli is installed with redis-server");
-        assert!(
-            output.status.success(),
-            "redis-cli --cluster create failed: {}",
-            String::from_utf8_lossy(&output.stdout)
-        );
-        for server in &servers {
-            wait_until(Duration::from_secs(20), "cluster_state:ok", || {
-                server
-                    .try_command::<String>(&["CLUSTER", "INFO"])
-                    .is_ok_and(|info| info.contains("cluster_state:ok"))
-            });
-        }
-        RedisCluster {
-            masters: servers,
-            config_dir,
-        }
-    }
-
-    /// Seed URLs of every master.
-    pub fn urls(&self) -> Vec<String> {
-        self.masters.iter().map(RedisServer::url).collect()
-    }
-
-    /// `CLUSTER SLOTS` as (first slot, last slot, index of the serving master).
-    fn slot_ranges(&self) -> Vec<(u16, u16, usize)> {
-        use deadpool_redis::redis::Value;
-        let number = |value: Option<&Value>| match value {
-            Some(Value::Int(int)) => *int,
-            _ => -1,
-        };
-        let ranges: Vec<Vec<Value>> = self.masters[0].command(&["CLUSTER", "SLOTS"]);
-        ranges
-            .iter()
-            .filter_map(|range| {
-                let Some(Value::Array(node)) = range.get(2) else {
-                    return None;
-                };
-                let port = number(node.get(1));
-                let master = self
-                    .masters
-                    .iter()
-                    .position(|master| i64::from(master.port()) == port)?;
-                let (start, end) = (number(range.first()), number(range.get(1)));
-                Some((u16::try_from(start).ok()?, u16::try_from(end).ok()?, master))
-            })
-            .collect()
-    }
-
-    /// The master serving `key`'s slot.
-    pub fn master_of(&self, key: &str) -> usize {
-        let slot = floodgate::store::redis::hash_slot(key);
-        self.slot_ranges()
-            .into_iter()
-            .find(|(start, end, _)| (*start..=*end).contains(&slot))
-            .map(|(_, _, master)| master)
-            .unwrap_or_else(|| panic!("slot {slot} is not served"))
-    }
-
-    /// How many slots master `index` serves.
-    pub fn slots_served_by(&self, index: usize) -> u32 {
-        self.slot_ranges()
-            .into_iter()
-            .filter(|(_, _, master)| *master == index)
-            .map(|(start, end, _)| u32::from(end - start) + 1)
-            .sum()
-    }
-}
-
-impl Drop for RedisCluster {
-    fn drop(&mut self) {
-        for master in &mut self.masters {
-            master.kill();
-        }
-        let _ = std::fs::remove_dir_all(&self.config_dir);
     }
 }
 

@@ -12,7 +12,8 @@
 -- ARGV[2]: now in microseconds, or '' to use the server's clock (TIME), so that gateways with
 --          skewed clocks agree.
 -- 'batch' only: ARGV[3]: the number of decisions; then before each decision's limits, its
---          number of limits.
+--          number of limits and its number of arguments after these two (so that a decision
+--          the script cannot read is skipped exactly).
 -- Then per limit: its spec, "<algorithm> <a> <b>" with the two numbers the algorithm uses (see
 -- common.lua; one argument, parsed once per library load), its cost, and for the algorithms
 -- that take one (`sliding_window_log`, `concurrency`) a token: the random id of the lease or
@@ -26,7 +27,8 @@
 -- state, for the algorithms that export one: present (0/1) and three fields.
 --   'check', 'batch' and 'peek' (never admitted): admitted (0/1), each limit's outcome, and
 --     when not admitted each limit's state as it was decided on (so that a node can deny
---     again locally).
+--     again locally). In 'batch', a decision that failed (an unknown spec, corrupted stored
+--     state) is its error message alone, a string where admitted goes.
 --   'refund' and 'charge': 0, each limit's outcome evaluated after the change without charging,
 --     then each limit's state after it.
 --   'sync' (cost: the units to add): each limit's state.
@@ -336,22 +338,29 @@ local function floodgate_check(keys, args)
       failure = nil
     end
   elseif mode == 'batch' then
+    -- Each decision answers for itself, as if it had come alone: one that fails gets its error
+    -- and the others are decided, the earlier ones keeping what they took (their callers are
+    -- told). `decide` reads every limit's state before it writes any, so a decision that fails
+    -- on a spec or a stored state has written nothing (only a write that Redis itself refuses,
+    -- such as one beyond maxmemory, could fail halfway, as it would alone).
     local decisions = tonumber(args[3])
-    -- Every decision's specs are known before the first decision writes.
-    local at = 3
+    local key_at, at = 0, 3
     for _ = 1, decisions do
-      local limits = tonumber(args[at + 1])
-      at, failure = specs_of(args, at + 1, limits, false)
-      if not at then
-        break
+      local limits, arguments = tonumber(args[at + 1]), tonumber(args[at + 2])
+      local ran, decided, refusal =
+        pcall(decide, keys, args, key_at, at + 2, limits, now, true, reply, r)
+      if ran and decided then
+        r = decided
+      else
+        if not ran then
+          -- What was raised: a message, or (from redis.call) a table with the message in `err`.
+          refusal = type(decided) == 'table' and decided.err or decided
+        end
+        r = r + 1
+        reply[r] = tostring(refusal)
       end
-    end
-    local key_at = 0
-    at = 3
-    for _ = 1, failure and 0 or decisions do
-      local limits = tonumber(args[at + 1])
-      r, at = decide(keys, args, key_at, at + 1, limits, now, true, reply, r)
       key_at = key_at + limits
+      at = at + 2 + arguments
     end
   elseif mode == 'sync' then
     r, failure = sync(keys, args, n, now, reply, r)

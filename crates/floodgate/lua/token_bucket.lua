@@ -60,10 +60,18 @@ ALGORITHMS.token_bucket = {
     expire_after(key, updated + (full - level) - now)
   end,
 
-  refund = function(key, burst, emission, _, cost)
-    local level = token_bucket_load(key)
+  -- As Rust's `unconsume`: a debt (refill still to come, `updated` in the future) is paid back
+  -- first, by moving `updated` back toward now, and only the rest refills the level. Added to
+  -- the level alone, a give-back into a bucket in debt would be spendable at once here, while
+  -- every batched node's copy still waits for the debt, and the two would disagree. (Where
+  -- there is no debt the two are the same; the key's TTL, set for the later `updated`, may
+  -- outlive its state's return to full, which reads as full all the same.)
+  refund = function(key, burst, emission, now, cost)
+    local level, updated = token_bucket_load(key)
     if level then
-      redis.call('HSET', key, 'l', min(burst * emission, level + cost * emission))
+      local credit = cost * emission
+      local debt = min(max(0, updated - now), credit)
+      redis.call('HSET', key, 'l', min(burst * emission, level + credit - debt), 'u', updated - debt)
     end
   end,
 

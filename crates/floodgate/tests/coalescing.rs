@@ -16,8 +16,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
 
 use floodgate::store::RedisStore;
+use floodgate::store::resilience::BreakerState;
 use floodgate::{Algorithm, Limit, Store, store::Check};
 use support::RedisServer;
+use support::faults::{Fault, FaultProxy};
 
 fn store(server: &RedisServer, in_flight: usize) -> RedisStore {
     store_on(server.url(), in_flight)
@@ -240,4 +242,121 @@ async fn a_request_dropped_mid_batch_holds_nothing() {
         "the abandoned lease released",
         || leases(&server, key) == 0,
     );
+}
+
+/// A store through `proxy` that coalesces behind one call, with `deadline` and a breaker that
+/// opens at the first failure: any timeout shows.
+fn store_through(proxy: &FaultProxy, deadline: Duration) -> RedisStore {
+    RedisStore::builder(proxy.url())
+        .timeout(deadline)
+        .breaker(1, Duration::from_secs(60))
+        .coalesce(1)
+        .deny_cache(false)
+        .build()
+        .unwrap()
+}
+
+/// Spawns a decision of `checks` on `node`.
+fn spawn_decision(
+    node: &RedisStore,
+    checks: Vec<Check>,
+) -> tokio::task::JoinHandle<Result<floodgate::Decision, floodgate::StoreError>> {
+    let node = node.clone();
+    tokio::spawn(async move { node.check_and_consume(&checks, None).await })
+}
+
+/// A Redis slower than usual but within the deadline: a decision that waits behind a call
+/// (most of a deadline) and then goes out in a batch (most of another) is decided, and the
+/// breaker stays closed. The deadline covers the call, not the queueing.
+///
+/// Timing: replies are held 700 ms against a deadline of 1 s; the queued decision takes about
+/// 1.4 s in all, within the bound of two deadlines, and each part has 300 ms to spare.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_redis_within_the_deadline_times_out_no_queued_decision() {
+    const DEADLINE: Duration = Duration::from_secs(1);
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let node = store_through(&proxy, DEADLINE);
+    let window = Arc::new(Limit::fixed_window("w", 100, Duration::from_secs(3600)).unwrap());
+    let checks = |key: &str| vec![Check::new(key, window.clone(), 1)];
+    // Warm up: the connection is made and the library loaded.
+    assert!(
+        node.check_and_consume(&checks("fgtest:{slow}:warm"), None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+
+    proxy.set(Fault::DelayReplies(Duration::from_millis(700)));
+    let before = server.command_calls("fcall");
+    let first = spawn_decision(&node, checks("fgtest:{slow}:a"));
+    support::wait_until(Duration::from_secs(2), "the first decision made", || {
+        server.command_calls("fcall") == before + 1
+    });
+    let queued = spawn_decision(&node, checks("fgtest:{slow}:b"));
+    support::wait_until(Duration::from_secs(2), "the second decision queued", || {
+        node.coalesced_waiting() == 1
+    });
+    assert!(first.await.unwrap().expect("decided").is_allowed());
+    assert!(queued.await.unwrap().expect("decided").is_allowed());
+    assert_eq!(node.guard().state(), BreakerState::Closed);
+}
+
+/// A batch whose middle decision fails in the script (its key's stored state is corrupted):
+/// that decision gets its error, and the decisions before and after it are decided and told,
+/// each charged exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_decision_fails_alone_in_its_batch() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let node = store_through(&proxy, Duration::from_secs(5));
+    let window = Arc::new(Limit::fixed_window("w", 100, Duration::from_secs(3600)).unwrap());
+    let checks = |key: &str| vec![Check::new(key, window.clone(), 1)];
+    let (before, corrupted, after) = (
+        "fgtest:{batch}:before",
+        "fgtest:{batch}:corrupted",
+        "fgtest:{batch}:after",
+    );
+    let _: () = server.command(&["HSET", corrupted, "w", "notanumber", "c", "1"]);
+    assert!(
+        node.check_and_consume(&checks("fgtest:{batch}:warm"), None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+
+    // One call out, held, while the three queue behind it in order.
+    proxy.set(Fault::DelayReplies(Duration::from_millis(500)));
+    let calls = server.command_calls("fcall");
+    let out = spawn_decision(&node, checks("fgtest:{batch}:out"));
+    support::wait_until(Duration::from_secs(2), "the first call made", || {
+        server.command_calls("fcall") == calls + 1
+    });
+    let mut queued = Vec::new();
+    for key in [before, corrupted, after] {
+        queued.push(spawn_decision(&node, checks(key)));
+        let waiting = queued.len();
+        support::wait_until(Duration::from_secs(2), "the decision queued", || {
+            node.coalesced_waiting() == waiting
+        });
+    }
+    assert!(out.await.unwrap().unwrap().is_allowed());
+    let mut answers = Vec::new();
+    for decision in queued {
+        answers.push(decision.await.unwrap());
+    }
+    assert_eq!(
+        server.command_calls("fcall"),
+        calls + 2,
+        "the three went out as one batch"
+    );
+    assert!(answers[0].as_ref().expect("decided").is_allowed());
+    let error = answers[1].as_ref().expect_err("the corrupted state fails");
+    assert!(!error.is_transient(), "{error}");
+    assert!(answers[2].as_ref().expect("decided").is_allowed());
+    for key in [before, after] {
+        let count: u64 = server.command(&["HGET", key, "c"]);
+        assert_eq!(count, 1, "{key} charged once");
+    }
+    assert_eq!(node.guard().state(), BreakerState::Closed);
 }

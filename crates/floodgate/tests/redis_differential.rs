@@ -322,3 +322,151 @@ fn lua_scripts_match_the_rust_algorithms_on_multi_limit_calls() {
         })
         .unwrap();
 }
+
+/// A clock step of a give-back case.
+#[derive(Clone, Copy, Debug)]
+enum Gap {
+    /// The same instant.
+    None,
+    /// Up to 5 s.
+    Short(u64),
+    /// Exactly one window: the same offset in a later window.
+    Window,
+    /// Up to two emission intervals, so that a debt is partly paid by refill (buckets and
+    /// GCRA only; the window counters take a short step instead, keeping clear of window ends,
+    /// where a key's TTL in Redis's real time would end before the test's clock got there).
+    Emissions(u64),
+}
+
+/// One step of a give-back case: charge units unconditionally (batched mode's charge beyond
+/// the level: a debt), or give units back (a lease's unused part, a refund).
+#[derive(Clone, Copy, Debug)]
+enum Trade {
+    Charge(u64),
+    GiveBack(u64),
+}
+
+#[derive(Clone, Debug)]
+struct GiveBackCase {
+    algorithm: Algorithm,
+    limit: u64,
+    window_hours: u64,
+    extra_burst: u64,
+    steps: Vec<(Gap, Trade)>,
+}
+
+fn give_back_cases() -> impl Strategy<Value = GiveBackCase> {
+    let algorithm = prop_oneof![
+        Just(Algorithm::TokenBucket),
+        Just(Algorithm::Gcra),
+        Just(Algorithm::FixedWindow),
+        Just(Algorithm::SlidingWindowCounter),
+    ];
+    let gap = prop_oneof![
+        1 => Just(Gap::None),
+        2 => (0u64..5_000_000).prop_map(Gap::Short),
+        1 => Just(Gap::Window),
+        2 => (0u64..2_000).prop_map(Gap::Emissions),
+    ];
+    let trade = prop_oneof![
+        (1u64..60).prop_map(Trade::Charge),
+        (1u64..30).prop_map(Trade::GiveBack),
+    ];
+    (
+        algorithm,
+        1u64..25,
+        // Windows that divide a day, so that START (midnight) begins one of each.
+        prop::sample::select(vec![1u64, 2, 3, 4, 6, 8, 12, 24]),
+        0u64..10,
+        prop::collection::vec((gap, trade), 1..40),
+    )
+        .prop_map(
+            |(algorithm, limit, window_hours, extra_burst, steps)| GiveBackCase {
+                algorithm,
+                limit,
+                window_hours,
+                extra_burst,
+                steps,
+            },
+        )
+}
+
+/// Batched mode's trades against the Rust algorithms: charges beyond what a limit holds (a
+/// token bucket or GCRA then owes refill time) and give-backs, through the scripts' `charge`
+/// and `refund` in lease calls, and through `algorithm::consume` and `algorithm::unconsume` on
+/// a node's copy. The state Redis reports after each trade must be the node's: a give-back into
+/// a bucket in debt pays the debt before it refills the bucket, on both.
+#[test]
+fn lua_give_backs_match_the_rust_algorithms_on_limits_in_debt() {
+    use floodgate::store::batched::{LeaseRequest, SyncTarget};
+
+    let (runtime, served) = runtime_and_store();
+    let case_number = std::sync::atomic::AtomicU64::new(0);
+    let mut runner = runner(150);
+    runner
+        .run(&give_back_cases(), |case| {
+            let case_number = case_number.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let window = Duration::from_secs(case.window_hours * 3600);
+            let mut builder = Limit::builder("give-back")
+                .algorithm(case.algorithm)
+                .limit(case.limit)
+                .window(window);
+            if case.algorithm.uses_burst() {
+                builder = builder.burst(case.limit + case.extra_burst);
+            }
+            let limit = Arc::new(builder.build().unwrap());
+            let key = format!("give-back:{{case:{case_number}}}:r:{}", case.algorithm);
+            let counts_in_windows = matches!(
+                case.algorithm,
+                Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
+            );
+            let mut node: Option<State> = None;
+            let mut now = START;
+            for (index, &(gap, trade)) in case.steps.iter().enumerate() {
+                now += match gap {
+                    Gap::None => 0,
+                    Gap::Short(micros) => micros,
+                    Gap::Window => window.as_micros() as u64,
+                    Gap::Emissions(_) if counts_in_windows => 0,
+                    Gap::Emissions(thousandths) => limit.emission_micros() * thousandths / 1_000,
+                };
+                let (charge, give_back) = match trade {
+                    Trade::Charge(units) => (units, 0),
+                    Trade::GiveBack(units) => (0, units),
+                };
+                if charge > 0 {
+                    algorithm::consume(&limit, &mut node, now, charge, 0);
+                }
+                if let Some(state) = &mut node
+                    && give_back > 0
+                {
+                    algorithm::unconsume(&limit, state, now, give_back);
+                }
+                let request = LeaseRequest {
+                    check: Check::new(key.clone(), limit.clone(), 1),
+                    give_back,
+                    want: 0,
+                    charge,
+                };
+                let leased = runtime
+                    .block_on(
+                        served
+                            .store
+                            .lease(&[request], Some(Timestamp::from_micros(now))),
+                    )
+                    .expect("redis trades");
+                let (_, shared) = &leased.grants[0];
+                prop_assert_eq!(
+                    shared,
+                    &node,
+                    "{} step {} ({:?}) at +{}µs",
+                    case.algorithm,
+                    index,
+                    trade,
+                    now - START
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+}

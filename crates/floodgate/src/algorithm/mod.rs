@@ -240,8 +240,11 @@ pub(crate) fn import(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
 }
 
 #[cfg(feature = "redis")]
-/// Gives `units` back to a batched node's local `state` (a later store denied the request).
-pub(crate) fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
+/// Gives `units` back to `state`: what a batched node does to its local copy when a later store
+/// denied the request, and what the Redis scripts' `refund` does to the shared state (the
+/// differential test holds the two to the same result). A token bucket in debt pays the debt
+/// first.
+pub fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
     let credit = units * limit.emission_micros();
     match state {
         State::TokenBucket(bucket) => token_bucket::unconsume(limit, bucket, now, credit),

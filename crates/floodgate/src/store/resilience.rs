@@ -205,7 +205,10 @@ impl Guard {
             .state
     }
 
-    /// Runs `call` under the deadline, unless the breaker rejects it.
+    /// Runs `call` under the deadline, unless the breaker rejects it. The deadline runs from
+    /// the start, or from when `call` last said that it went out only then
+    /// ([`call_goes_out_now`]): a call that first waited for its turn (coalescing) gives the
+    /// wait one deadline and the call another, so at most twice the deadline in all.
     pub async fn call<T, F>(&self, call: F) -> Result<T, StoreError>
     where
         F: Future<Output = Result<T, StoreError>>,
@@ -226,10 +229,12 @@ impl Guard {
             probe,
             done: false,
         };
-        let result = match tokio::time::timeout(self.config.timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.config.timeout)),
-        };
+        let result = CALL_STARTED
+            .scope(
+                std::cell::Cell::new(None),
+                within_deadline(self.config.timeout, call),
+            )
+            .await;
         pending.done = true;
         // An error that is not transient (the call's, not the store's) came from a store that
         // answered: it counts as a success, so it never opens the breaker.
@@ -305,6 +310,44 @@ impl Drop for Guard {
     fn drop(&mut self) {
         crate::telemetry::record_breaker_change(self.backend, Some(self.state()), None);
     }
+}
+
+tokio::task_local! {
+    /// When the guarded call being polled went out, if it said so since the guard last looked
+    /// ([`call_goes_out_now`]).
+    static CALL_STARTED: std::cell::Cell<Option<tokio::time::Instant>>;
+}
+
+/// Said from inside [`Guard::call`] by a call that waited for its turn before going out (a
+/// decision queued to be coalesced): its deadline starts again now, so that the deadline
+/// measures the store, not the queue. The wait itself stays bounded by the deadline that ran
+/// until now. Outside a guarded call, nothing happens.
+pub(crate) fn call_goes_out_now() {
+    let now = tokio::time::Instant::now();
+    let _ = CALL_STARTED.try_with(|started| started.set(Some(now)));
+}
+
+/// `call`, or [`StoreError::Timeout`] once `deadline` has passed since it began or since it
+/// last went out ([`call_goes_out_now`]). Polled inside the [`CALL_STARTED`] scope.
+async fn within_deadline<T>(
+    deadline: Duration,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let mut call = std::pin::pin!(call);
+    let mut expiry = std::pin::pin!(tokio::time::sleep(deadline));
+    std::future::poll_fn(|context| {
+        if let std::task::Poll::Ready(result) = call.as_mut().poll(context) {
+            return std::task::Poll::Ready(result);
+        }
+        if let Ok(Some(started)) = CALL_STARTED.try_with(std::cell::Cell::take) {
+            expiry.as_mut().reset(started + deadline);
+        }
+        expiry
+            .as_mut()
+            .poll(context)
+            .map(|()| Err(StoreError::Timeout(deadline)))
+    })
+    .await
 }
 
 struct PendingCall<'g> {

@@ -14,6 +14,20 @@
 //! away while its batch is out has its reply's concurrency leases released (its own future
 //! releases them too: releasing twice is harmless), so a dropped request holds nothing.
 //! Decisions with an explicit `now` (tests) are never coalesced: a batch has one instant.
+//!
+//! Deadlines: the store's deadline measures Redis, not the queue. A decision that queued has
+//! its deadline started again when its batch goes out
+//! ([`call_goes_out_now`](crate::store::resilience::call_goes_out_now)), so a Redis that is
+//! slow but within the deadline never times out a decision that waited behind another call
+//! (which would open the breaker on a healthy store). The wait for a place stays bounded by
+//! the deadline that ran until then, so a decision never takes more than twice the deadline:
+//! a queue that does not move within one deadline (the calls ahead all failing, or more than
+//! [`MAX_BATCH`] decisions ahead of it on a store too slow for its load) fails the decision as
+//! a timeout.
+//!
+//! Each decision of a batch has its own answer: one that fails in the script (corrupted stored
+//! state, a spec the loaded library does not know) answers with its error, and the others are
+//! decided as if it had not come (see `lua/check.lua`, mode 'batch').
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -24,7 +38,7 @@ use super::RedisStore;
 use super::groups::leases_of;
 use super::script::{self, Mode, Reply};
 use crate::decision::Check;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, resilience};
 
 /// Most decisions sent in one call, so that one call never holds Redis for long.
 pub(super) const MAX_BATCH: usize = 64;
@@ -46,6 +60,8 @@ struct Queue {
 struct Waiter {
     checks: Vec<Check>,
     tokens: Vec<String>,
+    /// Told when its batch goes out, so that its deadline starts again.
+    sent: Option<oneshot::Sender<()>>,
     reply: oneshot::Sender<Result<Reply, StoreError>>,
 }
 
@@ -92,13 +108,15 @@ pub(super) async fn check(
             queue.in_flight += 1;
             None
         } else {
+            let (sent, went_out) = oneshot::channel();
             let (reply, waiting) = oneshot::channel();
             queue.waiting.push(Waiter {
                 checks: checks.iter().map(|check| (*check).clone()).collect(),
                 tokens: tokens.to_vec(),
+                sent: Some(sent),
                 reply,
             });
-            Some(waiting)
+            Some((went_out, waiting))
         }
     };
     match waiting {
@@ -110,11 +128,17 @@ pub(super) async fn check(
                 .pop()
                 .ok_or_else(|| StoreError::Protocol("a decision went unanswered".into()))
         }
-        Some(waiting) => waiting.await.unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(
-                "the batch carrying this decision was abandoned".into(),
-            ))
-        }),
+        Some((went_out, waiting)) => {
+            // Not sent when the waiter is dropped unbatched: the reply says why.
+            if went_out.await.is_ok() {
+                resilience::call_goes_out_now();
+            }
+            waiting.await.unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(
+                    "the batch carrying this decision was abandoned".into(),
+                ))
+            })
+        }
     }
 }
 
@@ -153,8 +177,14 @@ fn finish(store: &RedisStore, slot: u16) {
     });
 }
 
-/// Sends `batch` as one call and answers each waiter.
-async fn send_batch(store: &RedisStore, batch: Vec<Waiter>) {
+/// Sends `batch` as one call and answers each waiter: with its own decision, or its own
+/// error, or the call's failure.
+async fn send_batch(store: &RedisStore, mut batch: Vec<Waiter>) {
+    for waiter in &mut batch {
+        if let Some(sent) = waiter.sent.take() {
+            let _ = sent.send(());
+        }
+    }
     let refs: Vec<Vec<&Check>> = batch
         .iter()
         .map(|waiter| waiter.checks.iter().collect())
@@ -168,21 +198,25 @@ async fn send_batch(store: &RedisStore, batch: Vec<Waiter>) {
         })
         .collect();
     let deadline = store.inner.guard.config().timeout;
-    let result =
-        match tokio::time::timeout(deadline, store.call(Mode::Check, &decisions, None)).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(deadline)),
-        };
+    let call = async {
+        let value = store
+            .run_library(|dispatch| script::command(dispatch, Mode::Check, &decisions, None))
+            .await?;
+        script::decode_batch(value, &decisions)
+    };
+    let result = match tokio::time::timeout(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Timeout(deadline)),
+    };
     match result {
         Ok(replies) => {
             let mut orphaned = Vec::new();
             for (waiter, reply) in batch.into_iter().zip(replies) {
-                let leases = if reply.admitted {
-                    leases_of(waiter.checks.iter(), &reply.tokens)
-                } else {
-                    Vec::new()
+                let leases = match &reply {
+                    Ok(reply) if reply.admitted => leases_of(waiter.checks.iter(), &reply.tokens),
+                    _ => Vec::new(),
                 };
-                if waiter.reply.send(Ok(reply)).is_err() {
+                if waiter.reply.send(reply).is_err() {
                     orphaned.extend(leases);
                 }
             }

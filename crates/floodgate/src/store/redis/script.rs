@@ -225,7 +225,14 @@ pub(crate) fn command(
     }
     for decision in decisions {
         if batch {
-            command.arg(decision.checks.len());
+            // Its limits, and its arguments after these two: where the next decision starts,
+            // even when the script cannot read this one.
+            let arguments: usize = decision
+                .checks
+                .iter()
+                .map(|check| 2 + usize::from(takes_token(check.limit.algorithm())))
+                .sum();
+            command.arg(decision.checks.len()).arg(arguments);
         }
         for (index, check) in decision.checks.iter().enumerate() {
             command.arg(check.limit.script_spec()).arg(check.cost);
@@ -421,6 +428,47 @@ impl Fields {
         Ok(present.then_some(fields))
     }
 
+    /// The rest of one decision's reply after its admitted flag: each limit's outcome, then
+    /// the states if `mode` replies with them.
+    fn decision(
+        &mut self,
+        mode: Mode,
+        now: Timestamp,
+        admitted: bool,
+        decision: &Decision<'_>,
+    ) -> Result<Reply, StoreError> {
+        let limits = decision.checks.len();
+        let mut outcomes = Vec::with_capacity(limits);
+        let mut tokens = Vec::with_capacity(limits);
+        for check in decision.checks {
+            let (outcome, token) = self.outcome(check.limit.algorithm())?;
+            outcomes.push(outcome);
+            tokens.push(token);
+        }
+        let states = if mode.replies_with_states(admitted) {
+            decision
+                .checks
+                .iter()
+                .map(|check| {
+                    if check.limit.algorithm().is_batchable() {
+                        self.state()
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(Reply {
+            now,
+            admitted,
+            outcomes,
+            tokens,
+            states,
+        })
+    }
+
     fn finish(mut self) -> Result<(), StoreError> {
         match self.items.next() {
             None => Ok(()),
@@ -441,37 +489,40 @@ pub(crate) fn decode(
     let now = Timestamp::from_micros(fields.non_negative()?);
     let mut replies = Vec::with_capacity(decisions.len());
     for decision in decisions {
-        let limits = decision.checks.len();
         let admitted = fields.integer()? == 1;
-        let mut outcomes = Vec::with_capacity(limits);
-        let mut tokens = Vec::with_capacity(limits);
-        for check in decision.checks {
-            let (outcome, token) = fields.outcome(check.limit.algorithm())?;
-            outcomes.push(outcome);
-            tokens.push(token);
-        }
-        let states = if mode.replies_with_states(admitted) {
-            decision
-                .checks
-                .iter()
-                .map(|check| {
-                    if check.limit.algorithm().is_batchable() {
-                        fields.state()
-                    } else {
-                        Ok(None)
-                    }
-                })
-                .collect::<Result<_, _>>()?
-        } else {
-            Vec::new()
+        replies.push(fields.decision(mode, now, admitted, decision)?);
+    }
+    fields.finish()?;
+    Ok(replies)
+}
+
+/// Decodes the reply of a `Mode::Check` call of `decisions` (a batch, or one decision) into
+/// each decision's own answer: a batch's decision that failed in the script answers with its
+/// error (a string where its admitted flag goes), and the others are decided.
+pub(crate) fn decode_batch(
+    value: Value,
+    decisions: &[Decision<'_>],
+) -> Result<Vec<Result<Reply, StoreError>>, StoreError> {
+    let mut fields = Fields::of(value)?;
+    let now = Timestamp::from_micros(fields.non_negative()?);
+    let mut replies = Vec::with_capacity(decisions.len());
+    for decision in decisions {
+        let admitted = match fields.next()? {
+            Value::Int(admitted) => admitted == 1,
+            Value::BulkString(error) => {
+                // The script's error, as a call that failed with it would give (SPEC §3: not
+                // transient, it would fail again).
+                let error = String::from_utf8_lossy(&error).into_owned();
+                replies.push(Err(StoreError::Protocol(error)));
+                continue;
+            }
+            other => {
+                return Err(StoreError::Protocol(format!(
+                    "expected a decision's admitted flag or error, got {other:?}"
+                )));
+            }
         };
-        replies.push(Reply {
-            now,
-            admitted,
-            outcomes,
-            tokens,
-            states,
-        });
+        replies.push(fields.decision(Mode::Check, now, admitted, decision));
     }
     fields.finish()?;
     Ok(replies)

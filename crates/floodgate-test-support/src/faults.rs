@@ -1,0 +1,426 @@
+//! A fault-injecting TCP proxy, placed between a store (or any Redis client) and a Redis server,
+//! so that a test can make the network misbehave in the ways that decide a limiter's edges:
+//! replies that come late, commands applied but never answered, a node gone silent, a node
+//! gone.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use floodgate_test_support::{RedisServer, faults::{Fault, FaultProxy}};
+//!
+//! let server = RedisServer::start();
+//! let proxy = FaultProxy::start(server.port());
+//! // A store built on `proxy.url()` now talks to `server` through the proxy.
+//! proxy.set(Fault::DelayReplies(Duration::from_millis(300)));
+//! // ... every reply reaches the client 300ms after Redis sent it ...
+//! proxy.set(Fault::None);
+//! ```
+//!
+//! The proxy runs on a thread of its own with its own single-threaded Tokio runtime, so it
+//! works the same under any test runtime (or none), and a test's runtime being busy or blocked
+//! never delays it. [`FaultProxy::set`] may be called from any thread at any moment: every byte
+//! that reaches the proxy after `set` returns is handled under the new fault, on new and
+//! existing connections alike. Dropping the proxy stops it and closes every connection.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+
+/// How the proxy treats traffic, switchable at any time with [`FaultProxy::set`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fault {
+    /// Plain forwarding both ways.
+    #[default]
+    None,
+    /// Commands reach the server at once (so they run); each reply reaches the client this long
+    /// after the server sent it. A client whose deadline is shorter sees an error although the
+    /// server applied the command. Replies already held when the fault changes keep their time.
+    DelayReplies(Duration),
+    /// What the client sends is forwarded; once the server answers, the answer is discarded and
+    /// the connection closed on both sides: applied, but never seen by the client.
+    DropAfterForward,
+    /// A node gone silent: connections are accepted and read, nothing is forwarded either way
+    /// and nothing answered (replies already held back are lost too). A connection that
+    /// swallowed anything is closed when the fault changes, since the client and the server can
+    /// no longer agree on which reply answers which command; one that did not carries on.
+    BlackHole,
+    /// A node gone: existing connections are closed, and new ones closed as soon as they are
+    /// accepted (the port stays bound, so a later [`Fault::None`] brings it back on the same
+    /// address: clients see a reset, not a refused connect).
+    Refuse,
+}
+
+/// What went through the proxy so far.
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    forwarded: AtomicU64,
+    delivered: AtomicU64,
+    swallowed: AtomicU64,
+}
+
+/// A fault-injecting TCP proxy on a free loopback port in front of an upstream address. See
+/// the [module docs](self).
+pub struct FaultProxy {
+    addr: SocketAddr,
+    upstream: SocketAddr,
+    fault: watch::Sender<Fault>,
+    counters: Arc<Counters>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for FaultProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultProxy")
+            .field("addr", &self.addr)
+            .field("upstream", &self.upstream)
+            .field("fault", &self.fault())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long the proxy waits for the upstream to accept a connection before closing the
+/// client's: an upstream that is gone (a killed server) refuses at once on loopback, so this
+/// only bounds an upstream that is itself stuck.
+const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl FaultProxy {
+    /// Starts a proxy in front of `127.0.0.1:upstream_port`, forwarding plainly.
+    pub fn start(upstream_port: u16) -> FaultProxy {
+        FaultProxy::start_to(SocketAddr::from(([127, 0, 0, 1], upstream_port)))
+    }
+
+    /// Starts a proxy in front of `upstream`, forwarding plainly. The upstream need not be up
+    /// yet: the proxy connects to it once per accepted connection.
+    pub fn start_to(upstream: SocketAddr) -> FaultProxy {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        listener
+            .set_nonblocking(true)
+            .expect("a non-blocking listener");
+        let addr = listener.local_addr().expect("the listener's address");
+        let (fault, watching) = watch::channel(Fault::None);
+        let counters = Arc::new(Counters::default());
+        let (stop, stopped) = oneshot::channel();
+        let thread_counters = counters.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("fault-proxy-{}", addr.port()))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the proxy's runtime");
+                runtime.block_on(async move {
+                    let listener = TcpListener::from_std(listener).expect("a tokio listener");
+                    tokio::select! {
+                        () = accept_loop(listener, upstream, watching, thread_counters) => {}
+                        _ = stopped => {}
+                    }
+                });
+                // Dropping the runtime here drops every connection's task, closing its sockets.
+            })
+            .expect("spawn the proxy's thread");
+        FaultProxy {
+            addr,
+            upstream,
+            fault,
+            counters,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    /// Switches to `fault`, for new and existing connections: every byte that reaches the proxy
+    /// after this returns is handled under it.
+    pub fn set(&self, fault: Fault) {
+        self.fault.send_replace(fault);
+    }
+
+    /// The fault in effect.
+    pub fn fault(&self) -> Fault {
+        *self.fault.borrow()
+    }
+
+    /// The address clients connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The port clients connect to.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// `redis://127.0.0.1:<port>`: the proxy's address as a Redis URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port())
+    }
+
+    /// The address the proxy forwards to.
+    pub fn upstream(&self) -> SocketAddr {
+        self.upstream
+    }
+
+    /// Connections accepted so far (including those closed at once under [`Fault::Refuse`]).
+    pub fn connections_accepted(&self) -> u64 {
+        self.counters.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Bytes forwarded from clients to the upstream so far.
+    pub fn bytes_forwarded(&self) -> u64 {
+        self.counters.forwarded.load(Ordering::SeqCst)
+    }
+
+    /// Bytes of replies delivered from the upstream to clients so far.
+    pub fn bytes_delivered(&self) -> u64 {
+        self.counters.delivered.load(Ordering::SeqCst)
+    }
+
+    /// Bytes read and thrown away so far, either way ([`Fault::BlackHole`], the reply that
+    /// [`Fault::DropAfterForward`] discards).
+    pub fn bytes_swallowed(&self) -> u64 {
+        self.counters.swallowed.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    upstream: SocketAddr,
+    fault: watch::Receiver<Fault>,
+    counters: Arc<Counters>,
+) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            continue;
+        };
+        counters.accepted.fetch_add(1, Ordering::SeqCst);
+        if *fault.borrow() == Fault::Refuse {
+            drop(client);
+            continue;
+        }
+        let (fault, counters) = (fault.clone(), counters.clone());
+        tokio::spawn(async move {
+            let _ = client.set_nodelay(true);
+            Connection::new(client, upstream, fault, counters)
+                .serve()
+                .await;
+        });
+    }
+}
+
+/// One client connection and, once it is needed, its connection to the upstream.
+struct Connection {
+    client: TcpStream,
+    upstream_addr: SocketAddr,
+    /// Connected when the first byte is to be forwarded, so that a connection accepted while
+    /// the node is a black hole does not reach the server at all.
+    upstream: Option<TcpStream>,
+    fault: watch::Receiver<Fault>,
+    counters: Arc<Counters>,
+    /// Replies held back by [`Fault::DelayReplies`], with when each may go, in order.
+    held: VecDeque<(Instant, Vec<u8>)>,
+    /// [`Fault::DropAfterForward`] forwarded something: the next reply is discarded and the
+    /// connection closed.
+    dropping: bool,
+    /// [`Fault::BlackHole`] threw bytes away on this connection.
+    swallowed: bool,
+}
+
+/// Why a connection's loop goes on or ends.
+enum Next {
+    Continue,
+    Close,
+}
+
+impl Connection {
+    fn new(
+        client: TcpStream,
+        upstream_addr: SocketAddr,
+        fault: watch::Receiver<Fault>,
+        counters: Arc<Counters>,
+    ) -> Connection {
+        Connection {
+            client,
+            upstream_addr,
+            upstream: None,
+            fault,
+            counters,
+            held: VecDeque::new(),
+            dropping: false,
+            swallowed: false,
+        }
+    }
+
+    /// The fault in effect now: read at the moment bytes are handled (not when the loop last
+    /// went round), so that bytes arriving after [`FaultProxy::set`] returned see the new one.
+    fn current(&mut self) -> Fault {
+        *self.fault.borrow_and_update()
+    }
+
+    /// Whether the connection must end under `fault` before handling anything more.
+    fn must_close(&self, fault: Fault) -> bool {
+        fault == Fault::Refuse || (self.swallowed && fault != Fault::BlackHole)
+    }
+
+    async fn serve(mut self) {
+        if self.current() != Fault::BlackHole && self.connect().await.is_err() {
+            return;
+        }
+        let mut from_client = vec![0u8; 64 * 1024];
+        let mut from_upstream = vec![0u8; 64 * 1024];
+        loop {
+            let fault = self.current();
+            if self.must_close(fault) {
+                return;
+            }
+            let next_release = self.held.front().map(|(at, _)| *at);
+            let upstream = self.upstream.as_mut();
+            let next = tokio::select! {
+                changed = self.fault.changed() => {
+                    if changed.is_err() { Next::Close } else { Next::Continue }
+                }
+                read = self.client.read(&mut from_client) => match read {
+                    Ok(0) | Err(_) => Next::Close,
+                    Ok(read) => self.on_client_bytes(&from_client[..read]).await,
+                },
+                read = read_from(upstream, &mut from_upstream) => match read {
+                    Ok(0) | Err(_) => Next::Close,
+                    Ok(read) => self.on_upstream_bytes(&from_upstream[..read]).await,
+                },
+                () = tokio::time::sleep_until(next_release.unwrap_or_else(Instant::now)),
+                    if next_release.is_some() => self.release_due().await,
+            };
+            if let Next::Close = next {
+                return;
+            }
+        }
+    }
+
+    async fn connect(&mut self) -> std::io::Result<()> {
+        let connect = TcpStream::connect(self.upstream_addr);
+        let upstream = tokio::time::timeout(UPSTREAM_CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        let _ = upstream.set_nodelay(true);
+        self.upstream = Some(upstream);
+        Ok(())
+    }
+
+    async fn on_client_bytes(&mut self, bytes: &[u8]) -> Next {
+        match self.current() {
+            Fault::Refuse => Next::Close,
+            Fault::BlackHole => self.swallow(bytes),
+            fault => {
+                if self.must_close(fault) {
+                    return Next::Close;
+                }
+                if self.upstream.is_none() && self.connect().await.is_err() {
+                    return Next::Close;
+                }
+                let Some(upstream) = self.upstream.as_mut() else {
+                    return Next::Close;
+                };
+                if upstream.write_all(bytes).await.is_err() {
+                    return Next::Close;
+                }
+                self.counters
+                    .forwarded
+                    .fetch_add(bytes.len() as u64, Ordering::SeqCst);
+                if fault == Fault::DropAfterForward {
+                    self.dropping = true;
+                }
+                Next::Continue
+            }
+        }
+    }
+
+    async fn on_upstream_bytes(&mut self, bytes: &[u8]) -> Next {
+        if self.dropping {
+            // The server answered what was forwarded under DropAfterForward: it was applied,
+            // and the client never learns.
+            self.swallow(bytes);
+            return Next::Close;
+        }
+        match self.current() {
+            Fault::Refuse => Next::Close,
+            Fault::BlackHole => self.swallow(bytes),
+            Fault::DropAfterForward => {
+                self.swallow(bytes);
+                Next::Close
+            }
+            Fault::DelayReplies(delay) => {
+                self.held
+                    .push_back((Instant::now() + delay, bytes.to_vec()));
+                Next::Continue
+            }
+            Fault::None if !self.held.is_empty() => {
+                // Behind the replies still held, so that replies keep their order.
+                self.held.push_back((Instant::now(), bytes.to_vec()));
+                Next::Continue
+            }
+            Fault::None => self.deliver(bytes).await,
+        }
+    }
+
+    /// Delivers every held reply whose time has come.
+    async fn release_due(&mut self) -> Next {
+        let now = Instant::now();
+        while self.held.front().is_some_and(|(at, _)| *at <= now) {
+            let Some((_, bytes)) = self.held.pop_front() else {
+                break;
+            };
+            let next = match self.current() {
+                Fault::Refuse => Next::Close,
+                Fault::BlackHole => self.swallow(&bytes),
+                _ => self.deliver(&bytes).await,
+            };
+            if let Next::Close = next {
+                return Next::Close;
+            }
+        }
+        Next::Continue
+    }
+
+    async fn deliver(&mut self, bytes: &[u8]) -> Next {
+        if self.client.write_all(bytes).await.is_err() {
+            return Next::Close;
+        }
+        self.counters
+            .delivered
+            .fetch_add(bytes.len() as u64, Ordering::SeqCst);
+        Next::Continue
+    }
+
+    fn swallow(&mut self, bytes: &[u8]) -> Next {
+        self.swallowed = true;
+        self.counters
+            .swallowed
+            .fetch_add(bytes.len() as u64, Ordering::SeqCst);
+        Next::Continue
+    }
+}
+
+/// Reads from the upstream if there is one; never completes if not.
+async fn read_from(upstream: Option<&mut TcpStream>, buffer: &mut [u8]) -> std::io::Result<usize> {
+    match upstream {
+        Some(upstream) => upstream.read(buffer).await,
+        None => std::future::pending().await,
+    }
+}
