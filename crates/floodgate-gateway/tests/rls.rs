@@ -880,3 +880,43 @@ async fn a_limit_that_replaces_another_sets_it_aside() {
     }
     assert_eq!(standard, [true, true, false], "alone, standard applies");
 }
+
+/// The sum of `floodgate_store_errors_total` over its kinds, from the admin API's `/metrics`.
+async fn store_errors(rls: &Rls) -> u64 {
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(metrics.body())
+        .lines()
+        .filter(|line| line.starts_with("floodgate_store_errors_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A decision the store fails is one store error in `floodgate_store_errors_total`, counted
+/// where the store call failed (the store's guard), not once more by the service. Sequential
+/// calls with one descriptor each make one store call each: before the breaker opens each
+/// fails at Redis, after it each is refused by the breaker, and both are one error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_failed_decision_counts_one_store_error() {
+    const FAILED_CALLS: u64 = 8;
+    let mut redis = redis_support::RedisServer::start();
+    let rls = Rls::start(
+        &[("api.yaml", TWO_LIMITS)],
+        &redis_store(&redis, "open"),
+        false,
+    );
+    let mut client = rls.client().await;
+    let answer = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(answer.statuses[0].limit_remaining, 4, "counted on Redis");
+    let before = store_errors(&rls).await;
+
+    redis.kill();
+    for _ in 0..FAILED_CALLS {
+        let answer = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "open admits");
+    }
+    assert_eq!(
+        store_errors(&rls).await - before,
+        FAILED_CALLS,
+        "one store error per failed decision"
+    );
+}

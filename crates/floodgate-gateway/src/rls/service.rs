@@ -184,7 +184,8 @@ impl RlsService {
             Ok(decision) => return Ok(Enforced::Decided(decision)),
             Err(error) => error,
         };
-        telemetry::record_store_error(&error);
+        // Not counted here: the store's guard (the library's `store::resilience`) counted it
+        // in `floodgate_store_errors_total` when the call failed, as it does for the layer.
         let current = self.gateway.current();
         let config = &current.config;
         let on_store_error =
