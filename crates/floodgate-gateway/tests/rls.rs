@@ -689,10 +689,12 @@ async fn an_rls_only_deployment_binds_no_proxy_port() {
 }
 
 /// Envoy's per-descriptor `limit` override (from route metadata) decides in place of the
-/// file: its own counter per override value, shown in `current_limit`, counted in metrics,
-/// and bounded in number (a new value past the bound is refused: the file's limit decides).
+/// file: its own counter per override value, shown in `current_limit`, counted in metrics.
+/// The limits built for overrides are bounded in number; past the bound the least recently
+/// used is evicted, so that a new value still applies however many came before (before, a
+/// process that had seen 1,024 values refused every new one for the rest of its life).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
+async fn envoys_limit_override_counts_on_its_own_past_the_bound() {
     let (_redis, rls, mut client) = on_redis(&[(
         "api.yaml",
         "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 2, name: per-tenant }\n",
@@ -731,13 +733,19 @@ async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
         admitted(&mut client, "api", &[("tenant", "acme")], 4).await,
         2
     );
-    // Past the bound, a new override value is not applied.
+    // Past the bound, a new override value still applies: the least recently used is evicted.
+    let mut last = None;
     for requests_per_unit in 10..(10 + 1100) {
-        client
-            .should_rate_limit(request("api", vec![overridden(requests_per_unit)], 0))
-            .await
-            .unwrap();
+        last = Some(
+            client
+                .should_rate_limit(request("api", vec![overridden(requests_per_unit)], 0))
+                .await
+                .unwrap()
+                .into_inner(),
+        );
     }
+    let last = last.unwrap().statuses[0].current_limit.clone().unwrap();
+    assert_eq!(last.requests_per_unit, 10 + 1100 - 1, "the newest override");
     let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
     let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
     let count = |outcome: &str| -> u64 {
@@ -751,9 +759,14 @@ async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
             .and_then(|line| line.rsplit(' ').next()?.parse().ok())
             .unwrap_or(0)
     };
-    // 1024 distinct values kept: the first (3) and 1023 of the 1100 new ones.
-    assert_eq!(count("refused"), 1100 - 1023, "{metrics}");
-    assert_eq!(count("applied"), 5 + 1023, "{metrics}");
+    // 1,101 distinct values (3, then 1,100 new ones) through a table of 1,024: 77 evicted.
+    assert_eq!(count("refused"), 0, "{metrics}");
+    assert_eq!(count("applied"), 5 + 1100, "{metrics}");
+    let evictions = metrics
+        .lines()
+        .find(|line| line.starts_with("floodgate_rls_override_evictions_total "))
+        .and_then(|line| line.rsplit(' ').next()?.parse::<u64>().ok());
+    assert_eq!(evictions, Some(1101 - 1024), "{metrics}");
 }
 
 /// `share_threshold`: every value a wildcard matches shares one counter; without it each

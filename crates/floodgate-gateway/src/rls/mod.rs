@@ -5,7 +5,9 @@
 //! - [`rules`]: the domain file format and the descriptor tree a request walks.
 //! - [`reload`]: the directory in service and its hot reload.
 //! - [`service`]: `ShouldRateLimit` itself.
+//! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
 
+pub mod limit_overrides;
 pub mod reload;
 pub mod rules;
 pub mod service;
