@@ -933,3 +933,142 @@ async fn each_failed_decision_counts_one_store_error() {
         "one store error per failed decision"
     );
 }
+
+/// A client that pings when data arrives, as grpc-go's BDP estimator does: a PING the moment
+/// a response's DATA frame is read (before its trailers) unless one is still unanswered, and
+/// the next call sent without waiting for the PING's answer.
+struct PingingClient {
+    sender: h2::client::SendRequest<bytes::Bytes>,
+    ping_pong: h2::PingPong,
+    ping_outstanding: bool,
+    uri: String,
+}
+
+impl PingingClient {
+    /// One HTTP/2 connection to `address` (with `TCP_NODELAY`, as Go sets on every TCP
+    /// connection, so that only the server's side can hold a segment back).
+    async fn connect(address: SocketAddr) -> PingingClient {
+        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (sender, mut connection) = h2::client::handshake(stream).await.unwrap();
+        let ping_pong = connection.ping_pong().expect("taken once");
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        PingingClient {
+            sender,
+            ping_pong,
+            ping_outstanding: false,
+            uri: format!(
+                "http://{address}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+            ),
+        }
+    }
+
+    /// Sends a PING unless the last one is still unanswered.
+    fn ping_on_data(&mut self) {
+        if self.ping_outstanding {
+            // Looks without waiting (the connection's task reads the answer).
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            if self.ping_pong.poll_pong(&mut context).is_pending() {
+                return;
+            }
+        }
+        self.ping_pong
+            .send_ping(h2::Ping::opaque())
+            .expect("no PING outstanding");
+        self.ping_outstanding = true;
+    }
+
+    /// One `ShouldRateLimit` call carrying `message` (an encoded request); how long it took,
+    /// until its trailers.
+    async fn call(&mut self, message: &[u8]) -> Duration {
+        let started = Instant::now();
+        let request = http::Request::post(&self.uri)
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let mut ready = self
+            .sender
+            .clone()
+            .ready()
+            .await
+            .expect("the connection is up");
+        let (response, mut request_body) = ready.send_request(request, false).unwrap();
+        // gRPC's length-prefixed message: not compressed, then the length, big-endian.
+        let mut framed = Vec::with_capacity(5 + message.len());
+        framed.push(0);
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend_from_slice(message);
+        request_body
+            .send_data(bytes::Bytes::from(framed), true)
+            .unwrap();
+        let response = response.await.expect("a response head");
+        assert_eq!(response.status(), http::StatusCode::OK);
+        let mut body = response.into_body();
+        let data = body
+            .data()
+            .await
+            .expect("a DATA frame")
+            .expect("a DATA frame");
+        body.flow_control().release_capacity(data.len()).unwrap();
+        self.ping_on_data();
+        let trailers = body.trailers().await.expect("trailers").expect("trailers");
+        let elapsed = started.elapsed();
+        assert_eq!(
+            trailers.get("grpc-status").map(|value| value.as_bytes()),
+            Some(&b"0"[..]),
+            "{trailers:?}"
+        );
+        elapsed
+    }
+}
+
+/// `calls` sequential `ShouldRateLimit` calls on one [`PingingClient`] connection; each
+/// call's time, after one call to warm the connection.
+async fn calls_pinging_on_data(address: SocketAddr, calls: usize) -> Vec<Duration> {
+    let mut client = PingingClient::connect(address).await;
+    let message =
+        prost::Message::encode_to_vec(&request("api", vec![descriptor(&[("big", "b")])], 0));
+    client.call(&message).await;
+    let mut durations = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        durations.push(client.call(&message).await);
+    }
+    durations
+}
+
+/// The RLS listener's connections have `TCP_NODELAY`. Without it, a client that pings when
+/// data arrives (grpc-go) makes the server write a PING ACK, a small segment the client does
+/// not acknowledge at once (delayed ACK); Nagle's algorithm then holds what the server writes
+/// next (the trailers, the next answer) until that ACK comes, about 40 ms later: most calls
+/// took over 40 ms instead of well under one.
+///
+/// The bound: Linux delays an ACK by at least 40 ms (`TCP_DELACK_MIN`), so a call held by
+/// Nagle takes over 40 ms; an answer from the memory store on loopback takes well under 1 ms,
+/// so 25 ms leaves a loaded machine and a debug build ample room and still catches every
+/// stalled call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_pings_on_data_is_answered_without_a_delayed_ack_stall() {
+    const CALLS: usize = 50;
+    const BOUND: Duration = Duration::from_millis(25);
+    let rls = Rls::start(
+        &[(
+            "api.yaml",
+            "domain: api\ndescriptors:\n  - key: big\n    rate_limit: { unit: day, requests_per_unit: 1000000 }\n",
+        )],
+        "",
+        false,
+    );
+    let durations = calls_pinging_on_data(rls.address, CALLS).await;
+    let stalled: Vec<&Duration> = durations
+        .iter()
+        .filter(|duration| **duration >= BOUND)
+        .collect();
+    assert!(
+        stalled.is_empty(),
+        "{} of {CALLS} calls took {BOUND:?} or more: {stalled:?}",
+        stalled.len()
+    );
+}
