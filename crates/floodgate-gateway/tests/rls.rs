@@ -1072,3 +1072,44 @@ async fn a_client_that_pings_on_data_is_answered_without_a_delayed_ack_stall() {
         stalled.len()
     );
 }
+
+/// With `store.sync_interval` (batched mode), a descriptor whose algorithm cannot run batched
+/// (`sliding_window_log` here; `leaky_bucket` alike) is decided exactly on Redis, and one that
+/// can still runs batched, in one all-or-nothing answer. Before, the batched store refused the
+/// decision and the failure policy answered instead: under `open`, every request admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_mode_decides_descriptors_that_cannot_run_batched_exactly() {
+    let redis = redis_support::RedisServer::start();
+    let domain = "domain: api\ndescriptors:\n  - key: log\n    algorithm: sliding_window_log\n    rate_limit: { unit: day, requests_per_unit: 3 }\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 100 }\n";
+    let rls = Rls::start(
+        &[("api.yaml", domain)],
+        &format!(
+            "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n  sync_interval: 100ms\non_store_error: open\n",
+            redis.url()
+        ),
+        false,
+    );
+    let mut client = rls.client().await;
+    assert_eq!(
+        admitted(&mut client, "api", &[("log", "l")], 5).await,
+        3,
+        "the sliding log's 3 a day"
+    );
+    let keys: Vec<String> = redis.command(&["KEYS", "*"]);
+    assert!(
+        keys.iter().any(|key| key.ends_with("}:api:log")),
+        "the log is kept on Redis: {keys:?}"
+    );
+    // Both kinds in one request: the log, spent, refuses it all.
+    let both = ask(&mut client, "api", &[&[("tenant", "t")], &[("log", "l")]]).await;
+    assert_eq!(both.overall_code, Code::OverLimit as i32);
+    assert_eq!(both.statuses[0].code, Code::Ok as i32);
+    assert_eq!(both.statuses[1].code, Code::OverLimit as i32);
+    let tenant = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(tenant.overall_code, Code::Ok as i32);
+    assert_eq!(
+        tenant.statuses[0].limit_remaining, 99,
+        "the refused request took nothing from the batched limit"
+    );
+    assert_eq!(store_errors(&rls).await, 0, "no decision failed");
+}

@@ -144,17 +144,22 @@ fn ok_status() -> DescriptorStatus {
 impl RlsService {
     /// Decides `checks` on the store, under the failure policy.
     async fn decide(&self, checks: &[Check]) -> Result<Enforced, tonic::Status> {
-        let store = self.gateway.store();
+        // Descriptors may name any algorithm: in batched mode, those that cannot run batched
+        // are decided exactly (timed under the batched store's label, as the proxy's are).
+        let current = self.gateway.current();
+        let store = &current.store;
         let started = Instant::now();
-        let result = store.check_and_consume(checks, None).await;
-        telemetry::record_check_duration(store.backend(), started.elapsed());
+        let result = store
+            .for_any_algorithm
+            .check_and_consume(checks, None)
+            .await;
+        telemetry::record_check_duration(store.store.backend(), started.elapsed());
         let error = match result {
             Ok(decision) => return Ok(Enforced::Decided(decision)),
             Err(error) => error,
         };
         // Not counted here: the store's guard (the library's `store::resilience`) counted it
         // in `floodgate_store_errors_total` when the call failed, as it does for the layer.
-        let current = self.gateway.current();
         let config = &current.config;
         let on_store_error =
             self.on_store_error_for(config.on_store_error, config.store.fallback_share);
