@@ -10,6 +10,11 @@
 //!
 //! A request whose client goes away before its answer's head (its future is dropped) still
 //! gets a line, with status 499 as nginx writes it: [`PendingLine`] writes it when dropped.
+//!
+//! On shutdown the writer writes what is queued, but the process waits for it only
+//! [`CLOSE_TIMEOUT`]: an output that takes nothing (a stalled stdout, a FIFO nobody reads, a
+//! hung NFS mount) must not keep `SIGTERM` from ending the process. What was left unwritten
+//! is logged.
 
 use std::fmt::Write as _;
 use std::fs::{File, OpenOptions};
@@ -17,7 +22,8 @@ use std::io::{BufWriter, Write};
 use std::mem::take;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -101,6 +107,11 @@ fn trace_id(traceparent: &str) -> Option<String> {
 /// most (plus the write), and the writer wakes this often, whatever the traffic.
 pub const WRITE_EVERY: Duration = Duration::from_millis(20);
 
+/// How long [`AccessLog::close`] waits for the writer to write what is queued. A healthy
+/// output writes a full queue (`buffer` lines, 8,192 by default) in milliseconds; one that
+/// has taken nothing for this long is stalled, and the process exits without it.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// What the request path and the writer share.
 struct Queue {
     lines: Mutex<Vec<String>>,
@@ -109,6 +120,9 @@ struct Queue {
     reopen: AtomicBool,
     /// The log was replaced or the gateway stops: write what is queued, then stop.
     closed: AtomicBool,
+    /// Lines the writer took from the queue and has not yet handed to the output: with those
+    /// still queued, what a writer that never finishes leaves unwritten.
+    being_written: AtomicUsize,
 }
 
 /// The access log of a running gateway. Dropping it makes its writer write what is queued and
@@ -117,8 +131,9 @@ pub struct AccessLog {
     settings: AccessLogSettings,
     queue: Arc<Queue>,
     writer: std::thread::Thread,
-    /// Joined by [`AccessLog::close`].
-    finished: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Joined by [`AccessLog::close`], once the receiver (whose sender the writer thread holds)
+    /// says it ended.
+    finished: Mutex<Option<(std::thread::JoinHandle<()>, Receiver<()>)>>,
 }
 
 impl std::fmt::Debug for AccessLog {
@@ -145,21 +160,30 @@ impl AccessLog {
             capacity: settings.buffer,
             reopen: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            being_written: AtomicUsize::new(0),
         });
         let shared = queue.clone();
+        // Never sent on: the sender is dropped when the thread ends, which the receiver sees
+        // (a join has no timeout).
+        let (ended, ended_receiver) = std::sync::mpsc::sync_channel::<()>(0);
         let writer = std::thread::Builder::new()
             .name("floodgate-access-log".to_owned())
-            .spawn(move || write_lines(output, &shared))?;
+            .spawn(move || {
+                let _ended = ended;
+                write_lines(output, &shared);
+            })?;
         Ok(AccessLog {
             settings: settings.clone(),
             queue,
             writer: writer.thread().clone(),
-            finished: Mutex::new(Some(writer)),
+            finished: Mutex::new(Some((writer, ended_receiver))),
         })
     }
 
-    /// Writes what is queued and stops the writer, waiting for it (on shutdown: the last
-    /// lines are not lost with the process). Lines recorded later are dropped and counted.
+    /// Writes what is queued and stops the writer, waiting for it up to [`CLOSE_TIMEOUT`] (on
+    /// shutdown: the last lines are not lost with the process, unless the output is stalled;
+    /// then how many were left unwritten is logged, and the process goes on to exit). Lines
+    /// recorded later are dropped and counted.
     pub fn close(&self) {
         self.queue.closed.store(true, Ordering::Release);
         self.writer.unpark();
@@ -168,8 +192,30 @@ impl AccessLog {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(writer) = finished {
-            let _ = writer.join();
+        let Some((writer, ended)) = finished else {
+            return;
+        };
+        match ended.recv_timeout(CLOSE_TIMEOUT) {
+            Err(RecvTimeoutError::Timeout) => {
+                let queued = self
+                    .queue
+                    .lines
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .len();
+                let unwritten = queued + self.queue.being_written.load(Ordering::Acquire);
+                // The writer thread is left blocked on its output; it ends with the process.
+                tracing::error!(
+                    unwritten,
+                    target = ?self.settings.target,
+                    timeout = ?CLOSE_TIMEOUT,
+                    "access log: the output took nothing for the whole shutdown wait (stalled?); \
+                     exiting with these lines unwritten (and whatever the output's buffer held)"
+                );
+            }
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => {
+                let _ = writer.join();
+            }
         }
     }
 
@@ -658,12 +704,16 @@ fn write_lines(mut output: Output, queue: &Queue) {
         if queue.reopen.swap(false, Ordering::AcqRel) {
             output.reopen();
         }
-        std::mem::swap(
-            &mut taken,
-            &mut *queue.lines.lock().unwrap_or_else(PoisonError::into_inner),
-        );
+        {
+            let mut queued = queue.lines.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::swap(&mut taken, &mut *queued);
+            // Under the queue's lock, so that `close` never sees a line in neither count.
+            queue.being_written.store(taken.len(), Ordering::Release);
+        }
         for line in taken.drain(..) {
-            match output.write_line(&line) {
+            let written = output.write_line(&line);
+            queue.being_written.fetch_sub(1, Ordering::Release);
+            match written {
                 Ok(()) => failed = false,
                 Err(error) => {
                     if !failed {

@@ -336,7 +336,7 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let admin = tokio::spawn(async move {
         // The peer address names the caller in the log of a reset.
         let service = admin_router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-        if let Err(error) = axum::serve(admin_listener, service).await {
+        if let Err(error) = axum::serve(admin::nodelay_listener(admin_listener), service).await {
             tracing::error!(%error, "admin server failed");
         }
     });

@@ -7,8 +7,8 @@ use std::time::Duration;
 use floodgate::overrides::Overrides;
 use floodgate::store::batched::SyncTarget;
 use floodgate::store::{
-    BatchedStore, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder, ShardedRedisStore,
-    SplitStore,
+    BatchedStore, Check, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder,
+    ShardedRedisStore, SplitStore,
 };
 use floodgate::{MemoryStore, Store, StoreError};
 
@@ -98,6 +98,12 @@ pub struct BuiltStore {
     pub hot_identities: Option<Arc<HotIdentities>>,
     /// The per-client overrides kept in this store (under the key prefix), this node's copy.
     pub overrides: Option<Arc<Overrides>>,
+    /// What decisions on limits of any algorithm go to: the rate limit service's descriptors,
+    /// which the configuration's checks do not see (their files load apart, and may name
+    /// `sliding_window_log` or `leaky_bucket`). `store` itself, except in batched mode, where
+    /// a [`SplitStore`] in front of the same batched store decides the limits that cannot run
+    /// batched exactly on the shared store.
+    pub for_any_algorithm: Arc<dyn Store>,
 }
 
 impl BuiltStore {
@@ -113,6 +119,7 @@ impl BuiltStore {
             overrides
         });
         BuiltStore {
+            for_any_algorithm: store.clone(),
             store,
             hot_identities,
             overrides,
@@ -139,11 +146,13 @@ pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
             .build()
     };
     if let Some(interval) = settings.sync_interval {
-        return Ok(BuiltStore::new(
-            Arc::new(batched(interval)),
-            None,
-            &settings.prefix,
-        ));
+        let batched = batched(interval);
+        // The split shares the batched store's state (its clones do): the same leases and
+        // counts whichever of the two a decision goes through.
+        let exact_where_needed = SplitStore::new(batched.clone(), shared.clone(), |_: &Check| true);
+        let mut built = BuiltStore::new(Arc::new(batched), None, &settings.prefix);
+        built.for_any_algorithm = Arc::new(exact_where_needed);
+        return Ok(built);
     }
     let mut exact: Arc<dyn Store> = shared.clone();
     let hot_identities = settings

@@ -33,8 +33,11 @@ pub const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "floodgate_tls_handshake_failures
 /// `floodgate_rls_reloads_total{result}`: reloads of the rate limit service's domain files.
 pub const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
 /// `floodgate_rls_limit_overrides_total{outcome}`: descriptors that carried Envoy's `limit`
-/// override: `applied`, `refused` (past the bound on distinct overrides) or `invalid`.
+/// override: `applied` or `invalid`.
 pub const RLS_LIMIT_OVERRIDES_TOTAL: &str = "floodgate_rls_limit_overrides_total";
+/// `floodgate_rls_override_evictions_total`: limits of Envoy's `limit` overrides evicted
+/// (least recently used) to make room for a new override value past the bound.
+pub const RLS_OVERRIDE_EVICTIONS_TOTAL: &str = "floodgate_rls_override_evictions_total";
 
 const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
     MetricDescription {
@@ -106,7 +109,11 @@ pub const GATEWAY_METRICS: &[MetricDescription] = &[
     ),
     counter(
         RLS_LIMIT_OVERRIDES_TOTAL,
-        "Descriptors carrying Envoy's limit override, by outcome (applied, refused past the bound, invalid)",
+        "Descriptors carrying Envoy's limit override, by outcome (applied, invalid)",
+    ),
+    counter(
+        RLS_OVERRIDE_EVICTIONS_TOTAL,
+        "Limits of Envoy's limit overrides evicted (least recently used) for a new override value past the bound of 1,024",
     ),
 ];
 

@@ -464,3 +464,82 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
     assert!(dropped >= 2000, "{dropped} of {requests} lines dropped");
     eprintln!("{requests} requests in {elapsed:?}, slowest {slowest:?}, {dropped} lines dropped");
 }
+
+/// A log whose output takes nothing (a FIFO opened and never read) does not keep the process
+/// from exiting on SIGTERM: shutdown waits for the writer a bounded time (3 s), logs what was
+/// left unwritten and exits 0. Before, it joined the writer, blocked on the FIFO, for ever.
+///
+/// The writer is stalled before the signal: more lines than the FIFO (64 KiB), the writer's
+/// buffer (64 KiB) and the queue (64) hold, some dropped and counted. The bound on the exit,
+/// 20 s, is the 3 s wait plus ample room for the drain and a loaded machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_log_does_not_keep_sigterm_from_ending_the_process() {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("log");
+    let fifo = directory.file("stalled.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    // The reader end, held open and never read until the process has exited.
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::File::open(fifo).unwrap())
+    };
+    let (mut gateway, _dir) = gateway(
+        &upstream,
+        &format!("  path: \"{}\"\n  buffer: 64", fifo.display()),
+        1_000_000,
+    );
+    let _reader = reader.join().unwrap();
+    let client = client();
+    let url = gateway.url("/v1/things");
+    let mut dropped = 0;
+    for _ in 0..20 {
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let client = client.clone();
+                let url = url.clone();
+                tokio::spawn(async move {
+                    for _ in 0..50 {
+                        let answer = get(&client, &url, &[("x-api-key", API_KEY)]).await;
+                        assert_eq!(answer.status(), 200);
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+        dropped = String::from_utf8_lossy(metrics.body())
+            .lines()
+            .find_map(|line| line.strip_prefix("floodgate_access_log_dropped_total "))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or(0);
+        if dropped > 0 {
+            break;
+        }
+    }
+    assert!(dropped > 0, "the writer never stalled");
+
+    gateway.signal("TERM");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = gateway.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the process did not exit within 20 s of SIGTERM:\n{}",
+            gateway.log.lock().unwrap().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status:?}");
+    gateway.wait_for_log(
+        |line| line.contains("access log: the output took nothing") && line.contains("unwritten"),
+        "saying what the stalled log left unwritten",
+    );
+}

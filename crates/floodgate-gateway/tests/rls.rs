@@ -689,10 +689,12 @@ async fn an_rls_only_deployment_binds_no_proxy_port() {
 }
 
 /// Envoy's per-descriptor `limit` override (from route metadata) decides in place of the
-/// file: its own counter per override value, shown in `current_limit`, counted in metrics,
-/// and bounded in number (a new value past the bound is refused: the file's limit decides).
+/// file: its own counter per override value, shown in `current_limit`, counted in metrics.
+/// The limits built for overrides are bounded in number; past the bound the least recently
+/// used is evicted, so that a new value still applies however many came before (before, a
+/// process that had seen 1,024 values refused every new one for the rest of its life).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
+async fn envoys_limit_override_counts_on_its_own_past_the_bound() {
     let (_redis, rls, mut client) = on_redis(&[(
         "api.yaml",
         "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 2, name: per-tenant }\n",
@@ -731,13 +733,19 @@ async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
         admitted(&mut client, "api", &[("tenant", "acme")], 4).await,
         2
     );
-    // Past the bound, a new override value is not applied.
+    // Past the bound, a new override value still applies: the least recently used is evicted.
+    let mut last = None;
     for requests_per_unit in 10..(10 + 1100) {
-        client
-            .should_rate_limit(request("api", vec![overridden(requests_per_unit)], 0))
-            .await
-            .unwrap();
+        last = Some(
+            client
+                .should_rate_limit(request("api", vec![overridden(requests_per_unit)], 0))
+                .await
+                .unwrap()
+                .into_inner(),
+        );
     }
+    let last = last.unwrap().statuses[0].current_limit.clone().unwrap();
+    assert_eq!(last.requests_per_unit, 10 + 1100 - 1, "the newest override");
     let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
     let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
     let count = |outcome: &str| -> u64 {
@@ -751,9 +759,14 @@ async fn envoys_limit_override_counts_on_its_own_within_a_bound() {
             .and_then(|line| line.rsplit(' ').next()?.parse().ok())
             .unwrap_or(0)
     };
-    // 1024 distinct values kept: the first (3) and 1023 of the 1100 new ones.
-    assert_eq!(count("refused"), 1100 - 1023, "{metrics}");
-    assert_eq!(count("applied"), 5 + 1023, "{metrics}");
+    // 1,101 distinct values (3, then 1,100 new ones) through a table of 1,024: 77 evicted.
+    assert_eq!(count("refused"), 0, "{metrics}");
+    assert_eq!(count("applied"), 5 + 1100, "{metrics}");
+    let evictions = metrics
+        .lines()
+        .find(|line| line.starts_with("floodgate_rls_override_evictions_total "))
+        .and_then(|line| line.rsplit(' ').next()?.parse::<u64>().ok());
+    assert_eq!(evictions, Some(1101 - 1024), "{metrics}");
 }
 
 /// `share_threshold`: every value a wildcard matches shares one counter; without it each
@@ -879,4 +892,224 @@ async fn a_limit_that_replaces_another_sets_it_aside() {
         standard.push(answer.overall_code == Code::Ok as i32);
     }
     assert_eq!(standard, [true, true, false], "alone, standard applies");
+}
+
+/// The sum of `floodgate_store_errors_total` over its kinds, from the admin API's `/metrics`.
+async fn store_errors(rls: &Rls) -> u64 {
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(metrics.body())
+        .lines()
+        .filter(|line| line.starts_with("floodgate_store_errors_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A decision the store fails is one store error in `floodgate_store_errors_total`, counted
+/// where the store call failed (the store's guard), not once more by the service. Sequential
+/// calls with one descriptor each make one store call each: before the breaker opens each
+/// fails at Redis, after it each is refused by the breaker, and both are one error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_failed_decision_counts_one_store_error() {
+    const FAILED_CALLS: u64 = 8;
+    let mut redis = redis_support::RedisServer::start();
+    let rls = Rls::start(
+        &[("api.yaml", TWO_LIMITS)],
+        &redis_store(&redis, "open"),
+        false,
+    );
+    let mut client = rls.client().await;
+    let answer = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(answer.statuses[0].limit_remaining, 4, "counted on Redis");
+    let before = store_errors(&rls).await;
+
+    redis.kill();
+    for _ in 0..FAILED_CALLS {
+        let answer = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "open admits");
+    }
+    assert_eq!(
+        store_errors(&rls).await - before,
+        FAILED_CALLS,
+        "one store error per failed decision"
+    );
+}
+
+/// A client that pings when data arrives, as grpc-go's BDP estimator does: a PING the moment
+/// a response's DATA frame is read (before its trailers) unless one is still unanswered, and
+/// the next call sent without waiting for the PING's answer.
+struct PingingClient {
+    sender: h2::client::SendRequest<bytes::Bytes>,
+    ping_pong: h2::PingPong,
+    ping_outstanding: bool,
+    uri: String,
+}
+
+impl PingingClient {
+    /// One HTTP/2 connection to `address` (with `TCP_NODELAY`, as Go sets on every TCP
+    /// connection, so that only the server's side can hold a segment back).
+    async fn connect(address: SocketAddr) -> PingingClient {
+        let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (sender, mut connection) = h2::client::handshake(stream).await.unwrap();
+        let ping_pong = connection.ping_pong().expect("taken once");
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        PingingClient {
+            sender,
+            ping_pong,
+            ping_outstanding: false,
+            uri: format!(
+                "http://{address}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+            ),
+        }
+    }
+
+    /// Sends a PING unless the last one is still unanswered.
+    fn ping_on_data(&mut self) {
+        if self.ping_outstanding {
+            // Looks without waiting (the connection's task reads the answer).
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            if self.ping_pong.poll_pong(&mut context).is_pending() {
+                return;
+            }
+        }
+        self.ping_pong
+            .send_ping(h2::Ping::opaque())
+            .expect("no PING outstanding");
+        self.ping_outstanding = true;
+    }
+
+    /// One `ShouldRateLimit` call carrying `message` (an encoded request); how long it took,
+    /// until its trailers.
+    async fn call(&mut self, message: &[u8]) -> Duration {
+        let started = Instant::now();
+        let request = http::Request::post(&self.uri)
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+        let mut ready = self
+            .sender
+            .clone()
+            .ready()
+            .await
+            .expect("the connection is up");
+        let (response, mut request_body) = ready.send_request(request, false).unwrap();
+        // gRPC's length-prefixed message: not compressed, then the length, big-endian.
+        let mut framed = Vec::with_capacity(5 + message.len());
+        framed.push(0);
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend_from_slice(message);
+        request_body
+            .send_data(bytes::Bytes::from(framed), true)
+            .unwrap();
+        let response = response.await.expect("a response head");
+        assert_eq!(response.status(), http::StatusCode::OK);
+        let mut body = response.into_body();
+        let data = body
+            .data()
+            .await
+            .expect("a DATA frame")
+            .expect("a DATA frame");
+        body.flow_control().release_capacity(data.len()).unwrap();
+        self.ping_on_data();
+        let trailers = body.trailers().await.expect("trailers").expect("trailers");
+        let elapsed = started.elapsed();
+        assert_eq!(
+            trailers.get("grpc-status").map(|value| value.as_bytes()),
+            Some(&b"0"[..]),
+            "{trailers:?}"
+        );
+        elapsed
+    }
+}
+
+/// `calls` sequential `ShouldRateLimit` calls on one [`PingingClient`] connection; each
+/// call's time, after one call to warm the connection.
+async fn calls_pinging_on_data(address: SocketAddr, calls: usize) -> Vec<Duration> {
+    let mut client = PingingClient::connect(address).await;
+    let message =
+        prost::Message::encode_to_vec(&request("api", vec![descriptor(&[("big", "b")])], 0));
+    client.call(&message).await;
+    let mut durations = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        durations.push(client.call(&message).await);
+    }
+    durations
+}
+
+/// The RLS listener's connections have `TCP_NODELAY`. Without it, a client that pings when
+/// data arrives (grpc-go) makes the server write a PING ACK, a small segment the client does
+/// not acknowledge at once (delayed ACK); Nagle's algorithm then holds what the server writes
+/// next (the trailers, the next answer) until that ACK comes, about 40 ms later: most calls
+/// took over 40 ms instead of well under one.
+///
+/// The bound: Linux delays an ACK by at least 40 ms (`TCP_DELACK_MIN`), so a call held by
+/// Nagle takes over 40 ms; an answer from the memory store on loopback takes well under 1 ms,
+/// so 25 ms leaves a loaded machine and a debug build ample room and still catches every
+/// stalled call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_pings_on_data_is_answered_without_a_delayed_ack_stall() {
+    const CALLS: usize = 50;
+    const BOUND: Duration = Duration::from_millis(25);
+    let rls = Rls::start(
+        &[(
+            "api.yaml",
+            "domain: api\ndescriptors:\n  - key: big\n    rate_limit: { unit: day, requests_per_unit: 1000000 }\n",
+        )],
+        "",
+        false,
+    );
+    let durations = calls_pinging_on_data(rls.address, CALLS).await;
+    let stalled: Vec<&Duration> = durations
+        .iter()
+        .filter(|duration| **duration >= BOUND)
+        .collect();
+    assert!(
+        stalled.is_empty(),
+        "{} of {CALLS} calls took {BOUND:?} or more: {stalled:?}",
+        stalled.len()
+    );
+}
+
+/// With `store.sync_interval` (batched mode), a descriptor whose algorithm cannot run batched
+/// (`sliding_window_log` here; `leaky_bucket` alike) is decided exactly on Redis, and one that
+/// can still runs batched, in one all-or-nothing answer. Before, the batched store refused the
+/// decision and the failure policy answered instead: under `open`, every request admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_mode_decides_descriptors_that_cannot_run_batched_exactly() {
+    let redis = redis_support::RedisServer::start();
+    let domain = "domain: api\ndescriptors:\n  - key: log\n    algorithm: sliding_window_log\n    rate_limit: { unit: day, requests_per_unit: 3 }\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 100 }\n";
+    let rls = Rls::start(
+        &[("api.yaml", domain)],
+        &format!(
+            "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n  sync_interval: 100ms\non_store_error: open\n",
+            redis.url()
+        ),
+        false,
+    );
+    let mut client = rls.client().await;
+    assert_eq!(
+        admitted(&mut client, "api", &[("log", "l")], 5).await,
+        3,
+        "the sliding log's 3 a day"
+    );
+    let keys: Vec<String> = redis.command(&["KEYS", "*"]);
+    assert!(
+        keys.iter().any(|key| key.ends_with("}:api:log")),
+        "the log is kept on Redis: {keys:?}"
+    );
+    // Both kinds in one request: the log, spent, refuses it all.
+    let both = ask(&mut client, "api", &[&[("tenant", "t")], &[("log", "l")]]).await;
+    assert_eq!(both.overall_code, Code::OverLimit as i32);
+    assert_eq!(both.statuses[0].code, Code::Ok as i32);
+    assert_eq!(both.statuses[1].code, Code::OverLimit as i32);
+    let tenant = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
+    assert_eq!(tenant.overall_code, Code::Ok as i32);
+    assert_eq!(
+        tenant.statuses[0].limit_remaining, 99,
+        "the refused request took nothing from the batched limit"
+    );
+    assert_eq!(store_errors(&rls).await, 0, "no decision failed");
 }

@@ -5,7 +5,9 @@
 //! - [`rules`]: the domain file format and the descriptor tree a request walks.
 //! - [`reload`]: the directory in service and its hot reload.
 //! - [`service`]: `ShouldRateLimit` itself.
+//! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
 
+pub mod limit_overrides;
 pub mod reload;
 pub mod rules;
 pub mod service;
@@ -29,9 +31,13 @@ pub async fn serve(
     settings: RlsSettings,
 ) {
     let service = RlsService::new(gateway, rules, settings.response_headers);
+    // TCP_NODELAY, as on the proxy's connections: without it, a caller that pings when data
+    // arrives (grpc-go's BDP estimator) gets a PING ACK it acknowledges late (delayed ACK),
+    // and Nagle's algorithm holds the answer written after it until then, about 40 ms.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let served = tonic::transport::Server::builder()
         .add_service(RateLimitServiceServer::new(service))
-        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+        .serve_with_incoming(incoming)
         .await;
     if let Err(error) = served {
         tracing::error!(%error, "rls: the rate limit service failed");

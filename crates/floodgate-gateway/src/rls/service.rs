@@ -1,7 +1,6 @@
 //! `ShouldRateLimit`: a request's descriptors matched against its domain's rules, and every
 //! counted one decided in one `check_and_consume` call, all or nothing.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,11 +21,11 @@ use floodgate::{
 };
 use sha2::{Digest, Sha256};
 
+use super::limit_overrides::LimitOverrides;
 use super::reload::RulesHandle;
-use super::rules::{Action, DescriptorLimit, Match, Node, Unit};
+use super::rules::{Action, DescriptorLimit, Match, Node};
 use crate::config::Config;
 use crate::gateway::Gateway;
-use crate::telemetry::RLS_LIMIT_OVERRIDES_TOTAL;
 
 /// The rate limit service: the gateway's store and failure policy, the directory's rules.
 pub struct RlsService {
@@ -35,14 +34,9 @@ pub struct RlsService {
     response_headers: bool,
     /// The failure policy last used, with its node limiter under `local`.
     on_store_error: Mutex<Option<Arc<OnStoreError>>>,
-    /// The limits of Envoy's `limit` overrides seen so far, by value: at most
-    /// [`MAX_OVERRIDES`], so that what clients send cannot grow this without bound.
-    overrides: Mutex<HashMap<(u32, i32), Arc<DescriptorLimit>>>,
+    /// The limits of Envoy's `limit` overrides, the most recently used kept.
+    overrides: LimitOverrides,
 }
-
-/// Distinct `limit` overrides (requests per unit and unit) the service keeps limits for; a new
-/// one beyond it is not applied (the file's limit decides) and is counted as `refused`.
-pub const MAX_OVERRIDES: usize = 1024;
 
 impl RlsService {
     /// A service deciding on `gateway`'s store under the rules of `rules`.
@@ -52,41 +46,15 @@ impl RlsService {
             rules,
             response_headers,
             on_store_error: Mutex::new(None),
-            overrides: Mutex::new(HashMap::new()),
+            overrides: LimitOverrides::default(),
         }
     }
 
     /// The limit of a descriptor's `limit` override, if it carries a usable one.
     fn override_limit(&self, descriptor: &RateLimitDescriptor) -> Option<Arc<DescriptorLimit>> {
         let requested = descriptor.limit.as_ref()?;
-        let outcome = |outcome: &'static str| {
-            metrics::counter!(RLS_LIMIT_OVERRIDES_TOTAL, "outcome" => outcome).increment(1);
-        };
-        let Some(unit) = Unit::from_proto(requested.unit) else {
-            outcome("invalid");
-            return None;
-        };
-        let key = (requested.requests_per_unit, requested.unit);
-        let mut overrides = self
-            .overrides
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(limit) = overrides.get(&key) {
-            outcome("applied");
-            return Some(limit.clone());
-        }
-        if overrides.len() >= MAX_OVERRIDES {
-            outcome("refused");
-            return None;
-        }
-        let Some(limit) = DescriptorLimit::from_override(requested.requests_per_unit, unit) else {
-            outcome("invalid");
-            return None;
-        };
-        let limit = Arc::new(limit);
-        overrides.insert(key, limit.clone());
-        outcome("applied");
-        Some(limit)
+        self.overrides
+            .limit_for(requested.requests_per_unit, requested.unit)
     }
 }
 
@@ -176,16 +144,22 @@ fn ok_status() -> DescriptorStatus {
 impl RlsService {
     /// Decides `checks` on the store, under the failure policy.
     async fn decide(&self, checks: &[Check]) -> Result<Enforced, tonic::Status> {
-        let store = self.gateway.store();
+        // Descriptors may name any algorithm: in batched mode, those that cannot run batched
+        // are decided exactly (timed under the batched store's label, as the proxy's are).
+        let current = self.gateway.current();
+        let store = &current.store;
         let started = Instant::now();
-        let result = store.check_and_consume(checks, None).await;
-        telemetry::record_check_duration(store.backend(), started.elapsed());
+        let result = store
+            .for_any_algorithm
+            .check_and_consume(checks, None)
+            .await;
+        telemetry::record_check_duration(store.store.backend(), started.elapsed());
         let error = match result {
             Ok(decision) => return Ok(Enforced::Decided(decision)),
             Err(error) => error,
         };
-        telemetry::record_store_error(&error);
-        let current = self.gateway.current();
+        // Not counted here: the store's guard (the library's `store::resilience`) counted it
+        // in `floodgate_store_errors_total` when the call failed, as it does for the layer.
         let config = &current.config;
         let on_store_error =
             self.on_store_error_for(config.on_store_error, config.store.fallback_share);
