@@ -1113,3 +1113,40 @@ async fn batched_mode_decides_descriptors_that_cannot_run_batched_exactly() {
     );
     assert_eq!(store_errors(&rls).await, 0, "no decision failed");
 }
+
+/// The reproduction of a counter named twice, through the binary: an Envoy request
+/// carrying the same descriptor twice, 10 a minute. Each descriptor counts (as in
+/// envoyproxy/ratelimit), so a request costs 2 and 5 of 60 pass, in batched mode as in exact
+/// mode. Before, batched mode admitted 19 (its lease underflowed) and exact mode 10 (the
+/// second write overwrote the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_named_twice_counts_twice_in_every_mode() {
+    let domain = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 10 }\n";
+    for sync_interval in ["", "  sync_interval: 100ms\n"] {
+        let redis = redis_support::RedisServer::start();
+        let rls = Rls::start(
+            &[("api.yaml", domain)],
+            &format!(
+                "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n{sync_interval}on_store_error: closed\n",
+                redis.url()
+            ),
+            false,
+        );
+        let mut client = rls.client().await;
+        // 60 requests take well under a second; they must not run across a minute's end.
+        redis_support::clear_of_window_end(Duration::from_secs(60), Duration::from_secs(10));
+        let user: &[(&str, &str)] = &[("user", "alice")];
+        let mut passed = 0;
+        for _ in 0..60 {
+            let answer = ask(&mut client, "api", &[user, user]).await;
+            assert_eq!(answer.statuses.len(), 2, "one status per descriptor");
+            if answer.overall_code == Code::Ok as i32 {
+                passed += 1;
+            }
+        }
+        assert_eq!(
+            passed, 5,
+            "two units a request, ten a minute ({sync_interval:?})"
+        );
+    }
+}

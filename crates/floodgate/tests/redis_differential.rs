@@ -448,14 +448,12 @@ fn lua_give_backs_match_the_rust_algorithms_on_limits_in_debt() {
                     want: 0,
                     charge,
                 };
-                let leased = runtime
-                    .block_on(
-                        served
-                            .store
-                            .lease(&[request], Some(Timestamp::from_micros(now))),
-                    )
-                    .expect("redis trades");
-                let (_, shared) = &leased.grants[0];
+                let leased = runtime.block_on(
+                    served
+                        .store
+                        .lease(&[request], Some(Timestamp::from_micros(now))),
+                );
+                let shared = &leased.grants[0].as_ref().expect("redis trades").state;
                 prop_assert_eq!(
                     shared,
                     &node,

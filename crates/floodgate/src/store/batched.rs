@@ -986,6 +986,9 @@ impl<T: SyncTarget> Shared<T> {
                 charge: debt,
             });
         }
+        // The senders of unanswered top-ups, dropped (waking their waiters) only after the
+        // claim has given their keys up: declared before it, dropped after it.
+        let mut unanswered_senders = Vec::new();
         // Until the states are in, the fetched slots are this call's: if it fails, or its
         // request goes away mid-way, they go, and the key count with them; a top-up that does
         // not finish lets the next request try again.
@@ -1061,6 +1064,7 @@ impl<T: SyncTarget> Shared<T> {
                         _ => Unanswered::Lost,
                     };
                     unanswered_top_ups.push((key, carried.after(unanswered)));
+                    unanswered_senders.push(top.sender);
                 }
             }
         }
