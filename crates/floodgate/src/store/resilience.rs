@@ -322,6 +322,7 @@ tokio::task_local! {
 /// decision queued to be coalesced): its deadline starts again now, so that the deadline
 /// measures the store, not the queue. The wait itself stays bounded by the deadline that ran
 /// until now. Outside a guarded call, nothing happens.
+#[cfg(feature = "redis")]
 pub(crate) fn call_goes_out_now() {
     let now = tokio::time::Instant::now();
     let _ = CALL_STARTED.try_with(|started| started.set(Some(now)));
