@@ -206,9 +206,10 @@ impl Guard {
     }
 
     /// Runs `call` under the deadline, unless the breaker rejects it. The deadline runs from
-    /// the start, or from when `call` last said that it went out only then
-    /// ([`call_goes_out_now`]): a call that first waited for its turn (coalescing) gives the
-    /// wait one deadline and the call another, so at most twice the deadline in all.
+    /// the start, or from when `call` last said that it went out only then (a decision
+    /// queued by the Redis store's coalescer, once its batch is sent): a call that first
+    /// waited for its turn gives the wait one deadline and the call another, so at most twice
+    /// the deadline in all.
     pub async fn call<T, F>(&self, call: F) -> Result<T, StoreError>
     where
         F: Future<Output = Result<T, StoreError>>,
