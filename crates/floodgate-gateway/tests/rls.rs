@@ -449,6 +449,30 @@ async fn answers_carry_no_headers_unless_asked_and_refunds_are_refused() {
     );
 }
 
+/// A request without a domain, or without descriptors, is refused as envoyproxy/ratelimit
+/// refuses it ("rate limit domain must not be empty", "rate limit descriptor list must not be
+/// empty"), not answered `OK`: it is a caller's mistake, and `/json` answers it 400 as the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_domain_or_descriptors_is_refused() {
+    let rls = Rls::start(&[("api.yaml", TWO_LIMITS)], "", false);
+    let mut client = rls.client().await;
+    let no_domain = client
+        .should_rate_limit(request("", vec![descriptor(&[("tenant", "t")])], 0))
+        .await
+        .expect_err("an empty domain is refused");
+    assert_eq!(no_domain.code(), tonic::Code::InvalidArgument);
+    assert_eq!(no_domain.message(), "rate limit domain must not be empty");
+    let no_descriptors = client
+        .should_rate_limit(request("api", Vec::new(), 0))
+        .await
+        .expect_err("an empty descriptor list is refused");
+    assert_eq!(no_descriptors.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        no_descriptors.message(),
+        "rate limit descriptor list must not be empty"
+    );
+}
+
 /// Polls `condition` on fresh answers every 20 ms for up to 10 s.
 async fn wait_for_answer(
     client: &mut RateLimitServiceClient<Channel>,
