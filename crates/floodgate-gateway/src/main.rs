@@ -255,13 +255,18 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
                 reason: error.to_string(),
             })?;
             let listener = bind(settings.listen).await?;
+            let http_listener = match settings.http_listen {
+                Some(address) => Some(bind(address).await?),
+                None => None,
+            };
             let serving = tokio::spawn(rls::serve(
                 listener,
+                http_listener,
                 gateway.clone(),
                 rules,
                 settings.clone(),
             ));
-            tracing::info!(listen = %settings.listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
+            tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
             Some((watcher, serving))
         }
         None => None,
@@ -336,7 +341,7 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let admin = tokio::spawn(async move {
         // The peer address names the caller in the log of a reset.
         let service = admin_router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-        if let Err(error) = axum::serve(admin::nodelay_listener(admin_listener), service).await {
+        if let Err(error) = axum::serve(serve::nodelay_listener(admin_listener), service).await {
             tracing::error!(%error, "admin server failed");
         }
     });

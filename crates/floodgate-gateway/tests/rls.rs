@@ -29,6 +29,8 @@ use tonic::transport::Channel;
 struct Rls {
     gateway: Gateway,
     address: SocketAddr,
+    /// `rls.http_listen`: `POST /json` and `/healthcheck`.
+    http: SocketAddr,
     /// The proxy's `listen`, which an RLS-only deployment leaves unbound.
     listen: SocketAddr,
     directory: TempDir,
@@ -46,9 +48,10 @@ impl Rls {
         }
         let (listen, admin) = addresses();
         let address: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         // No `upstream`: an RLS-only deployment.
         let text = format!(
-            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  config_dir: rls\n  response_headers: {response_headers}\n{rest}"
+            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  http_listen: \"{http}\"\n  config_dir: rls\n  response_headers: {response_headers}\n{rest}"
         );
         let path = directory.file("floodgate.yaml");
         std::fs::write(&path, text).unwrap();
@@ -56,6 +59,7 @@ impl Rls {
         Rls {
             gateway,
             address,
+            http,
             listen,
             directory,
         }
@@ -1136,4 +1140,273 @@ async fn batched_mode_decides_descriptors_that_cannot_run_batched_exactly() {
         "the refused request took nothing from the batched limit"
     );
     assert_eq!(store_errors(&rls).await, 0, "no decision failed");
+}
+
+/// `POST /json` on `rls.http_listen`: the status, the `content-type` and the body.
+async fn post_json(rls: &Rls, body: impl Into<bytes::Bytes>) -> (http::StatusCode, String, String) {
+    let request = http::Request::post(format!("http://{}/json", rls.http))
+        .body(http_body_util::Full::new(body.into()))
+        .unwrap();
+    let response = client_http().request(request).await.expect("/json answers");
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .map(|value| value.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (
+        status,
+        content_type,
+        String::from_utf8(body.to_vec()).unwrap(),
+    )
+}
+
+/// A gRPC answer as envoyproxy/ratelimit's `/json` writes it (proto3 JSON: camelCase names,
+/// enums by name, defaults left out), stated here on its own so that the endpoint's encoder is
+/// checked against it rather than against itself. `durationUntilReset` is left out: it moves
+/// between two answers; [`reset_seconds`] compares it.
+fn grpc_as_json(response: &RateLimitResponse) -> serde_json::Value {
+    let code = |code: i32| match Code::try_from(code).unwrap() {
+        Code::Ok => "OK",
+        Code::OverLimit => "OVER_LIMIT",
+        Code::Unknown => unreachable!("floodgate answers a code"),
+    };
+    let statuses: Vec<serde_json::Value> = response
+        .statuses
+        .iter()
+        .map(|status| {
+            let mut json = serde_json::json!({"code": code(status.code)});
+            if let Some(limit) = &status.current_limit {
+                let units = [
+                    "UNKNOWN", "SECOND", "MINUTE", "HOUR", "DAY", "MONTH", "YEAR", "WEEK",
+                ];
+                let mut current = serde_json::json!({
+                    "requestsPerUnit": limit.requests_per_unit,
+                    "unit": units[limit.unit as usize],
+                });
+                if !limit.name.is_empty() {
+                    current["name"] = limit.name.clone().into();
+                }
+                json["currentLimit"] = current;
+            }
+            if status.limit_remaining != 0 {
+                json["limitRemaining"] = status.limit_remaining.into();
+            }
+            json
+        })
+        .collect();
+    serde_json::json!({"overallCode": code(response.overall_code), "statuses": statuses})
+}
+
+/// Each status's `durationUntilReset` in seconds (`"3600.5s"`), removed from `answer`.
+fn reset_seconds(answer: &mut serde_json::Value) -> Vec<Option<f64>> {
+    answer["statuses"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .map(|status| {
+            let text = status
+                .as_object_mut()
+                .unwrap()
+                .remove("durationUntilReset")?;
+            let text = text.as_str().unwrap();
+            Some(text.strip_suffix('s').unwrap().parse().unwrap())
+        })
+        .collect()
+}
+
+fn grpc_reset_seconds(response: &RateLimitResponse) -> Vec<Option<f64>> {
+    response
+        .statuses
+        .iter()
+        .map(|status| {
+            let reset = status.duration_until_reset.as_ref()?;
+            Some(reset.seconds as f64 + f64::from(reset.nanos) / 1e9)
+        })
+        .collect()
+}
+
+const PER_TENANT: &str = r#"
+domain: api
+descriptors:
+  - key: tenant
+    rate_limit: { unit: day, requests_per_unit: 2, name: per-tenant }
+"#;
+
+/// `POST /json` decides as `ShouldRateLimit` does, on the same counters, and answers in
+/// envoyproxy/ratelimit's JSON: 200 with `OK`, 429 with `OVER_LIMIT`, the same statuses as
+/// the gRPC answer for the same state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_answers_what_grpc_answers_on_the_same_counters() {
+    let rls = Rls::start(&[("api.yaml", PER_TENANT)], "", false);
+    let mut client = rls.client().await;
+    let body = |tenant: &str| {
+        format!(
+            r#"{{"domain":"api","descriptors":[{{"entries":[{{"key":"tenant","value":"{tenant}"}}]}},{{"entries":[{{"key":"path","value":"/x"}}]}}]}}"#
+        )
+    };
+    let descriptors: &[&[(&str, &str)]] = &[&[("tenant", "b")], &[("path", "/x")]];
+
+    // Admitted: tenant a through /json, tenant b (the same state) through gRPC.
+    let (status, content_type, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert_eq!(content_type, "application/json");
+    let mut admitted: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json_resets = reset_seconds(&mut admitted);
+    assert_eq!(
+        admitted,
+        serde_json::json!({"overallCode": "OK", "statuses": [
+            {"code": "OK", "limitRemaining": 1,
+             "currentLimit": {"name": "per-tenant", "requestsPerUnit": 2, "unit": "DAY"}},
+            {"code": "OK"}
+        ]})
+    );
+    let grpc = ask(&mut client, "api", descriptors).await;
+    assert_eq!(admitted, grpc_as_json(&grpc));
+    let grpc_resets = grpc_reset_seconds(&grpc);
+    assert_eq!(json_resets[1], None);
+    assert_eq!(grpc_resets[1], None);
+    let (json_reset, grpc_reset) = (json_resets[0].unwrap(), grpc_resets[0].unwrap());
+    assert!(
+        json_reset > 0.0 && json_reset <= 86_400.0 && (json_reset - grpc_reset).abs() < 5.0,
+        "{json_reset} {grpc_reset}"
+    );
+
+    // The last one left (`limitRemaining` 0 is left out, as protojson leaves defaults out),
+    // then over the limit: 429.
+    let (status, _, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    let mut last: serde_json::Value = serde_json::from_str(&text).unwrap();
+    reset_seconds(&mut last);
+    assert!(
+        last["statuses"][0].get("limitRemaining").is_none(),
+        "{text}"
+    );
+    let (status, content_type, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert_eq!(content_type, "application/json");
+    let mut over: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json_resets = reset_seconds(&mut over);
+    assert_eq!(
+        over,
+        serde_json::json!({"overallCode": "OVER_LIMIT", "statuses": [
+            {"code": "OVER_LIMIT",
+             "currentLimit": {"name": "per-tenant", "requestsPerUnit": 2, "unit": "DAY"}},
+            {"code": "OK"}
+        ]})
+    );
+    assert!(json_resets[0].is_some());
+    // gRPC sees the counter /json spent: tenant a is over its limit there too.
+    let grpc = ask(&mut client, "api", &[&[("tenant", "a")], &[("path", "/x")]]).await;
+    assert_eq!(over, grpc_as_json(&grpc));
+    // And the other way: tenant b's second call, through gRPC above, left /json nothing.
+    ask(&mut client, "api", descriptors).await;
+    let (status, _, text) = post_json(&rls, body("b")).await;
+    assert_eq!(status, http::StatusCode::TOO_MANY_REQUESTS, "{text}");
+
+    // Proto field names are read too, and integers as strings, as protojson reads them.
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"api","hits_addend":"2","descriptors":[{"entries":[{"key":"tenant","value":"c"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert!(
+        text.contains(r#""code":"OK""#) && !text.contains("limitRemaining"),
+        "{text}"
+    );
+}
+
+/// A body that is not a request is 400 with one short line about the body; a domain that no
+/// file configures is `OK` (as the peer answers); a body past the bound is 413 and is not
+/// read; the service answers normally afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_refuses_bad_bodies_with_a_short_reason() {
+    let rls = Rls::start(&[("api.yaml", PER_TENANT)], "", false);
+    let cases = [
+        ("domain=api", "invalid JSON body: expected value"),
+        ("[1, 2]", "invalid JSON body: invalid type: sequence"),
+        (
+            r#"{"domain": 5}"#,
+            "invalid JSON body: at domain: invalid type: integer `5`",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":7}]}]}"#,
+            "invalid JSON body: at descriptors[0].entries[0].value: invalid type: integer `7`",
+        ),
+        (
+            r#"{"domain":"api","hitsAddend":-1,"descriptors":[]}"#,
+            "invalid JSON body: at hitsAddend: invalid value: integer `-1`",
+        ),
+        (
+            r#"{"domain":"api","descriptor":[]}"#,
+            "invalid JSON body: at descriptor: unknown field `descriptor`",
+        ),
+        ("{}", "rate limit domain must not be empty"),
+        (
+            r#"{"domain":"api"}"#,
+            "rate limit descriptor list must not be empty",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":"t"}],"isNegativeHits":true}]}"#,
+            "is_negative_hits is not supported",
+        ),
+    ];
+    for (body, reason) in cases {
+        let (status, content_type, text) = post_json(&rls, body).await;
+        assert_eq!(status, http::StatusCode::BAD_REQUEST, "{body}: {text}");
+        assert_eq!(content_type, "text/plain; charset=utf-8", "{body}");
+        assert!(text.starts_with(reason), "{body}: {text}");
+        assert!(
+            text.len() < 300 && text.ends_with('\n') && text.lines().count() == 1,
+            "{text}"
+        );
+    }
+
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"nowhere","descriptors":[{"entries":[{"key":"tenant","value":"t"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&text).unwrap(),
+        serde_json::json!({"overallCode": "OK", "statuses": [{"code": "OK"}]})
+    );
+
+    // Past 64 KiB: refused before the body is decoded, whatever it holds.
+    let padding = " ".repeat(64 * 1024);
+    let big = format!(
+        r#"{{"domain":"api",{padding}"descriptors":[{{"entries":[{{"key":"tenant","value":"t"}}]}}]}}"#
+    );
+    let (status, _, text) = post_json(&rls, big).await;
+    assert_eq!(status, http::StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert_eq!(text, "request body too large: at most 65536 bytes\n");
+
+    // Only POST, as the peer's clients send it; its health check path answers too.
+    let get_json = get(&client_http(), &format!("http://{}/json", rls.http), &[]).await;
+    assert_eq!(get_json.status(), http::StatusCode::METHOD_NOT_ALLOWED);
+    let health = get(
+        &client_http(),
+        &format!("http://{}/healthcheck", rls.http),
+        &[],
+    )
+    .await;
+    assert_eq!(health.status(), http::StatusCode::OK);
+    assert_eq!(&health.body()[..], b"OK");
+
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":"t"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert!(
+        text.contains(r#""limitRemaining":1"#),
+        "nothing refused counted: {text}"
+    );
 }
