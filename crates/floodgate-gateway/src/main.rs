@@ -109,16 +109,25 @@ fn check(path: &std::path::Path) -> ExitCode {
                 (true, None, None) => ", exact".to_owned(),
             };
             let store = format!("{backend}{mode}");
-            println!(
-                "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
-                path.display(),
-                config.listen,
-                config.admin_listen,
-                config.upstream.scheme,
-                config.upstream.authority,
-                config.plans.len(),
-                config.redacted["routes"].as_array().map_or(0, Vec::len),
-            );
+            if config.serves_proxy {
+                println!(
+                    "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
+                    path.display(),
+                    config.listen,
+                    config.admin_listen,
+                    config.upstream.scheme,
+                    config.upstream.authority,
+                    config.plans.len(),
+                    config.redacted["routes"].as_array().map_or(0, Vec::len),
+                );
+            } else {
+                // What `serve` runs: neither the proxy's `listen` nor its upstream, nor plans.
+                println!(
+                    "{}: valid. proxy: off (rls only: no upstream nor routes), admin {}, store {store}",
+                    path.display(),
+                    config.admin_listen,
+                );
+            }
             for warning in config.warnings(admin_token().is_some()) {
                 println!("  warning: {warning}");
             }
@@ -126,9 +135,14 @@ fn check(path: &std::path::Path) -> ExitCode {
                 let directory = rls_dir(path, rls);
                 match floodgate_gateway::rls::rules::load_dir(&directory, rls.merge_domains) {
                     Ok(rules) => println!(
-                        "rls: valid. listen {}, {} domains from {} files in {}",
+                        "rls: valid. grpc {}, http {}, {} domains ({}) from {} files in {}",
                         rls.listen,
+                        rls.http_listen.map_or_else(
+                            || "off".to_owned(),
+                            |address| format!("{address} (POST /json)")
+                        ),
                         rules.domain_count(),
+                        listed(&rules.domain_names()),
                         rules.files.len(),
                         directory.display()
                     ),
@@ -458,6 +472,21 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Names joined by commas, the first ten and a count of the rest.
+fn listed(names: &[&str]) -> String {
+    const SHOWN: usize = 10;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
 }
 
 /// "1 error", "3 errors".

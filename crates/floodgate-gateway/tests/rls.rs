@@ -1410,3 +1410,63 @@ async fn json_refuses_bad_bodies_with_a_short_reason() {
         "nothing refused counted: {text}"
     );
 }
+
+/// `floodgate check` on an RLS-only file says what will run: no proxy (neither the default
+/// `listen` it never binds nor the default upstream it never calls), the RLS listeners and the
+/// domains.
+#[test]
+fn check_on_an_rls_only_file_reports_what_runs() {
+    let directory = TempDir::new("rls-check");
+    let rules = directory.file("rls");
+    std::fs::create_dir_all(&rules).unwrap();
+    std::fs::write(rules.join("api.yaml"), PER_TENANT).unwrap();
+    std::fs::write(
+        rules.join("mongo.yaml"),
+        "domain: mongo_cps\ndescriptors: []\n",
+    )
+    .unwrap();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(
+        &path,
+        "rls:\n  listen: \"127.0.0.1:8081\"\n  http_listen: \"127.0.0.1:8082\"\n  config_dir: rls\n",
+    )
+    .unwrap();
+    let run = |path: &std::path::Path| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["check", "--config"])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let summary = run(&path);
+    assert!(summary.contains("valid. proxy: off (rls only: no upstream nor routes), admin 127.0.0.1:9090, store memory"), "{summary}");
+    assert!(
+        !summary.contains("0.0.0.0:8080") && !summary.contains("127.0.0.1:3000"),
+        "the proxy's defaults never run: {summary}"
+    );
+    assert!(
+        summary.contains(
+            "rls: valid. grpc 127.0.0.1:8081, http 127.0.0.1:8082 (POST /json), 2 domains (api, mongo_cps) from 2 files in"
+        ),
+        "{summary}"
+    );
+    // With an upstream the proxy runs, and says so; without `http_listen`, /json is off.
+    std::fs::write(
+        &path,
+        "upstream: \"http://127.0.0.1:3000\"\nrls:\n  listen: \"127.0.0.1:8081\"\n  config_dir: rls\n",
+    )
+    .unwrap();
+    let summary = run(&path);
+    assert!(
+        summary.contains(
+            "valid. listen 0.0.0.0:8080, admin 127.0.0.1:9090, upstream http://127.0.0.1:3000"
+        ),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("rls: valid. grpc 127.0.0.1:8081, http off, 2 domains"),
+        "{summary}"
+    );
+}
