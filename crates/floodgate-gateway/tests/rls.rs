@@ -1470,3 +1470,51 @@ fn check_on_an_rls_only_file_reports_what_runs() {
         "{summary}"
     );
 }
+
+/// The value of the `/metrics` series `name` whose labels include every one of `labels`
+/// (`rule="api"`), or 0 when there is none.
+async fn metric(rls: &Rls, name: &str, labels: &[&str]) -> u64 {
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(metrics.body())
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// envoyproxy/ratelimit's per-descriptor `near_limit` has its floodgate series:
+/// `floodgate_near_limit_total{rule=<domain>,limit=<key path>}` counts admissions that left
+/// under 20% of the descriptor's limit (the peer's default `NEAR_LIMIT_RATIO` of 0.8), as the
+/// proxy counts its limits; shadow descriptors included, refusals not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn near_limit_is_counted_per_descriptor() {
+    let rls = Rls::start(
+        &[(
+            "api.yaml",
+            "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 10 }\n  - key: shadow\n    shadow_mode: true\n    rate_limit: { unit: day, requests_per_unit: 10 }\n",
+        )],
+        "",
+        false,
+    );
+    let mut client = rls.client().await;
+    // 10 admitted (the 9th and 10th leave 1 and 0 of 10: near), the 11th refused.
+    assert_eq!(
+        admitted(&mut client, "api", &[("tenant", "t")], 11).await,
+        10
+    );
+    assert_eq!(
+        admitted(&mut client, "api", &[("shadow", "s")], 10).await,
+        10
+    );
+    let labels = |limit| ["rule=\"api\"".to_owned(), format!("limit=\"{limit}\"")];
+    for limit in ["tenant", "shadow"] {
+        let labels = labels(limit);
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        assert_eq!(
+            metric(&rls, "floodgate_near_limit_total", &labels).await,
+            2,
+            "{limit}"
+        );
+    }
+}

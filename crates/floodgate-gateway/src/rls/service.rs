@@ -502,6 +502,17 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                     }
                 };
                 telemetry::record_decision(rule, &limit.key_path, label);
+                // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
+                // proxy's limits follow: admitted with under 20% of the limit left.
+                if let Some((_, state)) = state
+                    && matches!(
+                        label,
+                        DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
+                    )
+                    && state.remaining.saturating_mul(5) < state.capacity
+                {
+                    telemetry::record_near_limit(rule, &limit.key_path);
+                }
                 match state {
                     None => DescriptorStatus {
                         code: Code::Ok as i32,
