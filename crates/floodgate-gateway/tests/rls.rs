@@ -636,6 +636,14 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
             "{:?}",
             started.elapsed()
         );
+        // `/json` answers 503, saying nothing of Redis or the policy.
+        let (status, _, text) = post_json(
+            &closed,
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"path","value":"p"}]}]}"#,
+        )
+        .await;
+        assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE, "{text}");
+        assert_eq!(text, "rate limit service unavailable\n");
     }
 }
 
