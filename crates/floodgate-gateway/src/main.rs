@@ -109,16 +109,25 @@ fn check(path: &std::path::Path) -> ExitCode {
                 (true, None, None) => ", exact".to_owned(),
             };
             let store = format!("{backend}{mode}");
-            println!(
-                "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
-                path.display(),
-                config.listen,
-                config.admin_listen,
-                config.upstream.scheme,
-                config.upstream.authority,
-                config.plans.len(),
-                config.redacted["routes"].as_array().map_or(0, Vec::len),
-            );
+            if config.serves_proxy {
+                println!(
+                    "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
+                    path.display(),
+                    config.listen,
+                    config.admin_listen,
+                    config.upstream.scheme,
+                    config.upstream.authority,
+                    config.plans.len(),
+                    config.redacted["routes"].as_array().map_or(0, Vec::len),
+                );
+            } else {
+                // What `serve` runs: neither the proxy's `listen` nor its upstream, nor plans.
+                println!(
+                    "{}: valid. proxy: off (rls only: no upstream nor routes), admin {}, store {store}",
+                    path.display(),
+                    config.admin_listen,
+                );
+            }
             for warning in config.warnings(admin_token().is_some()) {
                 println!("  warning: {warning}");
             }
@@ -126,9 +135,14 @@ fn check(path: &std::path::Path) -> ExitCode {
                 let directory = rls_dir(path, rls);
                 match floodgate_gateway::rls::rules::load_dir(&directory, rls.merge_domains) {
                     Ok(rules) => println!(
-                        "rls: valid. listen {}, {} domains from {} files in {}",
+                        "rls: valid. grpc {}, http {}, {} domains ({}) from {} files in {}",
                         rls.listen,
+                        rls.http_listen.map_or_else(
+                            || "off".to_owned(),
+                            |address| format!("{address} (POST /json)")
+                        ),
                         rules.domain_count(),
+                        listed(&rules.domain_names()),
                         rules.files.len(),
                         directory.display()
                     ),
@@ -255,13 +269,18 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
                 reason: error.to_string(),
             })?;
             let listener = bind(settings.listen).await?;
+            let http_listener = match settings.http_listen {
+                Some(address) => Some(bind(address).await?),
+                None => None,
+            };
             let serving = tokio::spawn(rls::serve(
                 listener,
+                http_listener,
                 gateway.clone(),
                 rules,
                 settings.clone(),
             ));
-            tracing::info!(listen = %settings.listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
+            tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
             Some((watcher, serving))
         }
         None => None,
@@ -336,7 +355,7 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let admin = tokio::spawn(async move {
         // The peer address names the caller in the log of a reset.
         let service = admin_router.into_make_service_with_connect_info::<std::net::SocketAddr>();
-        if let Err(error) = axum::serve(admin::nodelay_listener(admin_listener), service).await {
+        if let Err(error) = axum::serve(serve::nodelay_listener(admin_listener), service).await {
             tracing::error!(%error, "admin server failed");
         }
     });
@@ -453,6 +472,21 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Names joined by commas, the first ten and a count of the rest.
+fn listed(names: &[&str]) -> String {
+    const SHOWN: usize = 10;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
 }
 
 /// "1 error", "3 errors".

@@ -29,6 +29,8 @@ use tonic::transport::Channel;
 struct Rls {
     gateway: Gateway,
     address: SocketAddr,
+    /// `rls.http_listen`: `POST /json` and `/healthcheck`.
+    http: SocketAddr,
     /// The proxy's `listen`, which an RLS-only deployment leaves unbound.
     listen: SocketAddr,
     directory: TempDir,
@@ -46,9 +48,10 @@ impl Rls {
         }
         let (listen, admin) = addresses();
         let address: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         // No `upstream`: an RLS-only deployment.
         let text = format!(
-            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  config_dir: rls\n  response_headers: {response_headers}\n{rest}"
+            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  http_listen: \"{http}\"\n  config_dir: rls\n  response_headers: {response_headers}\n{rest}"
         );
         let path = directory.file("floodgate.yaml");
         std::fs::write(&path, text).unwrap();
@@ -56,6 +59,7 @@ impl Rls {
         Rls {
             gateway,
             address,
+            http,
             listen,
             directory,
         }
@@ -449,6 +453,30 @@ async fn answers_carry_no_headers_unless_asked_and_refunds_are_refused() {
     );
 }
 
+/// A request without a domain, or without descriptors, is refused as envoyproxy/ratelimit
+/// refuses it ("rate limit domain must not be empty", "rate limit descriptor list must not be
+/// empty"), not answered `OK`: it is a caller's mistake, and `/json` answers it 400 as the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_domain_or_descriptors_is_refused() {
+    let rls = Rls::start(&[("api.yaml", TWO_LIMITS)], "", false);
+    let mut client = rls.client().await;
+    let no_domain = client
+        .should_rate_limit(request("", vec![descriptor(&[("tenant", "t")])], 0))
+        .await
+        .expect_err("an empty domain is refused");
+    assert_eq!(no_domain.code(), tonic::Code::InvalidArgument);
+    assert_eq!(no_domain.message(), "rate limit domain must not be empty");
+    let no_descriptors = client
+        .should_rate_limit(request("api", Vec::new(), 0))
+        .await
+        .expect_err("an empty descriptor list is refused");
+    assert_eq!(no_descriptors.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        no_descriptors.message(),
+        "rate limit descriptor list must not be empty"
+    );
+}
+
 /// Polls `condition` on fresh answers every 20 ms for up to 10 s.
 async fn wait_for_answer(
     client: &mut RateLimitServiceClient<Channel>,
@@ -608,6 +636,14 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
             "{:?}",
             started.elapsed()
         );
+        // `/json` answers 503, saying nothing of Redis or the policy.
+        let (status, _, text) = post_json(
+            &closed,
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"path","value":"p"}]}]}"#,
+        )
+        .await;
+        assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE, "{text}");
+        assert_eq!(text, "rate limit service unavailable\n");
     }
 }
 
@@ -1147,6 +1183,379 @@ async fn a_descriptor_named_twice_counts_twice_in_every_mode() {
         assert_eq!(
             passed, 5,
             "two units a request, ten a minute ({sync_interval:?})"
+/// `POST /json` on `rls.http_listen`: the status, the `content-type` and the body.
+async fn post_json(rls: &Rls, body: impl Into<bytes::Bytes>) -> (http::StatusCode, String, String) {
+    let request = http::Request::post(format!("http://{}/json", rls.http))
+        .body(http_body_util::Full::new(body.into()))
+        .unwrap();
+    let response = client_http().request(request).await.expect("/json answers");
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .map(|value| value.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (
+        status,
+        content_type,
+        String::from_utf8(body.to_vec()).unwrap(),
+    )
+}
+
+/// A gRPC answer as envoyproxy/ratelimit's `/json` writes it (proto3 JSON: camelCase names,
+/// enums by name, defaults left out), stated here on its own so that the endpoint's encoder is
+/// checked against it rather than against itself. `durationUntilReset` is left out: it moves
+/// between two answers; [`reset_seconds`] compares it.
+fn grpc_as_json(response: &RateLimitResponse) -> serde_json::Value {
+    let code = |code: i32| match Code::try_from(code).unwrap() {
+        Code::Ok => "OK",
+        Code::OverLimit => "OVER_LIMIT",
+        Code::Unknown => unreachable!("floodgate answers a code"),
+    };
+    let statuses: Vec<serde_json::Value> = response
+        .statuses
+        .iter()
+        .map(|status| {
+            let mut json = serde_json::json!({"code": code(status.code)});
+            if let Some(limit) = &status.current_limit {
+                let units = [
+                    "UNKNOWN", "SECOND", "MINUTE", "HOUR", "DAY", "MONTH", "YEAR", "WEEK",
+                ];
+                let mut current = serde_json::json!({
+                    "requestsPerUnit": limit.requests_per_unit,
+                    "unit": units[limit.unit as usize],
+                });
+                if !limit.name.is_empty() {
+                    current["name"] = limit.name.clone().into();
+                }
+                json["currentLimit"] = current;
+            }
+            if status.limit_remaining != 0 {
+                json["limitRemaining"] = status.limit_remaining.into();
+            }
+            json
+        })
+        .collect();
+    serde_json::json!({"overallCode": code(response.overall_code), "statuses": statuses})
+}
+
+/// Each status's `durationUntilReset` in seconds (`"3600.5s"`), removed from `answer`.
+fn reset_seconds(answer: &mut serde_json::Value) -> Vec<Option<f64>> {
+    answer["statuses"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .map(|status| {
+            let text = status
+                .as_object_mut()
+                .unwrap()
+                .remove("durationUntilReset")?;
+            let text = text.as_str().unwrap();
+            Some(text.strip_suffix('s').unwrap().parse().unwrap())
+        })
+        .collect()
+}
+
+fn grpc_reset_seconds(response: &RateLimitResponse) -> Vec<Option<f64>> {
+    response
+        .statuses
+        .iter()
+        .map(|status| {
+            let reset = status.duration_until_reset.as_ref()?;
+            Some(reset.seconds as f64 + f64::from(reset.nanos) / 1e9)
+        })
+        .collect()
+}
+
+const PER_TENANT: &str = r#"
+domain: api
+descriptors:
+  - key: tenant
+    rate_limit: { unit: day, requests_per_unit: 2, name: per-tenant }
+"#;
+
+/// `POST /json` decides as `ShouldRateLimit` does, on the same counters, and answers in
+/// envoyproxy/ratelimit's JSON: 200 with `OK`, 429 with `OVER_LIMIT`, the same statuses as
+/// the gRPC answer for the same state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_answers_what_grpc_answers_on_the_same_counters() {
+    let rls = Rls::start(&[("api.yaml", PER_TENANT)], "", false);
+    let mut client = rls.client().await;
+    let body = |tenant: &str| {
+        format!(
+            r#"{{"domain":"api","descriptors":[{{"entries":[{{"key":"tenant","value":"{tenant}"}}]}},{{"entries":[{{"key":"path","value":"/x"}}]}}]}}"#
+        )
+    };
+    let descriptors: &[&[(&str, &str)]] = &[&[("tenant", "b")], &[("path", "/x")]];
+
+    // Admitted: tenant a through /json, tenant b (the same state) through gRPC.
+    let (status, content_type, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert_eq!(content_type, "application/json");
+    let mut admitted: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json_resets = reset_seconds(&mut admitted);
+    assert_eq!(
+        admitted,
+        serde_json::json!({"overallCode": "OK", "statuses": [
+            {"code": "OK", "limitRemaining": 1,
+             "currentLimit": {"name": "per-tenant", "requestsPerUnit": 2, "unit": "DAY"}},
+            {"code": "OK"}
+        ]})
+    );
+    let grpc = ask(&mut client, "api", descriptors).await;
+    assert_eq!(admitted, grpc_as_json(&grpc));
+    let grpc_resets = grpc_reset_seconds(&grpc);
+    assert_eq!(json_resets[1], None);
+    assert_eq!(grpc_resets[1], None);
+    let (json_reset, grpc_reset) = (json_resets[0].unwrap(), grpc_resets[0].unwrap());
+    assert!(
+        json_reset > 0.0 && json_reset <= 86_400.0 && (json_reset - grpc_reset).abs() < 5.0,
+        "{json_reset} {grpc_reset}"
+    );
+
+    // The last one left (`limitRemaining` 0 is left out, as protojson leaves defaults out),
+    // then over the limit: 429.
+    let (status, _, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    let mut last: serde_json::Value = serde_json::from_str(&text).unwrap();
+    reset_seconds(&mut last);
+    assert!(
+        last["statuses"][0].get("limitRemaining").is_none(),
+        "{text}"
+    );
+    let (status, content_type, text) = post_json(&rls, body("a")).await;
+    assert_eq!(status, http::StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert_eq!(content_type, "application/json");
+    let mut over: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let json_resets = reset_seconds(&mut over);
+    assert_eq!(
+        over,
+        serde_json::json!({"overallCode": "OVER_LIMIT", "statuses": [
+            {"code": "OVER_LIMIT",
+             "currentLimit": {"name": "per-tenant", "requestsPerUnit": 2, "unit": "DAY"}},
+            {"code": "OK"}
+        ]})
+    );
+    assert!(json_resets[0].is_some());
+    // gRPC sees the counter /json spent: tenant a is over its limit there too.
+    let grpc = ask(&mut client, "api", &[&[("tenant", "a")], &[("path", "/x")]]).await;
+    assert_eq!(over, grpc_as_json(&grpc));
+    // And the other way: tenant b's second call, through gRPC above, left /json nothing.
+    ask(&mut client, "api", descriptors).await;
+    let (status, _, text) = post_json(&rls, body("b")).await;
+    assert_eq!(status, http::StatusCode::TOO_MANY_REQUESTS, "{text}");
+
+    // Proto field names are read too, and integers as strings, as protojson reads them.
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"api","hits_addend":"2","descriptors":[{"entries":[{"key":"tenant","value":"c"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert!(
+        text.contains(r#""code":"OK""#) && !text.contains("limitRemaining"),
+        "{text}"
+    );
+}
+
+/// A body that is not a request is 400 with one short line about the body; a domain that no
+/// file configures is `OK` (as the peer answers); a body past the bound is 413 and is not
+/// read; the service answers normally afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_refuses_bad_bodies_with_a_short_reason() {
+    let rls = Rls::start(&[("api.yaml", PER_TENANT)], "", false);
+    let cases = [
+        ("domain=api", "invalid JSON body: expected value"),
+        ("[1, 2]", "invalid JSON body: invalid type: sequence"),
+        (
+            r#"{"domain": 5}"#,
+            "invalid JSON body: at domain: invalid type: integer `5`",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":7}]}]}"#,
+            "invalid JSON body: at descriptors[0].entries[0].value: invalid type: integer `7`",
+        ),
+        (
+            r#"{"domain":"api","hitsAddend":-1,"descriptors":[]}"#,
+            "invalid JSON body: at hitsAddend: invalid value: integer `-1`",
+        ),
+        (
+            r#"{"domain":"api","descriptor":[]}"#,
+            "invalid JSON body: at descriptor: unknown field `descriptor`",
+        ),
+        ("{}", "rate limit domain must not be empty"),
+        (
+            r#"{"domain":"api"}"#,
+            "rate limit descriptor list must not be empty",
+        ),
+        (
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":"t"}],"isNegativeHits":true}]}"#,
+            "is_negative_hits is not supported",
+        ),
+    ];
+    for (body, reason) in cases {
+        let (status, content_type, text) = post_json(&rls, body).await;
+        assert_eq!(status, http::StatusCode::BAD_REQUEST, "{body}: {text}");
+        assert_eq!(content_type, "text/plain; charset=utf-8", "{body}");
+        assert!(text.starts_with(reason), "{body}: {text}");
+        assert!(
+            text.len() < 300 && text.ends_with('\n') && text.lines().count() == 1,
+            "{text}"
+        );
+    }
+
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"nowhere","descriptors":[{"entries":[{"key":"tenant","value":"t"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&text).unwrap(),
+        serde_json::json!({"overallCode": "OK", "statuses": [{"code": "OK"}]})
+    );
+
+    // Past 64 KiB: refused before the body is decoded, whatever it holds.
+    let padding = " ".repeat(64 * 1024);
+    let big = format!(
+        r#"{{"domain":"api",{padding}"descriptors":[{{"entries":[{{"key":"tenant","value":"t"}}]}}]}}"#
+    );
+    let (status, _, text) = post_json(&rls, big).await;
+    assert_eq!(status, http::StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert_eq!(text, "request body too large: at most 65536 bytes\n");
+
+    // Only POST, as the peer's clients send it; its health check path answers too.
+    let get_json = get(&client_http(), &format!("http://{}/json", rls.http), &[]).await;
+    assert_eq!(get_json.status(), http::StatusCode::METHOD_NOT_ALLOWED);
+    let health = get(
+        &client_http(),
+        &format!("http://{}/healthcheck", rls.http),
+        &[],
+    )
+    .await;
+    assert_eq!(health.status(), http::StatusCode::OK);
+    assert_eq!(&health.body()[..], b"OK");
+
+    let (status, _, text) = post_json(
+        &rls,
+        r#"{"domain":"api","descriptors":[{"entries":[{"key":"tenant","value":"t"}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, http::StatusCode::OK, "{text}");
+    assert!(
+        text.contains(r#""limitRemaining":1"#),
+        "nothing refused counted: {text}"
+    );
+}
+
+/// `floodgate check` on an RLS-only file says what will run: no proxy (neither the default
+/// `listen` it never binds nor the default upstream it never calls), the RLS listeners and the
+/// domains.
+#[test]
+fn check_on_an_rls_only_file_reports_what_runs() {
+    let directory = TempDir::new("rls-check");
+    let rules = directory.file("rls");
+    std::fs::create_dir_all(&rules).unwrap();
+    std::fs::write(rules.join("api.yaml"), PER_TENANT).unwrap();
+    std::fs::write(
+        rules.join("mongo.yaml"),
+        "domain: mongo_cps\ndescriptors: []\n",
+    )
+    .unwrap();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(
+        &path,
+        "rls:\n  listen: \"127.0.0.1:8081\"\n  http_listen: \"127.0.0.1:8082\"\n  config_dir: rls\n",
+    )
+    .unwrap();
+    let run = |path: &std::path::Path| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["check", "--config"])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let summary = run(&path);
+    assert!(summary.contains("valid. proxy: off (rls only: no upstream nor routes), admin 127.0.0.1:9090, store memory"), "{summary}");
+    assert!(
+        !summary.contains("0.0.0.0:8080") && !summary.contains("127.0.0.1:3000"),
+        "the proxy's defaults never run: {summary}"
+    );
+    assert!(
+        summary.contains(
+            "rls: valid. grpc 127.0.0.1:8081, http 127.0.0.1:8082 (POST /json), 2 domains (api, mongo_cps) from 2 files in"
+        ),
+        "{summary}"
+    );
+    // With an upstream the proxy runs, and says so; without `http_listen`, /json is off.
+    std::fs::write(
+        &path,
+        "upstream: \"http://127.0.0.1:3000\"\nrls:\n  listen: \"127.0.0.1:8081\"\n  config_dir: rls\n",
+    )
+    .unwrap();
+    let summary = run(&path);
+    assert!(
+        summary.contains(
+            "valid. listen 0.0.0.0:8080, admin 127.0.0.1:9090, upstream http://127.0.0.1:3000"
+        ),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("rls: valid. grpc 127.0.0.1:8081, http off, 2 domains"),
+        "{summary}"
+    );
+}
+
+/// The value of the `/metrics` series `name` whose labels include every one of `labels`
+/// (`rule="api"`), or 0 when there is none.
+async fn metric(rls: &Rls, name: &str, labels: &[&str]) -> u64 {
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(metrics.body())
+        .lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| labels.iter().all(|label| line.contains(label)))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// envoyproxy/ratelimit's per-descriptor `near_limit` has its floodgate series:
+/// `floodgate_near_limit_total{rule=<domain>,limit=<key path>}` counts admissions that left
+/// under 20% of the descriptor's limit (the peer's default `NEAR_LIMIT_RATIO` of 0.8), as the
+/// proxy counts its limits; shadow descriptors included, refusals not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn near_limit_is_counted_per_descriptor() {
+    let rls = Rls::start(
+        &[(
+            "api.yaml",
+            "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 10 }\n  - key: shadow\n    shadow_mode: true\n    rate_limit: { unit: day, requests_per_unit: 10 }\n",
+        )],
+        "",
+        false,
+    );
+    let mut client = rls.client().await;
+    // 10 admitted (the 9th and 10th leave 1 and 0 of 10: near), the 11th refused.
+    assert_eq!(
+        admitted(&mut client, "api", &[("tenant", "t")], 11).await,
+        10
+    );
+    assert_eq!(
+        admitted(&mut client, "api", &[("shadow", "s")], 10).await,
+        10
+    );
+    let labels = |limit| ["rule=\"api\"".to_owned(), format!("limit=\"{limit}\"")];
+    for limit in ["tenant", "shadow"] {
+        let labels = labels(limit);
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        assert_eq!(
+            metric(&rls, "floodgate_near_limit_total", &labels).await,
+            2,
+            "{limit}"
         );
     }
 }

@@ -14,7 +14,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::{ListenerExt, TapIo};
 use floodgate::store::resilience::BreakerState;
 use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -58,22 +57,6 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .merge(guarded)
         .with_state(state)
-}
-
-/// The admin API's listener, setting `TCP_NODELAY` on every connection it accepts, as the
-/// proxy's and the rate limit service's listeners do: an answer written in more than one piece
-/// (a head, then a body) must not wait for the client's delayed ACK of the first (Nagle's
-/// algorithm), about 40 ms on Linux, on every scrape and status page refresh.
-pub fn nodelay_listener(
-    listener: tokio::net::TcpListener,
-) -> TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
-    fn set_nodelay(stream: &mut tokio::net::TcpStream) {
-        if let Err(error) = stream.set_nodelay(true) {
-            // The connection is still served, only perhaps slower: not worth more than debug.
-            tracing::debug!(%error, "admin: could not set TCP_NODELAY on a connection");
-        }
-    }
-    listener.tap_io(set_nodelay as fn(&mut tokio::net::TcpStream))
 }
 
 /// 401 unless the request carries `Authorization: Bearer <token>` (when a token is set).
@@ -699,15 +682,13 @@ async fn remove_overrides(
 mod tests {
     use axum::serve::Listener;
 
-    use super::*;
-
     /// Connections the admin API accepts have `TCP_NODELAY` (the Rust standard library and
     /// tokio leave it off).
     #[tokio::test]
     async fn the_admin_listener_sets_nodelay_on_what_it_accepts() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
-        let mut listener = nodelay_listener(listener);
+        let mut listener = crate::serve::nodelay_listener(listener);
         let _client = tokio::net::TcpStream::connect(address).await.unwrap();
         let (accepted, _) = listener.accept().await;
         assert!(accepted.nodelay().unwrap());

@@ -337,7 +337,12 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let allowlist = clients::client_list(&mut errors, "allowlist", &raw.allowlist);
     let denylist = clients::client_list(&mut errors, "denylist", &raw.denylist);
     let response = response::response(&mut errors, &raw.response);
-    let rls_settings = rls::rls(&mut errors, raw.rls.as_ref());
+    let proxy_listen = listen.filter(|_| serves_proxy);
+    let rls_settings = rls::rls(
+        &mut errors,
+        raw.rls.as_ref(),
+        &[("listen", proxy_listen), ("admin.listen", admin_listen)],
+    );
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
 

@@ -5,8 +5,12 @@
 //! - [`rules`]: the domain file format and the descriptor tree a request walks.
 //! - [`reload`]: the directory in service and its hot reload.
 //! - [`service`]: `ShouldRateLimit` itself.
+//! - [`json`] and [`http`]: envoyproxy/ratelimit's `POST /json` on `rls.http_listen`, the same
+//!   decision in the peer's JSON form.
 //! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
 
+pub mod http;
+pub mod json;
 pub mod limit_overrides;
 pub mod reload;
 pub mod rules;
@@ -22,24 +26,38 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use crate::config::RlsSettings;
 use crate::gateway::Gateway;
 
-/// Serves the rate limit service on `listener` until the task is dropped. The domain rules must
-/// have been loaded (and their watcher started) by the caller.
+/// Serves the rate limit service on `listener` (gRPC) and, when given, `http_listener`
+/// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped. The
+/// domain rules must have been loaded (and their watcher started) by the caller.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    http_listener: Option<tokio::net::TcpListener>,
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     settings: RlsSettings,
 ) {
-    let service = RlsService::new(gateway, rules, settings.response_headers);
+    let service = Arc::new(RlsService::new(gateway, rules, settings.response_headers));
+    // Dropped (and so stopped) with this task.
+    let _http = http_listener
+        .map(|listener| AbortOnDrop(tokio::spawn(http::serve(listener, service.clone()))));
     // TCP_NODELAY, as on the proxy's connections: without it, a caller that pings when data
     // arrives (grpc-go's BDP estimator) gets a PING ACK it acknowledges late (delayed ACK),
     // and Nagle's algorithm holds the answer written after it until then, about 40 ms.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let served = tonic::transport::Server::builder()
-        .add_service(RateLimitServiceServer::new(service))
+        .add_service(RateLimitServiceServer::from_arc(service))
         .serve_with_incoming(incoming)
         .await;
     if let Err(error) = served {
         tracing::error!(%error, "rls: the rate limit service failed");
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

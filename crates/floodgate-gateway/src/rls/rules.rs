@@ -357,6 +357,13 @@ impl Rules {
     pub fn domain_count(&self) -> usize {
         self.domains.len()
     }
+
+    /// The configured domains' names, sorted.
+    pub fn domain_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
 }
 
 impl DescriptorLimit {

@@ -200,10 +200,27 @@ impl RlsService {
 
     /// The answer to one `ShouldRateLimit` request: its descriptors matched against the
     /// domain's rules, planned into checks, decided, and answered with statuses and headers.
+    /// gRPC and `POST /json` both answer through this.
+    ///
+    /// # Errors
+    ///
+    /// `INVALID_ARGUMENT` for a request without a domain or descriptors, or with
+    /// `is_negative_hits`; `UNAVAILABLE` when the store fails under `on_store_error: closed`.
     pub async fn should_rate_limit(
         &self,
         request: &RateLimitRequest,
     ) -> Result<RateLimitResponse, tonic::Status> {
+        // Refused as envoyproxy/ratelimit refuses them (its `/json` answers 400).
+        if request.domain.is_empty() {
+            return Err(tonic::Status::invalid_argument(
+                "rate limit domain must not be empty",
+            ));
+        }
+        if request.descriptors.is_empty() {
+            return Err(tonic::Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
         let rules = self.rules.current();
         let Some(tree) = rules.domain(&request.domain) else {
             // An unknown domain limits nothing (as envoyproxy/ratelimit answers).
@@ -485,6 +502,17 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                     }
                 };
                 telemetry::record_decision(rule, &limit.key_path, label);
+                // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
+                // proxy's limits follow: admitted with under 20% of the limit left.
+                if let Some((_, state)) = state
+                    && matches!(
+                        label,
+                        DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
+                    )
+                    && state.remaining.saturating_mul(5) < state.capacity
+                {
+                    telemetry::record_near_limit(rule, &limit.key_path);
+                }
                 match state {
                     None => DescriptorStatus {
                         code: Code::Ok as i32,

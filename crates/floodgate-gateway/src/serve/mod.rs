@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::serve::{ListenerExt, TapIo};
 use floodgate::PeerAddr;
 use hyper::Request;
 use hyper::body::Incoming;
@@ -35,6 +36,22 @@ use tokio_rustls::TlsAcceptor;
 use crate::config::ServerLimits;
 use crate::gateway::{Gateway, handle};
 use crate::proxy::OverTls;
+
+/// An axum listener (the admin API's, the rate limit service's HTTP one) setting `TCP_NODELAY`
+/// on every connection it accepts, as the proxy's and the gRPC listeners do: an answer written in more than one piece
+/// (a head, then a body) must not wait for the client's delayed ACK of the first (Nagle's
+/// algorithm), about 40 ms on Linux, on every scrape, status page refresh and `/json` answer.
+pub fn nodelay_listener(
+    listener: tokio::net::TcpListener,
+) -> TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    fn set_nodelay(stream: &mut tokio::net::TcpStream) {
+        if let Err(error) = stream.set_nodelay(true) {
+            // The connection is still served, only perhaps slower: not worth more than debug.
+            tracing::debug!(%error, "could not set TCP_NODELAY on a connection");
+        }
+    }
+    listener.tap_io(set_nodelay as fn(&mut tokio::net::TcpStream))
+}
 
 /// How long in-flight requests may take to finish after a shutdown signal.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
