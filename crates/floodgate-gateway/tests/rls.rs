@@ -1183,6 +1183,10 @@ async fn a_descriptor_named_twice_counts_twice_in_every_mode() {
         assert_eq!(
             passed, 5,
             "two units a request, ten a minute ({sync_interval:?})"
+        );
+    }
+}
+
 /// `POST /json` on `rls.http_listen`: the status, the `content-type` and the body.
 async fn post_json(rls: &Rls, body: impl Into<bytes::Bytes>) -> (http::StatusCode, String, String) {
     let request = http::Request::post(format!("http://{}/json", rls.http))
