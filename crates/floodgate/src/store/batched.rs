@@ -286,6 +286,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             idle_rounds: u32::try_from(idle_rounds).unwrap_or(u32::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
             resets: AtomicU64::new(0),
+            own_resets: Mutex::default(),
             next_round_micros: AtomicU64::new(0),
             stats: Stats::default(),
         });
@@ -297,7 +298,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
                     .target
                     .on_reset(Arc::new(move |keys| match node.upgrade() {
                         Some(shared) => {
-                            shared.forget(keys);
+                            shared.heard_reset(keys);
                             true
                         }
                         None => false,
@@ -315,6 +316,8 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
 }
 
 const SHARDS: usize = 64;
+/// How long a node waits for the echo of its own reset on the resets channel.
+const ECHO_WITHIN: Duration = Duration::from_secs(5);
 /// Most limits sent in one script call, so that one call never holds Redis for long.
 const SYNC_CHUNK: usize = 512;
 
@@ -358,6 +361,9 @@ struct Shared<T> {
     sync_lock: tokio::sync::Mutex<()>,
     /// Resets so far: a fetch that began before one does not install what it read.
     resets: AtomicU64,
+    /// Keys this node reset itself, with the local time (µs): the resets channel echoes
+    /// them back, and the echo must not drop what the node fetched since.
+    own_resets: Mutex<Vec<(Arc<str>, u64)>>,
     /// Local time (µs) of the next periodic round: the wait a request short of lease is told.
     next_round_micros: AtomicU64,
     stats: Stats,
@@ -708,8 +714,35 @@ impl<T: SyncTarget> Shared<T> {
     /// does not install it. Other nodes keep what their leases hold until their next trade.
     async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
         let _no_sync_meanwhile = self.sync_lock.lock().await;
+        let now = self.clock.now().as_micros();
+        lock(&self.own_resets).extend(keys.iter().map(|key| (key.clone(), now)));
         self.forget(keys);
         self.target.reset(keys).await
+    }
+
+    /// A reset heard on the store's resets channel: forgets its keys, except the echoes of
+    /// this node's own resets (it forgot those when it made them).
+    fn heard_reset(&self, keys: &[&str]) {
+        let now = self.clock.now().as_micros();
+        let others: Vec<&str> = {
+            let mut own = lock(&self.own_resets);
+            // An echo comes within a round trip; one that never came (no subscription) is
+            // not waited for long.
+            own.retain(|(_, at)| now.saturating_sub(*at) < duration_micros(ECHO_WITHIN));
+            keys.iter()
+                .copied()
+                .filter(|key| match own.iter().position(|(own, _)| &**own == *key) {
+                    Some(echo) => {
+                        own.swap_remove(echo);
+                        false
+                    }
+                    None => true,
+                })
+                .collect()
+        };
+        if !others.is_empty() {
+            self.forget(&others);
+        }
     }
 
     /// Drops this node's entries of `keys`, reset here or on another node: their leases are
