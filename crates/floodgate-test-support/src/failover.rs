@@ -27,10 +27,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use floodgate::Limit;
 use floodgate::store::{
     BatchedStore, Check, HotIdentities, RedisStore, Scope, SplitStore, Store, StoreError,
 };
-use floodgate::Limit;
 
 use crate::{ClusterNode, RedisCluster};
 
@@ -211,9 +211,7 @@ impl Report {
 
     /// Every failed decision, of any identity.
     pub fn failures(&self) -> impl Iterator<Item = &Decided> {
-        self.identities
-            .iter()
-            .flat_map(IdentityReport::failures)
+        self.identities.iter().flat_map(IdentityReport::failures)
     }
 
     /// From the first failure's start to the last failure's end, as offsets from the kill
@@ -264,8 +262,10 @@ pub async fn run(mode: Mode, load: Load) -> Report {
         Mode::Exact => Arc::new(cluster_store.clone()),
         Mode::Batched => Arc::new(batched()),
         Mode::HotIdentities => Arc::new(
-            SplitStore::new(batched(), Arc::new(cluster_store.clone()), |_: &Check| false)
-                .with_hot_identities(Arc::new(HotIdentities::new(HOT_ABOVE, INTERVAL))),
+            SplitStore::new(batched(), Arc::new(cluster_store.clone()), |_: &Check| {
+                false
+            })
+            .with_hot_identities(Arc::new(HotIdentities::new(HOT_ABOVE, INTERVAL))),
         ),
         Mode::GlobalCeiling => Arc::new(SplitStore::new(
             batched(),
@@ -331,7 +331,9 @@ pub async fn run(mode: Mode, load: Load) -> Report {
             tasks.push((
                 on_killed_master,
                 key.clone(),
-                tokio::spawn(async move { decide_until(&*store, &checks, &stop, began, turn).await }),
+                tokio::spawn(
+                    async move { decide_until(&*store, &checks, &stop, began, turn).await },
+                ),
             ));
         }
     }
@@ -340,9 +342,8 @@ pub async fn run(mode: Mode, load: Load) -> Report {
     tokio::time::sleep(load.before_kill).await;
     let killed_at = began.elapsed();
     tokio::task::block_in_place(|| kill_caught_up(&mut cluster, KILLED));
-    let promoted = tokio::task::block_in_place(|| {
-        cluster.wait_for_promotion(KILLED, Duration::from_secs(30))
-    });
+    let promoted =
+        tokio::task::block_in_place(|| cluster.wait_for_promotion(KILLED, Duration::from_secs(30)));
     let promoted_at = began.elapsed();
     assert_eq!(
         promoted,
@@ -441,4 +442,3 @@ fn kill_caught_up(cluster: &mut RedisCluster, index: usize) {
     );
     cluster.kill_master(index);
 }
-
