@@ -182,8 +182,10 @@ pub trait SyncTarget: Store {
     }
 
     /// Whether calls on `key` are refused by an open breaker: batched decisions that need a
-    /// call then follow the failure policy. Stores with one breaker per node or slot answer
-    /// per key, so that one lost node does not stop the others' identities.
+    /// call then follow the failure policy. An open breaker due for its probe refuses nothing
+    /// (the next call is the probe that may close it; a store that answered `true` until a
+    /// call were made would never be called again). Stores with one breaker per node or slot
+    /// answer per key, so that one lost node does not stop the others' identities.
     fn is_refused(&self, key: &str) -> bool {
         let _ = key;
         self.breaker_state() == Some(BreakerState::Open)

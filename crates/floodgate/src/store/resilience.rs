@@ -205,6 +205,20 @@ impl Guard {
             .state
     }
 
+    /// Whether a call made now would be rejected without going out: the breaker is open and
+    /// its `open_for` has not passed, or half-open with its probe out. An open breaker whose
+    /// time is up refuses nothing: the next call is its probe. (Its [`state`](Self::state)
+    /// stays `Open` until that call is made, so a caller that asks the state before calling
+    /// would never make it, and the breaker would never close.)
+    pub fn refuses_calls(&self) -> bool {
+        let breaker = self.breaker.lock().unwrap_or_else(PoisonError::into_inner);
+        match breaker.state {
+            BreakerState::Closed => false,
+            BreakerState::Open => breaker.opened_at.elapsed() < self.config.open_for,
+            BreakerState::HalfOpen => true,
+        }
+    }
+
     /// Runs `call` under the deadline, unless the breaker rejects it. The deadline runs from
     /// the start, or from when `call` last said that it went out only then (a decision
     /// queued by the Redis store's coalescer, once its batch is sent): a call that first
@@ -393,6 +407,29 @@ mod tests {
 
     async fn succeed(guard: &Guard) -> Result<(), StoreError> {
         guard.call(async { Ok(()) }).await
+    }
+
+    /// A caller that asks before calling (a batched store) must see an open breaker stop
+    /// refusing once its probe is due: the state alone stays `Open` until a call is made.
+    #[tokio::test]
+    async fn an_open_breaker_refuses_calls_until_its_probe_is_due() {
+        let open_for = Duration::from_millis(30);
+        let guard = guard(1, open_for);
+        assert!(!guard.refuses_calls());
+        assert!(fail(&guard).await.is_err());
+        assert!(guard.refuses_calls());
+        let opened = std::time::Instant::now();
+        while opened.elapsed() < open_for {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            guard.state(),
+            BreakerState::Open,
+            "no call made it half-open"
+        );
+        assert!(!guard.refuses_calls(), "the next call is the probe");
+        assert!(succeed(&guard).await.is_ok());
+        assert_eq!(guard.state(), BreakerState::Closed);
     }
 
     #[tokio::test]

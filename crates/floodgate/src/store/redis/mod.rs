@@ -403,12 +403,13 @@ impl RedisStore {
 
     /// Whether calls on `key` are being refused by an open breaker.
     fn is_refused(&self, key: &str) -> bool {
-        // Asked on every batched decision: a single node's breaker is read in place.
-        let state = match &self.inner.cluster_breakers {
-            None => self.inner.guard.state(),
-            Some(breakers) => breakers.guard_for(key).state(),
-        };
-        state == BreakerState::Open
+        // Asked on every batched decision: a single node's breaker is read in place. Not its
+        // state: an open breaker due for its probe must let the next call out, or a batched
+        // store, which asks this before calling, would never call again.
+        match &self.inner.cluster_breakers {
+            None => self.inner.guard.refuses_calls(),
+            Some(breakers) => breakers.guard_for(key).refuses_calls(),
+        }
     }
 
     /// Runs a command outside the decisions (slot map, probes): within the deadline (at least
