@@ -13,10 +13,13 @@
 //! asked for per interval (a running estimate). Once per `sync_interval` the node trades every
 //! active key in one script call per node (or slot): it gives back what its lease holds beyond
 //! the estimate (an idle node's lease flows back to the others) and asks for what it lacks. A
-//! request that finds its lease short asks for more at once, once per key and interval (its
-//! concurrent requests wait for that answer); after that, it is denied until the next trade,
-//! with the wait until then. The first request of an identity on a node is such a request.
-//! Calls stay at most one per node and interval per active identity, plus that one top-up.
+//! request that finds its lease short asks for more at once (its concurrent requests wait for
+//! that answer), asking for as much again as the interval asked so far, so that a burst costs a
+//! logarithm of its size in calls and a lone node gets all the shared state has room for. Once
+//! a call of the interval got less than it asked (the limit is short everywhere), the key's
+//! requests short of lease are denied until the next trade, with the wait until then. The first
+//! request of an identity on a node is such a request. Calls stay about one per node and
+//! interval per active identity, plus the top-ups of a burst.
 //!
 //! **Outcomes.** A node keeps the shared state as the last trade left it (with every lease
 //! counted as used) and evaluates each request on that state with its own unused lease given
@@ -30,6 +33,16 @@
 //! the limit refills in [`LEASE_LIFETIME`], so a dead node's share returns within it. A lease
 //! of a fixed or sliding window is of its window only: when the window changes the node forgets
 //! it (the shared store counted it in the old window).
+//!
+//! **Partial failures.** A store of several nodes (or slots) answers each node's part of a
+//! trade apart ([`Leased`]): the identities of the nodes that answered are traded as usual, and
+//! only the others' are marked as failing (per key), so that only their requests short of lease
+//! go to the failure policy. A trade whose answer was lost ([`Unanswered::Lost`]: Redis may have
+//! applied it) has its given-back units and its grant dropped, never spent or given back again,
+//! and its debt sent again (counted twice at worst: capacity lost, never an admission above the
+//! limit); a trade never sent ([`Unanswered::NotSent`]) is kept whole. A grant belongs to the
+//! window of the shared store's time when it was granted. A reset heard from another node (the
+//! store's resets channel, [`SyncTarget::on_reset`]) drops this node's leases of its keys.
 //!
 //! **When the shared store is unreachable**, a node keeps spending what its leases hold until
 //! they expire ([`LEASE_LIFETIME`] after their grant); past that, and for any request that
