@@ -1,7 +1,7 @@
 //! Local counting across a fleet: 20 batched nodes in one process on one real Redis, each with
 //! its own trading task every 100 ms, driven by the traffic shapes of the design notes. What
 //! they admit must stay within the limit's allowance (capacity plus refill while the run lasts)
-//! however many nodes there are: +2% at most, a cold burst within its capacity +10%; at steady
+//! however many nodes there are: +2% at most, a cold burst within its capacity ±10%; at steady
 //! state no shape under-admits by more than 10%; and Redis sees about one call per node and
 //! interval. `bench/fleet.sh` runs the same at 4, 20 and 200 nodes.
 //!
@@ -74,11 +74,36 @@ async fn every_shape_on_twenty_nodes_stays_within_its_allowance() {
     // own (348 admitted where 128 were allowed, measured with 20 gateway processes).
     let shape = Shape::ColdBurst { per_node: 40 };
     let report = fleet.run(shape, &limit, "cold", RUN).await;
+    check_cold_burst(shape, &report, &limit);
+}
+
+/// A cold burst takes the bucket, neither more (+10%) nor much less (−10%): the nodes' first
+/// top-ups ask for the requests queued behind their first sights and no more, so no node holds
+/// units idle that another's burst lacks. (With asks doubled past the burst, 4 nodes admitted
+/// 84–98 of a bucket of 100, 75 in one benchmark run.)
+fn check_cold_burst(shape: Shape, report: &Report, limit: &Limit) {
+    let capacity = limit.capacity() as f64;
+    let admitted = report.admitted as f64;
     assert!(
-        report.admitted as f64 <= 1.10 * limit.capacity() as f64,
+        (0.90 * capacity..=1.10 * capacity).contains(&admitted),
         "{}: admitted {} where the bucket holds {}",
         shape.name(),
         report.admitted,
         limit.capacity()
     );
+}
+
+/// The cold burst on 4 nodes, where it fell short most (each node's 40 against a bucket of
+/// 100), run a few times: every run takes the bucket within 10%.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_burst_on_four_nodes_takes_the_bucket() {
+    let server = RedisServer::start();
+    let fleet = Fleet::start(&server.url(), 4, INTERVAL);
+    let limit = limit();
+    let shape = Shape::ColdBurst { per_node: 40 };
+    for run in 0..5 {
+        let report = fleet.run(shape, &limit, &format!("cold-{run}"), RUN).await;
+        eprintln!("run {run}: {report:?}");
+        check_cold_burst(shape, &report, &limit);
+    }
 }

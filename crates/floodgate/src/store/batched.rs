@@ -932,10 +932,12 @@ impl<T: SyncTarget> Shared<T> {
                 let (sender, receiver) = watch::channel(false);
                 entry.refreshing = Some(receiver);
                 let need = check.cost - entry.lease;
-                let queued = std::mem::take(&mut entry.queued);
+                // The requests that waited for the last call, this one among them.
+                let others_queued = std::mem::take(&mut entry.queued).saturating_sub(1);
                 top_up.push(TopUp {
                     index,
-                    need: need + queued * check.cost,
+                    need: need + others_queued * check.cost,
+                    for_queued: others_queued > 0,
                     sender,
                 });
             }
@@ -1016,7 +1018,11 @@ impl<T: SyncTarget> Shared<T> {
                     });
                     let taken = carried.last().expect("just pushed");
                     (
-                        entry.top_up_extra(),
+                        if top.for_queued {
+                            0
+                        } else {
+                            entry.top_up_extra()
+                        },
                         taken.debt,
                         taken.returning,
                         entry.most_leased(),
@@ -1332,6 +1338,10 @@ struct TopUp {
     index: usize,
     /// Units the request (and those queued behind the last call) lack.
     need: u64,
+    /// Whether requests queued behind the last call are in `need`: the burst is then known,
+    /// and the top-up asks for it alone (asking more would leave units idle here that other
+    /// nodes' bursts lack).
+    for_queued: bool,
     /// Wakes the requests that wait for this top-up.
     sender: watch::Sender<bool>,
 }
