@@ -266,10 +266,13 @@ local function sync(keys, args, n, now, reply, r)
   return r
 end
 
--- 'lease' (batched mode) of one call's limits: per limit its spec and three numbers: units
--- to give back (a lease's unused part), units wanted, and units to charge unconditionally (a
--- node's post-charges beyond its lease). Grants at most what the limit has left, consuming it
--- (a lease is counted as used from the moment it is granted).
+-- 'lease' (batched mode) of one call's limits: per limit its spec and four numbers: units
+-- to give back (a lease's unused part), units wanted, units to charge unconditionally (a
+-- node's post-charges beyond its lease), and for a window algorithm the start of the window the
+-- given-back units were leased in (0: none, a bucket's). Given-back units are credited only to
+-- the window they were leased in: a trade that reaches Redis after that window ended gives
+-- nothing back (they were counted in a window that no longer counts). Grants at most what the
+-- limit has left, consuming it (a lease is counted as used from the moment it is granted).
 local function lease(keys, args, n, now, reply, r)
   local at = 2
   for _ = 1, n do
@@ -281,7 +284,7 @@ local function lease(keys, args, n, now, reply, r)
     if not spec[1].export then
       return nil, 'floodgate: ' .. spec[4] .. ' cannot run batched'
     end
-    at = at + 4
+    at = at + 5
   end
   at = 2
   for i = 1, n do
@@ -290,13 +293,14 @@ local function lease(keys, args, n, now, reply, r)
     local give_back = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
     local want = NUMBERS[args[at + 3]] or parse_number(args[at + 3])
     local charge = NUMBERS[args[at + 4]] or parse_number(args[at + 4])
-    at = at + 4
+    local leased_in = NUMBERS[args[at + 5]] or parse_number(args[at + 5])
+    at = at + 5
     local key = keys[i]
     if charge > 0 then
       local s1, s2, s3 = algorithm.load(key, now, b)
       algorithm.consume(key, s1, s2, s3, a, b, now, charge, '')
     end
-    if give_back > 0 then
+    if give_back > 0 and (leased_in == 0 or leased_in == now - now % b) then
       algorithm.refund(key, a, b, now, give_back, '')
     end
     local s1, s2, s3 = algorithm.load(key, now, b)

@@ -631,3 +631,147 @@ async fn an_exact_nodes_denials_see_what_leases_give_back() {
     );
     assert!(stored_count(&server, &checks[0].key) <= 10);
 }
+
+/// A give-back computed just before a window ended and reaching Redis just after it: the
+/// units were leased (and counted) in the window that ended, and used to be credited to the
+/// new one, which then admitted more than its limit. Now a give-back carries the window it was
+/// leased in, and Redis credits nothing to another.
+#[tokio::test]
+async fn a_give_back_that_arrives_after_its_window_gives_nothing_to_the_next() {
+    let server = RedisServer::start();
+    let window = Duration::from_secs(60);
+    let limit = Arc::new(Limit::fixed_window("minute", 10, window).unwrap());
+    let checks = check(&limit, "late-give-back");
+    let next_window = T0 + 60_000_000;
+    // Node a: its clock (and Redis's, through its trades) a second before the boundary, each
+    // answer 10 ms on its way.
+    let clock = FakeClock::new(at_micros(next_window - 1_000_000));
+    let mut trades = Trades::over(redis(&server));
+    trades.late = Some((clock.clone(), ms(10)));
+    let a = BatchedStore::builder(trades)
+        .sync_interval(Duration::from_secs(3600))
+        .clock(clock.clone())
+        .build();
+    for _ in 0..2 {
+        assert!(
+            a.check_and_consume(&checks, None)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert_eq!(
+        a.leased(&checks[0].key),
+        1,
+        "a holds a unit of the old window"
+    );
+    // A quiet round: the interval's call was made already; the next gives the unit back.
+    a.sync_now(None).await.unwrap();
+    assert_eq!(a.leased(&checks[0].key), 1);
+    // Node b takes the whole new window.
+    let b = by_hand(redis(&server));
+    let in_next = at_micros(next_window + 1_000);
+    assert_eq!(admitted_by_all(&[&b], &checks, in_next).await, 10);
+    // a's round: decided (by a's estimate of Redis's clock) in the old window, it reaches
+    // Redis 2 ms into the new one.
+    clock.advance(Duration::from_micros(
+        next_window + 2_000 - clock.now().as_micros(),
+    ));
+    a.sync_now(None).await.unwrap();
+    assert_eq!(a.leased(&checks[0].key), 0, "a gave its unit back");
+    assert_eq!(
+        stored_count(&server, &checks[0].key),
+        10,
+        "the new window's count is untouched"
+    );
+    assert_eq!(
+        admitted_by_all(&[&b], &checks, at_micros(next_window + 3_000)).await,
+        0,
+        "and it admits nothing more"
+    );
+}
+
+/// Failures per key, not per request: a request whose client key lives on a dead shard (its
+/// lease still covering the request) and whose other key lives on a healthy one is decided,
+/// even when the healthy key needs a call; it used to go to the failure policy as soon as any
+/// of its keys' breakers was open. Once the dead key's lease is spent, the policy answers.
+#[tokio::test]
+async fn a_request_across_a_dead_and_a_healthy_shard_is_decided_while_its_lease_lasts() {
+    let mut servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let sharded = ShardedRedisStore::new(
+        servers
+            .iter()
+            .map(|server| {
+                let store = RedisStore::builder(server.url())
+                    .timeout(ms(200))
+                    .breaker(2, Duration::from_secs(60))
+                    .build()
+                    .unwrap();
+                (server.url(), store)
+            })
+            .collect(),
+    )
+    .unwrap();
+    let limit = per_hour(1_000);
+    let mut on_node: [Option<Check>; 2] = [None, None];
+    for index in 0.. {
+        let check = check(&limit, &format!("spanning-{index}")).remove(0);
+        let node = sharded.node_of(&check.key);
+        on_node[node].get_or_insert(check);
+        if on_node.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    let [Some(healthy), Some(dead)] = on_node else {
+        unreachable!()
+    };
+    let a = by_hand(sharded);
+    let now = at_micros(T0);
+    // The dead-to-be key gets a large lease, the healthy one a small one.
+    for _ in 0..60 {
+        let decision = a
+            .check_and_consume(std::slice::from_ref(&dead), Some(now))
+            .await;
+        assert!(decision.unwrap().is_allowed());
+    }
+    // Its rounds size its lease to its demand (the first round is the interval's call made).
+    a.sync_now(Some(now)).await.unwrap();
+    a.sync_now(Some(now)).await.unwrap();
+    for _ in 0..2 {
+        let decision = a
+            .check_and_consume(std::slice::from_ref(&healthy), Some(now))
+            .await;
+        assert!(decision.unwrap().is_allowed());
+    }
+    servers[1].kill();
+    // Two failed rounds open the dead node's breaker (what they gave back of its lease is
+    // lost with their answers).
+    let _ = a.sync_now(Some(now)).await;
+    let _ = a.sync_now(Some(now)).await;
+    assert!(
+        a.target().is_refused(&dead.key),
+        "the dead node's breaker is open"
+    );
+    let dead_lease = a.leased(&dead.key);
+    let healthy_lease = a.leased(&healthy.key);
+    assert!(
+        dead_lease > healthy_lease + 3,
+        "leases {dead_lease} and {healthy_lease}"
+    );
+    let both = [healthy.clone(), dead.clone()];
+    let mut admitted = 0;
+    let refused = loop {
+        match a.check_and_consume(&both, Some(now)).await {
+            Ok(decision) => {
+                assert!(decision.is_allowed());
+                admitted += 1;
+            }
+            Err(error) => break error,
+        }
+        assert!(admitted <= 1_000, "never refused");
+    };
+    assert_eq!(
+        admitted, dead_lease,
+        "decided until the dead key's lease was spent (the healthy key topped up meanwhile), then {refused:?}"
+    );
+}

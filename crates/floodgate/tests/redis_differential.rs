@@ -445,6 +445,7 @@ fn lua_give_backs_match_the_rust_algorithms_on_limits_in_debt() {
                 let request = LeaseRequest {
                     check: Check::new(key.clone(), limit.clone(), 1),
                     give_back,
+                    leased_in: None,
                     want: 0,
                     charge,
                 };

@@ -46,11 +46,11 @@
 //!
 //! **When the shared store is unreachable**, a node keeps spending what its leases hold until
 //! they expire ([`LEASE_LIFETIME`] after their grant); past that, and for any request that
-//! needs more, the target's breaker opens after its usual number of failures and decisions
-//! return [`StoreError::BreakerOpen`], so the layer's failure policy applies exactly as in exact
-//! mode. Post-charges beyond the lease are kept as a debt (one integer per key, so the buffer is
+//! needs more, decisions fail (with [`StoreError::BreakerOpen`] once the target's breaker opens
+//! after its usual number of failures, else [`StoreError::Unavailable`]: counted as store
+//! errors either way), so the layer's failure policy applies exactly as in exact mode. Post-charges beyond the lease are kept as a debt (one integer per key, so the buffer is
 //! bounded by `max_keys`) and delivered at the next successful trade, except debts older than
-//! their limit's window, which are dropped.
+//! their limit's window, which are dropped (by rounds, top-ups and the flush alike).
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -91,6 +91,11 @@ pub struct LeaseRequest {
     pub check: Check,
     /// Unused units of this node's lease it gives back.
     pub give_back: u64,
+    /// For a window algorithm, the start of the window (µs, by the shared store's clock) the
+    /// given-back units were leased in: the shared store credits them only while that window
+    /// is current, so that a trade that arrives after its window ended gives nothing back into
+    /// the next one. `None` for a bucket's.
+    pub leased_in: Option<u64>,
     /// Units this node wants for its lease.
     pub want: u64,
     /// Units to charge unconditionally (post-charges beyond the lease).
@@ -194,14 +199,18 @@ pub trait SyncTarget: Store {
         let _ = listener;
     }
 
-    /// Whether calls on `key` are refused by an open breaker: batched decisions that need a
-    /// call then follow the failure policy. An open breaker due for its probe refuses nothing
+    /// Whether a call on `key` made now would be refused without going out (an open breaker
+    /// not yet due for its probe): batched decisions that need a call then follow the failure
+    /// policy, and rounds leave the key for later. An open breaker due for its probe refuses nothing
     /// (the next call is the probe that may close it; a store that answered `true` until a
     /// call were made would never be called again). Stores with one breaker per node or slot
     /// answer per key, so that one lost node does not stop the others' identities.
     fn is_refused(&self, key: &str) -> bool {
+        // A store that cannot say without calling refuses nothing here: its call fails fast
+        // on its own breaker. (Its breaker's state would not do: an open breaker stays `Open`
+        // until a call makes it half-open, and a caller that asks first would never call.)
         let _ = key;
-        self.breaker_state() == Some(BreakerState::Open)
+        false
     }
 }
 
@@ -300,7 +309,7 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
             max_keys: self.max_keys as u64,
             idle_rounds: u32::try_from(idle_rounds).unwrap_or(u32::MAX),
             sync_lock: tokio::sync::Mutex::new(()),
-            resets: AtomicU64::new(0),
+            epochs: AtomicU64::new(0),
             own_resets: Mutex::default(),
             next_round_micros: AtomicU64::new(0),
             stats: Stats::default(),
@@ -374,8 +383,10 @@ struct Shared<T> {
     /// One round at a time (the periodic task and [`BatchedStore::sync_now`]); a reset takes
     /// it too, so that no round carries units admitted before the reset past it.
     sync_lock: tokio::sync::Mutex<()>,
-    /// Resets so far: a fetch that began before one does not install what it read.
-    resets: AtomicU64,
+    /// The last entry's epoch: each entry gets a new one, so that an answer to a trade made
+    /// for an entry that a reset (or a new algorithm) replaced since is not taken in by its
+    /// replacement.
+    epochs: AtomicU64,
     /// Keys this node reset itself, with the local time (µs): the resets channel echoes
     /// them back, and the echo must not drop what the node fetched since.
     own_resets: Mutex<Vec<(Arc<str>, u64)>>,
@@ -454,6 +465,8 @@ struct Entry {
     refreshing: Option<watch::Receiver<bool>>,
     /// Rounds since the last request touched this key.
     idle_rounds: u32,
+    /// This entry's own number ([`Shared::epochs`]).
+    epoch: u64,
     /// Whether the last trade of this key went unanswered (or was not sent, its node
     /// refusing calls): a request short of lease is then the failure policy's, since no trade
     /// brings more, not denied to wait for a round. Per key, so that one lost node or slot
@@ -462,9 +475,10 @@ struct Entry {
 }
 
 impl Entry {
-    fn new(limit: Arc<Limit>) -> Entry {
+    fn new(limit: Arc<Limit>, epoch: u64) -> Entry {
         Entry {
             limit,
+            epoch,
             shared: None,
             lease: 0,
             returning: 0,
@@ -725,14 +739,18 @@ impl<T: SyncTarget> Shared<T> {
     }
 
     /// Drops this node's entries of `keys` (their leases and debts), then resets them in the
-    /// shared store. No round of this node runs meanwhile, and a fetch that read the old state
-    /// does not install it. Other nodes keep what their leases hold until their next trade.
+    /// shared store, then drops again what a request fetched meanwhile (it may have been
+    /// granted from the old state before the reset reached the store). No round of this node
+    /// runs meanwhile, and a fetch that read the old state does not install it. Other nodes
+    /// drop theirs when they hear the reset.
     async fn reset(&self, keys: &[Arc<str>]) -> Result<u64, StoreError> {
         let _no_sync_meanwhile = self.sync_lock.lock().await;
         let now = self.clock.now().as_micros();
         lock(&self.own_resets).extend(keys.iter().map(|key| (key.clone(), now)));
         self.forget(keys);
-        self.target.reset(keys).await
+        let reset = self.target.reset(keys).await;
+        self.forget(keys);
+        reset
     }
 
     /// A reset heard on the store's resets channel: forgets its keys, except the echoes of
@@ -761,18 +779,61 @@ impl<T: SyncTarget> Shared<T> {
     }
 
     /// Drops this node's entries of `keys`, reset here or on another node: their leases are
-    /// of the state before the reset, and are neither spent nor given back into the fresh
-    /// one; their debts go with it. A fetch that read the old state does not install it.
+    /// of the state before the reset, and are not spent, nor given back by a trade made after
+    /// this; their debts go with them. A first sight being fetched loses its slot, so that
+    /// it installs nothing; an answer to a trade made for a dropped entry is not taken in by
+    /// the entry that replaces it (epochs). A round already on its way may still give the old
+    /// lease back into the fresh state: at most that lease, once.
     fn forget<K: AsRef<str>>(&self, keys: &[K]) {
-        self.resets.fetch_add(1, Ordering::SeqCst);
         for key in keys {
             let key = key.as_ref();
             let mut shard = self.lock_shard_of(key);
-            if matches!(shard.get(key), Some(Slot::Ready(_))) {
-                shard.remove(key);
+            if shard.remove(key).is_some() {
                 self.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Gives up the slots a request took and the top-ups it started, without a call: the
+    /// next request on those keys tries again.
+    fn abandon(
+        &self,
+        checks: &[Check],
+        fetch: Vec<(usize, watch::Sender<bool>)>,
+        top_up: &[TopUp],
+    ) {
+        drop(FetchClaim::new(self, checks, fetch));
+        for top in top_up {
+            let key = &checks[top.index].key;
+            if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+                entry.refreshing = None;
+                entry.topped_up = false;
+            }
+        }
+    }
+
+    /// `error`, counted as the store's (`floodgate_store_errors_total`): a decision this store
+    /// fails without a guarded call (an open breaker asked beforehand, a lease spent while the
+    /// store fails, the key table full) is a store error like the guard's.
+    fn failed(&self, error: StoreError) -> StoreError {
+        telemetry::record_store_error(&error);
+        error
+    }
+
+    /// A new entry of `limit`, with an epoch of its own.
+    fn new_entry(&self, limit: Arc<Limit>) -> Entry {
+        Entry::new(limit, self.epochs.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    /// Takes the debt of `entry` to send with a trade, dropping (and counting) what is older
+    /// than its limit's window: it belongs to no window the limit still looks at.
+    fn take_debt(&self, entry: &mut Entry, local_now: u64) -> u64 {
+        let debt = std::mem::take(&mut entry.debt);
+        if debt > 0 && local_now.saturating_sub(entry.debt_since) > entry.limit.window_micros() {
+            self.drop_stale_debt(debt, &entry.limit);
+            return 0;
+        }
+        debt
     }
 
     fn shard_index(&self, key: &str) -> usize {
@@ -862,10 +923,10 @@ impl<T: SyncTarget> Shared<T> {
                             guards.get(check_shards[taken]).remove(&*checks[taken].key);
                             self.keys.fetch_sub(1, Ordering::Relaxed);
                         }
-                        return Err(StoreError::Unavailable(
+                        return Err(self.failed(StoreError::Unavailable(
                             format!("batched store holds its maximum of {} keys", self.max_keys)
                                 .into(),
-                        ));
+                        )));
                     }
                     self.keys.fetch_add(1, Ordering::Relaxed);
                 }
@@ -894,7 +955,7 @@ impl<T: SyncTarget> Shared<T> {
                 // from fresh state (SPEC §3): the old one's lease and debt are not carried
                 // over; new settings of the same algorithm give the lease back.
                 if entry.limit.algorithm() != check.limit.algorithm() {
-                    *entry = Entry::new(check.limit.clone());
+                    *entry = self.new_entry(check.limit.clone());
                 } else if *entry.limit != *check.limit {
                     entry.returning += std::mem::take(&mut entry.lease);
                 }
@@ -951,14 +1012,16 @@ impl<T: SyncTarget> Shared<T> {
         }
         // Denied: by a limit that has nothing left, or for want of lease until the next round.
         let admitted_nowhere = outcomes.iter().all(|outcome| outcome.allowed);
-        let unanswered = checks
-            .iter()
-            .zip(&check_shards)
-            .any(|(check, &shard)| ready(guards.get(shard), &check.key).unanswered);
+        // The policy's when a key the request lacks lease for cannot be traded (its node
+        // fails); keys covered by their lease, or on healthy nodes, do not send it there.
+        let unanswered = checks.iter().zip(&check_shards).any(|(check, &shard)| {
+            let entry = ready(guards.get(shard), &check.key);
+            entry.unanswered && entry.lease < check.cost
+        });
         if admitted_nowhere && unanswered {
-            return Err(StoreError::Unavailable(
+            return Err(self.failed(StoreError::Unavailable(
                 "batched lease spent while the shared store fails".into(),
-            ));
+            )));
         }
         let wait_for_lease = self.until_next_round();
         for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
@@ -993,6 +1056,7 @@ impl<T: SyncTarget> Shared<T> {
         now: Option<Timestamp>,
     ) -> Result<(), StoreError> {
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
+        let local_now = self.clock.now().as_micros();
         let mut requests = Vec::with_capacity(fetch.len() + top_up.len());
         for &(index, _) in &fetch {
             let check = &checks[index];
@@ -1001,44 +1065,51 @@ impl<T: SyncTarget> Shared<T> {
             requests.push(LeaseRequest {
                 check: sync_check(&check.key, &check.limit, 0),
                 give_back: 0,
+                leased_in: None,
                 want: check.cost,
                 charge: 0,
             });
         }
+        // Per top-up: its key and entry, and what it takes from the entry.
+        let mut topped: Vec<(Arc<str>, u64)> = Vec::with_capacity(top_up.len());
         let mut carried = Vec::with_capacity(top_up.len());
         for top in &top_up {
             let check = &checks[top.index];
             let mut shard = self.lock_shard_of(&check.key);
-            let (extra, debt, returning, most) = match shard.get_mut(&*check.key) {
-                Some(Slot::Ready(entry)) => {
-                    carried.push(Carried {
-                        debt: std::mem::take(&mut entry.debt),
-                        debt_since: entry.debt_since,
-                        returning: std::mem::take(&mut entry.returning),
-                    });
-                    let taken = carried.last().expect("just pushed");
-                    (
-                        if top.for_queued {
-                            0
-                        } else {
-                            entry.top_up_extra()
-                        },
-                        taken.debt,
-                        taken.returning,
-                        entry.most_leased(),
-                    )
-                }
-                _ => {
-                    carried.push(Carried::default());
-                    (0, 0, 0, u64::MAX)
-                }
+            let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) else {
+                // Forgotten (a reset) since the request saw it: asks for nothing.
+                topped.push((check.key.clone(), 0));
+                carried.push(Carried::default());
+                requests.push(LeaseRequest {
+                    check: sync_check(&check.key, &check.limit, 0),
+                    give_back: 0,
+                    leased_in: None,
+                    want: 0,
+                    charge: 0,
+                });
+                continue;
             };
+            let taken = Carried {
+                debt: self.take_debt(entry, local_now),
+                debt_since: entry.debt_since,
+                returning: std::mem::take(&mut entry.returning),
+            };
+            let extra = if top.for_queued {
+                0
+            } else {
+                entry.top_up_extra()
+            };
+            // Never more than a lease may hold, with what it holds counted.
+            let room = entry.most_leased().saturating_sub(entry.lease);
             requests.push(LeaseRequest {
                 check: sync_check(&check.key, &check.limit, 0),
-                give_back: returning,
-                want: (top.need + extra).min(most.max(top.need)),
-                charge: debt,
+                give_back: taken.returning,
+                leased_in: entry.lease_window,
+                want: (top.need + extra).min(room.max(top.need)),
+                charge: taken.debt,
             });
+            topped.push((check.key.clone(), entry.epoch));
+            carried.push(taken);
         }
         // The senders of unanswered top-ups, dropped (waking their waiters) only after the
         // claim has given their keys up: declared before it, dropped after it.
@@ -1046,7 +1117,8 @@ impl<T: SyncTarget> Shared<T> {
         // Until the states are in, the fetched slots are this call's: if it fails, or its
         // request goes away mid-way, they go, and the key count with them; a top-up that does
         // not finish lets the next request try again.
-        let mut claim = FetchClaim::new(self, checks, fetch, &top_up);
+        let mut claim = FetchClaim::new(self, checks, fetch);
+        claim.top_ups = topped.clone();
         // A request that goes away mid-call leaves its top-ups' trades unanswered, and maybe
         // applied.
         claim.carried = carried
@@ -1054,23 +1126,10 @@ impl<T: SyncTarget> Shared<T> {
             .map(|carried| carried.after(Unanswered::Lost))
             .collect();
         let first_sights = claim.slots.len();
-        let resets_before = self.resets.load(Ordering::SeqCst);
         let local_at_send = self.clock.now().as_micros();
         let leased = self.target.lease(&requests, now).await;
         if let Some(latest) = leased.latest() {
             self.observe_shared_time(latest, local_at_send);
-        }
-        if self.resets.load(Ordering::SeqCst) != resets_before {
-            // What was read may predate a reset: the claim gives the slots up, and this
-            // request and the waiters fetch again. What it carried was delivered, or is
-            // forgotten with the reset.
-            claim.carried.iter_mut().for_each(|carried| {
-                *carried = Carried::default();
-            });
-            return match leased.failure {
-                Some(error) => Err(error),
-                None => Ok(()),
-            };
         }
         let decided_at = self.now(now);
         let mut grants = leased.grants.into_iter();
@@ -1082,30 +1141,49 @@ impl<T: SyncTarget> Shared<T> {
                 claim.slots.push((key, sender));
                 continue;
             };
-            let mut entry = Entry::new(request.check.limit.clone());
+            let mut entry = self.new_entry(request.check.limit.clone());
             entry.adopt(grant, request.want, decided_at);
             let mut shard = self.lock_shard_of(&key);
-            // The slot's own receiver goes with this insert: what is left are the waiters'.
-            shard.insert(key.clone(), Slot::Ready(entry));
-            if let Some(Slot::Ready(entry)) = shard.get_mut(&*key) {
-                entry.queued = sender.receiver_count() as u64;
-                // A first sight is this interval's call, unless requests queued behind it:
-                // then one top-up serves them all.
-                entry.topped_up = entry.queued == 0;
+            let ours = matches!(
+                shard.get(&*key),
+                Some(Slot::Fetching(receiver)) if receiver.same_channel(&sender.subscribe())
+            );
+            if ours {
+                // The slot's own receiver goes with this insert: what is left are the
+                // waiters'.
+                shard.insert(key.clone(), Slot::Ready(entry));
+                if let Some(Slot::Ready(entry)) = shard.get_mut(&*key) {
+                    entry.queued = sender.receiver_count() as u64;
+                    // A first sight is this interval's call, unless requests queued behind
+                    // it: then one top-up serves them all.
+                    entry.topped_up = entry.queued == 0;
+                }
             }
+            // Not ours any more: a reset took the slot while the grant was on its way, and
+            // the grant (maybe of the state before the reset) is not installed.
             drop(shard);
-            // Waiters retry: they find the key ready.
+            // Waiters retry: they find the key ready, or fetch it anew.
             let _ = sender.send(true);
         }
         let mut unanswered_top_ups = Vec::new();
         claim.carried.clear();
-        let top_up_claims = std::mem::take(&mut claim.top_ups).into_iter().zip(carried);
-        for (((key, carried), top), request) in
-            top_up_claims.zip(top_up).zip(&requests[first_sights..])
+        claim.top_ups.clear();
+        for ((((key, epoch), carried), top), request) in topped
+            .into_iter()
+            .zip(carried)
+            .zip(top_up)
+            .zip(&requests[first_sights..])
         {
             match grants.next() {
                 Some(Ok(grant)) => {
-                    if let Some(Slot::Ready(entry)) = self.lock_shard_of(&key).get_mut(&*key) {
+                    if let Some(entry) =
+                        self.lock_shard_of(&key)
+                            .get_mut(&*key)
+                            .and_then(|slot| match slot {
+                                Slot::Ready(entry) if entry.epoch == epoch => Some(entry),
+                                _ => None,
+                            })
+                    {
                         entry.adopt(grant, request.want, decided_at);
                         entry.refreshing = None;
                         entry.queued = top.sender.receiver_count() as u64;
@@ -1117,15 +1195,15 @@ impl<T: SyncTarget> Shared<T> {
                         Some(Err(unanswered)) => unanswered,
                         _ => Unanswered::Lost,
                     };
-                    unanswered_top_ups.push((key, carried.after(unanswered)));
+                    unanswered_top_ups.push(((key, epoch), carried.after(unanswered)));
                     unanswered_senders.push(top.sender);
                 }
             }
         }
         // The unanswered top-ups are given up as the claim's (their waiters wake and decide
         // for themselves), with what they carried as it may still be owed.
-        for (key, carried) in unanswered_top_ups {
-            claim.top_ups.push(key);
+        for (top, carried) in unanswered_top_ups {
+            claim.top_ups.push(top);
             claim.carried.push(carried);
             claim.unanswered = true;
         }
@@ -1187,6 +1265,8 @@ impl<T: SyncTarget> Shared<T> {
                 .min(entry.most_leased());
                 entry.demand = 0;
                 entry.starved = false;
+                // Who waited for the last call is news for one interval at most.
+                entry.queued = 0;
                 if std::mem::take(&mut entry.topped_up) {
                     // It had its call this interval.
                     return true;
@@ -1196,13 +1276,6 @@ impl<T: SyncTarget> Shared<T> {
                     entry.unanswered = true;
                     return true;
                 }
-                if entry.debt > 0
-                    && local_now.saturating_sub(entry.debt_since) > entry.limit.window_micros()
-                {
-                    // Too old to belong to any window the limit still looks at.
-                    let stale = std::mem::take(&mut entry.debt);
-                    self.drop_stale_debt(stale, &entry.limit);
-                }
                 // A quarter more than the estimate, so that a steady client is not short: a node
                 // that sees a client rarely keeps (almost) nothing of its capacity.
                 let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
@@ -1210,17 +1283,18 @@ impl<T: SyncTarget> Shared<T> {
                 entry.lease -= beyond_target;
                 let give_back = beyond_target + std::mem::take(&mut entry.returning);
                 let want = target.saturating_sub(entry.lease);
-                let charge = std::mem::take(&mut entry.debt);
+                let charge = self.take_debt(entry, local_now);
                 // An active key is traded even with nothing to give or take: its view of the
                 // shared state (what its headers say) stays at most an interval behind.
                 if active || give_back > 0 || want > 0 || charge > 0 {
                     batch.push(LeaseRequest {
                         check: sync_check(key, &entry.limit, 0),
                         give_back,
+                        leased_in: entry.lease_window,
                         want,
                         charge,
                     });
-                    debts_since.push(entry.debt_since);
+                    debts_since.push((entry.debt_since, entry.epoch));
                 }
                 true
             });
@@ -1233,17 +1307,21 @@ impl<T: SyncTarget> Shared<T> {
                 self.observe_shared_time(latest, local_at_send);
             }
             let decided_at = self.now(now);
-            for ((request, grant), &debt_since) in chunk.iter().zip(leased.grants).zip(debts_since)
+            for ((request, grant), &(debt_since, epoch)) in
+                chunk.iter().zip(leased.grants).zip(debts_since)
             {
                 let key = &request.check.key;
                 match grant {
                     Ok(grant) => {
-                        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+                        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key)
+                            && entry.epoch == epoch
+                        {
                             entry.adopt(grant, request.want, decided_at);
                         }
                     }
                     Err(unanswered) => self.keep_for_later(
                         request,
+                        epoch,
                         Carried {
                             debt: request.charge,
                             debt_since,
@@ -1282,9 +1360,11 @@ impl<T: SyncTarget> Shared<T> {
     /// Takes back onto the key's entry what an unanswered trade carried and may still owe
     /// ([`Carried::after`]), and marks the key as failing: a request short of lease is then
     /// the failure policy's, since no trade brings it more.
-    fn keep_for_later(&self, request: &LeaseRequest, carried: Carried) {
+    fn keep_for_later(&self, request: &LeaseRequest, epoch: u64, carried: Carried) {
         let key = &request.check.key;
-        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key) {
+        if let Some(Slot::Ready(entry)) = self.lock_shard_of(key).get_mut(&**key)
+            && entry.epoch == epoch
+        {
             carried.put_back(entry);
             entry.unanswered = true;
         }
@@ -1354,7 +1434,8 @@ struct TopUp {
 struct FetchClaim<'s, T: SyncTarget> {
     shared: &'s Shared<T>,
     slots: Vec<(Arc<str>, watch::Sender<bool>)>,
-    top_ups: Vec<Arc<str>>,
+    /// The topped-up keys, with the epoch of the entry each was made for.
+    top_ups: Vec<(Arc<str>, u64)>,
     /// Per top-up, what it carries.
     carried: Vec<Carried>,
     /// Whether a top-up went unanswered: its key is marked as failing.
@@ -1362,13 +1443,11 @@ struct FetchClaim<'s, T: SyncTarget> {
 }
 
 impl<'s, T: SyncTarget> FetchClaim<'s, T> {
-    /// The claim of a request on the slots it took (`fetch`) and the top-ups it started, with
-    /// nothing carried by them yet.
+    /// The claim of a request on the slots it took (`fetch`), with no top-up yet.
     fn new(
         shared: &'s Shared<T>,
         checks: &[Check],
         fetch: Vec<(usize, watch::Sender<bool>)>,
-        top_up: &[TopUp],
     ) -> Self {
         FetchClaim {
             shared,
@@ -1376,11 +1455,8 @@ impl<'s, T: SyncTarget> FetchClaim<'s, T> {
                 .into_iter()
                 .map(|(index, sender)| (checks[index].key.clone(), sender))
                 .collect(),
-            top_ups: top_up
-                .iter()
-                .map(|top| checks[top.index].key.clone())
-                .collect(),
-            carried: vec![Carried::default(); top_up.len()],
+            top_ups: Vec::new(),
+            carried: Vec::new(),
             unanswered: false,
         }
     }
@@ -1398,8 +1474,10 @@ impl<T: SyncTarget> Drop for FetchClaim<'_, T> {
                 self.shared.keys.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        for (key, carried) in self.top_ups.drain(..).zip(self.carried.drain(..)) {
-            if let Some(Slot::Ready(entry)) = self.shared.lock_shard_of(&key).get_mut(&*key) {
+        for ((key, epoch), carried) in self.top_ups.drain(..).zip(self.carried.drain(..)) {
+            if let Some(Slot::Ready(entry)) = self.shared.lock_shard_of(&key).get_mut(&*key)
+                && entry.epoch == epoch
+            {
                 entry.refreshing = None;
                 entry.topped_up = false;
                 carried.put_back(entry);
@@ -1476,13 +1554,18 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
                     } => {
                         if !fetch.is_empty() || !top_up.is_empty() {
                             // A call is needed: the failure policy decides while the store
-                            // refuses calls (what leases hold was spent above).
-                            if checks
+                            // refuses calls for a key it needs (what leases hold was spent
+                            // above; the request's other keys do not matter).
+                            let needed = fetch
                                 .iter()
-                                .any(|check| shared.target.is_refused(&check.key))
+                                .map(|(index, _)| *index)
+                                .chain(top_up.iter().map(|top| top.index));
+                            if needed
+                                .into_iter()
+                                .any(|index| shared.target.is_refused(&checks[index].key))
                             {
-                                drop(FetchClaim::new(shared, checks, fetch, &top_up));
-                                return Err(StoreError::BreakerOpen);
+                                shared.abandon(checks, fetch, &top_up);
+                                return Err(shared.failed(StoreError::BreakerOpen));
                             }
                             shared.fetch(checks, fetch, top_up, now).await?;
                         }
@@ -1558,21 +1641,28 @@ impl<T: SyncTarget> Shared<T> {
     /// takes nothing with it.
     async fn give_back_everything(&self, now: Option<Timestamp>) -> Result<(), StoreError> {
         let _one_round_at_a_time = self.sync_lock.lock().await;
+        let local_now = self.clock.now().as_micros();
+        let decided_at = self.now(now);
         let mut batch = Vec::new();
         let mut debts_since = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             for (key, slot) in shard.iter_mut() {
-                if let Slot::Ready(entry) = slot
-                    && (entry.lease > 0 || entry.returning > 0 || entry.debt > 0)
-                {
-                    debts_since.push(entry.debt_since);
+                let Slot::Ready(entry) = slot else {
+                    continue;
+                };
+                // What may not be spent any more is not given back either.
+                entry.expire_lease(decided_at);
+                if entry.lease > 0 || entry.returning > 0 || entry.debt > 0 {
+                    debts_since.push((entry.debt_since, entry.epoch));
+                    let give_back =
+                        std::mem::take(&mut entry.lease) + std::mem::take(&mut entry.returning);
                     batch.push(LeaseRequest {
                         check: sync_check(key, &entry.limit, 0),
-                        give_back: std::mem::take(&mut entry.lease)
-                            + std::mem::take(&mut entry.returning),
+                        give_back,
+                        leased_in: entry.lease_window,
                         want: 0,
-                        charge: std::mem::take(&mut entry.debt),
+                        charge: self.take_debt(entry, local_now),
                     });
                 }
             }
@@ -1580,7 +1670,8 @@ impl<T: SyncTarget> Shared<T> {
         let mut outcome = Ok(());
         for (chunk, debts_since) in batch.chunks(SYNC_CHUNK).zip(debts_since.chunks(SYNC_CHUNK)) {
             let leased = self.target.lease(chunk, now).await;
-            for ((request, grant), &debt_since) in chunk.iter().zip(leased.grants).zip(debts_since)
+            for ((request, grant), &(debt_since, epoch)) in
+                chunk.iter().zip(leased.grants).zip(debts_since)
             {
                 if let Err(unanswered) = grant {
                     let carried = Carried {
@@ -1588,7 +1679,7 @@ impl<T: SyncTarget> Shared<T> {
                         debt_since,
                         returning: request.give_back,
                     };
-                    self.keep_for_later(request, carried.after(unanswered));
+                    self.keep_for_later(request, epoch, carried.after(unanswered));
                 }
             }
             if let Some(error) = leased.failure {

@@ -24,9 +24,10 @@
 //! slot denied its request) is not published: what it frees may stay denied here until the
 //! denial's wait is over, at most. Neither is what batched nodes give back of their leases (a
 //! hot identity is decided from leases on some nodes and exactly on others): so that it is seen,
-//! a denial is remembered for [`LEASE_LIFETIME`] at most, the longest a lease is held before it
-//! goes back. A client far over a long window's limit costs one call per node every two
-//! seconds, not one per request. Concurrency limits never use this (a lease can come back at
+//! a denial is decided on for [`LEASE_LIFETIME`] at most after Redis read it (a bound on how
+//! stale it may be, of the order of how long batched nodes take to give back what they do not
+//! use). A client far over a long window's limit costs one call per node every two seconds,
+//! not one per request. Concurrency limits never use this (a lease can come back at
 //! any moment), nor do the log and the leaky bucket (their state is not exported), nor
 //! decisions with an explicit `now` (tests that move time by hand).
 

@@ -277,7 +277,8 @@ pub(crate) fn lease_command(
             .arg(request.check.limit.script_spec())
             .arg(request.give_back)
             .arg(request.want)
-            .arg(request.charge);
+            .arg(request.charge)
+            .arg(request.leased_in.unwrap_or(0));
     }
     command
 }
