@@ -10,6 +10,9 @@
 #
 #   bash bench/rls.sh [seconds per point] [rounds]
 #
+# Before/after in one run: FLOODGATE_BINARIES="before=/path/to/floodgate after=target/release/floodgate"
+# starts one gateway per binary on the same Redis and runs every point against each in turn.
+#
 # Redis time counts what the gateway sends: the library's FCALL/EVALSHA lines plus any other
 # command not run inside the library. commandstats also lists the commands a script runs, on
 # their own lines; those (the names the Lua library calls) are not added again.
@@ -88,21 +91,32 @@ descriptors:
   - key: route
     rate_limit: { unit: minute, requests_per_unit: 1000000000 }
 YAML
-admin=$(free_port); rls_port=$(free_port)
-cat > "$work/floodgate.yaml" <<YAML
+ticks=$(getconf CLK_TCK)
+binaries=${FLOODGATE_BINARIES:-floodgate=$target/release/floodgate}
+labels=(); rls_ports=(); gateways=()
+for entry in $binaries; do
+    label=${entry%%=*}; binary=${entry#*=}
+    admin=$(free_port); rls_port=$(free_port)
+    cat > "$work/floodgate-$label.yaml" <<YAML
 admin: { listen: "127.0.0.1:$admin" }
 rls: { listen: "127.0.0.1:$rls_port", config_dir: "$work/rls" }
 store: { backend: redis, url: "redis://127.0.0.1:$redis_port" }
 YAML
-RUST_LOG=warn "$target/release/floodgate" serve --config "$work/floodgate.yaml" >/dev/null 2>"$work/floodgate.log" &
-gateway=$!
-pids+=($gateway)
-wait_for "http://127.0.0.1:$admin/healthz"
-ticks=$(getconf CLK_TCK)
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$gateway/stat"; }
+    RUST_LOG=warn "$binary" serve --config "$work/floodgate-$label.yaml" >/dev/null 2>"$work/floodgate-$label.log" &
+    pids+=($!)
+    labels+=("$label"); rls_ports+=("$rls_port"); gateways+=($!)
+    wait_for "http://127.0.0.1:$admin/healthz"
+done
 
 # One point: grpc_load with the given arguments; prints one table line.
 point() { # label descriptors grpc_load-args...
+    local g
+    for g in "${!labels[@]}"; do
+        gateway=${gateways[$g]} rls_port=${rls_ports[$g]} point_on "$1 [${labels[$g]}]" "${@:2}"
+    done
+}
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$gateway/stat"; }
+point_on() { # label descriptors grpc_load-args...
     local label=$1 descriptors=$2; shift 2
     "$load" -addr "127.0.0.1:$rls_port" -seconds 1 "$@" >/dev/null 2>&1 # warm: connections, windows
     rcli config resetstat >/dev/null
@@ -124,7 +138,7 @@ point() { # label descriptors grpc_load-args...
     per_descriptor=$(echo "$per_call / $descriptors" | bc -l)
     ratio=$(echo "$per_descriptor / $reference" | bc -l)
     cpu=$(echo "($after - $before) * 1000000 / $ticks / $calls" | bc -l)
-    printf '| %-34s | %7s | %7s | %7s | %6.2f | %6.2f (%4.1fx) | %7.3f | %6.1f | %s ok, %s over, %s err |\n' \
+    printf '| %-44s | %7s | %7s | %7s | %6.2f | %6.2f (%4.1fx) | %7.3f | %6.1f | %s ok, %s over, %s err |\n' \
         "$label" "$rate" "$p50" "$p99" "$per_call" "$per_descriptor" "$ratio" "$(echo "$redis_calls / $calls" | bc -l)" "$cpu" "$ok" "$over" "$errors"
 }
 
