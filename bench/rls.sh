@@ -34,7 +34,7 @@ if ! command -v go >/dev/null || [ ! -d /usr/share/gocode/src/google.golang.org/
     fi
 fi
 mkdir -p "$target/grpc_load"
-GO111MODULE=off GOPATH=/usr/share/gocode GOCACHE="$PWD/$target/grpc_load/cache" \
+GO111MODULE=off GOPATH=/usr/share/gocode GOCACHE="$(cd "$target/grpc_load" && pwd)/cache" \
     go build -o "$target/grpc_load/grpc_load" bench/grpc_load/main.go
 load=$target/grpc_load/grpc_load
 cargo build --release -p floodgate-gateway --bin floodgate >/dev/null 2>&1
