@@ -12,6 +12,8 @@
 #
 # Before/after in one run: FLOODGATE_BINARIES="before=/path/to/floodgate after=target/release/floodgate"
 # starts one gateway per binary on the same Redis and runs every point against each in turn.
+# POINTS="regex" runs only the points whose label matches. Each round starts with the next
+# binary (the order measurably matters on 2 shared cores).
 #
 # Redis time counts what the gateway sends: the library's FCALL/EVALSHA lines plus any other
 # command not run inside the library. commandstats also lists the commands a script runs, on
@@ -111,7 +113,11 @@ done
 # One point: grpc_load with the given arguments; prints one table line.
 point() { # label descriptors grpc_load-args...
     local g
-    for g in "${!labels[@]}"; do
+    [[ "$1" =~ ${POINTS:-.} ]] || return 0
+    # Each round starts with the next binary: the one that goes last runs measurably slower.
+    local n=${#labels[@]} i
+    for i in $(seq 0 $((n - 1))); do
+        g=$(( (i + round - 1) % n ))
         gateway=${gateways[$g]} rls_port=${rls_ports[$g]} point_on "$1 [${labels[$g]}]" "${@:2}"
     done
 }
