@@ -42,7 +42,13 @@ ALGORITHMS.fixed_window = {
     end
     local window_start
     window_start, count = fixed_window_current(state_start, count, window, now)
-    redis.call('HSET', key, 'w', window_start, 'c', count + cost)
+    if state_start == window_start then
+      -- Within the stored window, 'w' already holds its start: the count alone changes (one
+      -- field and one number less to format, on every admitted request).
+      redis.call('HSET', key, 'c', count + cost)
+    else
+      redis.call('HSET', key, 'w', window_start, 'c', count + cost)
+    end
     -- The key expires with its window: by the server's clock, set when the window begins.
     if state_start ~= window_start or not SERVER_CLOCK then
       expire_after(key, window_start + window - now)

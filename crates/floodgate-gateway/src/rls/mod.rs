@@ -8,7 +8,9 @@
 //! - [`json`] and [`http`]: envoyproxy/ratelimit's `POST /json` on `rls.http_listen`, the same
 //!   decision in the peer's JSON form.
 //! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
+//! - [`batched_writes`]: answers that are ready together leave in one write.
 
+pub mod batched_writes;
 pub mod http;
 pub mod json;
 pub mod limit_overrides;
@@ -44,8 +46,16 @@ pub async fn serve(
     // arrives (grpc-go's BDP estimator) gets a PING ACK it acknowledges late (delayed ACK),
     // and Nagle's algorithm holds the answer written after it until then, about 40 ms.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    // Answers that are ready together (decisions coalesced into one Redis call, denials from
+    // the deny cache) leave in one write, held while other calls are under way.
+    let calls = batched_writes::CallsInFlight::default();
+    let counted =
+        batched_writes::Counted::new(RateLimitServiceServer::from_arc(service), calls.clone());
+    let incoming = tonic::codegen::tokio_stream::StreamExt::map(incoming, move |accepted| {
+        accepted.map(|connection| batched_writes::BatchedWrites::new(connection, calls.clone()))
+    });
     let served = tonic::transport::Server::builder()
-        .add_service(RateLimitServiceServer::from_arc(service))
+        .add_service(counted)
         .serve_with_incoming(incoming)
         .await;
     if let Err(error) = served {
