@@ -244,10 +244,11 @@ mod tests {
         let deciding = calls.enter();
         let mut batched = BatchedWrites::new(client, calls);
         batched.write_all(b"one ").await.unwrap();
-        batched
+        let written = batched
             .write_vectored(&[io::IoSlice::new(b"two "), io::IoSlice::new(b"three")])
             .await
             .unwrap();
+        assert_eq!(written, 9, "a vectored write is held whole");
         // Yields once (a call is being decided), then writes.
         batched.flush().await.unwrap();
         drop(deciding);
