@@ -209,8 +209,9 @@ impl AccessLog {
                     unwritten,
                     target = ?self.settings.target,
                     timeout = ?CLOSE_TIMEOUT,
-                    "access log: the output took nothing for the whole shutdown wait (stalled?); \
-                     exiting with these lines unwritten (and whatever the output's buffer held)"
+                    "access log: the output did not take the queue within the shutdown wait \
+                     (stalled or slow?); exiting with these lines unwritten (and whatever the \
+                     output's buffer held)"
                 );
             }
             Ok(()) | Err(RecvTimeoutError::Disconnected) => {

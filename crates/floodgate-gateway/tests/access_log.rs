@@ -539,7 +539,10 @@ async fn a_stalled_log_does_not_keep_sigterm_from_ending_the_process() {
     };
     assert!(status.success(), "{status:?}");
     gateway.wait_for_log(
-        |line| line.contains("access log: the output took nothing") && line.contains("unwritten"),
+        |line| {
+            line.contains("access log: the output did not take the queue")
+                && line.contains("unwritten")
+        },
         "saying what the stalled log left unwritten",
     );
 }
