@@ -297,6 +297,43 @@ async fn a_trade_whose_answer_is_lost_never_spends_its_units_twice() {
     );
 }
 
+/// Two Redis servers under a sharded store (deadline 200 ms, the given breaker), and one
+/// identity of `limit` on each: the first on server 0, the second on server 1.
+fn two_shards(
+    limit: &Arc<Limit>,
+    prefix: &str,
+    breaker_failures: u32,
+    open_for: Duration,
+) -> (Vec<RedisServer>, ShardedRedisStore, [Vec<Check>; 2]) {
+    let servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let sharded = ShardedRedisStore::new(
+        servers
+            .iter()
+            .map(|server| {
+                let store = RedisStore::builder(server.url())
+                    .timeout(ms(200))
+                    .breaker(breaker_failures, open_for)
+                    .build()
+                    .unwrap();
+                (server.url(), store)
+            })
+            .collect(),
+    )
+    .unwrap();
+    let mut on_node: [Option<Vec<Check>>; 2] = [None, None];
+    for index in 0.. {
+        let checks = check(limit, &format!("{prefix}-{index}"));
+        on_node[sharded.node_of(&checks[0].key)].get_or_insert(checks);
+        if on_node.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    let [Some(first), Some(second)] = on_node else {
+        unreachable!("the loop ends with both found")
+    };
+    (servers, sharded, [first, second])
+}
+
 /// Defect 1, as one node of a sharded store being down makes it: every round fails for the
 /// dead node's identities, and it used to fail whole, so identities on the healthy nodes had
 /// their given-back units restored after Redis had credited them (spent twice), and their
@@ -305,35 +342,9 @@ async fn a_trade_whose_answer_is_lost_never_spends_its_units_twice() {
 /// dead node's follows the policy.
 #[tokio::test]
 async fn a_dead_shard_leaves_the_other_shards_identities_exact() {
-    let mut servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
-    let sharded = ShardedRedisStore::new(
-        servers
-            .iter()
-            .map(|server| {
-                let store = RedisStore::builder(server.url())
-                    .timeout(ms(200))
-                    .breaker(1_000_000, ms(1))
-                    .build()
-                    .unwrap();
-                (server.url(), store)
-            })
-            .collect(),
-    )
-    .unwrap();
     let limit = per_hour(40);
-    // One identity on each node.
-    let mut on_node: [Option<Vec<Check>>; 2] = [None, None];
-    for index in 0.. {
-        let checks = check(&limit, &format!("client-{index}"));
-        let node = sharded.node_of(&checks[0].key);
-        on_node[node].get_or_insert(checks);
-        if on_node.iter().all(Option::is_some) {
-            break;
-        }
-    }
-    let [Some(healthy), Some(dead)] = on_node else {
-        unreachable!()
-    };
+    // A breaker that never opens: every round tries the dead node.
+    let (mut servers, sharded, [healthy, dead]) = two_shards(&limit, "client", 1_000_000, ms(1));
     let a = by_hand(sharded);
     let now = at_micros(T0);
     for checks in [&healthy, &dead] {
@@ -697,34 +708,10 @@ async fn a_give_back_that_arrives_after_its_window_gives_nothing_to_the_next() {
 /// of its keys' breakers was open. Once the dead key's lease is spent, the policy answers.
 #[tokio::test]
 async fn a_request_across_a_dead_and_a_healthy_shard_is_decided_while_its_lease_lasts() {
-    let mut servers: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
-    let sharded = ShardedRedisStore::new(
-        servers
-            .iter()
-            .map(|server| {
-                let store = RedisStore::builder(server.url())
-                    .timeout(ms(200))
-                    .breaker(2, Duration::from_secs(60))
-                    .build()
-                    .unwrap();
-                (server.url(), store)
-            })
-            .collect(),
-    )
-    .unwrap();
     let limit = per_hour(1_000);
-    let mut on_node: [Option<Check>; 2] = [None, None];
-    for index in 0.. {
-        let check = check(&limit, &format!("spanning-{index}")).remove(0);
-        let node = sharded.node_of(&check.key);
-        on_node[node].get_or_insert(check);
-        if on_node.iter().all(Option::is_some) {
-            break;
-        }
-    }
-    let [Some(healthy), Some(dead)] = on_node else {
-        unreachable!()
-    };
+    let (mut servers, sharded, [healthy, dead]) =
+        two_shards(&limit, "spanning", 2, Duration::from_secs(60));
+    let (healthy, dead) = (healthy[0].clone(), dead[0].clone());
     let a = by_hand(sharded);
     let now = at_micros(T0);
     // The dead-to-be key gets a large lease, the healthy one a small one.
@@ -773,5 +760,58 @@ async fn a_request_across_a_dead_and_a_healthy_shard_is_decided_while_its_lease_
     assert_eq!(
         admitted, dead_lease,
         "decided until the dead key's lease was spent (the healthy key topped up meanwhile), then {refused:?}"
+    );
+}
+
+/// Debts age on every path that delivers them: after an outage with no round in between, the
+/// first call is often a request's top-up (the breaker's probe), and it used to send a debt
+/// older than its window along, replaying it into a window it no longer belongs to.
+#[tokio::test]
+async fn a_top_up_after_an_outage_drops_debts_older_than_their_window() {
+    let mut server = RedisServer::start();
+    let clock = FakeClock::new(at_micros(T0));
+    let node = BatchedStore::builder(
+        RedisStore::builder(server.url())
+            .timeout(ms(500))
+            .breaker(1_000_000, ms(1))
+            .build()
+            .unwrap(),
+    )
+    .sync_interval(Duration::from_secs(3600))
+    .clock(clock.clone())
+    .build();
+    let second = Arc::new(Limit::fixed_window("second", 100, Duration::from_secs(1)).unwrap());
+    let checks = check(&second, "top-up-debtor");
+    assert!(
+        node.check_and_consume(&checks, None)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let leased = node.leased(&checks[0].key);
+    let post = vec![Check::new(checks[0].key.clone(), second.clone(), 50)];
+    node.charge(&post, None).await.unwrap();
+    server.kill();
+    server.restart();
+    // 1.5 s later, no round in between: the next request's top-up is the first call (the
+    // first attempt may meet the connection the restart broke; the request is sent again).
+    clock.advance(ms(1500));
+    let mut attempts = 0;
+    let decision = loop {
+        attempts += 1;
+        match node.check_and_consume(&checks, None).await {
+            Ok(decision) => break decision,
+            Err(error) => assert!(attempts < 10, "the restarted server answers: {error}"),
+        }
+    };
+    assert!(decision.is_allowed());
+    assert_eq!(
+        node.stats().dropped_units,
+        50 - leased,
+        "the debt, 1.5 s old, is dropped by the top-up"
+    );
+    assert!(
+        stored_count(&server, &checks[0].key) < 50 - leased,
+        "and not replayed"
     );
 }
