@@ -399,13 +399,10 @@ async fn sigusr1_reopens_a_moved_file() {
     assert_eq!(parsed(&old[0])["path"], "/before");
 }
 
-/// The log is a FIFO that is opened and never read: the writer blocks once the pipe and its
-/// buffer are full. Requests must not notice: every one is answered within 2 s (it would hang
-/// for good if a request waited for the log), and the lines that could not be queued are
-/// counted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
-    let upstream = Upstream::start().await;
+/// A gateway whose access log is a FIFO (with a queue of 64 lines) that is opened and never
+/// read: its writer blocks once the pipe and its buffer are full. Returns the gateway, its
+/// directory and the FIFO's reader end, to be held for as long as the test needs the pipe.
+fn logging_to_a_stalled_fifo(upstream: &Upstream) -> (Gateway, TempDir, (TempDir, std::fs::File)) {
     let directory = TempDir::new("log");
     let fifo = directory.file("stalled.fifo");
     let made = std::process::Command::new("mkfifo")
@@ -418,12 +415,23 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
         let fifo = fifo.clone();
         std::thread::spawn(move || std::fs::File::open(fifo).unwrap())
     };
-    let (gateway, _dir) = gateway(
-        &upstream,
+    let (gateway, dir) = gateway(
+        upstream,
         &format!("  path: \"{}\"\n  buffer: 64", fifo.display()),
         1_000_000,
     );
-    let _reader = reader.join().unwrap();
+    let reader = reader.join().unwrap();
+    (gateway, dir, (directory, reader))
+}
+
+/// The log is a FIFO that is opened and never read: the writer blocks once the pipe and its
+/// buffer are full. Requests must not notice: every one is answered within 2 s (it would hang
+/// for good if a request waited for the log), and the lines that could not be queued are
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
+    let upstream = Upstream::start().await;
+    let (gateway, _dir, _stalled) = logging_to_a_stalled_fifo(&upstream);
     let requests = 3000;
     let started = Instant::now();
     let tasks: Vec<_> = (0..8)
@@ -475,24 +483,7 @@ async fn a_log_that_cannot_keep_up_costs_lines_not_latency() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_log_does_not_keep_sigterm_from_ending_the_process() {
     let upstream = Upstream::start().await;
-    let directory = TempDir::new("log");
-    let fifo = directory.file("stalled.fifo");
-    let made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap();
-    assert!(made.success());
-    // The reader end, held open and never read until the process has exited.
-    let reader = {
-        let fifo = fifo.clone();
-        std::thread::spawn(move || std::fs::File::open(fifo).unwrap())
-    };
-    let (mut gateway, _dir) = gateway(
-        &upstream,
-        &format!("  path: \"{}\"\n  buffer: 64", fifo.display()),
-        1_000_000,
-    );
-    let _reader = reader.join().unwrap();
+    let (mut gateway, _dir, _stalled) = logging_to_a_stalled_fifo(&upstream);
     let client = client();
     let url = gateway.url("/v1/things");
     let mut dropped = 0;
