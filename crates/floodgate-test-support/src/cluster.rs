@@ -102,9 +102,17 @@ impl RedisCluster {
         // Slots and config epochs first (a node takes an epoch only while it knows no other),
         // as `redis-cli --cluster create` does.
         let count = masters.len();
-        for (index, master) in masters.iter().enumerate() {
-            let first = usize::from(SLOTS) * index / count;
-            let last = usize::from(SLOTS) * (index + 1) / count - 1;
+        let assigned: Vec<(i64, i64, i64)> = masters
+            .iter()
+            .enumerate()
+            .map(|(index, master)| {
+                let first = usize::from(SLOTS) * index / count;
+                let last = usize::from(SLOTS) * (index + 1) / count - 1;
+                let as_int = |value: usize| i64::try_from(value).expect("a slot");
+                (as_int(first), as_int(last), i64::from(client_port(master)))
+            })
+            .collect();
+        for (index, (master, (first, last, _))) in masters.iter().zip(&assigned).enumerate() {
             let _: () = master.server.command(&[
                 "CLUSTER",
                 "ADDSLOTSRANGE",
@@ -159,6 +167,16 @@ impl RedisCluster {
                         };
                         nodes.lines().filter(is_replica).count() == replica_count
                     })
+            });
+        }
+        // `cluster_state:ok` says every slot is served, not by whom: a node may still name a
+        // stale owner, and a client that takes its map from it is sent MOVED twice (once by
+        // the node it names, once on retry). Wait until every node names the masters as made.
+        for node in &everyone {
+            wait_until(FORMING, "every node to name each slot's master", || {
+                node.server
+                    .try_command::<Vec<Vec<Value>>>(&["CLUSTER", "SLOTS"])
+                    .is_ok_and(|ranges| served_as_assigned(&ranges, &assigned))
             });
         }
         for replica in replicas.iter().flatten() {
@@ -384,6 +402,30 @@ fn start_node(config_dir: &std::path::Path, proxied: bool) -> Started {
 }
 
 /// The port a started node advertises.
+/// Whether `CLUSTER SLOTS` (`ranges`) names, for every range, the master `assigned` it, as
+/// (first slot, last slot, client port).
+fn served_as_assigned(ranges: &[Vec<Value>], assigned: &[(i64, i64, i64)]) -> bool {
+    let number = |value: Option<&Value>| match value {
+        Some(Value::Int(int)) => Some(*int),
+        _ => None,
+    };
+    let mut served: Vec<(i64, i64, i64)> = ranges
+        .iter()
+        .filter_map(|range| {
+            let Some(Value::Array(master)) = range.get(2) else {
+                return None;
+            };
+            Some((
+                number(range.first())?,
+                number(range.get(1))?,
+                number(master.get(1))?,
+            ))
+        })
+        .collect();
+    served.sort_unstable();
+    served == assigned
+}
+
 fn client_port(node: &Started) -> u16 {
     node.proxy
         .as_ref()
