@@ -136,17 +136,25 @@ impl Fleet {
         let started = Instant::now();
         let (requests, admitted) = match shape {
             Shape::ColdBurst { per_node } => {
+                // Every request waits until all are spawned, so that they arrive at once, as
+                // the shape says, and not spread over the spawning while earlier ones' trades
+                // are answered (a trickle that doubling top-ups meet differently).
+                let start = Arc::new(tokio::sync::Barrier::new(
+                    self.nodes.len() * per_node as usize + 1,
+                ));
                 let mut tasks = Vec::new();
                 for node in &self.nodes {
                     for _ in 0..per_node {
-                        let (node, checks) = (node.clone(), checks.clone());
+                        let (node, checks, start) = (node.clone(), checks.clone(), start.clone());
                         tasks.push(tokio::spawn(async move {
+                            start.wait().await;
                             node.check_and_consume(&checks, None)
                                 .await
                                 .is_ok_and(|decision| decision.is_allowed())
                         }));
                     }
                 }
+                start.wait().await;
                 let mut admitted = 0;
                 let requests = tasks.len() as u64;
                 for task in tasks {

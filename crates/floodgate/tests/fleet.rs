@@ -22,6 +22,10 @@ const NODES: usize = 20;
 const INTERVAL: Duration = Duration::from_millis(100);
 const RUN: Duration = Duration::from_secs(3);
 
+/// Held by each test for its whole run: two fleets trading at once on a 2-core machine would
+/// measure its scheduling, not the leases (a cold burst is meant to arrive at once).
+static ONE_FLEET_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn limit() -> Arc<Limit> {
     Arc::new(Limit::token_bucket("per-second", 100, Duration::from_secs(1)).unwrap())
 }
@@ -52,6 +56,7 @@ fn check_bounds(shape: Shape, report: &Report, steady: bool) {
 /// they would share the machine's two cores and measure its scheduling, not the leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_shape_on_twenty_nodes_stays_within_its_allowance() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let server = RedisServer::start();
     let fleet = Fleet::start(&server.url(), NODES, INTERVAL);
     let limit = limit();
@@ -97,6 +102,7 @@ fn check_cold_burst(shape: Shape, report: &Report, limit: &Limit) {
 /// 100), run a few times: every run takes the bucket within 10%.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cold_burst_on_four_nodes_takes_the_bucket() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let server = RedisServer::start();
     let fleet = Fleet::start(&server.url(), 4, INTERVAL);
     let limit = limit();

@@ -548,6 +548,17 @@ impl Entry {
         self.expire_lease(now);
     }
 
+    /// Counts the requests queued behind a call just answered (`waiters`, each of `cost`) that
+    /// its lease does not cover: the call's own request takes its `cost` first, the waiters
+    /// the rest. Those covered are not asked for again: counting them (as the call's whole
+    /// queue) made the next top-up ask for units no request was left to spend, held idle on
+    /// one node while another's burst was refused.
+    fn queue_behind(&mut self, waiters: usize, cost: u64) {
+        let cost = cost.max(1);
+        let covered = self.lease.saturating_sub(cost) / cost;
+        self.queued = (waiters as u64).saturating_sub(covered);
+    }
+
     /// Whether a request short of lease may ask for more now: always for the key's first call
     /// of an interval, and after it unless a call got less than it asked (the limit is short
     /// everywhere, and asking again before the next round would only cost calls). A lone node,
@@ -1153,7 +1164,7 @@ impl<T: SyncTarget> Shared<T> {
                 // waiters'.
                 shard.insert(key.clone(), Slot::Ready(entry));
                 if let Some(Slot::Ready(entry)) = shard.get_mut(&*key) {
-                    entry.queued = sender.receiver_count() as u64;
+                    entry.queue_behind(sender.receiver_count(), request.want);
                     // A first sight is this interval's call, unless requests queued behind
                     // it: then one top-up serves them all.
                     entry.topped_up = entry.queued == 0;
@@ -1186,7 +1197,7 @@ impl<T: SyncTarget> Shared<T> {
                     {
                         entry.adopt(grant, request.want, decided_at);
                         entry.refreshing = None;
-                        entry.queued = top.sender.receiver_count() as u64;
+                        entry.queue_behind(top.sender.receiver_count(), checks[top.index].cost);
                     }
                     let _ = top.sender.send(true);
                 }
