@@ -19,8 +19,11 @@ pub(crate) struct LeaseGuard {
 }
 
 impl LeaseGuard {
-    pub(crate) fn new(store: Arc<dyn Store>, leases: Vec<Lease>) -> Option<LeaseGuard> {
-        (!leases.is_empty()).then_some(LeaseGuard { store, leases })
+    pub(crate) fn new(store: &Arc<dyn Store>, leases: Vec<Lease>) -> Option<LeaseGuard> {
+        (!leases.is_empty()).then(|| LeaseGuard {
+            store: store.clone(),
+            leases,
+        })
     }
 }
 

@@ -3,6 +3,7 @@
 pub use crate::body::RateLimitBody;
 pub use crate::future::ResponseFuture;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -31,7 +32,7 @@ use crate::response::{
 use crate::response::{forbidden_response, unidentified_response};
 use crate::rollout::{Mode, Rollout};
 use crate::store::resilience::StoreObserver;
-use crate::store::{Check, Store};
+use crate::store::{Check, Store, StoreError};
 use crate::telemetry::{self, DecisionLabel, LimitedRateBaseline};
 use crate::top::TopClients;
 
@@ -182,25 +183,19 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The ready service goes into the future; a fresh clone waits for the next poll_ready.
-        let fresh = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, fresh);
         let shared = self.shared.clone();
         if shared.rollout.mode() == Mode::Off {
             // Kill switch: not even a store call.
             telemetry::record_decision("rollout", "off", DecisionLabel::Bypassed);
-            let response = inner.call(request);
-            return ResponseFuture::new(Box::pin(async move {
-                let mut response = response.await?;
-                shared.settle_cost(&mut response, None).await;
-                Ok(response.map(|body| RateLimitBody::inner(body, None)))
-            }));
+            return pass_through(shared, self.inner.call(request));
         }
         let planned = shared.plan(&request);
         shared.record_plan(&planned);
         let (checks, shadowed) = match planned.route {
-            Route::Checks { checks, shadowed } => (checks, shadowed),
-            Route::Allowlisted => (Vec::new(), false),
+            Route::Checks { checks, shadowed } if !checks.is_empty() => (checks, shadowed),
+            Route::Checks { .. } | Route::Allowlisted => {
+                return pass_through(shared, self.inner.call(request));
+            }
             Route::Denylisted | Route::Unidentified => {
                 let answer = match planned.route {
                     Route::Denylisted => forbidden_response(),
@@ -210,13 +205,29 @@ where
                 return ResponseFuture::new(Box::pin(async move { Ok(answer) }));
             }
         };
+        // A store that decides without waiting (the memory store): an admitted request goes
+        // to the inner service now, with no future of ours around the decision.
+        let decided = match shared.decide_ready(&checks, shadowed, &planned.identity) {
+            Some(Ok(decision))
+                if !shadowed && decision.is_allowed() && decision.delay().is_zero() =>
+            {
+                return admit(shared, &mut self.inner, request, checks, decision);
+            }
+            decided => decided,
+        };
+        // The ready service goes into the future; a fresh clone waits for the next poll_ready.
+        let fresh = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, fresh);
         ResponseFuture::new(Box::pin(decide_then_call(
             shared,
             inner,
             request,
-            checks,
-            shadowed,
-            planned.identity,
+            Decide {
+                checks,
+                shadowed,
+                identity: planned.identity,
+                decided,
+            },
         )))
     }
 }
@@ -224,37 +235,123 @@ where
 /// Why a request could not be decided: the store failed under `on_store_error: closed`.
 struct Unavailable;
 
+/// A request's checks, and what the store decided of them if it could decide at once.
+struct Decide {
+    checks: Vec<Check>,
+    shadowed: bool,
+    identity: Identity,
+    decided: Option<Result<Decision, Unavailable>>,
+}
+
+/// A request no limit applies to: the inner service's answer, with its reported cost read
+/// (and removed) but charged to nothing.
+fn pass_through<F, ResBody, E>(shared: Arc<Shared>, response: F) -> ResponseFuture<ResBody, E>
+where
+    F: Future<Output = Result<Response<ResBody>, E>> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    E: 'static,
+{
+    ResponseFuture::new(Box::pin(finish(shared, response, Admitted::default())))
+}
+
+/// Calls the ready `inner` with a request the store admitted (enforced, not delayed).
+fn admit<S, ReqBody, ResBody>(
+    shared: Arc<Shared>,
+    inner: &mut S,
+    mut request: Request<ReqBody>,
+    checks: Vec<Check>,
+    mut decision: Decision,
+) -> ResponseFuture<ResBody, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    let admitted = Admitted::new(&shared, &mut decision, checks, true);
+    request.extensions_mut().insert(decision);
+    ResponseFuture::new(Box::pin(finish(shared, inner.call(request), admitted)))
+}
+
+/// What an admitted request's response gets once the inner service answers.
+#[derive(Default)]
+struct Admitted {
+    /// The rate limit headers.
+    headers: Option<RateLimitHeaders>,
+    /// Held until the body ends: if the client goes away mid-request, dropping the future
+    /// releases them.
+    leases: Option<LeaseGuard>,
+    /// The checks a reported cost is post-charged to: only what the store admitted (a
+    /// fallback decision, or a shadow denial, which consumed nothing, has nothing to add to).
+    charge_to: Option<Vec<Check>>,
+}
+
+impl Admitted {
+    /// Takes the leases out of `decision`; with its headers when the client may see them
+    /// (`visible`: not a shadow decision).
+    fn new(
+        shared: &Shared,
+        decision: &mut Decision,
+        checks: Vec<Check>,
+        visible: bool,
+    ) -> Admitted {
+        let post_charged = decision.source() == DecisionSource::Store && decision.is_allowed();
+        Admitted {
+            headers: visible.then(|| RateLimitHeaders::new(decision, shared.responses.headers)),
+            leases: LeaseGuard::new(&shared.store, decision.take_leases()),
+            charge_to: post_charged.then_some(checks),
+        }
+    }
+}
+
+/// Awaits the inner service's `response`, settles its reported cost and sets the headers.
+async fn finish<F, ResBody, E>(
+    shared: Arc<Shared>,
+    response: F,
+    admitted: Admitted,
+) -> Result<Response<RateLimitBody<ResBody>>, E>
+where
+    F: Future<Output = Result<Response<ResBody>, E>>,
+{
+    let mut response = response.await?;
+    // Before the head goes out, so that the client's next request sees the charge.
+    shared
+        .settle_cost(&mut response, admitted.charge_to.as_deref())
+        .await;
+    if let Some(headers) = admitted.headers {
+        headers.apply_to_response(&mut response);
+    }
+    Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases)))
+}
+
 async fn decide_then_call<S, ReqBody, ResBody>(
     shared: Arc<Shared>,
     mut inner: S,
     mut request: Request<ReqBody>,
-    checks: Vec<Check>,
-    shadowed: bool,
-    identity: Identity,
+    decide: Decide,
 ) -> Result<Response<RateLimitBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    if checks.is_empty() {
-        let mut response = inner.call(request).await?;
-        shared.settle_cost(&mut response, None).await;
-        return Ok(response.map(|body| RateLimitBody::inner(body, None)));
-    }
-    let Ok(mut decision) = shared.decide(&checks, shadowed, &identity).await else {
+    let Decide {
+        checks,
+        shadowed,
+        identity,
+        decided,
+    } = decide;
+    let decided = match decided {
+        Some(decided) => decided,
+        None => shared.decide(&checks, shadowed, &identity).await,
+    };
+    let Ok(mut decision) = decided else {
         return Ok(unavailable_response().map(RateLimitBody::full));
     };
-    // Only what the store admitted is post-charged: a fallback decision, or a shadow denial
-    // (which consumed nothing), has nothing to add to.
-    let post_charged = decision.source() == DecisionSource::Store && decision.is_allowed();
-    let charge_to = post_charged.then_some(&checks[..]);
     if shadowed {
         // Invisible to the client: no denial, no delay, no rate limit headers.
-        let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
+        let admitted = Admitted::new(&shared, &mut decision, checks, false);
         request.extensions_mut().insert(decision);
         request.extensions_mut().insert(crate::rollout::Shadowed);
-        let mut response = inner.call(request).await?;
-        shared.settle_cost(&mut response, charge_to).await;
-        return Ok(response.map(|body| RateLimitBody::inner(body, leases)));
+        return finish(shared, inner.call(request), admitted).await;
     }
     if !decision.is_allowed() {
         let mut response = shared.limited_response(&decision).await;
@@ -262,18 +359,12 @@ where
         response.extensions_mut().insert(decision);
         return Ok(response);
     }
-    // Held from here: if the client goes away mid-request, dropping the future releases them.
-    let leases = LeaseGuard::new(shared.store.clone(), decision.take_leases());
+    let admitted = Admitted::new(&shared, &mut decision, checks, true);
     if !decision.delay().is_zero() {
         tokio::time::sleep(decision.delay()).await;
     }
-    let headers = RateLimitHeaders::new(&decision, shared.responses.headers);
     request.extensions_mut().insert(decision);
-    let mut response = inner.call(request).await?;
-    // Before the head goes out, so that the client's next request sees the charge.
-    shared.settle_cost(&mut response, charge_to).await;
-    headers.apply_to_response(&mut response);
-    Ok(response.map(|body| RateLimitBody::inner(body, leases)))
+    finish(shared, inner.call(request), admitted).await
 }
 
 impl Shared {
@@ -287,6 +378,31 @@ impl Shared {
     ) -> Result<Decision, Unavailable> {
         let started = std::time::Instant::now();
         let result = self.store.check_and_consume(checks, None).await;
+        self.conclude(result, started, checks, shadowed, identity)
+    }
+
+    /// [`Shared::decide`] when the store decides without waiting; `None` when it would wait.
+    fn decide_ready(
+        &self,
+        checks: &[Check],
+        shadowed: bool,
+        identity: &Identity,
+    ) -> Option<Result<Decision, Unavailable>> {
+        let started = std::time::Instant::now();
+        let result = self.store.check_and_consume_ready(checks, None)?;
+        Some(self.conclude(result, started, checks, shadowed, identity))
+    }
+
+    /// Times and records the store's answer (`started` when it was asked), or decides under
+    /// the failure policy when it failed.
+    fn conclude(
+        &self,
+        result: Result<Decision, StoreError>,
+        started: std::time::Instant,
+        checks: &[Check],
+        shadowed: bool,
+        identity: &Identity,
+    ) -> Result<Decision, Unavailable> {
         telemetry::record_check_duration(self.store.backend(), started.elapsed());
         match result {
             Ok(decision) => {

@@ -530,6 +530,14 @@ impl Store for MemoryStore {
         Box::pin(std::future::ready(Ok(decision)))
     }
 
+    fn check_and_consume_ready(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.check_and_consume_now(checks, now)))
+    }
+
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
         self.inner.release(&leases);
         Box::pin(std::future::ready(Ok(())))

@@ -53,6 +53,20 @@ pub trait Store: Send + Sync + 'static {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>>;
 
+    /// [`Store::check_and_consume`] at once, for a store that decides without waiting (the
+    /// memory store); `None` from a store that must wait (a networked one), whose callers then
+    /// use `check_and_consume`. The layer answers a request decided here without a future of
+    /// its own for the decision. A store that returns `Some` has decided: calling
+    /// `check_and_consume` as well would consume twice.
+    fn check_and_consume_ready(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        let _ = (checks, now);
+        None
+    }
+
     /// Releases concurrency leases. A lease that cannot be released (the store is down)
     /// expires with its window, so a failure here loses nothing for good.
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>>;
@@ -136,6 +150,14 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
         (**self).check_and_consume(checks, now)
+    }
+
+    fn check_and_consume_ready(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        (**self).check_and_consume_ready(checks, now)
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
