@@ -4,6 +4,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
+use bytes::BytesMut;
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use smallvec::SmallVec;
@@ -113,29 +114,34 @@ impl RateLimitHeaders {
             };
         };
         let remaining_share = binding.remaining as f64 / binding.capacity.max(1) as f64;
+        // The computed values are written into one buffer and shared out of it: one
+        // allocation for all of them, not one each.
+        let mut text = match style {
+            HeaderStyle::None => BytesMut::new(),
+            _ => BytesMut::with_capacity(96),
+        };
+        let mut digits = itoa::Buffer::new();
         if style.legacy() {
             let reset_at = decision.decided_at().saturating_add(binding.reset_after);
             values.push((
                 &X_RATELIMIT_LIMIT,
                 binding.definition().limit_header().clone(),
             ));
-            values.push((&X_RATELIMIT_REMAINING, HeaderValue::from(binding.remaining)));
-            values.push((
-                &X_RATELIMIT_RESET,
-                HeaderValue::from(reset_at.as_secs_ceil()),
-            ));
+            text.extend_from_slice(digits.format(binding.remaining).as_bytes());
+            values.extend(value_of(&mut text).map(|value| (&X_RATELIMIT_REMAINING, value)));
+            text.extend_from_slice(digits.format(reset_at.as_secs_ceil()).as_bytes());
+            values.extend(value_of(&mut text).map(|value| (&X_RATELIMIT_RESET, value)));
         }
         if style.ietf() {
             values.push((&RATELIMIT_POLICY, policy(decision)));
-            let current = format!(
-                "\"{}\";r={};t={}",
-                binding.name,
-                binding.remaining,
-                ceil_secs(binding.reset_after)
-            );
-            if let Ok(value) = HeaderValue::try_from(current) {
-                values.push((&RATELIMIT, value));
-            }
+            // "<name>";r=<remaining>;t=<seconds>
+            text.extend_from_slice(b"\"");
+            text.extend_from_slice(binding.name.as_bytes());
+            text.extend_from_slice(b"\";r=");
+            text.extend_from_slice(digits.format(binding.remaining).as_bytes());
+            text.extend_from_slice(b";t=");
+            text.extend_from_slice(digits.format(ceil_secs(binding.reset_after)).as_bytes());
+            values.extend(value_of(&mut text).map(|value| (&RATELIMIT, value)));
         }
         RateLimitHeaders {
             values,
@@ -145,6 +151,7 @@ impl RateLimitHeaders {
 
     /// Sets the headers on `headers`, replacing any of the same name.
     pub fn apply(self, headers: &mut HeaderMap) {
+        headers.reserve(self.values.len());
         for (name, value) in self.values {
             headers.insert(name, value);
         }
@@ -188,6 +195,12 @@ impl RateLimitHeaders {
             response.extensions_mut().insert(ours);
         }
     }
+}
+
+/// What was written into `text` since the last value, split off as a header value (`None`,
+/// and the header left out, if it is not a valid one).
+fn value_of(text: &mut BytesMut) -> Option<HeaderValue> {
+    HeaderValue::from_maybe_shared(text.split().freeze()).ok()
 }
 
 /// `RateLimit-Policy`: every applied limit. A single limit's item is shared, not rebuilt.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 pub use crate::key::storage::check_key_prefix;
 pub use crate::limit::check_rule_name;
 
+use crate::key::storage::RecentKeys;
 use crate::key::{Identity, RequestInfo, storage_key};
 use crate::limit::Limit;
 use crate::store::Check;
@@ -22,6 +23,7 @@ pub struct StaticPlan {
     prefix: Arc<str>,
     rule: Arc<str>,
     limits: Vec<Arc<Limit>>,
+    keys: Arc<RecentKeys>,
 }
 
 impl StaticPlan {
@@ -35,6 +37,7 @@ impl StaticPlan {
             prefix: prefix.into(),
             rule: rule.into(),
             limits,
+            keys: Arc::new(RecentKeys::new()),
         }
     }
 
@@ -46,18 +49,26 @@ impl StaticPlan {
 
 impl LimitPlan for StaticPlan {
     fn checks(&self, _request: &RequestInfo<'_>, identity: &Identity, cost: u64) -> Vec<Check> {
-        let hash = identity.hash();
+        let keys = self.keys.get_or_make(identity, || {
+            let hash = identity.hash();
+            self.limits
+                .iter()
+                .map(|limit| {
+                    storage_key(
+                        &self.prefix,
+                        identity.scope(),
+                        &hash,
+                        &self.rule,
+                        limit.name(),
+                    )
+                })
+                .collect()
+        });
         self.limits
             .iter()
-            .map(|limit| {
-                let key = storage_key(
-                    &self.prefix,
-                    identity.scope(),
-                    &hash,
-                    &self.rule,
-                    limit.name(),
-                );
-                Check::new(key, limit.clone(), cost).with_rule(self.rule.clone())
+            .zip(keys.iter())
+            .map(|(limit, key)| {
+                Check::new(key.clone(), limit.clone(), cost).with_rule(self.rule.clone())
             })
             .collect()
     }

@@ -10,10 +10,12 @@
 //! are `A-Z a-z 0-9 - _ .` only (`limit::is_valid_name`), so the first `{` of a key opens its
 //! tag and the tag's last `:` ends the scope (the hash is 32 hex digits).
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{IdentityHash, StackText};
+use super::{Identity, IdentityHash, StackText};
 
 /// Checks a storage key prefix: 1 to 64 characters, without `{`, `}` or `:` (they delimit the
 /// parts of a key). Plans that build their own keys (a gateway's) use the same rule.
@@ -42,6 +44,60 @@ pub fn storage_key(
     match write!(text, "{prefix}:{{{scope}:{hash}}}:{rule}:{limit}") {
         Ok(()) => Arc::from(text.as_str()),
         Err(_) => Arc::from(format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")),
+    }
+}
+
+/// The storage keys of the identities seen lately, so that a client's every request does not
+/// hash its identity (SHA-256) and format its keys again: about a sixth of the layer's own
+/// time per request on the memory store (`bench/layer_overhead.sh`). Bounded: a shard that
+/// holds [`RecentKeys::SHARD_CAPACITY`] identities is emptied before it takes another, so that
+/// a flood of one-off clients costs what it did without the cache, and no more memory.
+pub(crate) struct RecentKeys {
+    hasher: RandomState,
+    shards: Box<[Mutex<KeysOf>]>,
+}
+
+/// One shard of [`RecentKeys`]: each identity's keys, one per limit of the plan.
+type KeysOf = HashMap<Identity, Arc<[Arc<str>]>>;
+
+impl RecentKeys {
+    const SHARDS: usize = 16;
+    const SHARD_CAPACITY: usize = 1024;
+
+    pub(crate) fn new() -> RecentKeys {
+        RecentKeys {
+            hasher: RandomState::new(),
+            shards: (0..Self::SHARDS).map(|_| Mutex::default()).collect(),
+        }
+    }
+
+    /// The keys of `identity`: remembered, or made by `make` and remembered.
+    pub(crate) fn get_or_make(
+        &self,
+        identity: &Identity,
+        make: impl FnOnce() -> Arc<[Arc<str>]>,
+    ) -> Arc<[Arc<str>]> {
+        let shard = &self.shards[self.hasher.hash_one(identity) as usize % Self::SHARDS];
+        if let Some(keys) = shard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(identity)
+        {
+            return keys.clone();
+        }
+        let keys = make();
+        let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        if shard.len() >= Self::SHARD_CAPACITY {
+            shard.clear();
+        }
+        shard.insert(identity.clone(), keys.clone());
+        keys
+    }
+}
+
+impl std::fmt::Debug for RecentKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecentKeys").finish_non_exhaustive()
     }
 }
 
@@ -197,5 +253,47 @@ mod tests {
             assert_eq!(hash_tag(key).as_bytes(), slot_rule(key), "{key:?}");
             assert_eq!(hash_tag(key), sharded_rule(key), "{key:?}");
         }
+    }
+
+    fn keys_of(identity: &Identity) -> Arc<[Arc<str>]> {
+        let hash = identity.hash();
+        Arc::from([storage_key("fg", identity.scope(), &hash, "r", "l")])
+    }
+
+    #[test]
+    fn recent_keys_are_made_once_per_identity_and_kept_apart() {
+        let recent = RecentKeys::new();
+        let alice = Identity::ApiKey("alice".into());
+        let bob = Identity::User("alice".into());
+        let first = recent.get_or_make(&alice, || keys_of(&alice));
+        let again = recent.get_or_make(&alice, || panic!("made again"));
+        assert!(Arc::ptr_eq(&first, &again));
+        let other = recent.get_or_make(&bob, || keys_of(&bob));
+        assert_ne!(first, other, "another scope, other keys");
+        assert_eq!(&*first, &*keys_of(&alice));
+    }
+
+    #[test]
+    fn a_full_shard_is_emptied_before_it_takes_another_identity() {
+        let recent = RecentKeys::new();
+        let identities: Vec<Identity> = (0..20 * RecentKeys::SHARD_CAPACITY)
+            .map(|n| Identity::User(n.to_string()))
+            .collect();
+        for identity in &identities {
+            recent.get_or_make(identity, || keys_of(identity));
+        }
+        for shard in &recent.shards {
+            let held = shard.lock().unwrap().len();
+            assert!(
+                (1..=RecentKeys::SHARD_CAPACITY).contains(&held),
+                "{held} identities in one shard"
+            );
+        }
+        // Whatever was forgotten is made again, the same.
+        let first = &identities[0];
+        assert_eq!(
+            &*recent.get_or_make(first, || keys_of(first)),
+            &*keys_of(first)
+        );
     }
 }
