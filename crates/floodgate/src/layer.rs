@@ -11,10 +11,11 @@ use crate::fallback::OnStoreError;
 use crate::headers::HeaderStyle;
 use crate::key::storage::check_key_prefix;
 use crate::key::{DefaultIdentifier, IdentifyClient, RequestInfo};
-use crate::limit::{Limit, check_rule_name};
+use crate::limit::Limit;
 use crate::lists::ClientList;
 use crate::overrides::Overrides;
-use crate::plan::{LimitPlan, StaticPlan};
+use crate::plan::{LimitPlan, StaticPlan, check_rule_name};
+use crate::planning::Planner;
 use crate::post_charge::ResponseCost;
 use crate::response::{LimitedResponseHook, MakeLimitedResponse, ResponseSettings};
 use crate::rollout::Rollout;
@@ -66,7 +67,7 @@ impl RateLimitLayer {
 
     /// The rollout controls (shadow, canary, kill switch), live.
     pub fn rollout(&self) -> &Rollout {
-        &self.shared.rollout
+        &self.shared.planner.rollout
     }
 
     /// The store the layer decides against.
@@ -445,25 +446,27 @@ impl RateLimitLayerBuilder {
         });
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
-                overrides,
+                planner: Planner {
+                    plan,
+                    identify: self
+                        .identify
+                        .unwrap_or_else(|| Arc::new(DefaultIdentifier::new())),
+                    cost: self.cost,
+                    rollout: self.rollout,
+                    allowlist: self.allowlist,
+                    denylist: self.denylist,
+                    on_unknown_identity: self.on_unknown_identity,
+                    unidentified: Default::default(),
+                    overrides,
+                },
                 store,
-                plan,
-                identify: self
-                    .identify
-                    .unwrap_or_else(|| Arc::new(DefaultIdentifier::new())),
-                cost: self.cost,
                 on_store_error: OnStoreError::new(self.on_store_error, self.fallback_share),
                 observer: self.observer,
-                rollout: self.rollout,
                 top: self.top,
                 baseline: self.baseline,
-                allowlist: self.allowlist,
-                denylist: self.denylist,
                 responses: self.responses,
                 limited_response: self.limited_response,
-                on_unknown_identity: self.on_unknown_identity,
                 concurrency_retry_hint: self.concurrency_retry_hint,
-                unidentified: Default::default(),
                 response_cost: self.response_cost,
             }),
         })

@@ -33,16 +33,6 @@ pub(crate) fn is_valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-/// Checks a rule name: 1 to 64 characters among `A-Z a-z 0-9 - _ .` (rules name counters in
-/// keys, metric labels and logs), as limit names are.
-pub fn check_rule_name(rule: &str) -> Result<(), crate::error::BuildError> {
-    if is_valid_name(rule) {
-        Ok(())
-    } else {
-        Err(crate::error::BuildError::InvalidRule(rule.to_owned()))
-    }
-}
-
 /// The rate limiting algorithms; see SPEC §1 for their exact semantics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {

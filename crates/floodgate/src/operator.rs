@@ -19,7 +19,7 @@ impl RateLimitLayer {
     /// would be answered before any check (denylisted, unidentified under
     /// [`UnknownIdentity::Reject`](crate::service::UnknownIdentity::Reject)).
     pub fn checks_for<B>(&self, request: &http::Request<B>) -> Option<(Identity, Vec<Check>)> {
-        match self.shared.plan(request) {
+        match self.shared.planner.plan(request) {
             Planned {
                 identity,
                 route: Route::Checks { checks, .. },
@@ -80,7 +80,7 @@ impl RateLimitLayer {
     /// The per-client overrides this layer applies (from its store, or as given to
     /// [`RateLimitLayerBuilder::overrides`](crate::RateLimitLayerBuilder::overrides)); `None` if its store keeps none.
     pub fn overrides(&self) -> Option<&Arc<Overrides>> {
-        self.shared.overrides.as_ref()
+        self.shared.planner.overrides.as_ref()
     }
 
     /// Replaces, until it expires, the limit named `spec.name` of the client of `request` (a
@@ -163,7 +163,7 @@ impl RateLimitLayer {
         let Planned {
             identity,
             route: Route::Checks { checks, .. },
-        } = self.shared.plan_as_configured(request)
+        } = self.shared.planner.plan_as_configured(request)
         else {
             return Err(OverrideError::NoClient);
         };

@@ -3,12 +3,22 @@
 use std::sync::Arc;
 
 pub use crate::key::storage::check_key_prefix;
-pub use crate::limit::check_rule_name;
 
+use crate::error::BuildError;
 use crate::key::storage::RecentKeys;
 use crate::key::{Identity, RequestInfo, storage_key};
-use crate::limit::Limit;
+use crate::limit::{Limit, is_valid_name};
 use crate::store::Check;
+
+/// Checks a rule name: 1 to 64 characters among `A-Z a-z 0-9 - _ .` (rules name counters in
+/// keys, metric labels and logs), as limit names are.
+pub fn check_rule_name(rule: &str) -> Result<(), BuildError> {
+    if is_valid_name(rule) {
+        Ok(())
+    } else {
+        Err(BuildError::InvalidRule(rule.to_owned()))
+    }
+}
 
 /// Decides which limits a request is checked against. The layer's builder makes a
 /// [`StaticPlan`]; the gateway plugs in its own (plans, endpoints, global ceilings).

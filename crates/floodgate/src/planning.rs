@@ -1,15 +1,18 @@
 //! Planning a request: who it is from, whether a list or the identity answers it before any
 //! limit, and otherwise the checks it meets (with the overrides in force). Planning records
 //! nothing, so that an operator's lookup and a served request plan alike; the service records
-//! what a served request's plan says ([`Shared::record_plan`]).
+//! what a served request's plan says ([`Planner::record_plan`]).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::Request;
 
-use crate::key::{Identity, RequestInfo};
-use crate::rollout::Mode;
-use crate::service::Shared;
+use crate::key::{IdentifyClient, Identity, RequestInfo};
+use crate::lists::ClientList;
+use crate::overrides::Overrides;
+use crate::plan::LimitPlan;
+use crate::rollout::{Mode, Rollout};
 use crate::store::Check;
 use crate::telemetry::{self, DecisionLabel};
 
@@ -84,7 +87,21 @@ impl Unidentified {
     }
 }
 
-impl Shared {
+/// What plans a request: who it is from, the lists, the limits and the overrides in force,
+/// the rollout. One per layer, shared by its services and its operator handle.
+pub(crate) struct Planner {
+    pub(crate) plan: Arc<dyn LimitPlan>,
+    pub(crate) identify: Arc<dyn IdentifyClient>,
+    pub(crate) cost: Option<Arc<dyn RequestCost>>,
+    pub(crate) rollout: Rollout,
+    pub(crate) allowlist: ClientList,
+    pub(crate) denylist: ClientList,
+    pub(crate) on_unknown_identity: UnknownIdentity,
+    pub(crate) unidentified: Unidentified,
+    pub(crate) overrides: Option<Arc<Overrides>>,
+}
+
+impl Planner {
     /// Plans `request`, with the overrides in force applied to its checks.
     pub(crate) fn plan<B>(&self, request: &Request<B>) -> Planned {
         let mut planned = self.plan_as_configured(request);

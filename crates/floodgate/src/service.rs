@@ -19,18 +19,15 @@ use crate::body::LeaseGuard;
 use crate::decision::{Decision, DecisionSource};
 use crate::fallback::OnStoreError;
 use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
-use crate::key::{IdentifyClient, Identity};
-use crate::lists::ClientList;
-use crate::overrides::Overrides;
-use crate::plan::LimitPlan;
-use crate::planning::{Route, Unidentified};
+use crate::key::Identity;
+use crate::planning::{Planner, Route};
 use crate::post_charge::{self, ReportedCost, ResponseCost};
 use crate::response::{
     Denial, LimitedResponseHook, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
 };
 use crate::response::{forbidden_response, unidentified_response};
-use crate::rollout::{Mode, Rollout};
+use crate::rollout::Mode;
 use crate::store::resilience::StoreObserver;
 use crate::store::{Check, Store, StoreError};
 use crate::telemetry::{self, DecisionLabel, LimitedRateBaseline};
@@ -39,23 +36,15 @@ use crate::top::TopClients;
 /// What every clone of a layer and its services share: one store, one configuration.
 pub(crate) struct Shared {
     pub(crate) store: Arc<dyn Store>,
-    pub(crate) plan: Arc<dyn LimitPlan>,
-    pub(crate) identify: Arc<dyn IdentifyClient>,
-    pub(crate) cost: Option<Arc<dyn RequestCost>>,
+    pub(crate) planner: Planner,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) observer: Arc<dyn StoreObserver>,
-    pub(crate) rollout: Rollout,
     pub(crate) top: Option<Arc<TopClients>>,
-    pub(crate) allowlist: ClientList,
-    pub(crate) denylist: ClientList,
     pub(crate) baseline: Option<Arc<LimitedRateBaseline>>,
     pub(crate) responses: ResponseSettings,
     pub(crate) limited_response: Option<LimitedResponseHook>,
-    pub(crate) on_unknown_identity: UnknownIdentity,
     pub(crate) concurrency_retry_hint: Option<Duration>,
-    pub(crate) unidentified: Unidentified,
     pub(crate) response_cost: Option<Arc<dyn ResponseCost>>,
-    pub(crate) overrides: Option<Arc<Overrides>>,
 }
 
 impl Shared {
@@ -184,13 +173,13 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let shared = self.shared.clone();
-        if shared.rollout.mode() == Mode::Off {
+        if shared.planner.rollout.mode() == Mode::Off {
             // Kill switch: not even a store call.
             telemetry::record_decision("rollout", "off", DecisionLabel::Bypassed);
             return pass_through(shared, self.inner.call(request));
         }
-        let planned = shared.plan(&request);
-        shared.record_plan(&planned);
+        let planned = shared.planner.plan(&request);
+        shared.planner.record_plan(&planned);
         let (checks, shadowed) = match planned.route {
             Route::Checks { checks, shadowed } if !checks.is_empty() => (checks, shadowed),
             Route::Checks { .. } | Route::Allowlisted => {
@@ -441,7 +430,7 @@ impl Shared {
         };
         telemetry::record_limit_decision(&binding.rule, &binding.name, label);
         self.observe(identity, decision, shadowed);
-        if label == DecisionLabel::ShadowLimited && self.rollout.may_log_shadow() {
+        if label == DecisionLabel::ShadowLimited && self.planner.rollout.may_log_shadow() {
             tracing::info!(
                 rule = %binding.rule,
                 limit = %binding.name,

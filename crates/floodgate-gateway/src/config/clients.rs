@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
 use super::key_digest;
-use super::raw::RawConfig;
+use super::limits::RawPlan;
 
 /// `identity:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -231,10 +231,34 @@ pub(super) fn identity(errors: &mut Errors, identity: &RawIdentity) -> Option<Id
     })
 }
 
+/// `clients.default_plan` and `clients.anonymous_plan`, which must name plans when any are
+/// defined.
+pub(super) fn default_plans(
+    errors: &mut Errors,
+    clients: &RawClients,
+    plans: &BTreeMap<String, RawPlan>,
+) {
+    if plans.is_empty() {
+        return;
+    }
+    for (field, plan) in [
+        ("clients.default_plan", &clients.default_plan),
+        ("clients.anonymous_plan", &clients.anonymous_plan),
+    ] {
+        if !plans.contains_key(plan) {
+            errors.push(field, format!("plan `{plan}` is not defined under plans"));
+        }
+    }
+}
+
 /// `clients.api_keys`: plan by key digest; every plan named must exist.
-pub(super) fn api_keys(errors: &mut Errors, raw: &RawConfig) -> HashMap<[u8; 32], String> {
+pub(super) fn api_keys(
+    errors: &mut Errors,
+    clients: &RawClients,
+    plans: &BTreeMap<String, RawPlan>,
+) -> HashMap<[u8; 32], String> {
     let mut api_keys = HashMap::new();
-    for (key, plan) in &raw.clients.api_keys {
+    for (key, plan) in &clients.api_keys {
         // The path names the key by its hash: error messages must not print secrets.
         let shown = if key.starts_with("sha256:") {
             key.clone()
@@ -245,7 +269,7 @@ pub(super) fn api_keys(errors: &mut Errors, raw: &RawConfig) -> HashMap<[u8; 32]
         if let Some(digest) = errors.ok(path.clone(), key_entry(key)) {
             api_keys.insert(digest, plan.clone());
         }
-        if !raw.plans.contains_key(plan) {
+        if !plans.contains_key(plan) {
             errors.push(path, format!("plan `{plan}` is not defined under plans"));
         }
     }

@@ -8,7 +8,6 @@ use floodgate::Limit;
 use serde::{Deserialize, Serialize};
 
 use super::errors::Errors;
-use super::raw::RawConfig;
 use super::rollout::{RawRollout, policy, rollout};
 use super::{Endpoint, EndpointTable, Rollout, positive_duration};
 use floodgate::FailurePolicy;
@@ -148,26 +147,13 @@ pub(super) fn endpoint_limits(
     table
 }
 
-/// Every list of limits in the file, with its path: plans, their endpoints, per IP, global.
-pub(super) fn all_limit_lists(raw: &RawConfig) -> Vec<(String, &[RawLimit])> {
-    let mut lists: Vec<(String, &[RawLimit])> = Vec::new();
-    for (name, plan) in &raw.plans {
-        lists.push((format!("plans.{name}.limits"), &plan.limits));
-        for (pattern, limits) in &plan.endpoints {
-            lists.push((format!("plans.{name}.endpoints.\"{pattern}\""), limits));
-        }
-    }
-    lists.push(("per_ip".to_owned(), &raw.per_ip));
-    for (pattern, limits) in &raw.global {
-        lists.push((format!("global.\"{pattern}\""), limits));
-    }
-    lists
-}
-
 /// `plans`, each with its rule, limits, endpoint limits and overrides.
-pub(super) fn plans(errors: &mut Errors, raw: &RawConfig) -> HashMap<String, PlanLimits> {
+pub(super) fn plans(
+    errors: &mut Errors,
+    raw_plans: &BTreeMap<String, RawPlan>,
+) -> HashMap<String, PlanLimits> {
     let mut plans = HashMap::new();
-    for (name, raw_plan) in &raw.plans {
+    for (name, raw_plan) in raw_plans {
         let path = format!("plans.{name}");
         let rule = format!("plan.{name}");
         // The plan's rule names its counters: the library's rule for rule names applies.
@@ -196,16 +182,6 @@ pub(super) fn plans(errors: &mut Errors, raw: &RawConfig) -> HashMap<String, Pla
                 .and_then(|raw| rollout(errors, &format!("{path}.rollout"), raw)),
         };
         plans.insert(name.clone(), plan);
-    }
-    if !raw.plans.is_empty() {
-        for (field, plan) in [
-            ("clients.default_plan", &raw.clients.default_plan),
-            ("clients.anonymous_plan", &raw.clients.anonymous_plan),
-        ] {
-            if !raw.plans.contains_key(plan) {
-                errors.push(field, format!("plan `{plan}` is not defined under plans"));
-            }
-        }
     }
     plans
 }

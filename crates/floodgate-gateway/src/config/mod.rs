@@ -324,12 +324,12 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let upstream_tls = tls::upstream_tls(&mut errors, raw.upstream_tls.as_ref());
     let upstream_protocol = tls::upstream_protocol(&mut errors, &raw.upstream_protocol);
     let routes = routes::routes(&mut errors, &raw.routes);
-    let store = store::store(&mut errors, &raw);
+    let store = store::store(&mut errors, &raw.store, &raw.limit_lists());
     let on_store_error = errors.ok("on_store_error", rollout::policy(&raw.on_store_error));
     let identity = clients::identity(&mut errors, &raw.identity);
-    // Also checks that clients.default_plan and clients.anonymous_plan name plans.
-    let plans = limits::plans(&mut errors, &raw);
-    let api_keys = clients::api_keys(&mut errors, &raw);
+    let plans = limits::plans(&mut errors, &raw.plans);
+    clients::default_plans(&mut errors, &raw.clients, &raw.plans);
+    let api_keys = clients::api_keys(&mut errors, &raw.clients, &raw.plans);
     let unknown_keys = errors.ok("clients.unknown_keys", raw.clients.unknown_keys.parse());
     let per_ip = limits::limits(&mut errors, "per_ip", &raw.per_ip);
     let global = limits::endpoint_limits(&mut errors, "global", "global", &raw.global);

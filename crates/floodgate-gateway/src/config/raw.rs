@@ -100,3 +100,21 @@ impl Default for RawConfig {
         }
     }
 }
+
+impl RawConfig {
+    /// Every list of limits in the file, with its path: plans, their endpoints, per IP, global.
+    pub(super) fn limit_lists(&self) -> Vec<(String, &[RawLimit])> {
+        let mut lists: Vec<(String, &[RawLimit])> = Vec::new();
+        for (name, plan) in &self.plans {
+            lists.push((format!("plans.{name}.limits"), &plan.limits));
+            for (pattern, limits) in &plan.endpoints {
+                lists.push((format!("plans.{name}.endpoints.\"{pattern}\""), limits));
+            }
+        }
+        lists.push(("per_ip".to_owned(), &self.per_ip));
+        for (pattern, limits) in &self.global {
+            lists.push((format!("global.\"{pattern}\""), limits));
+        }
+        lists
+    }
+}

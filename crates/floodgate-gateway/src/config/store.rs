@@ -5,8 +5,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
-use super::limits::all_limit_lists;
-use super::raw::RawConfig;
+use super::limits::RawLimit;
 use super::{positive_duration, redact_url};
 
 /// `store:` as written.
@@ -367,9 +366,14 @@ pub(super) fn indexed<'a>(path: &str, urls: &'a [String]) -> Vec<(String, &'a St
         .collect()
 }
 
-/// `store`, checked; `None` if any of it is invalid (the errors say why).
-pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSettings> {
-    let store = &raw.store;
+/// `store`, checked against the file's lists of limits (`limit_lists`, with their paths: a
+/// batched store counts only some algorithms); `None` if any of it is invalid (the errors say
+/// why).
+pub(super) fn store(
+    errors: &mut Errors,
+    store: &RawStore,
+    limit_lists: &[(String, &[RawLimit])],
+) -> Option<StoreSettings> {
     let backend = store_backend(errors, store);
     let sync_interval = store
         .sync_interval
@@ -383,7 +387,7 @@ pub(super) fn store(errors: &mut Errors, raw: &RawConfig) -> Option<StoreSetting
                  is local already",
             );
         }
-        for (path, raws) in all_limit_lists(raw) {
+        for (path, raws) in limit_lists {
             for (index, limit) in raws.iter().enumerate() {
                 if let Ok(algorithm) = limit.algorithm.parse::<floodgate::Algorithm>()
                     && !floodgate::store::batched::supports(algorithm)

@@ -1634,7 +1634,7 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         self.shared.target.breaker_state()
     }
 
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         self.shared.target.override_backend()
     }
 

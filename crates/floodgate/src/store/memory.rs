@@ -44,7 +44,7 @@ struct Inner {
     next_lease_id: AtomicU64,
     sweep_interval_micros: u64,
     /// The overrides of this store's clients: in this process, like the counters.
-    overrides: Arc<crate::overrides::MemoryOverrides>,
+    overrides: Arc<crate::store::override_backend::MemoryOverrides>,
 }
 
 /// Aligned to two cache lines, so that the lock around it (which this alignment carries) and
@@ -547,7 +547,7 @@ impl Store for MemoryStore {
         "memory"
     }
 
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         Some(self.inner.overrides.clone())
     }
 

@@ -9,6 +9,7 @@ pub mod batched;
 pub(crate) mod error;
 pub mod hot;
 mod memory;
+pub(crate) mod override_backend;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod resilience;
@@ -122,10 +123,10 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
-    /// Where this store keeps per-client overrides ([`crate::overrides`]), shared by every
+    /// Where this store keeps per-client overrides (the `overrides` module), shared by every
     /// node on the store: the memory store in its process, the Redis stores beside the
     /// counters. `None`: this store keeps none.
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn override_backend::OverrideBackend>> {
         None
     }
 
@@ -196,7 +197,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         (**self).breaker_state()
     }
 
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn override_backend::OverrideBackend>> {
         (**self).override_backend()
     }
 

@@ -233,7 +233,7 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         self.exact.breaker_state()
     }
 
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         self.exact.override_backend()
     }
 

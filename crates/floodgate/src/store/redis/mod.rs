@@ -815,7 +815,7 @@ impl Store for RedisStore {
         })
     }
 
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         Some(Arc::new(overrides::RedisOverrides::single(self.clone())))
     }
 

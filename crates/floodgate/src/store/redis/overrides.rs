@@ -1,4 +1,4 @@
-//! Overrides in Redis ([`crate::overrides::OverrideBackend`]).
+//! Overrides in Redis ([`crate::store::override_backend::OverrideBackend`]).
 //!
 //! Each client's overrides are a hash under the client's own hash tag,
 //! `<namespace>:{<scope>:<hash>}:overrides` (field: the target storage key, value: the
@@ -25,7 +25,7 @@ use futures_util::future::join_all;
 
 use super::{RedisStore, ShardedRedisStore};
 use crate::key::storage::hash_tag;
-use crate::overrides::{Override, OverrideBackend};
+use crate::store::override_backend::{Override, OverrideBackend};
 use crate::store::{BoxFuture, StoreError};
 use crate::time::Timestamp;
 

@@ -218,7 +218,7 @@ impl Store for ShardedRedisStore {
     }
 
     /// Open if any node's breaker is not closed: that node's identities follow the policy.
-    fn override_backend(&self) -> Option<Arc<dyn crate::overrides::OverrideBackend>> {
+    fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         Some(Arc::new(super::overrides::RedisOverrides::sharded(
             self.clone(),
         )))
