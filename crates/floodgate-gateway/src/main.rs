@@ -71,6 +71,39 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// The store `floodgate check` reports: its backend (URLs redacted) and how it decides.
+fn store_summary(store: &config::StoreSettings) -> String {
+    let backend = match &store.backend {
+        Backend::Memory => "memory".to_owned(),
+        Backend::Redis { url, .. } => format!("redis ({})", config::redact_url(url)),
+        Backend::RedisSentinel {
+            master, sentinels, ..
+        } => format!(
+            "redis via sentinel ({master}, {} sentinels)",
+            sentinels.len()
+        ),
+        Backend::RedisCluster { nodes, .. } => {
+            format!("redis_cluster ({} seed nodes)", nodes.len())
+        }
+        Backend::RedisSharded { nodes, .. } => {
+            format!("redis_sharded ({} nodes)", nodes.len())
+        }
+    };
+    let mode = match (
+        store.backend.is_shared(),
+        store.sync_interval,
+        store.global_sync_interval,
+    ) {
+        (false, _, _) => String::new(),
+        (true, Some(interval), _) => format!(", batched every {interval:?}"),
+        (true, None, Some(interval)) => {
+            format!(", exact (global ceilings batched every {interval:?})")
+        }
+        (true, None, None) => ", exact".to_owned(),
+    };
+    format!("{backend}{mode}")
+}
+
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load(path) {
         Ok(config) => {
@@ -80,35 +113,7 @@ fn check(path: &std::path::Path) -> ExitCode {
                     .values()
                     .map(|plan| plan.limits.len())
                     .sum::<usize>();
-            let backend = match &config.store.backend {
-                Backend::Memory => "memory".to_owned(),
-                Backend::Redis { url, .. } => format!("redis ({})", config::redact_url(url)),
-                Backend::RedisSentinel {
-                    master, sentinels, ..
-                } => format!(
-                    "redis via sentinel ({master}, {} sentinels)",
-                    sentinels.len()
-                ),
-                Backend::RedisCluster { nodes, .. } => {
-                    format!("redis_cluster ({} seed nodes)", nodes.len())
-                }
-                Backend::RedisSharded { nodes, .. } => {
-                    format!("redis_sharded ({} nodes)", nodes.len())
-                }
-            };
-            let mode = match (
-                config.store.backend.is_shared(),
-                config.store.sync_interval,
-                config.store.global_sync_interval,
-            ) {
-                (false, _, _) => String::new(),
-                (true, Some(interval), _) => format!(", batched every {interval:?}"),
-                (true, None, Some(interval)) => {
-                    format!(", exact (global ceilings batched every {interval:?})")
-                }
-                (true, None, None) => ", exact".to_owned(),
-            };
-            let store = format!("{backend}{mode}");
+            let store = store_summary(&config.store);
             if config.serves_proxy {
                 println!(
                     "{}: valid. listen {}, admin {}, upstream {}://{}, store {store}, {} plans, {limits} client limits, {} routes",
@@ -209,7 +214,8 @@ async fn shutdown_signal() {
     }
 }
 
-async fn serve(path: PathBuf) -> Result<(), GatewayError> {
+/// Installs the Prometheus recorder, with its upkeep every 5 s.
+fn install_metrics() -> Result<metrics_exporter_prometheus::PrometheusHandle, GatewayError> {
     // Buckets make the latencies Prometheus histograms (the exporter's default is a summary).
     let latency_buckets = [
         0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -231,16 +237,14 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             upkeep.run_upkeep();
         }
     });
-    let gateway = Gateway::start(&path)?;
-    let config = gateway.current().config.clone();
-    let token = admin_token();
-    for warning in config.warnings(token.is_some()) {
-        tracing::warn!("{warning}");
-    }
-    if !config.admin_listen.ip().is_loopback() && token.is_none() {
-        return Err(GatewayError::AdminUnprotected(config.admin_listen));
-    }
-    let tls = match &config.listen_tls {
+    Ok(metrics)
+}
+
+/// The TLS acceptor of `listen_tls`, its certificate reloaded when its files change.
+fn listen_tls(
+    files: Option<&config::ListenTls>,
+) -> Result<Option<tokio_rustls::TlsAcceptor>, GatewayError> {
+    Ok(match files {
         Some(files) => {
             let listen_tls = |source| GatewayError::Tls {
                 context: "listen_tls",
@@ -253,65 +257,45 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             Some(tokio_rustls::TlsAcceptor::from(Arc::new(server_config)))
         }
         None => None,
-    };
-    let rls = match &config.rls {
-        Some(settings) => {
-            let directory = rls_dir(&path, settings);
-            let rules =
-                RulesHandle::load(&directory, settings.merge_domains).map_err(|errors| {
-                    GatewayError::RlsRules {
-                        directory: directory.clone(),
-                        errors,
-                    }
-                })?;
-            let watcher = rules.watch().map_err(|error| GatewayError::Watch {
-                path: directory.clone(),
-                reason: error.to_string(),
-            })?;
-            let listener = bind(settings.listen).await?;
-            let http_listener = match settings.http_listen {
-                Some(address) => Some(bind(address).await?),
-                None => None,
-            };
-            let serving = tokio::spawn(rls::serve(
-                listener,
-                http_listener,
-                gateway.clone(),
-                rules,
-                settings.clone(),
-            ));
-            tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
-            Some((watcher, serving))
-        }
-        None => None,
-    };
-    let listener = match config.server.workers {
-        // RLS only: nothing to proxy, and `listen` stays free.
-        _ if !config.serves_proxy => Listener::None,
-        Workers::MultiThread => Listener::Shared(bind(config.listen).await?),
-        Workers::PerCore => {
-            Listener::PerCore(bind_reuseport(config.listen, config.server.worker_threads()).await?)
-        }
-    };
-    let admin_listener = bind(config.admin_listen).await?;
-    let _watcher = config_watch::watch_config(gateway.clone(), &path).map_err(|error| {
-        GatewayError::Watch {
-            path: path.clone(),
-            reason: error.to_string(),
+    })
+}
+
+/// Loads the rate limit service's rules, watches their directory and serves it.
+async fn start_rls(
+    path: &std::path::Path,
+    settings: &config::RlsSettings,
+    gateway: &Arc<Gateway>,
+) -> Result<(notify::RecommendedWatcher, tokio::task::JoinHandle<()>), GatewayError> {
+    let directory = rls_dir(path, settings);
+    let rules = RulesHandle::load(&directory, settings.merge_domains).map_err(|errors| {
+        GatewayError::RlsRules {
+            directory: directory.clone(),
+            errors,
         }
     })?;
-    config_watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
-    config_watch::reopen_access_log_on_sigusr1(gateway.clone()).map_err(GatewayError::Signal)?;
-    // A change written between the first read and the watch would otherwise go unseen.
-    let catch_up = gateway.clone();
-    let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
-    gateway.check_store_at_start().await;
-    if config.serves_proxy {
-        tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
-    } else {
-        tracing::info!(admin = %config.admin_listen, "floodgate serving the rate limit service only (no upstream: the proxy's listen is not bound)");
-    }
+    let watcher = rules.watch().map_err(|error| GatewayError::Watch {
+        path: directory.clone(),
+        reason: error.to_string(),
+    })?;
+    let listener = bind(settings.listen).await?;
+    let http_listener = match settings.http_listen {
+        Some(address) => Some(bind(address).await?),
+        None => None,
+    };
+    let serving = tokio::spawn(rls::serve(
+        listener,
+        http_listener,
+        gateway.clone(),
+        rules,
+        settings.clone(),
+    ));
+    tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
+    Ok((watcher, serving))
+}
 
+/// The gateway's periodic tasks: the 429-rate baseline, the status page's samples and the
+/// demotion of hot identities that went quiet.
+fn spawn_periodic_tasks(gateway: &Arc<Gateway>) {
     // The 429-rate baseline: one interval every 10 s.
     let baseline = gateway.observers.baseline.clone();
     let board = gateway.observers.status.clone();
@@ -347,6 +331,52 @@ async fn serve(path: PathBuf) -> Result<(), GatewayError> {
             }
         }
     });
+}
+
+async fn serve(path: PathBuf) -> Result<(), GatewayError> {
+    let metrics = install_metrics()?;
+    let gateway = Gateway::start(&path)?;
+    let config = gateway.current().config.clone();
+    let token = admin_token();
+    for warning in config.warnings(token.is_some()) {
+        tracing::warn!("{warning}");
+    }
+    if !config.admin_listen.ip().is_loopback() && token.is_none() {
+        return Err(GatewayError::AdminUnprotected(config.admin_listen));
+    }
+    let tls = listen_tls(config.listen_tls.as_ref())?;
+    let rls = match &config.rls {
+        Some(settings) => Some(start_rls(&path, settings, &gateway).await?),
+        None => None,
+    };
+    let listener = match config.server.workers {
+        // RLS only: nothing to proxy, and `listen` stays free.
+        _ if !config.serves_proxy => Listener::None,
+        Workers::MultiThread => Listener::Shared(bind(config.listen).await?),
+        Workers::PerCore => {
+            Listener::PerCore(bind_reuseport(config.listen, config.server.worker_threads()).await?)
+        }
+    };
+    let admin_listener = bind(config.admin_listen).await?;
+    let _watcher = config_watch::watch_config(gateway.clone(), &path).map_err(|error| {
+        GatewayError::Watch {
+            path: path.clone(),
+            reason: error.to_string(),
+        }
+    })?;
+    config_watch::reload_on_sighup(gateway.clone()).map_err(GatewayError::Signal)?;
+    config_watch::reopen_access_log_on_sigusr1(gateway.clone()).map_err(GatewayError::Signal)?;
+    // A change written between the first read and the watch would otherwise go unseen.
+    let catch_up = gateway.clone();
+    let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
+    gateway.check_store_at_start().await;
+    if config.serves_proxy {
+        tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
+    } else {
+        tracing::info!(admin = %config.admin_listen, "floodgate serving the rate limit service only (no upstream: the proxy's listen is not bound)");
+    }
+
+    spawn_periodic_tasks(&gateway);
     let admin_router = admin::router(AdminState {
         gateway: gateway.clone(),
         metrics,

@@ -73,8 +73,9 @@ impl ClientQuery {
             || self.ip.is_some()
     }
 
-    /// Resolves the client and the checks of `method path` under `config`.
-    pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
+    /// Checks the selectors against each other and `config`: one client named, `scope` only
+    /// with `identity`, a `plan` that exists; the exact IP if one is given.
+    fn checked_selectors(&self, config: &Config) -> Result<Option<IpAddr>, SelectError> {
         let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
         let exact_ip = match &self.ip {
             Some(text) => match text.trim().parse::<IpAddr>() {
@@ -103,6 +104,30 @@ impl ClientQuery {
         {
             return bad("plan: no such plan");
         }
+        Ok(exact_ip)
+    }
+
+    /// The request named by `method` and `path` (GET and `/` when either is left out).
+    fn named_request(&self) -> Result<(Method, &str), SelectError> {
+        let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
+        let method = match &self.method {
+            Some(text) => match Method::from_bytes(text.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => method,
+                Err(_) => return bad("method: not an HTTP method"),
+            },
+            None => Method::GET,
+        };
+        let path = self.path.as_deref().unwrap_or("/");
+        if !path.starts_with('/') {
+            return bad("path: must start with /");
+        }
+        Ok((method, path))
+    }
+
+    /// Resolves the client and the checks of `method path` under `config`.
+    pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
+        let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
+        let exact_ip = self.checked_selectors(config)?;
         // Resolved as the client's requests are (`identity=` names one by its hash only).
         let parts = ClientParts {
             api_key: self.api_key.as_deref(),
@@ -168,17 +193,7 @@ impl ClientQuery {
                 checks,
             });
         }
-        let method = match &self.method {
-            Some(text) => match Method::from_bytes(text.to_ascii_uppercase().as_bytes()) {
-                Ok(method) => method,
-                Err(_) => return bad("method: not an HTTP method"),
-            },
-            None => Method::GET,
-        };
-        let path = self.path.as_deref().unwrap_or("/");
-        if !path.starts_with('/') {
-            return bad("path: must start with /");
-        }
+        let (method, path) = self.named_request()?;
         let checks = if listed.is_some() {
             Vec::new()
         } else {

@@ -186,6 +186,26 @@ pub(super) fn plans(
     plans
 }
 
+/// `plan`'s limits and endpoint limits scaled by the regional `share` ([`scaled`]).
+pub(super) fn scaled_plan(plan: PlanLimits, share: f64) -> PlanLimits {
+    PlanLimits {
+        limits: scaled(plan.limits, share),
+        endpoints: scaled_endpoints(plan.endpoints, share),
+        ..plan
+    }
+}
+
+/// Each endpoint's limits scaled by the regional `share` ([`scaled`]).
+pub(super) fn scaled_endpoints(
+    table: EndpointTable<EndpointLimits>,
+    share: f64,
+) -> EndpointTable<EndpointLimits> {
+    table.map(|entry| EndpointLimits {
+        rule: entry.rule,
+        limits: scaled(entry.limits, share),
+    })
+}
+
 /// `limits` with `limit` and `burst` scaled by the regional `share` (`store.share`): each
 /// region enforces its part of a limit.
 pub(super) fn scaled(limits: Vec<Arc<Limit>>, share: f64) -> Vec<Arc<Limit>> {

@@ -307,6 +307,17 @@ fn redact(raw: &RawConfig) -> serde_json::Value {
     serde_json::to_value(&redacted).unwrap_or(serde_json::Value::Null)
 }
 
+/// A section `validate` checked: `Some` once no error was found (an `Err` only if a check
+/// returned `None` without saying why).
+fn checked<T>(section: Option<T>) -> Result<T, ConfigErrors> {
+    section.ok_or_else(|| {
+        ConfigErrors(vec![ConfigError {
+            path: String::new(),
+            message: "invalid configuration".to_owned(),
+        }])
+    })
+}
+
 /// Validates a parsed file into a [`Config`], collecting every error.
 pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
@@ -350,65 +361,26 @@ pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
         return Err(ConfigErrors(errors.0));
     }
     // Every section below was checked above: an error there returned before this point.
-    let (
-        Some(listen),
-        Some(admin_listen),
-        Some(upstream),
-        Some(upstream_timeout),
-        Some(server_limits),
-        Some(store),
-        Some(on_store_error),
-        Some(identity),
-        Some(rollout_settings),
-        Some(response),
-        Some(unknown_keys),
-        Some(override_bounds),
-        Some(access_log),
-    ) = (
-        listen,
-        admin_listen,
-        upstream,
-        upstream_timeout,
-        server_limits,
-        store,
-        on_store_error,
-        identity,
-        rollout_settings,
-        response,
-        unknown_keys,
-        override_bounds,
-        access_log,
-    )
-    else {
-        return Err(ConfigErrors(vec![ConfigError {
-            path: String::new(),
-            message: "invalid configuration".to_owned(),
-        }]));
-    };
+    let listen = checked(listen)?;
+    let admin_listen = checked(admin_listen)?;
+    let upstream = checked(upstream)?;
+    let upstream_timeout = checked(upstream_timeout)?;
+    let server_limits = checked(server_limits)?;
+    let store = checked(store)?;
+    let on_store_error = checked(on_store_error)?;
+    let identity = checked(identity)?;
+    let rollout_settings = checked(rollout_settings)?;
+    let response = checked(response)?;
+    let unknown_keys = checked(unknown_keys)?;
+    let override_bounds = checked(override_bounds)?;
+    let access_log = checked(access_log)?;
     let redacted = redact(&raw);
     let share = raw.store.share;
     let plans = plans
         .into_iter()
-        .map(|(name, plan)| {
-            let endpoints = plan.endpoints.map(|entry| EndpointLimits {
-                rule: entry.rule,
-                limits: limits::scaled(entry.limits, share),
-            });
-            let limits = limits::scaled(plan.limits, share);
-            (
-                name,
-                PlanLimits {
-                    limits,
-                    endpoints,
-                    ..plan
-                },
-            )
-        })
+        .map(|(name, plan)| (name, limits::scaled_plan(plan, share)))
         .collect();
-    let global = global.map(|entry| EndpointLimits {
-        rule: entry.rule,
-        limits: limits::scaled(entry.limits, share),
-    });
+    let global = limits::scaled_endpoints(global, share);
     Ok(Config {
         listen,
         admin_listen,

@@ -426,14 +426,9 @@ fn descriptor(
     parent_keys: &str,
     raw: &RawDescriptor,
 ) -> (String, Node) {
-    let push = |errors: &mut Vec<ConfigError>, field: &str, message: String| {
-        errors.push(ConfigError {
-            path: format!("{file}: {path}{field}"),
-            message,
-        });
-    };
+    let at = At { file, path };
     if raw.key.is_empty() {
-        push(errors, ".key", "must not be empty".to_owned());
+        at.push(errors, ".key", "must not be empty".to_owned());
     }
     let key_path = if parent_keys.is_empty() {
         raw.key.clone()
@@ -441,7 +436,7 @@ fn descriptor(
         format!("{parent_keys}.{}", raw.key)
     };
     if raw.quota_mode {
-        push(
+        at.push(
             errors,
             ".quota_mode",
             "is not supported: floodgate enforces a limit or, with shadow_mode: true, counts it without enforcing (shadow_limited in its metrics)".to_owned(),
@@ -452,7 +447,7 @@ fn descriptor(
     if raw.share_threshold {
         match wildcard {
             Some(value) => node.shared_value = Some(Arc::from(value)),
-            None => push(
+            None => at.push(
                 errors,
                 ".share_threshold",
                 format!(
@@ -471,140 +466,194 @@ fn descriptor(
         &mut node,
     );
     if let Some(rate_limit) = &raw.rate_limit {
-        if rate_limit.unlimited && rate_limit.unit.is_some() {
-            push(
-                errors,
-                ".rate_limit.unit",
-                "should not specify rate limit unit when unlimited".to_owned(),
-            );
-        }
-        for (index, replaced) in rate_limit.replaces.iter().enumerate() {
-            let field = format!(".rate_limit.replaces[{index}].name");
-            if replaced.name.is_empty() {
-                push(
-                    errors,
-                    &field,
-                    "should not have an empty replaces entry".to_owned(),
-                );
-            } else if rate_limit.name.as_deref() == Some(replaced.name.as_str()) {
-                push(
-                    errors,
-                    &field,
-                    "replaces should not contain name of same descriptor".to_owned(),
-                );
-            }
-        }
-        let unit = match rate_limit.unit.as_deref() {
-            Some(text) => match Unit::parse(text) {
-                Some(unit) => Some(unit),
-                None => {
-                    push(
-                        errors,
-                        ".rate_limit.unit",
-                        format!(
-                            "`{text}` is not a unit; expected second, minute, hour, day, week, month or year"
-                        ),
-                    );
-                    None
-                }
-            },
-            None if rate_limit.unlimited => Some(Unit::Second),
-            None => {
-                push(errors, ".rate_limit.unit", "is required".to_owned());
-                None
-            }
-        };
-        let requests = match rate_limit.requests_per_unit {
-            Some(requests) if requests > u64::from(u32::MAX) => {
-                push(
-                    errors,
-                    ".rate_limit.requests_per_unit",
-                    format!("must be at most {}", u32::MAX),
-                );
-                None
-            }
-            Some(requests) => Some(requests),
-            None if rate_limit.unlimited => Some(0),
-            None => {
-                push(
-                    errors,
-                    ".rate_limit.requests_per_unit",
-                    "is required".to_owned(),
-                );
-                None
-            }
-        };
-        let counter_name = limit_name(rate_limit.name.as_deref().unwrap_or(&key_path));
-        let algorithm = match raw.algorithm.as_deref().map(str::parse::<Algorithm>) {
-            None => Some(Algorithm::FixedWindow),
-            Some(Ok(Algorithm::Concurrency)) => {
-                push(
-                    errors,
-                    ".algorithm",
-                    "concurrency needs a release that the rate limit protocol has no call for"
-                        .to_owned(),
-                );
-                None
-            }
-            Some(Ok(algorithm)) => Some(algorithm),
-            Some(Err(error)) => {
-                push(errors, ".algorithm", error.to_string());
-                None
-            }
-        };
-        if let (Some(unit), Some(requests), Some(algorithm)) = (unit, requests, algorithm) {
-            let action = if rate_limit.unlimited {
-                Some(Action::Unlimited)
-            } else if requests == 0 {
-                Some(Action::DenyAll)
-            } else {
-                let mut builder = Limit::builder(counter_name.clone())
-                    .algorithm(algorithm)
-                    .limit(requests)
-                    .window(unit.window());
-                if let Some(burst) = raw.burst {
-                    builder = builder.burst(burst);
-                }
-                match builder.build() {
-                    Ok(limit) => Some(Action::Limited(Arc::new(limit))),
-                    Err(error) => {
-                        let field = match error.field() {
-                            "limit" => ".rate_limit.requests_per_unit",
-                            "window" => ".rate_limit.unit",
-                            "burst" => ".burst",
-                            "algorithm" => ".algorithm",
-                            _ => ".rate_limit.name",
-                        };
-                        push(errors, field, error.problem());
-                        None
-                    }
-                }
-            };
-            if let Some(action) = action {
-                node.limit = Some(DescriptorLimit {
-                    key_path: Arc::from(limit_name(&key_path)),
-                    name: rate_limit.name.as_deref().map(Arc::from),
-                    counter_name: Arc::from(counter_name),
-                    requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
-                    unit,
-                    action,
-                    shadow_mode: raw.shadow_mode,
-                    replaces: rate_limit
-                        .replaces
-                        .iter()
-                        .map(|replaced| Arc::from(replaced.name.as_str()))
-                        .collect(),
-                });
-            }
-        }
+        node.limit = descriptor_limit(at, errors, raw, rate_limit, &key_path);
     } else if raw.burst.is_some() || raw.algorithm.is_some() {
-        push(
+        at.push(
             errors,
             "",
             "`algorithm` and `burst` need a `rate_limit` on the same descriptor".to_owned(),
         );
     }
     (child_key(&raw.key, raw.value.as_deref()), node)
+}
+
+/// Where a descriptor is in its file, for its errors' paths.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    file: &'a str,
+    path: &'a str,
+}
+
+impl At<'_> {
+    /// An error at `field` of this descriptor.
+    fn push(self, errors: &mut Vec<ConfigError>, field: &str, message: String) {
+        errors.push(ConfigError {
+            path: format!("{}: {}{field}", self.file, self.path),
+            message,
+        });
+    }
+}
+
+/// A descriptor's `rate_limit` (with its `algorithm` and `burst`), checked as
+/// envoyproxy/ratelimit checks it; `None` where it has errors (pushed).
+fn descriptor_limit(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    raw: &RawDescriptor,
+    rate_limit: &RawRateLimit,
+    key_path: &str,
+) -> Option<DescriptorLimit> {
+    if rate_limit.unlimited && rate_limit.unit.is_some() {
+        at.push(
+            errors,
+            ".rate_limit.unit",
+            "should not specify rate limit unit when unlimited".to_owned(),
+        );
+    }
+    for (index, replaced) in rate_limit.replaces.iter().enumerate() {
+        let field = format!(".rate_limit.replaces[{index}].name");
+        if replaced.name.is_empty() {
+            at.push(
+                errors,
+                &field,
+                "should not have an empty replaces entry".to_owned(),
+            );
+        } else if rate_limit.name.as_deref() == Some(replaced.name.as_str()) {
+            at.push(
+                errors,
+                &field,
+                "replaces should not contain name of same descriptor".to_owned(),
+            );
+        }
+    }
+    let unit = rate_limit_unit(at, errors, rate_limit);
+    let requests = requests_per_unit(at, errors, rate_limit);
+    let counter_name = limit_name(rate_limit.name.as_deref().unwrap_or(key_path));
+    let algorithm = descriptor_algorithm(at, errors, raw);
+    let (unit, requests, algorithm) = (unit?, requests?, algorithm?);
+    let action = if rate_limit.unlimited {
+        Action::Unlimited
+    } else if requests == 0 {
+        Action::DenyAll
+    } else {
+        let mut builder = Limit::builder(counter_name.clone())
+            .algorithm(algorithm)
+            .limit(requests)
+            .window(unit.window());
+        if let Some(burst) = raw.burst {
+            builder = builder.burst(burst);
+        }
+        match builder.build() {
+            Ok(limit) => Action::Limited(Arc::new(limit)),
+            Err(error) => {
+                let field = match error.field() {
+                    "limit" => ".rate_limit.requests_per_unit",
+                    "window" => ".rate_limit.unit",
+                    "burst" => ".burst",
+                    "algorithm" => ".algorithm",
+                    _ => ".rate_limit.name",
+                };
+                at.push(errors, field, error.problem());
+                return None;
+            }
+        }
+    };
+    Some(DescriptorLimit {
+        key_path: Arc::from(limit_name(key_path)),
+        name: rate_limit.name.as_deref().map(Arc::from),
+        counter_name: Arc::from(counter_name),
+        requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
+        unit,
+        action,
+        shadow_mode: raw.shadow_mode,
+        replaces: rate_limit
+            .replaces
+            .iter()
+            .map(|replaced| Arc::from(replaced.name.as_str()))
+            .collect(),
+    })
+}
+
+/// `rate_limit.unit`: required unless `unlimited`.
+fn rate_limit_unit(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    rate_limit: &RawRateLimit,
+) -> Option<Unit> {
+    match rate_limit.unit.as_deref() {
+        Some(text) => {
+            let unit = Unit::parse(text);
+            if unit.is_none() {
+                at.push(
+                    errors,
+                    ".rate_limit.unit",
+                    format!(
+                        "`{text}` is not a unit; expected second, minute, hour, day, week, month or year"
+                    ),
+                );
+            }
+            unit
+        }
+        None if rate_limit.unlimited => Some(Unit::Second),
+        None => {
+            at.push(errors, ".rate_limit.unit", "is required".to_owned());
+            None
+        }
+    }
+}
+
+/// `rate_limit.requests_per_unit`: at most `u32::MAX`, required unless `unlimited`.
+fn requests_per_unit(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    rate_limit: &RawRateLimit,
+) -> Option<u64> {
+    match rate_limit.requests_per_unit {
+        Some(requests) if requests > u64::from(u32::MAX) => {
+            at.push(
+                errors,
+                ".rate_limit.requests_per_unit",
+                format!("must be at most {}", u32::MAX),
+            );
+            None
+        }
+        Some(requests) => Some(requests),
+        None if rate_limit.unlimited => Some(0),
+        None => {
+            at.push(
+                errors,
+                ".rate_limit.requests_per_unit",
+                "is required".to_owned(),
+            );
+            None
+        }
+    }
+}
+
+/// The descriptor's `algorithm` (a fixed window by default); `concurrency` has no place in
+/// the rate limit protocol.
+fn descriptor_algorithm(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    raw: &RawDescriptor,
+) -> Option<Algorithm> {
+    match raw.algorithm.as_deref().map(str::parse::<Algorithm>) {
+        None => Some(Algorithm::FixedWindow),
+        Some(Ok(Algorithm::Concurrency)) => {
+            at.push(
+                errors,
+                ".algorithm",
+                "concurrency needs a release that the rate limit protocol has no call for"
+                    .to_owned(),
+            );
+            None
+        }
+        Some(Ok(algorithm)) => Some(algorithm),
+        Some(Err(error)) => {
+            at.push(errors, ".algorithm", error.to_string());
+            None
+        }
+    }
 }
 
 /// envoyproxy/ratelimit's composite key of a descriptor, `key_value` (or `key`), as its
