@@ -907,6 +907,22 @@ impl<T: SyncTarget> Shared<T> {
             .collect();
         let mut guards = LockedShards::lock(&self.shards, &check_shards);
 
+        if let Some(wait) = self.claim_unready(checks, &check_shards, &mut guards)? {
+            return Ok(wait);
+        }
+        self.decide_on_leases(checks, &check_shards, &mut guards, now)
+    }
+
+    /// Takes the slot of every key of `checks` this node does not hold yet (its first sight:
+    /// this request fetches it), and collects the calls under way that the request must wait
+    /// for (other requests' fetches and top-ups): `Some` of them, `None` when every key is
+    /// ready.
+    fn claim_unready(
+        &self,
+        checks: &[Check],
+        check_shards: &[usize],
+        guards: &mut LockedShards<'_, Mutex<Shard>>,
+    ) -> Result<Option<Attempt>, StoreError> {
         let mut fetch: Vec<(usize, watch::Sender<bool>)> = Vec::new();
         let mut wait = Vec::new();
         for (index, check) in checks.iter().enumerate() {
@@ -947,18 +963,29 @@ impl<T: SyncTarget> Shared<T> {
             fetch.push((index, sender));
         }
         if !fetch.is_empty() || !wait.is_empty() {
-            return Ok(Attempt::Wait {
+            return Ok(Some(Attempt::Wait {
                 fetch,
                 top_up: Vec::new(),
                 wait,
-            });
+            }));
         }
+        Ok(None)
+    }
 
+    /// Decides `checks`, every key ready, on this node's leases: admitted when they cover the
+    /// request, a top-up when one may bring what they lack, denied otherwise.
+    fn decide_on_leases(
+        &self,
+        checks: &[Check],
+        check_shards: &[usize],
+        guards: &mut LockedShards<'_, Mutex<Shard>>,
+        now: u64,
+    ) -> Result<Attempt, StoreError> {
         // Each limit as the shared store would decide it without this node's lease, and
         // whether the lease covers the request.
         let mut outcomes: SmallVec<[LimitOutcome; 8]> = SmallVec::new();
         let mut covered = true;
-        for (check, &shard) in checks.iter().zip(&check_shards) {
+        for (check, &shard) in checks.iter().zip(check_shards) {
             let entry = ready(guards.get(shard), &check.key);
             entry.idle_rounds = 0;
             if !Arc::ptr_eq(&entry.limit, &check.limit) {
@@ -983,7 +1010,7 @@ impl<T: SyncTarget> Shared<T> {
             covered &= entry.lease >= check.cost;
         }
         if covered {
-            for (check, &shard) in checks.iter().zip(&check_shards) {
+            for (check, &shard) in checks.iter().zip(check_shards) {
                 let entry = ready(guards.get(shard), &check.key);
                 entry.lease -= check.cost;
                 entry.demand += check.cost;
@@ -997,7 +1024,7 @@ impl<T: SyncTarget> Shared<T> {
         }
         // Short of lease where the shared store may have more: ask for it.
         let mut top_up = Vec::new();
-        for (index, (check, &shard)) in checks.iter().zip(&check_shards).enumerate() {
+        for (index, (check, &shard)) in checks.iter().zip(check_shards).enumerate() {
             let entry = ready(guards.get(shard), &check.key);
             if entry.lease < check.cost && outcomes[index].allowed && entry.may_top_up() {
                 entry.topped_up = true;
@@ -1021,11 +1048,25 @@ impl<T: SyncTarget> Shared<T> {
                 wait: Vec::new(),
             });
         }
-        // Denied: by a limit that has nothing left, or for want of lease until the next round.
+        self.deny(checks, check_shards, guards, outcomes, now)
+    }
+
+    /// Denies `checks`, which their leases do not cover and no top-up may serve: by a limit
+    /// that has nothing left (`outcomes` as the shared store would decide), or for want of
+    /// lease until the next round; the failure policy's when a key it lacks lease for cannot
+    /// be traded.
+    fn deny(
+        &self,
+        checks: &[Check],
+        check_shards: &[usize],
+        guards: &mut LockedShards<'_, Mutex<Shard>>,
+        mut outcomes: SmallVec<[LimitOutcome; 8]>,
+        now: u64,
+    ) -> Result<Attempt, StoreError> {
         let admitted_nowhere = outcomes.iter().all(|outcome| outcome.allowed);
         // The policy's when a key the request lacks lease for cannot be traded (its node
         // fails); keys covered by their lease, or on healthy nodes, do not send it there.
-        let unanswered = checks.iter().zip(&check_shards).any(|(check, &shard)| {
+        let unanswered = checks.iter().zip(check_shards).any(|(check, &shard)| {
             let entry = ready(guards.get(shard), &check.key);
             entry.unanswered && entry.lease < check.cost
         });
@@ -1035,7 +1076,7 @@ impl<T: SyncTarget> Shared<T> {
             )));
         }
         let wait_for_lease = self.until_next_round();
-        for ((check, &shard), outcome) in checks.iter().zip(&check_shards).zip(&mut outcomes) {
+        for ((check, &shard), outcome) in checks.iter().zip(check_shards).zip(&mut outcomes) {
             let entry = ready(guards.get(shard), &check.key);
             entry.demand += check.cost;
             if outcome.allowed && entry.lease < check.cost && admitted_nowhere {
@@ -1056,6 +1097,100 @@ impl<T: SyncTarget> Shared<T> {
         )))
     }
 
+    /// The trade of one top-up of `check`'s key: what it asks for, the key and the epoch of
+    /// the entry it is made for, and what it takes from the entry (its debt, the lease it gives
+    /// back), carried until the answer arrives.
+    fn top_up_request(
+        &self,
+        check: &Check,
+        top: &TopUp,
+        local_now: u64,
+    ) -> (LeaseRequest, (Arc<str>, u64), Carried) {
+        let mut shard = self.lock_shard_of(&check.key);
+        let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) else {
+            // Forgotten (a reset) since the request saw it: asks for nothing.
+            let request = LeaseRequest {
+                check: sync_check(&check.key, &check.limit, 0),
+                give_back: 0,
+                leased_in: None,
+                want: 0,
+                charge: 0,
+            };
+            return (request, (check.key.clone(), 0), Carried::default());
+        };
+        let taken = Carried {
+            debt: self.take_debt(entry, local_now),
+            debt_since: entry.debt_since,
+            returning: std::mem::take(&mut entry.returning),
+        };
+        let extra = if top.for_queued {
+            0
+        } else {
+            entry.top_up_extra()
+        };
+        // Never more than a lease may hold, with what it holds counted.
+        let room = entry.most_leased().saturating_sub(entry.lease);
+        let request = LeaseRequest {
+            check: sync_check(&check.key, &check.limit, 0),
+            give_back: taken.returning,
+            leased_in: entry.lease_window,
+            want: (top.need + extra).min(room.max(top.need)),
+            charge: taken.debt,
+        };
+        (request, (check.key.clone(), entry.epoch), taken)
+    }
+
+    /// Makes `key` ready with the grant of its first sight (`request`), if the slot is still
+    /// the one `sender` was made for: a reset that took it while the grant was on its way
+    /// leaves the grant (maybe of the state before the reset) uninstalled.
+    fn install_first_sight(
+        &self,
+        key: &Arc<str>,
+        sender: &watch::Sender<bool>,
+        request: &LeaseRequest,
+        grant: Grant,
+        decided_at: u64,
+    ) {
+        let mut entry = self.new_entry(request.check.limit.clone());
+        entry.adopt(grant, request.want, decided_at);
+        let mut shard = self.lock_shard_of(key);
+        let ours = matches!(
+            shard.get(&**key),
+            Some(Slot::Fetching(receiver)) if receiver.same_channel(&sender.subscribe())
+        );
+        if ours {
+            // The slot's own receiver goes with this insert: what is left are the waiters'.
+            shard.insert(key.clone(), Slot::Ready(entry));
+            if let Some(Slot::Ready(entry)) = shard.get_mut(&**key) {
+                entry.queue_behind(sender.receiver_count(), request.want);
+                // A first sight is this interval's call, unless requests queued behind it:
+                // then one top-up serves them all.
+                entry.topped_up = entry.queued == 0;
+            }
+        }
+    }
+
+    /// Takes a top-up's answer (the grant, what was asked, the decisions' time) into the entry
+    /// it was made for, if that entry (`epoch`) is still there; the requests that waited on it,
+    /// of `cost` each, queue behind what it covers.
+    fn adopt_top_up(
+        &self,
+        key: &Arc<str>,
+        epoch: u64,
+        (grant, wanted, decided_at): (Grant, u64, u64),
+        top: &TopUp,
+        cost: u64,
+    ) {
+        let mut shard = self.lock_shard_of(key);
+        if let Some(Slot::Ready(entry)) = shard.get_mut(&**key)
+            && entry.epoch == epoch
+        {
+            entry.adopt(grant, wanted, decided_at);
+            entry.refreshing = None;
+            entry.queue_behind(top.sender.receiver_count(), cost);
+        }
+    }
+
     /// Fetches the first lease of the keys this request found missing, and tops up the ones
     /// it found short, in one call; makes them ready and wakes their waiters. Fails when any
     /// of them went unanswered (the request needs them all).
@@ -1070,56 +1205,15 @@ impl<T: SyncTarget> Shared<T> {
         let local_now = self.clock.now().as_micros();
         let mut requests = Vec::with_capacity(fetch.len() + top_up.len());
         for &(index, _) in &fetch {
-            let check = &checks[index];
-            // Nothing is known of this node's demand yet: what the request needs. A grant of
-            // more would lock up capacity on every node a client touches once.
-            requests.push(LeaseRequest {
-                check: sync_check(&check.key, &check.limit, 0),
-                give_back: 0,
-                leased_in: None,
-                want: check.cost,
-                charge: 0,
-            });
+            requests.push(first_sight_request(&checks[index]));
         }
         // Per top-up: its key and entry, and what it takes from the entry.
         let mut topped: Vec<(Arc<str>, u64)> = Vec::with_capacity(top_up.len());
         let mut carried = Vec::with_capacity(top_up.len());
         for top in &top_up {
-            let check = &checks[top.index];
-            let mut shard = self.lock_shard_of(&check.key);
-            let Some(Slot::Ready(entry)) = shard.get_mut(&*check.key) else {
-                // Forgotten (a reset) since the request saw it: asks for nothing.
-                topped.push((check.key.clone(), 0));
-                carried.push(Carried::default());
-                requests.push(LeaseRequest {
-                    check: sync_check(&check.key, &check.limit, 0),
-                    give_back: 0,
-                    leased_in: None,
-                    want: 0,
-                    charge: 0,
-                });
-                continue;
-            };
-            let taken = Carried {
-                debt: self.take_debt(entry, local_now),
-                debt_since: entry.debt_since,
-                returning: std::mem::take(&mut entry.returning),
-            };
-            let extra = if top.for_queued {
-                0
-            } else {
-                entry.top_up_extra()
-            };
-            // Never more than a lease may hold, with what it holds counted.
-            let room = entry.most_leased().saturating_sub(entry.lease);
-            requests.push(LeaseRequest {
-                check: sync_check(&check.key, &check.limit, 0),
-                give_back: taken.returning,
-                leased_in: entry.lease_window,
-                want: (top.need + extra).min(room.max(top.need)),
-                charge: taken.debt,
-            });
-            topped.push((check.key.clone(), entry.epoch));
+            let (request, key, taken) = self.top_up_request(&checks[top.index], top, local_now);
+            requests.push(request);
+            topped.push(key);
             carried.push(taken);
         }
         // The senders of unanswered top-ups, dropped (waking their waiters) only after the
@@ -1152,31 +1246,12 @@ impl<T: SyncTarget> Shared<T> {
                 claim.slots.push((key, sender));
                 continue;
             };
-            let mut entry = self.new_entry(request.check.limit.clone());
-            entry.adopt(grant, request.want, decided_at);
-            let mut shard = self.lock_shard_of(&key);
-            let ours = matches!(
-                shard.get(&*key),
-                Some(Slot::Fetching(receiver)) if receiver.same_channel(&sender.subscribe())
-            );
-            if ours {
-                // The slot's own receiver goes with this insert: what is left are the
-                // waiters'.
-                shard.insert(key.clone(), Slot::Ready(entry));
-                if let Some(Slot::Ready(entry)) = shard.get_mut(&*key) {
-                    entry.queue_behind(sender.receiver_count(), request.want);
-                    // A first sight is this interval's call, unless requests queued behind
-                    // it: then one top-up serves them all.
-                    entry.topped_up = entry.queued == 0;
-                }
-            }
-            // Not ours any more: a reset took the slot while the grant was on its way, and
-            // the grant (maybe of the state before the reset) is not installed.
-            drop(shard);
+            self.install_first_sight(&key, &sender, request, grant, decided_at);
             // Waiters retry: they find the key ready, or fetch it anew.
             let _ = sender.send(true);
         }
-        let mut unanswered_top_ups = Vec::new();
+        // The unanswered top-ups are given up as the claim's (their waiters wake and decide
+        // for themselves), with what they carried as it may still be owed.
         claim.carried.clear();
         claim.top_ups.clear();
         for ((((key, epoch), carried), top), request) in topped
@@ -1187,18 +1262,8 @@ impl<T: SyncTarget> Shared<T> {
         {
             match grants.next() {
                 Some(Ok(grant)) => {
-                    if let Some(entry) =
-                        self.lock_shard_of(&key)
-                            .get_mut(&*key)
-                            .and_then(|slot| match slot {
-                                Slot::Ready(entry) if entry.epoch == epoch => Some(entry),
-                                _ => None,
-                            })
-                    {
-                        entry.adopt(grant, request.want, decided_at);
-                        entry.refreshing = None;
-                        entry.queue_behind(top.sender.receiver_count(), checks[top.index].cost);
-                    }
+                    let answered = (grant, request.want, decided_at);
+                    self.adopt_top_up(&key, epoch, answered, &top, checks[top.index].cost);
                     let _ = top.sender.send(true);
                 }
                 unanswered => {
@@ -1206,17 +1271,12 @@ impl<T: SyncTarget> Shared<T> {
                         Some(Err(unanswered)) => unanswered,
                         _ => Unanswered::Lost,
                     };
-                    unanswered_top_ups.push(((key, epoch), carried.after(unanswered)));
+                    claim.top_ups.push((key, epoch));
+                    claim.carried.push(carried.after(unanswered));
+                    claim.unanswered = true;
                     unanswered_senders.push(top.sender);
                 }
             }
-        }
-        // The unanswered top-ups are given up as the claim's (their waiters wake and decide
-        // for themselves), with what they carried as it may still be owed.
-        for (top, carried) in unanswered_top_ups {
-            claim.top_ups.push(top);
-            claim.carried.push(carried);
-            claim.unanswered = true;
         }
         match leased.failure {
             Some(error) => Err(error),
@@ -1225,6 +1285,89 @@ impl<T: SyncTarget> Shared<T> {
             ),
             None => Ok(()),
         }
+    }
+
+    /// What this round does with one key: forgets it (idle and holding nothing, or a fetch
+    /// abandoned), keeps it as it is, or trades it (the trade, with the local time of its
+    /// oldest debt and the entry's epoch). Updates the key's estimate for the next interval.
+    fn plan_round(
+        &self,
+        key: &Arc<str>,
+        slot: &mut Slot,
+        decided_at: u64,
+        local_now: u64,
+    ) -> RoundPlan {
+        let entry = match slot {
+            Slot::Ready(entry) => entry,
+            // A fetch in progress stays; one whose fetcher is gone without giving its
+            // slot up (it cannot happen by the paths above, and must not pile up if
+            // it ever does) goes with its count.
+            Slot::Fetching(receiver) => {
+                let abandoned = receiver.has_changed().is_err();
+                if abandoned {
+                    self.keys.fetch_sub(1, Ordering::Relaxed);
+                }
+                return if abandoned {
+                    RoundPlan::Forget
+                } else {
+                    RoundPlan::Keep
+                };
+            }
+        };
+        if entry.refreshing.is_some() {
+            // A top-up is out: this round leaves the key to it.
+            return RoundPlan::Keep;
+        }
+        entry.expire_lease(decided_at);
+        let idle = entry.demand == 0 && entry.idle_rounds >= self.idle_rounds;
+        if idle && entry.lease == 0 && entry.returning == 0 && entry.debt == 0 {
+            self.keys.fetch_sub(1, Ordering::Relaxed);
+            return RoundPlan::Forget;
+        }
+        entry.idle_rounds = entry.idle_rounds.saturating_add(1);
+        let active = entry.demand > 0;
+        // What the next interval will ask: the last one's demand if it rose, else half
+        // the estimate (it follows a rise at once and a fall within a few rounds).
+        entry.estimate = if idle {
+            0
+        } else {
+            entry.demand.max(entry.estimate / 2)
+        }
+        .min(entry.most_leased());
+        entry.demand = 0;
+        entry.starved = false;
+        // Who waited for the last call is news for one interval at most.
+        entry.queued = 0;
+        if std::mem::take(&mut entry.topped_up) {
+            // It had its call this interval.
+            return RoundPlan::Keep;
+        }
+        if self.target.is_refused(key) {
+            // Its node is down: nothing is sent, so nothing is put at risk.
+            entry.unanswered = true;
+            return RoundPlan::Keep;
+        }
+        // A quarter more than the estimate, so that a steady client is not short: a node
+        // that sees a client rarely keeps (almost) nothing of its capacity.
+        let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
+        let beyond_target = entry.lease.saturating_sub(target);
+        entry.lease -= beyond_target;
+        let give_back = beyond_target + std::mem::take(&mut entry.returning);
+        let want = target.saturating_sub(entry.lease);
+        let charge = self.take_debt(entry, local_now);
+        // An active key is traded even with nothing to give or take: its view of the
+        // shared state (what its headers say) stays at most an interval behind.
+        if active || give_back > 0 || want > 0 || charge > 0 {
+            let request = LeaseRequest {
+                check: sync_check(key, &entry.limit, 0),
+                give_back,
+                leased_in: entry.lease_window,
+                want,
+                charge,
+            };
+            return RoundPlan::Trade(request, entry.debt_since, entry.epoch);
+        }
+        RoundPlan::Keep
     }
 
     /// Trades every active key's lease: gives back what it holds beyond its estimate, asks for
@@ -1240,75 +1383,17 @@ impl<T: SyncTarget> Shared<T> {
         let mut debts_since = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
-            shard.retain(|key, slot| {
-                let entry = match slot {
-                    Slot::Ready(entry) => entry,
-                    // A fetch in progress stays; one whose fetcher is gone without giving its
-                    // slot up (it cannot happen by the paths above, and must not pile up if
-                    // it ever does) goes with its count.
-                    Slot::Fetching(receiver) => {
-                        let abandoned = receiver.has_changed().is_err();
-                        if abandoned {
-                            self.keys.fetch_sub(1, Ordering::Relaxed);
-                        }
-                        return !abandoned;
+            shard.retain(
+                |key, slot| match self.plan_round(key, slot, decided_at, local_now) {
+                    RoundPlan::Forget => false,
+                    RoundPlan::Keep => true,
+                    RoundPlan::Trade(request, debt_since, epoch) => {
+                        batch.push(request);
+                        debts_since.push((debt_since, epoch));
+                        true
                     }
-                };
-                if entry.refreshing.is_some() {
-                    // A top-up is out: this round leaves the key to it.
-                    return true;
-                }
-                entry.expire_lease(decided_at);
-                let idle = entry.demand == 0 && entry.idle_rounds >= self.idle_rounds;
-                if idle && entry.lease == 0 && entry.returning == 0 && entry.debt == 0 {
-                    self.keys.fetch_sub(1, Ordering::Relaxed);
-                    return false;
-                }
-                entry.idle_rounds = entry.idle_rounds.saturating_add(1);
-                let active = entry.demand > 0;
-                // What the next interval will ask: the last one's demand if it rose, else half
-                // the estimate (it follows a rise at once and a fall within a few rounds).
-                entry.estimate = if idle {
-                    0
-                } else {
-                    entry.demand.max(entry.estimate / 2)
-                }
-                .min(entry.most_leased());
-                entry.demand = 0;
-                entry.starved = false;
-                // Who waited for the last call is news for one interval at most.
-                entry.queued = 0;
-                if std::mem::take(&mut entry.topped_up) {
-                    // It had its call this interval.
-                    return true;
-                }
-                if self.target.is_refused(key) {
-                    // Its node is down: nothing is sent, so nothing is put at risk.
-                    entry.unanswered = true;
-                    return true;
-                }
-                // A quarter more than the estimate, so that a steady client is not short: a node
-                // that sees a client rarely keeps (almost) nothing of its capacity.
-                let target = (entry.estimate + entry.estimate / 4).min(entry.most_leased());
-                let beyond_target = entry.lease.saturating_sub(target);
-                entry.lease -= beyond_target;
-                let give_back = beyond_target + std::mem::take(&mut entry.returning);
-                let want = target.saturating_sub(entry.lease);
-                let charge = self.take_debt(entry, local_now);
-                // An active key is traded even with nothing to give or take: its view of the
-                // shared state (what its headers say) stays at most an interval behind.
-                if active || give_back > 0 || want > 0 || charge > 0 {
-                    batch.push(LeaseRequest {
-                        check: sync_check(key, &entry.limit, 0),
-                        give_back,
-                        leased_in: entry.lease_window,
-                        want,
-                        charge,
-                    });
-                    debts_since.push((entry.debt_since, entry.epoch));
-                }
-                true
-            });
+                },
+            );
         }
         let mut outcome = Ok(());
         for (chunk, debts_since) in batch.chunks(SYNC_CHUNK).zip(debts_since.chunks(SYNC_CHUNK)) {
@@ -1507,6 +1592,26 @@ enum Attempt {
         top_up: Vec<TopUp>,
         wait: Vec<watch::Receiver<bool>>,
     },
+}
+
+/// What a round does with one key ([`Shared::plan_round`]).
+enum RoundPlan {
+    Forget,
+    Keep,
+    Trade(LeaseRequest, u64, u64),
+}
+
+/// The trade of a key's first sight: nothing is known of this node's demand yet, so it asks
+/// for what the request needs. A grant of more would lock up capacity on every node a client
+/// touches once.
+fn first_sight_request(check: &Check) -> LeaseRequest {
+    LeaseRequest {
+        check: sync_check(&check.key, &check.limit, 0),
+        give_back: 0,
+        leased_in: None,
+        want: check.cost,
+        charge: 0,
+    }
 }
 
 /// The ready entry of `key`, which the caller has seen ready under the same lock.

@@ -170,6 +170,24 @@ fn remember(
     }
 }
 
+/// The ids a group's script call gives its checks: concurrency limits take a lease under a
+/// fresh random id (recorded in `taken`, released unless the decision ends); a log entry is
+/// made unique by one (its position in the log is not: a refund can remove an older entry).
+fn fresh_ids(node: &RedisStore, checks: &[&Check], taken: &mut TakenLeases) -> Vec<String> {
+    checks
+        .iter()
+        .map(|check| match check.limit.algorithm() {
+            Algorithm::Concurrency => {
+                let id = fastrand::u64(1..);
+                taken.add(node, check, id);
+                id.to_string()
+            }
+            Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
+            _ => String::new(),
+        })
+        .collect()
+}
+
 /// [`decide_groups`] by calls only.
 async fn decide_by_calls(
     groups: &[Group<'_>],
@@ -194,20 +212,7 @@ async fn decide_by_calls(
     ) in groups.iter().enumerate()
     {
         let group_checks: Vec<&Check> = group.iter().map(|&index| &checks[index]).collect();
-        // Concurrency limits take a lease under a fresh random id; a log entry is made unique
-        // by one (its position in the log is not: a refund can remove an older entry).
-        let lease_ids: Vec<String> = group_checks
-            .iter()
-            .map(|check| match check.limit.algorithm() {
-                Algorithm::Concurrency => {
-                    let id = fastrand::u64(1..);
-                    taken.add(node, check, id);
-                    id.to_string()
-                }
-                Algorithm::SlidingWindowLog => fastrand::u64(1..).to_string(),
-                _ => String::new(),
-            })
-            .collect();
+        let lease_ids = fresh_ids(node, &group_checks, &mut taken);
         let reply = node
             .guarded_call(Mode::Check, &group_checks, &lease_ids, decided_at)
             .await?;
