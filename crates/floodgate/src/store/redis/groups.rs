@@ -11,7 +11,7 @@ use crate::algorithm::LimitOutcome;
 use crate::decision::{Check, Decision, Folded, Lease};
 use crate::limit::Algorithm;
 use crate::store::batched::{Grant, LeaseRequest, Leased, Synced, Unanswered};
-use crate::store::{Store, StoreError};
+use crate::store::{BoxFuture, Store, StoreError};
 use crate::time::Timestamp;
 
 /// What a store asks of its groups: a decision, or a peek.
@@ -21,9 +21,40 @@ pub(super) enum Asking {
     Peek,
 }
 
+/// A Redis store that decides by groups of checks, one script call per group on the node it
+/// lives on: one Redis (a group per hash slot) or sharded Redis (a group per node).
+pub(super) trait GroupedStore: Sync {
+    /// `checks` grouped by where each must be decided, in order of first appearance.
+    fn node_groups(&self, checks: &[Check]) -> Vec<Group<'_>>;
+
+    /// [`Store::check_and_consume`] (`Asking::Decide`) or [`Store::peek`] over the groups.
+    fn decide_grouped<'a>(
+        &'a self,
+        asking: Asking,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(decide_folded(
+            asking,
+            |checks| self.node_groups(checks),
+            checks,
+            now,
+        ))
+    }
+
+    /// [`Store::charge`] over the groups.
+    fn charge_grouped<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+    }
+}
+
 /// Decides (or peeks at) `checks` over the groups `groups_of` makes of them, folded first when
 /// a key repeats ([`Folded`]: a counter named twice costs both).
-pub(super) async fn decide_folded<'s>(
+async fn decide_folded<'s>(
     asking: Asking,
     groups_of: impl Fn(&[Check]) -> Vec<Group<'s>>,
     checks: &[Check],
@@ -335,7 +366,7 @@ pub(super) async fn peek_groups(
 }
 
 /// Post-charges `checks` by one call per group, concurrently.
-pub(super) async fn charge_groups(
+async fn charge_groups(
     groups: &[Group<'_>],
     checks: &[Check],
     now: Option<Timestamp>,

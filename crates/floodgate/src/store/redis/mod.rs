@@ -53,7 +53,7 @@ use crate::decision::Decision;
 use crate::time::Timestamp;
 use cluster::ClusterBreakers;
 use connection::{Connection, ConnectionError};
-use groups::{Asking, Group, charge_groups, decide_folded, lease_groups, sync_groups};
+use groups::{Asking, Group, GroupedStore, lease_groups, sync_groups};
 use script::{Dispatch, Mode, Reply};
 
 /// How the store talks to Redis.
@@ -650,7 +650,7 @@ impl RedisStore {
     }
 }
 
-impl RedisStore {
+impl GroupedStore for RedisStore {
     fn node_groups(&self, checks: &[Check]) -> Vec<Group<'_>> {
         self.groups(checks)
             .into_iter()
@@ -725,12 +725,7 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(decide_folded(
-            Asking::Decide,
-            |checks| self.node_groups(checks),
-            checks,
-            now,
-        ))
+        self.decide_grouped(Asking::Decide, checks, now)
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -770,12 +765,7 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(decide_folded(
-            Asking::Peek,
-            |checks| self.node_groups(checks),
-            checks,
-            now,
-        ))
+        self.decide_grouped(Asking::Peek, checks, now)
     }
 
     fn charge<'a>(
@@ -783,7 +773,7 @@ impl Store for RedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+        self.charge_grouped(checks, now)
     }
 
     /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker. Then

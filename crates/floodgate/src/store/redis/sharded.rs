@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::RedisStore;
-use super::groups::{Asking, Group, charge_groups, decide_folded, lease_groups, sync_groups};
+use super::groups::{Asking, Group, GroupedStore, lease_groups, sync_groups};
 use crate::decision::Decision;
 use crate::key::storage::hash_tag;
 use crate::store::batched::{LeaseRequest, Leased, ResetListener, SyncTarget, Synced};
@@ -70,7 +70,7 @@ impl ShardedRedisStore {
     }
 }
 
-impl ShardedRedisStore {
+impl GroupedStore for ShardedRedisStore {
     /// `checks` grouped by owning node, in order of first appearance.
     fn node_groups(&self, checks: &[Check]) -> Vec<Group<'_>> {
         let mut groups: Vec<(usize, Group<'_>)> = Vec::new();
@@ -142,12 +142,7 @@ impl Store for ShardedRedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(decide_folded(
-            Asking::Decide,
-            |checks| self.node_groups(checks),
-            checks,
-            now,
-        ))
+        self.decide_grouped(Asking::Decide, checks, now)
     }
 
     fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -177,12 +172,7 @@ impl Store for ShardedRedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(decide_folded(
-            Asking::Peek,
-            |checks| self.node_groups(checks),
-            checks,
-            now,
-        ))
+        self.decide_grouped(Asking::Peek, checks, now)
     }
 
     fn charge<'a>(
@@ -190,7 +180,7 @@ impl Store for ShardedRedisStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+        self.charge_grouped(checks, now)
     }
 
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
