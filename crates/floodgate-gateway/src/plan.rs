@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use floodgate::key::storage_key;
+use floodgate::key::{IdentityScope, storage_key};
 use floodgate::{
     Identity, Limit, RequestInfo,
     key::IdentityHash,
@@ -159,7 +159,7 @@ impl GatewayPlan {
             let rule = &self.per_ip_rule;
             self.push(
                 checks,
-                (Scope::Client, "ip", &hash),
+                (Scope::Client, IdentityScope::Ip.as_str(), &hash),
                 rule,
                 &self.config.per_ip,
                 cost,

@@ -6,7 +6,7 @@ pub use crate::key::storage::check_key_prefix;
 
 use crate::error::BuildError;
 use crate::key::storage::RecentKeys;
-use crate::key::{Identity, RequestInfo, storage_key};
+use crate::key::{Identity, IdentityScope, RequestInfo, storage_key};
 use crate::limit::{Limit, is_valid_name};
 use crate::store::Check;
 
@@ -240,7 +240,7 @@ impl LimitPlan for TieredPlan {
         if let Some(ip_hash) = &ip_hash {
             self.push(
                 &mut checks,
-                "ip",
+                IdentityScope::Ip.as_str(),
                 ip_hash,
                 &self.rules.per_ip,
                 &self.per_ip,
@@ -263,9 +263,14 @@ impl LimitPlan for TieredPlan {
         });
         if let Some(route) = route {
             match (route.key, &ip_hash) {
-                (RouteKey::Ip, Some(ip_hash)) => {
-                    self.push(&mut checks, "ip", ip_hash, &route.rule, &route.limits, cost)
-                }
+                (RouteKey::Ip, Some(ip_hash)) => self.push(
+                    &mut checks,
+                    IdentityScope::Ip.as_str(),
+                    ip_hash,
+                    &route.rule,
+                    &route.limits,
+                    cost,
+                ),
                 _ => self.push(&mut checks, scope, &hash, &route.rule, &route.limits, cost),
             }
         }

@@ -5,7 +5,8 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use floodgate::{Identity, decision::LimitStatus, key::IdentityHash, store::Check};
+use floodgate::key::{ClientTag, IdentityHash, IdentityScope};
+use floodgate::{Identity, decision::LimitStatus, store::Check};
 use http::Method;
 use serde_json::{Value, json};
 
@@ -155,11 +156,14 @@ impl ClientQuery {
                 let Some(hash) = parse_hash(hex) else {
                     return bad("identity: 32 hexadecimal digits, as /admin/top shows");
                 };
-                let scope = self.scope.as_deref().unwrap_or("key");
-                if !["key", "user", "ip", "unknown"].contains(&scope) {
-                    return bad("scope: one of key, user, ip, unknown");
-                }
-                (hash, scope.to_owned())
+                let scope = match self.scope.as_deref() {
+                    None => IdentityScope::ApiKey,
+                    Some(name) => match name.parse::<IdentityScope>() {
+                        Ok(scope) => scope,
+                        Err(_) => return bad("scope: one of key, user, ip, unknown"),
+                    },
+                };
+                (hash, scope.as_str().to_owned())
             }
             (None, None) => return bad("name the client: api_key, user, identity or ip"),
         };
@@ -168,7 +172,13 @@ impl ClientQuery {
         let plan: &str = match (&self.plan, &identity) {
             (Some(plan), _) => plan,
             (None, Some(_)) => &resolved.plan,
-            (None, None) if scope == "ip" || scope == "unknown" => &config.anonymous_plan,
+            (None, None)
+                if scope
+                    .parse::<IdentityScope>()
+                    .is_ok_and(IdentityScope::is_anonymous) =>
+            {
+                &config.anonymous_plan
+            }
             (None, None) => &config.default_plan,
         };
         let keys = match &identity {
@@ -236,10 +246,10 @@ pub fn override_json(
     entry: &floodgate::overrides::Override,
     now: floodgate::time::Timestamp,
 ) -> Value {
-    let (scope, hash) = entry
-        .client()
-        .rsplit_once(':')
-        .unwrap_or(("", entry.client()));
+    let ClientTag { scope, hash } = ClientTag::parse(entry.client()).unwrap_or(ClientTag {
+        scope: "",
+        hash: entry.client(),
+    });
     json!({
         "identity": hash,
         "scope": scope,

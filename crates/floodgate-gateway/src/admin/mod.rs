@@ -204,10 +204,9 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
         .map(|hot| hot.hot())
         .unwrap_or_default();
     let is_local = |hash: &str| {
-        local_identities.iter().any(|tag| {
-            tag.rsplit_once(':')
-                .is_some_and(|(_, tagged)| tagged == hash)
-        })
+        local_identities
+            .iter()
+            .any(|tag| floodgate::key::ClientTag::parse(tag).is_some_and(|tag| tag.hash == hash))
     };
     let render = |entries: Vec<floodgate::top::TopEntry>| -> Vec<serde_json::Value> {
         entries

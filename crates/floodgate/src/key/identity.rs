@@ -30,15 +30,76 @@ pub enum Identity {
     Unknown,
 }
 
+/// The scopes of the built-in identities, as storage keys, logs and the admin API name them:
+/// `key`, `user`, `ip`, `unknown`. (A custom identity's scope is its own.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IdentityScope {
+    /// An API key's: `key`.
+    ApiKey,
+    /// A user id's: `user`.
+    User,
+    /// A client IP's: `ip`.
+    Ip,
+    /// An unidentified client's: `unknown`.
+    Unknown,
+}
+
+impl IdentityScope {
+    /// Every built-in scope.
+    pub const ALL: [IdentityScope; 4] = [
+        IdentityScope::ApiKey,
+        IdentityScope::User,
+        IdentityScope::Ip,
+        IdentityScope::Unknown,
+    ];
+
+    /// The scope's name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            IdentityScope::ApiKey => "key",
+            IdentityScope::User => "user",
+            IdentityScope::Ip => "ip",
+            IdentityScope::Unknown => "unknown",
+        }
+    }
+
+    /// Whether clients of this scope are anonymous (counted by IP, or not identified at all).
+    pub const fn is_anonymous(self) -> bool {
+        matches!(self, IdentityScope::Ip | IdentityScope::Unknown)
+    }
+}
+
+impl fmt::Display for IdentityScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A name that is not a built-in identity scope.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not an identity scope; expected key, user, ip or unknown")]
+pub struct UnknownScope(pub String);
+
+impl std::str::FromStr for IdentityScope {
+    type Err = UnknownScope;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        IdentityScope::ALL
+            .into_iter()
+            .find(|scope| scope.as_str() == name)
+            .ok_or_else(|| UnknownScope(name.to_owned()))
+    }
+}
+
 impl Identity {
     /// The scope part of storage keys: `key`, `user`, `ip`, the custom scope, or `unknown`.
     pub fn scope(&self) -> &str {
         match self {
-            Identity::ApiKey(_) => "key",
-            Identity::User(_) => "user",
-            Identity::Ip(_) => "ip",
+            Identity::ApiKey(_) => IdentityScope::ApiKey.as_str(),
+            Identity::User(_) => IdentityScope::User.as_str(),
+            Identity::Ip(_) => IdentityScope::Ip.as_str(),
             Identity::Custom { scope, .. } => scope,
-            Identity::Unknown => "unknown",
+            Identity::Unknown => IdentityScope::Unknown.as_str(),
         }
     }
 
@@ -99,6 +160,16 @@ impl fmt::Debug for IdentityHash {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn built_in_scopes_read_back_their_names() {
+        for scope in IdentityScope::ALL {
+            assert_eq!(scope.as_str().parse(), Ok(scope));
+        }
+        assert!("Key".parse::<IdentityScope>().is_err());
+        assert!("tenant".parse::<IdentityScope>().is_err());
+        assert_eq!(Identity::Unknown.scope(), "unknown");
+    }
 
     #[test]
     fn hashes_are_stable_and_scoped() {

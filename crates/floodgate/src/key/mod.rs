@@ -15,8 +15,8 @@ pub use identifier::{
     DefaultIdentifier, IdentifyClient, IdentityError, MAX_IDENTITY_LEN, PeerAddr, RequestInfo,
     UserId, VerifyApiKey,
 };
-pub use identity::{Identity, IdentityHash};
-pub use storage::storage_key;
+pub use identity::{Identity, IdentityHash, IdentityScope, UnknownScope};
+pub use storage::{ClientTag, storage_key};
 
 use std::fmt;
 

@@ -11,7 +11,7 @@
 //! tag and the tag's last `:` ends the scope (the hash is 32 hex digits).
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
+use std::fmt::{self, Write as _};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -38,12 +38,18 @@ pub fn storage_key(
     rule: &str,
     limit: &str,
 ) -> Arc<str> {
+    let hex = hash.to_hex();
+    let tag = ClientTag {
+        scope,
+        // Hex digits are ASCII.
+        hash: std::str::from_utf8(&hex).unwrap_or_default(),
+    };
     // Formatted on the stack, then copied once into the shared string: one allocation per key
     // on the request path instead of two.
     let mut text = StackText::<256>::new();
-    match write!(text, "{prefix}:{{{scope}:{hash}}}:{rule}:{limit}") {
+    match write!(text, "{prefix}:{{{tag}}}:{rule}:{limit}") {
         Ok(()) => Arc::from(text.as_str()),
-        Err(_) => Arc::from(format!("{prefix}:{{{scope}:{hash}}}:{rule}:{limit}")),
+        Err(_) => Arc::from(format!("{prefix}:{{{tag}}}:{rule}:{limit}")),
     }
 }
 
@@ -112,8 +118,39 @@ pub fn hash_tag(key: &str) -> &str {
 /// The scope inside `key`'s hash tag (`global`, `ip`, `key`, `user`, a custom scope), or
 /// `None` for a key without a `<scope>:<hash>` tag.
 pub fn scope(key: &str) -> Option<&str> {
-    // The hash never holds a `:`, so the last one ends the scope (a custom scope may hold one).
-    tag(key)?.rsplit_once(':').map(|(scope, _)| scope)
+    ClientTag::of_key(key).map(|tag| tag.scope)
+}
+
+/// A client's tag, `<scope>:<hash>`: what its storage keys hold inside `{…}`, and how hot
+/// identities and overrides name the client. Written ([`fmt::Display`]) and read back
+/// ([`ClientTag::parse`]) here only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientTag<'a> {
+    /// `key`, `user`, `ip`, `unknown` ([`super::IdentityScope`]), `global`, or a custom scope
+    /// (which may hold a `:`).
+    pub scope: &'a str,
+    /// The identity's hash: 32 hex digits (a global ceiling's tag holds its own name here).
+    pub hash: &'a str,
+}
+
+impl<'a> ClientTag<'a> {
+    /// Reads a tag back; `None` for text without a `:`. The hash never holds a `:`, so the
+    /// last one ends the scope.
+    pub fn parse(text: &'a str) -> Option<ClientTag<'a>> {
+        let (scope, hash) = text.rsplit_once(':')?;
+        Some(ClientTag { scope, hash })
+    }
+
+    /// The tag of a storage key; `None` for a key without one.
+    pub fn of_key(key: &'a str) -> Option<ClientTag<'a>> {
+        ClientTag::parse(tag(key)?)
+    }
+}
+
+impl fmt::Display for ClientTag<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.scope, self.hash)
+    }
 }
 
 /// The non-empty text between the first `{` and the next `}`. `{` and `}` are ASCII, so the
@@ -295,5 +332,21 @@ mod tests {
             &*recent.get_or_make(first, || keys_of(first)),
             &*keys_of(first)
         );
+    }
+
+    #[test]
+    fn a_client_tag_reads_back_what_it_writes() {
+        let hash = Identity::User("ana".into()).hash();
+        let hex = hash.to_string();
+        for scope in ["key", "user", "ip", "unknown", "tenant", "org:eu"] {
+            let tag = ClientTag { scope, hash: &hex };
+            let written = tag.to_string();
+            assert_eq!(ClientTag::parse(&written), Some(tag), "{written}");
+            let key = storage_key("fg", scope, &hash, "r", "l");
+            assert_eq!(ClientTag::of_key(&key), Some(tag), "{key}");
+            assert_eq!(hash_tag(&key), written);
+        }
+        assert_eq!(ClientTag::parse("no-colon"), None);
+        assert_eq!(ClientTag::of_key("fg:plain"), None);
     }
 }
