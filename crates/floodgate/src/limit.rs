@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
+use crate::key::KeyChars;
 use crate::time::duration_to_micros;
 
 /// The longest window a limit may have. Bounding it keeps every intermediate value of the
@@ -26,11 +27,7 @@ pub const MAX_NAME_LEN: usize = 64;
 /// Whether `name` may name a limit or a rule: 1 to 64 characters among `A-Z a-z 0-9 - _ .`,
 /// so that it is safe in storage keys, metric labels and structured header strings.
 pub(crate) fn is_valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NAME_LEN
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    !name.is_empty() && name.len() <= MAX_NAME_LEN && name.chars().all(|c| KeyChars::Name.keeps(c))
 }
 
 /// The rate limiting algorithms; see SPEC §1 for their exact semantics.

@@ -41,17 +41,7 @@ impl Endpoint {
     /// A stable identifier usable inside storage keys: no spaces, braces or colons.
     pub fn key_id(&self) -> String {
         let method = self.method.as_ref().map_or("ANY", Method::as_str);
-        let path: String = self
-            .path
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/') {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let path = floodgate::key::key_part(&self.path, floodgate::key::KeyChars::Path);
         format!("{method}{path}")
     }
 }

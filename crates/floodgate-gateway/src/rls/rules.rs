@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use floodgate::key::{KeyChars, key_part};
 use floodgate::{Algorithm, Limit};
 use serde::Deserialize;
 
@@ -401,17 +402,9 @@ impl DescriptorLimit {
 /// A limit name made of the characters limit names allow: others become `_`, and long ones are
 /// cut to 64 characters.
 fn limit_name(text: &str) -> String {
-    let name: String = text
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(64)
-        .collect();
+    // Every character is ASCII once made a name's: cutting at a byte cuts at a character.
+    let mut name = key_part(text, KeyChars::Name);
+    name.truncate(64);
     if name.is_empty() {
         "_".to_owned()
     } else {

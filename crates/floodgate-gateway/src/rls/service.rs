@@ -93,10 +93,7 @@ fn descriptor_hash(
 
 /// A domain's text as it may appear in a storage key (no `:`, `{` or `}`).
 fn key_safe(domain: &str) -> String {
-    domain
-        .chars()
-        .map(|c| if matches!(c, ':' | '{' | '}') { '_' } else { c })
-        .collect()
+    floodgate::key::key_part(domain, floodgate::key::KeyChars::Text)
 }
 
 /// How one descriptor of the request is decided.

@@ -16,7 +16,7 @@ pub use identifier::{
     UserId, VerifyApiKey,
 };
 pub use identity::{Identity, IdentityHash, IdentityScope, UnknownScope};
-pub use storage::{ClientTag, storage_key};
+pub use storage::{ClientTag, KeyChars, key_part, storage_key};
 
 use std::fmt;
 

@@ -107,6 +107,37 @@ impl std::fmt::Debug for RecentKeys {
     }
 }
 
+/// Which characters a part of a storage key keeps ([`key_part`]); every other becomes `_`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyChars {
+    /// `A-Z a-z 0-9 - _ .`: the characters of limit and rule names.
+    Name,
+    /// As [`KeyChars::Name`], and `/`: an endpoint's path.
+    Path,
+    /// Every character but the key's delimiters, `:`, `{` and `}`.
+    Text,
+}
+
+impl KeyChars {
+    /// Whether a part of this kind keeps `c` as it is.
+    pub fn keeps(self, c: char) -> bool {
+        let name = c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+        match self {
+            KeyChars::Name => name,
+            KeyChars::Path => name || c == '/',
+            KeyChars::Text => !matches!(c, ':' | '{' | '}'),
+        }
+    }
+}
+
+/// `text` as a part of a storage key: each character `chars` does not keep becomes `_`. The
+/// one sanitiser of key parts, so that what a key may hold is decided in one place.
+pub fn key_part(text: &str, chars: KeyChars) -> String {
+    text.chars()
+        .map(|c| if chars.keeps(c) { c } else { '_' })
+        .collect()
+}
+
 /// The part of `key` that Redis Cluster hashes, by Redis's own rule: what lies between the
 /// first `{` and the next `}` if that is not empty, else the whole key. Redis Cluster slots
 /// (`store::redis::hash_slot`) and sharded placement (`store::redis::rendezvous`) both hash
@@ -348,5 +379,13 @@ mod tests {
         }
         assert_eq!(ClientTag::parse("no-colon"), None);
         assert_eq!(ClientTag::of_key("fg:plain"), None);
+    }
+
+    #[test]
+    fn key_parts_keep_what_their_kind_allows() {
+        assert_eq!(key_part("plan.gold-1_x", KeyChars::Name), "plan.gold-1_x");
+        assert_eq!(key_part("a b:{c}/é", KeyChars::Name), "a_b__c___");
+        assert_eq!(key_part("/v1/{id}:run", KeyChars::Path), "/v1/_id__run");
+        assert_eq!(key_part("api:{eu} é", KeyChars::Text), "api__eu_ é");
     }
 }
