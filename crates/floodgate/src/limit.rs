@@ -115,6 +115,43 @@ impl FromStr for Algorithm {
     }
 }
 
+/// The field of a limit a [`LimitError`] is about, named as configurations name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LimitField {
+    /// `name`.
+    Name,
+    /// `algorithm`.
+    Algorithm,
+    /// `limit`.
+    Limit,
+    /// `window`.
+    Window,
+    /// `burst`.
+    Burst,
+    /// `cost`.
+    Cost,
+}
+
+impl LimitField {
+    /// The field's name: `name`, `algorithm`, `limit`, `window`, `burst` or `cost`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LimitField::Name => "name",
+            LimitField::Algorithm => "algorithm",
+            LimitField::Limit => "limit",
+            LimitField::Window => "window",
+            LimitField::Burst => "burst",
+            LimitField::Cost => "cost",
+        }
+    }
+}
+
+impl fmt::Display for LimitField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Why a limit could not be built: [`field`](LimitError::field) says which setting,
 /// [`problem`](LimitError::problem) what is wrong with it; the message is `field: problem`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -147,19 +184,21 @@ pub enum LimitError {
 }
 
 impl LimitError {
-    /// The field the error is about (`name`, `algorithm`, `limit`, `window`, `burst`, `cost`).
-    pub fn field(&self) -> &'static str {
+    /// The field the error is about.
+    pub fn field(&self) -> LimitField {
         match self {
-            LimitError::InvalidName(_) => "name",
-            LimitError::UnknownAlgorithm(_) => "algorithm",
-            LimitError::ZeroLimit | LimitError::MissingLimit | LimitError::LimitTooLarge => "limit",
+            LimitError::InvalidName(_) => LimitField::Name,
+            LimitError::UnknownAlgorithm(_) => LimitField::Algorithm,
+            LimitError::ZeroLimit | LimitError::MissingLimit | LimitError::LimitTooLarge => {
+                LimitField::Limit
+            }
             LimitError::MissingWindow(_)
             | LimitError::WindowTooShort
-            | LimitError::WindowTooLong => "window",
+            | LimitError::WindowTooLong => LimitField::Window,
             LimitError::ZeroBurst
             | LimitError::BurstTooLarge
-            | LimitError::BurstNotSupported(_) => "burst",
-            LimitError::ZeroCost => "cost",
+            | LimitError::BurstNotSupported(_) => LimitField::Burst,
+            LimitError::ZeroCost => LimitField::Cost,
         }
     }
 
@@ -572,7 +611,7 @@ mod tests {
         ];
         for (builder, field) in cases {
             let error = builder.clone().build().expect_err(&format!("{builder:?}"));
-            assert_eq!(error.field(), field, "{error}");
+            assert_eq!(error.field().as_str(), field, "{error}");
             assert!(error.to_string().starts_with(field), "{error}");
         }
     }

@@ -417,7 +417,7 @@ impl Overrides {
         };
         entry
             .apply_to(original)
-            .map_err(|error| OverrideError::invalid(error.field(), error.problem()))?;
+            .map_err(|error| OverrideError::invalid(error.field().as_str(), error.problem()))?;
         let max_active = self.max_active();
         if !self
             .backend

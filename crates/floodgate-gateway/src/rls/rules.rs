@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::key::{KeyChars, key_part};
+use floodgate::limit::LimitField;
 use floodgate::{Algorithm, Limit};
 use serde::Deserialize;
 
@@ -540,11 +541,11 @@ fn descriptor_limit(
             Ok(limit) => Action::Limited(Arc::new(limit)),
             Err(error) => {
                 let field = match error.field() {
-                    "limit" => ".rate_limit.requests_per_unit",
-                    "window" => ".rate_limit.unit",
-                    "burst" => ".burst",
-                    "algorithm" => ".algorithm",
-                    _ => ".rate_limit.name",
+                    LimitField::Limit => ".rate_limit.requests_per_unit",
+                    LimitField::Window => ".rate_limit.unit",
+                    LimitField::Burst => ".burst",
+                    LimitField::Algorithm => ".algorithm",
+                    LimitField::Name | LimitField::Cost => ".rate_limit.name",
                 };
                 at.push(errors, field, error.problem());
                 return None;
