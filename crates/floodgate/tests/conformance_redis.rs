@@ -3,7 +3,17 @@
 mod conformance;
 use floodgate_test_support as support;
 
+use std::time::Duration;
+
 use support::ServedStore;
+
+/// A fixed window of 2 an hour, once at least a minute of the hour is left. The tests below count
+/// a key's admissions over several calls; in a window of a minute (aligned to the epoch) the
+/// calls could straddle its end and the count restart (a suite run admitted 4 of 2).
+fn two_per_hour() -> std::sync::Arc<floodgate::Limit> {
+    support::clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(60));
+    std::sync::Arc::new(floodgate::Limit::fixed_window("m", 2, Duration::from_secs(3600)).unwrap())
+}
 
 async fn fresh_store() -> ServedStore {
     ServedStore::start()
@@ -49,8 +59,6 @@ mod without_functions {
 /// The same suite on `redis_sharded`: three independent servers, identities placed by
 /// rendezvous hashing.
 mod sharded {
-    use std::time::Duration;
-
     use floodgate::store::ShardedRedisStore;
     use floodgate::{Store, store::Check};
 
@@ -68,9 +76,7 @@ mod sharded {
     #[tokio::test]
     async fn losing_a_node_affects_only_its_identities() {
         let mut sharded = fresh_store().await;
-        let limit = std::sync::Arc::new(
-            floodgate::Limit::fixed_window("m", 2, Duration::from_secs(60)).unwrap(),
-        );
+        let limit = super::two_per_hour();
         let keys: Vec<String> = (0..30)
             .map(|client| format!("fg:{{ip:{client}}}:r:m"))
             .collect();
@@ -204,7 +210,7 @@ mod cluster {
         masters.sort_unstable();
         masters.dedup();
         assert_eq!(masters, vec![0, 1, 2], "keys on every master");
-        let limit = Arc::new(Limit::fixed_window("m", 2, Duration::from_secs(60)).unwrap());
+        let limit = super::two_per_hour();
         for key in &keys {
             let checks = [Check::new(key.clone(), limit.clone(), 1)];
             let admitted = futures_admitted(&store, &checks, 4).await;
@@ -231,7 +237,7 @@ mod cluster {
     #[tokio::test]
     async fn losing_a_master_affects_only_its_identities() {
         let mut store = fresh_store().await;
-        let limit = Arc::new(Limit::fixed_window("m", 2, Duration::from_secs(60)).unwrap());
+        let limit = super::two_per_hour();
         let keys: Vec<String> = (0..30)
             .map(|client| format!("fg:{{ip:{client}}}:r:m"))
             .collect();
