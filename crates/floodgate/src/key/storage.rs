@@ -77,7 +77,23 @@ impl RecentKeys {
         }
     }
 
-    /// The keys of `identity`: remembered, or made by `make` and remembered.
+    /// Whether `identity` is small enough to remember: API keys and user ids are capped at
+    /// [`super::MAX_IDENTITY_LEN`] where they are read, an application's custom identity is
+    /// not, and a bound by count alone must also bound the memory.
+    fn worth_keeping(identity: &Identity) -> bool {
+        match identity {
+            Identity::ApiKey(value) | Identity::User(value) => {
+                value.len() <= super::MAX_IDENTITY_LEN
+            }
+            Identity::Custom { scope, value } => {
+                scope.len() + value.len() <= super::MAX_IDENTITY_LEN
+            }
+            Identity::Ip(_) | Identity::Unknown => true,
+        }
+    }
+
+    /// The keys of `identity`: remembered, or made by `make` and remembered (if it is not too
+    /// large to keep).
     pub(crate) fn get_or_make(
         &self,
         identity: &Identity,
@@ -92,6 +108,9 @@ impl RecentKeys {
             return keys.clone();
         }
         let keys = make();
+        if !Self::worth_keeping(identity) {
+            return keys;
+        }
         let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
         if shard.len() >= Self::SHARD_CAPACITY {
             shard.clear();
@@ -357,6 +376,15 @@ mod tests {
                 "{held} identities in one shard"
             );
         }
+        // A custom identity too large to keep is made every time.
+        let large = Identity::Custom {
+            scope: "tenant".into(),
+            value: "x".repeat(super::super::MAX_IDENTITY_LEN),
+        };
+        let made = recent.get_or_make(&large, || keys_of(&large));
+        let again = recent.get_or_make(&large, || keys_of(&large));
+        assert!(!Arc::ptr_eq(&made, &again));
+        assert_eq!(made, again);
         // Whatever was forgotten is made again, the same.
         let first = &identities[0];
         assert_eq!(
