@@ -2,14 +2,65 @@
 //! failure policy of SPEC §4 with the state it needs, decided in one place.
 
 use std::collections::HashMap;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::decision::{Decision, DecisionSource};
 use crate::limit::Limit;
 use crate::store::resilience::FailurePolicy;
-use crate::store::{Check, MemoryStore};
+use crate::store::{Check, MemoryStore, Store, StoreError};
+use crate::telemetry;
 use crate::time::Timestamp;
+
+/// What deciding a request's checks came to ([`decide_or_fall_back`]).
+#[derive(Debug)]
+pub enum DecidedBy {
+    /// The store decided.
+    Store(Decision),
+    /// The store failed with `error`, and the failure policy decided: `None` under `closed`
+    /// (answer that the limiter is unavailable).
+    Fallback {
+        /// Why the store could not decide.
+        error: StoreError,
+        /// The policy's decision.
+        decision: Option<Decision>,
+    },
+}
+
+/// Decides `checks` on `store`, timed in `floodgate_store_check_duration_seconds` under
+/// `backend`, or by the failure policy when the store fails (`policy` is asked for only
+/// then). The one "decide, time, fall back" path: the layer and the gateway's rate limit
+/// service both go through it.
+pub async fn decide_or_fall_back<P: Deref<Target = OnStoreError>>(
+    store: &dyn Store,
+    backend: &'static str,
+    checks: &[Check],
+    policy: impl FnOnce() -> P,
+) -> DecidedBy {
+    let started = Instant::now();
+    let result = store.check_and_consume(checks, None).await;
+    settle_or_fall_back(result, started, backend, checks, policy)
+}
+
+/// [`decide_or_fall_back`] for a store's answer already in hand (`started`: when the store
+/// was asked), as from [`Store::check_and_consume_ready`].
+pub fn settle_or_fall_back<P: Deref<Target = OnStoreError>>(
+    result: Result<Decision, StoreError>,
+    started: Instant,
+    backend: &'static str,
+    checks: &[Check],
+    policy: impl FnOnce() -> P,
+) -> DecidedBy {
+    telemetry::record_check_duration(backend, started.elapsed());
+    match result {
+        Ok(decision) => DecidedBy::Store(decision),
+        Err(error) => DecidedBy::Fallback {
+            decision: policy().decide(checks),
+            error,
+        },
+    }
+}
 
 /// The failure policy in force, with what it decides with: `local` holds the node's own
 /// limiter. One value, so that the policy and its limiter cannot disagree.

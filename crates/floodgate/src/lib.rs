@@ -31,7 +31,9 @@ pub mod top;
 // Everything else lives in its module (`floodgate::time::FakeClock`, `floodgate::rollout::Mode`).
 pub use decision::Decision;
 pub use error::BuildError;
-pub use fallback::{LocalFallback, OnStoreError};
+pub use fallback::{
+    DecidedBy, LocalFallback, OnStoreError, decide_or_fall_back, settle_or_fall_back,
+};
 pub use headers::HeaderStyle;
 pub use key::{Identity, PeerAddr, RequestInfo, UserId};
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder};

@@ -17,7 +17,7 @@ pub use crate::planning::{RequestCost, UnknownIdentity};
 
 use crate::body::LeaseGuard;
 use crate::decision::{Decision, DecisionSource};
-use crate::fallback::OnStoreError;
+use crate::fallback::{DecidedBy, OnStoreError, decide_or_fall_back, settle_or_fall_back};
 use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
 use crate::planning::{Planner, Route};
@@ -29,7 +29,7 @@ use crate::response::{
 use crate::response::{forbidden_response, unidentified_response};
 use crate::rollout::Mode;
 use crate::store::resilience::StoreObserver;
-use crate::store::{Check, Store, StoreError};
+use crate::store::{Check, Store};
 use crate::telemetry::{self, DecisionLabel, LimitedRateBaseline};
 use crate::top::TopClients;
 
@@ -365,9 +365,11 @@ impl Shared {
         shadowed: bool,
         identity: &Identity,
     ) -> Result<Decision, Unavailable> {
-        let started = std::time::Instant::now();
-        let result = self.store.check_and_consume(checks, None).await;
-        self.conclude(result, started, checks, shadowed, identity)
+        let decided = decide_or_fall_back(&*self.store, self.store.backend(), checks, || {
+            &self.on_store_error
+        })
+        .await;
+        self.conclude(decided, checks, shadowed, identity)
     }
 
     /// [`Shared::decide`] when the store decides without waiting; `None` when it would wait.
@@ -379,27 +381,27 @@ impl Shared {
     ) -> Option<Result<Decision, Unavailable>> {
         let started = std::time::Instant::now();
         let result = self.store.check_and_consume_ready(checks, None)?;
-        Some(self.conclude(result, started, checks, shadowed, identity))
+        let decided = settle_or_fall_back(result, started, self.store.backend(), checks, || {
+            &self.on_store_error
+        });
+        Some(self.conclude(decided, checks, shadowed, identity))
     }
 
-    /// Times and records the store's answer (`started` when it was asked), or decides under
-    /// the failure policy when it failed.
+    /// Records what was decided: the store's decision, or the failure policy's (`Err` when
+    /// it decided nothing).
     fn conclude(
         &self,
-        result: Result<Decision, StoreError>,
-        started: std::time::Instant,
+        decided: DecidedBy,
         checks: &[Check],
         shadowed: bool,
         identity: &Identity,
     ) -> Result<Decision, Unavailable> {
-        telemetry::record_check_duration(self.store.backend(), started.elapsed());
-        match result {
-            Ok(decision) => {
+        match decided {
+            DecidedBy::Store(decision) => {
                 self.record_decision(&decision, shadowed, identity);
                 Ok(decision)
             }
-            Err(error) => {
-                let decision = self.on_store_error.decide(checks);
+            DecidedBy::Fallback { error, decision } => {
                 let allowed = decision.as_ref().is_some_and(Decision::is_allowed);
                 self.observer.fallback_decision(
                     self.store.backend(),

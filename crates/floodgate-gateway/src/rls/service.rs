@@ -2,7 +2,7 @@
 //! counted one decided in one `check_and_consume` call, all or nothing.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -16,8 +16,8 @@ use floodgate::headers::RateLimitHeaders;
 use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry::{self, DecisionLabel};
 use floodgate::{
-    Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decision::DecisionSource,
-    store::Check,
+    DecidedBy, Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decide_or_fall_back,
+    decision::DecisionSource, store::Check,
 };
 use sha2::{Digest, Sha256};
 
@@ -145,30 +145,32 @@ impl RlsService {
         // are decided exactly (timed under the batched store's label, as the proxy's are).
         let current = self.gateway.current();
         let store = &current.store;
-        let started = Instant::now();
-        let result = store
-            .for_any_algorithm
-            .check_and_consume(checks, None)
-            .await;
-        telemetry::record_check_duration(store.store.backend(), started.elapsed());
-        let error = match result {
-            Ok(decision) => return Ok(Enforced::Decided(decision)),
-            Err(error) => error,
-        };
-        // Not counted here: the store's guard (the library's `store::resilience`) counted it
-        // in `floodgate_store_errors_total` when the call failed, as it does for the layer.
         let config = &current.config;
-        let on_store_error =
-            self.on_store_error_for(config.on_store_error, config.store.fallback_share);
-        match on_store_error.decide(checks) {
-            None => Err(tonic::Status::unavailable(
+        // A failed call is not counted here: the store's guard (the library's
+        // `store::resilience`) counted it in `floodgate_store_errors_total`, as for the layer.
+        let decided = decide_or_fall_back(
+            &*store.for_any_algorithm,
+            store.store.backend(),
+            checks,
+            || self.on_store_error_for(config.on_store_error, config.store.fallback_share),
+        )
+        .await;
+        match decided {
+            DecidedBy::Store(decision) => Ok(Enforced::Decided(decision)),
+            DecidedBy::Fallback { decision: None, .. } => Err(tonic::Status::unavailable(
                 "rate limit store unavailable (on_store_error: closed)",
             )),
-            Some(decision) if decision.source() == DecisionSource::FailOpen => {
+            DecidedBy::Fallback {
+                decision: Some(decision),
+                error,
+            } if decision.source() == DecisionSource::FailOpen => {
                 tracing::debug!(%error, "rls: store failed; on_store_error open admits");
                 Ok(Enforced::FailedOpen)
             }
-            Some(decision) => Ok(Enforced::Decided(decision)),
+            DecidedBy::Fallback {
+                decision: Some(decision),
+                ..
+            } => Ok(Enforced::Decided(decision)),
         }
     }
 
