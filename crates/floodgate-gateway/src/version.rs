@@ -195,11 +195,7 @@ impl ConfigVersion {
         let client = match resolution {
             Resolution::Denied => {
                 facts.early = Some("denylisted");
-                floodgate::telemetry::record_decision(
-                    "denylist",
-                    "denylist",
-                    floodgate::telemetry::DecisionLabel::Denylisted,
-                );
+                floodgate::telemetry::record_denylisted();
                 return floodgate::response::forbidden_response()
                     .map(|body| Either::Right(Full::new(body)));
             }
@@ -227,11 +223,7 @@ impl ConfigVersion {
         }
         if client.bypass {
             facts.early = Some("bypassed");
-            floodgate::telemetry::record_decision(
-                "bypass",
-                "bypass",
-                floodgate::telemetry::DecisionLabel::Bypassed,
-            );
+            floodgate::telemetry::record_allowlisted();
         }
         let service = self
             .services

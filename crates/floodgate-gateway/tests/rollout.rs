@@ -218,6 +218,16 @@ async fn allowlisted_clients_make_no_store_call_and_denylisted_get_403() {
         before,
         "allowlisted traffic never reaches the store"
     );
+    // One spelling for the event, as the library's allowlist counts it (the gateway's said
+    // rule="bypass").
+    let samples = metrics(&client, &gateway).await;
+    assert_eq!(
+        sample(
+            &samples,
+            "floodgate_decisions_total{rule=\"allowlist\",limit=\"allowlist\",decision=\"bypassed\"}"
+        ),
+        20.0
+    );
     let denied = get(
         &client,
         &gateway.url("/"),

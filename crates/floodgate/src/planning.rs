@@ -14,7 +14,7 @@ use crate::overrides::Overrides;
 use crate::plan::LimitPlan;
 use crate::rollout::{Mode, Rollout};
 use crate::store::Check;
-use crate::telemetry::{self, DecisionLabel};
+use crate::telemetry;
 
 /// How much a request costs; closures `Fn(&RequestInfo) -> u64` implement it.
 pub trait RequestCost: Send + Sync + 'static {
@@ -151,10 +151,10 @@ impl Planner {
         }
         match planned.route {
             Route::Denylisted => {
-                telemetry::record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+                telemetry::record_denylisted();
             }
             Route::Allowlisted => {
-                telemetry::record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
+                telemetry::record_allowlisted();
             }
             Route::Unidentified | Route::Checks { .. } => {}
         }

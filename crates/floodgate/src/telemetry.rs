@@ -151,6 +151,19 @@ pub fn record_decision(rule: &str, limit: &str, decision: DecisionLabel) {
     .increment(1);
 }
 
+/// Counts a request an allowlist let through without a limit: one spelling of the event,
+/// `rule="allowlist", limit="allowlist", decision="bypassed"`, whether the layer's allowlist or
+/// the gateway's let it through.
+pub fn record_allowlisted() {
+    record_decision("allowlist", "allowlist", DecisionLabel::Bypassed);
+}
+
+/// Counts a request a denylist refused (403): `rule="denylist", limit="denylist",
+/// decision="denylisted"`, from the layer's denylist or the gateway's.
+pub fn record_denylisted() {
+    record_decision("denylist", "denylist", DecisionLabel::Denylisted);
+}
+
 /// Counts one decision of a limit whose rule and name are shared strings: the labels share
 /// them instead of copying them (this runs on every request).
 pub fn record_limit_decision(rule: &Arc<str>, limit: &Arc<str>, decision: DecisionLabel) {
