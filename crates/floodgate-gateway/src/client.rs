@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use floodgate::{Identity, RequestInfo};
 
-use crate::config::{Config, UnknownKeys, key_digest};
+use crate::config::{Config, EndpointTable, RouteTarget, UnknownKeys, key_digest};
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
@@ -18,6 +18,9 @@ pub struct ResolvedClient {
     pub client_ip: Option<IpAddr>,
     /// Allowlisted, or limiting switched off: no limit applies, no store call is made.
     pub bypass: bool,
+    /// The request's route in its configuration's `routes` ([`EndpointTable::find_index`]),
+    /// found once for the limiter's cost and the proxy's upstream.
+    pub route: Option<usize>,
 }
 
 /// What to do with a request.
@@ -177,5 +180,67 @@ pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
         plan: resolved.plan,
         client_ip: resolved.client_ip,
         bypass: resolved.listed == Some(Listed::Allowlist),
+        route: config.routes.find_index(request.method, request.uri.path()),
     })
+}
+
+impl ResolvedClient {
+    /// The route `request` was resolved with, from its `ResolvedClient` (or, for a request
+    /// without one, found in `routes`).
+    pub fn route_of<'c>(
+        routes: &'c EndpointTable<RouteTarget>,
+        extensions: &http::Extensions,
+        method: &http::Method,
+        path: &str,
+    ) -> Option<&'c RouteTarget> {
+        let index = match extensions.get::<ResolvedClient>() {
+            Some(client) => client.route?,
+            None => routes.find_index(method, path)?,
+        };
+        routes.entry(index).map(|(_, route)| route)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resolved_route_is_looked_up_by_its_index_not_found_again() {
+        let config = crate::config::parse(
+            "routes:\n  - { match: \"POST /v1/chat\", cost: 5 }\n  - { match: \"/v1/{*rest}\", cost: 2 }\n",
+        )
+        .unwrap();
+        let routes = &config.routes;
+        let chat = routes.find_index(&http::Method::POST, "/v1/chat");
+        assert_eq!(
+            chat.and_then(|index| routes.entry(index))
+                .map(|(_, route)| route.cost),
+            Some(Some(5))
+        );
+        let mut extensions = http::Extensions::new();
+        // No resolved client: found from the method and path.
+        let found = ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x");
+        assert_eq!(found.and_then(|route| route.cost), Some(2));
+        // A resolved client: its route, whatever the method and path say now.
+        extensions.insert(ResolvedClient {
+            identity: Identity::Unknown,
+            plan: Arc::from("free"),
+            client_ip: None,
+            bypass: false,
+            route: chat,
+        });
+        let resolved = ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x");
+        assert_eq!(resolved.and_then(|route| route.cost), Some(5));
+        extensions.insert(ResolvedClient {
+            identity: Identity::Unknown,
+            plan: Arc::from("free"),
+            client_ip: None,
+            bypass: false,
+            route: None,
+        });
+        assert!(
+            ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x").is_none()
+        );
+    }
 }

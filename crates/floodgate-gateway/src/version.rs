@@ -82,11 +82,14 @@ impl ConfigVersion {
                             })
                     })
                     .cost(move |request: &RequestInfo<'_>| {
-                        routes
-                            .routes
-                            .find(request.method, request.uri.path())
-                            .and_then(|(_, route)| route.cost)
-                            .unwrap_or(1)
+                        ResolvedClient::route_of(
+                            &routes.routes,
+                            request.extensions,
+                            request.method,
+                            request.uri.path(),
+                        )
+                        .and_then(|route| route.cost)
+                        .unwrap_or(1)
                     })
                     .on_store_error(policy)
                     // Each layer its own controls, as the file describes them (a shared handle would

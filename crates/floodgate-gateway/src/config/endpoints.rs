@@ -83,6 +83,12 @@ impl<T> EndpointTable<T> {
     /// §9.3.2), so it meets `GET` patterns when no `HEAD` pattern matches: otherwise a limit on
     /// `GET /x` could be dodged with `HEAD /x`, which the upstream serves just the same.
     pub fn find(&self, method: &Method, path: &str) -> Option<&(Endpoint, T)> {
+        self.entry(self.find_index(method, path)?)
+    }
+
+    /// Where [`EndpointTable::find`]'s entry stands in the table, to look it up again with
+    /// [`EndpointTable::entry`] without matching the path again.
+    pub fn find_index(&self, method: &Method, path: &str) -> Option<usize> {
         let in_router = |method: &Method| {
             self.by_method
                 .get(method)
@@ -94,7 +100,12 @@ impl<T> EndpointTable<T> {
                 .flatten()
         });
         let found = specific.or_else(|| self.any.at(path).ok())?;
-        self.entries.get(*found.value)
+        Some(*found.value)
+    }
+
+    /// The entry at `index` ([`EndpointTable::find_index`]).
+    pub fn entry(&self, index: usize) -> Option<&(Endpoint, T)> {
+        self.entries.get(index)
     }
 
     /// The same table with every value transformed.

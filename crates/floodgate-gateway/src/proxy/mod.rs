@@ -34,6 +34,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_service::Service;
 
+use crate::client::ResolvedClient;
 use crate::config::{Config, Upstream, UpstreamProtocol};
 use crate::error::GatewayError;
 use crate::tls::{TlsError, UpstreamTls, upstream_client_config};
@@ -407,10 +408,12 @@ async fn forward(
     config: Arc<Config>,
     mut request: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    let route = config
-        .routes
-        .find(request.method(), request.uri().path())
-        .map(|(_, route)| route);
+    let route = ResolvedClient::route_of(
+        &config.routes,
+        request.extensions(),
+        request.method(),
+        request.uri().path(),
+    );
     let upstream = route
         .and_then(|route| route.upstream.as_ref())
         .unwrap_or(&config.upstream);
