@@ -197,9 +197,14 @@ async fn https_upstreams_are_verified_against_the_configured_ca() {
         !body.contains("certificate"),
         "no detail to the client: {body}"
     );
-    let logged = untrusted.log.lock().unwrap().join("\n");
+    // The line may follow the answer: waited for, not read at once (a suite run read the log
+    // before the line was in it).
+    let logged = untrusted.wait_for_log(
+        |line| line.contains("upstream request failed"),
+        "saying the upstream request failed",
+    );
     assert!(
-        logged.contains("upstream request failed") && logged.contains("UnknownIssuer"),
+        logged.contains("UnknownIssuer"),
         "the reason is logged: {logged}"
     );
 
