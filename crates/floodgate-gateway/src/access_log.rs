@@ -29,32 +29,32 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use floodgate::decision::DecisionSource;
-use floodgate::rollout::Shadowed;
-use floodgate::{Decision, Identity};
+use floodgate::{Identity, Outcome, RequestOutcome};
 use http::{HeaderMap, Method, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 
 use crate::config::{AccessLogFormat, AccessLogSettings, AccessLogTarget};
+use crate::outcome::GatewayOutcome;
 
 /// What the gateway learns of a request on its way to the layer: who, which plan, and whether
 /// it was answered without a decision. Filled in while the request is answered.
 #[derive(Clone, Debug, Default)]
-pub struct RequestFacts {
+pub(crate) struct RequestFacts {
     /// Who the request is from: only its hash and scope are written, and only for lines that
     /// are (after sampling and `only`).
     pub identity: Option<Identity>,
     /// The plan.
     pub plan: Option<Arc<str>>,
-    /// Decided before any limit: `denylisted`, `unknown_key`, `rejected`, `bypassed`.
-    pub early: Option<&'static str>,
+    /// Decided before the rate limit layer: rejected, an unknown key, the gateway's
+    /// denylist or allowlist.
+    pub early: Option<GatewayOutcome>,
     /// The path: normalised, or as it came for a request refused before normalisation.
     pub path: Option<String>,
 }
 
 /// The upstream's part of a request, carried in the response's extensions.
 #[derive(Clone, Copy, Debug)]
-pub struct UpstreamFacts {
+pub(crate) struct UpstreamFacts {
     /// The status the upstream answered (not what the client got: a 502 has none).
     pub status: Option<StatusCode>,
     /// Time to the upstream's response head.
@@ -64,14 +64,14 @@ pub struct UpstreamFacts {
 /// What the request itself says, read before it is handed on (its path, normalised and
 /// without the query, comes with [`RequestFacts`]).
 #[derive(Debug, Default)]
-pub struct RequestLine {
+pub(crate) struct RequestLine {
     method: Method,
     trace_id: Option<String>,
 }
 
 impl RequestLine {
     /// The method and the trace id of `traceparent`.
-    pub fn of(method: &Method, headers: &HeaderMap) -> Self {
+    pub(crate) fn of(method: &Method, headers: &HeaderMap) -> Self {
         RequestLine {
             method: method.clone(),
             trace_id: headers
@@ -105,12 +105,12 @@ fn trace_id(traceparent: &str) -> Option<String> {
 
 /// How often the writer takes the queue: lines reach the file this long after their request at
 /// most (plus the write), and the writer wakes this often, whatever the traffic.
-pub const WRITE_EVERY: Duration = Duration::from_millis(20);
+pub(crate) const WRITE_EVERY: Duration = Duration::from_millis(20);
 
 /// How long [`AccessLog::close`] waits for the writer to write what is queued. A healthy
 /// output writes a full queue (`buffer` lines, 8,192 by default) in milliseconds; one that
 /// has taken nothing for this long is stalled, and the process exits without it.
-pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// What the request path and the writer share.
 struct Queue {
@@ -127,7 +127,7 @@ struct Queue {
 
 /// The access log of a running gateway. Dropping it makes its writer write what is queued and
 /// stop.
-pub struct AccessLog {
+pub(crate) struct AccessLog {
     settings: AccessLogSettings,
     queue: Arc<Queue>,
     writer: std::thread::Thread,
@@ -153,7 +153,7 @@ impl Drop for AccessLog {
 
 impl AccessLog {
     /// Opens the log `settings` describe and starts its writer.
-    pub fn open(settings: &AccessLogSettings) -> Result<AccessLog, std::io::Error> {
+    pub(crate) fn open(settings: &AccessLogSettings) -> Result<AccessLog, std::io::Error> {
         let output = Output::open(&settings.target)?;
         let queue = Arc::new(Queue {
             lines: Mutex::new(Vec::new()),
@@ -184,7 +184,7 @@ impl AccessLog {
     /// shutdown: the last lines are not lost with the process, unless the output is stalled;
     /// then how many were left unwritten is logged, and the process goes on to exit). Lines
     /// recorded later are dropped and counted.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.queue.closed.store(true, Ordering::Release);
         self.writer.unpark();
         let finished = self
@@ -220,13 +220,8 @@ impl AccessLog {
         }
     }
 
-    /// The settings it was opened with.
-    pub fn settings(&self) -> &AccessLogSettings {
-        &self.settings
-    }
-
     /// Reopens the file before the next write (`SIGUSR1`, after logrotate moved it).
-    pub fn reopen(&self) {
+    pub(crate) fn reopen(&self) {
         self.queue.reopen.store(true, Ordering::Release);
         self.writer.unpark();
     }
@@ -243,21 +238,23 @@ impl AccessLog {
             Answer::Head(response) => (response.status, Some(&response.extensions)),
             Answer::ClientGone => (CLIENT_CLOSED_REQUEST, None),
         };
-        let decision = extensions.and_then(|extensions| extensions.get::<Decision>());
+        let decided = extensions.and_then(|extensions| extensions.get::<RequestOutcome>());
         let upstream = extensions.and_then(|extensions| extensions.get::<UpstreamFacts>());
-        let shadowed = extensions.is_some_and(|extensions| extensions.get::<Shadowed>().is_some());
-        let label = match answer {
-            Answer::Head(_) => decision_label(&facts, decision, shadowed, upstream, status),
+        let outcome = match (facts.early, answer) {
+            (Some(early), _) => early,
+            (None, Answer::Head(_)) => GatewayOutcome::Limiter(
+                decided.map_or(Outcome::Unlimited, |decided| decided.outcome),
+            ),
             // What the limiter decided rides on the answer the client did not wait for.
-            Answer::ClientGone => facts.early.unwrap_or("client_closed"),
+            (None, Answer::ClientGone) => GatewayOutcome::ClientClosed,
         };
-        if self.settings.only_limited && !is_limited(label) {
+        if self.settings.only_limited && !outcome.is_refused() {
             return None;
         }
         if self.settings.sample < 1.0 && fastrand::f64() >= self.settings.sample {
             return None;
         }
-        let binding = decision.and_then(Decision::binding_limit);
+        let binding = decided.and_then(|decided| decided.binding.as_ref());
         Some(Line {
             method: request.method,
             path: facts.path,
@@ -266,11 +263,10 @@ impl AccessLog {
             upstream_elapsed: upstream.map(|upstream| upstream.elapsed),
             identity: facts.identity,
             plan: facts.plan,
-            decision: label,
+            decision: outcome.as_str(),
             limit: binding.map(|binding| (binding.name.clone(), binding.remaining)),
-            retry_after: decision
-                .and_then(Decision::retry_after)
-                .filter(|_| label != "allowed")
+            retry_after: decided
+                .and_then(RequestOutcome::retry_after)
                 .map(|wait| wait.as_secs_f64().ceil() as u64),
             trace_id: request.trace_id,
         })
@@ -371,7 +367,7 @@ enum Answer<'a> {
 /// One request's line until its answer's head is ready: [`PendingLine::answered`] hands it
 /// to the answer's body ([`LoggedBody`]), which writes it once sent. If the request's future
 /// is dropped first (its client went away), it is written when dropped, as a 499.
-pub struct PendingLine {
+pub(crate) struct PendingLine {
     log: Arc<AccessLog>,
     request: RequestLine,
     facts: RequestFacts,
@@ -382,7 +378,7 @@ pub struct PendingLine {
 
 impl PendingLine {
     /// The line of the request `request` describes, timed from now.
-    pub fn new(log: Arc<AccessLog>, request: RequestLine) -> PendingLine {
+    pub(crate) fn new(log: Arc<AccessLog>, request: RequestLine) -> PendingLine {
         PendingLine {
             log,
             request,
@@ -393,13 +389,13 @@ impl PendingLine {
     }
 
     /// What the gateway learns of the request on its way, for the line.
-    pub fn facts(&mut self) -> &mut RequestFacts {
+    pub(crate) fn facts(&mut self) -> &mut RequestFacts {
         &mut self.facts
     }
 
     /// The answer `response` with a body that writes the request's line once it is sent
     /// (or cut short), when the sampling and `only` keep it.
-    pub fn answered<B>(mut self, response: Response<B>) -> Response<LoggedBody<B>> {
+    pub(crate) fn answered<B>(mut self, response: Response<B>) -> Response<LoggedBody<B>> {
         let (parts, body) = response.into_parts();
         self.answered = true;
         let (request, facts) = (take(&mut self.request), take(&mut self.facts));
@@ -454,7 +450,7 @@ pin_project_lite::pin_project! {
 
 impl<B> LoggedBody<B> {
     /// `body` with no line to write.
-    pub fn unlogged(body: B) -> Self {
+    pub(crate) fn unlogged(body: B) -> Self {
         LoggedBody {
             inner: body,
             sent: None,
@@ -566,41 +562,6 @@ fn push_json_string(line: &mut String, text: &str) {
         }
     }
     line.push('"');
-}
-
-/// What the request's answer was, as the log names it.
-fn decision_label(
-    facts: &RequestFacts,
-    decision: Option<&Decision>,
-    shadowed: bool,
-    upstream: Option<&UpstreamFacts>,
-    status: StatusCode,
-) -> &'static str {
-    if let Some(early) = facts.early {
-        return early;
-    }
-    match decision {
-        Some(decision) => match (decision.source(), decision.is_allowed()) {
-            (DecisionSource::Store, true) => "allowed",
-            // A denial the client did not get: shadow mode or a canary outside its share.
-            (DecisionSource::Store, false) if shadowed => "shadow_limited",
-            // A 429, or a gRPC call's 200 with `grpc-status: 8`.
-            (DecisionSource::Store, false) => "limited",
-            (_, true) => "fallback_allowed",
-            (_, false) => "fallback_limited",
-        },
-        // The store failed under `on_store_error: closed`: answered 503, nothing upstream.
-        None if upstream.is_none() && status == StatusCode::SERVICE_UNAVAILABLE => "unavailable",
-        None => "unlimited",
-    }
-}
-
-/// Whether `label` is a request the limiter refused (`only: limited`).
-fn is_limited(label: &str) -> bool {
-    matches!(
-        label,
-        "limited" | "fallback_limited" | "denylisted" | "unknown_key" | "unavailable"
-    )
 }
 
 fn millis(duration: Duration) -> f64 {

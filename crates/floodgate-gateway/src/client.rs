@@ -9,7 +9,7 @@ use crate::config::{Config, EndpointTable, RouteTarget, UnknownKeys, key_digest}
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
-pub struct ResolvedClient {
+pub(crate) struct ResolvedClient {
     /// Who the plan's limits count against.
     pub identity: Identity,
     /// The plan's name.
@@ -25,7 +25,7 @@ pub struct ResolvedClient {
 
 /// What to do with a request.
 #[derive(Debug)]
-pub enum Resolution {
+pub(crate) enum Resolution {
     /// Denylisted: 403.
     Denied,
     /// An API key not in `clients.api_keys`, under `clients.unknown_keys: reject`: 401.
@@ -38,7 +38,7 @@ pub enum Resolution {
 /// ([`crate::admin::inspect`]). Both resolve through [`resolve_parts`], so an inspection
 /// resolves a client exactly as its requests are.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct ClientParts<'a> {
+pub(crate) struct ClientParts<'a> {
     /// The API key.
     pub api_key: Option<&'a str>,
     /// The user id (ignored next to an API key, as a request's is).
@@ -52,7 +52,7 @@ pub struct ClientParts<'a> {
 
 /// Which list, if any, decides a client's requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Listed {
+pub(crate) enum Listed {
     /// Refused with 403.
     Denylist,
     /// No limit applies.
@@ -61,7 +61,7 @@ pub enum Listed {
 
 impl Listed {
     /// `denylist` or `allowlist`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Listed::Denylist => "denylist",
             Listed::Allowlist => "allowlist",
@@ -71,7 +71,7 @@ impl Listed {
 
 /// A client, resolved from its parts.
 #[derive(Clone, Debug)]
-pub struct ResolvedParts {
+pub(crate) struct ResolvedParts {
     /// Who the plan's limits count against.
     pub identity: Identity,
     /// The plan's name.
@@ -85,7 +85,7 @@ pub struct ResolvedParts {
 /// Resolves a client from its parts under `config`: `None` for an API key not in
 /// `clients.api_keys` under `clients.unknown_keys: reject` (a listed client is resolved all
 /// the same: its list decides first).
-pub fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<ResolvedParts> {
+pub(crate) fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<ResolvedParts> {
     let key_digest = parts.api_key.map(key_digest);
     let user = if parts.api_key.is_none() {
         parts.user
@@ -144,7 +144,7 @@ pub fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<Resolved
 }
 
 /// Resolves the client of `request` under `config`.
-pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
+pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
     let identifier = &config.identity.identifier;
     let api_key = identifier.api_key(request);
     let user = if api_key.is_none() {
@@ -187,7 +187,7 @@ pub fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
 impl ResolvedClient {
     /// The route `request` was resolved with, from its `ResolvedClient` (or, for a request
     /// without one, found in `routes`).
-    pub fn route_of<'c>(
+    pub(crate) fn route_of<'c>(
         routes: &'c EndpointTable<RouteTarget>,
         extensions: &http::Extensions,
         method: &http::Method,

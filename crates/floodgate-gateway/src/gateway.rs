@@ -25,7 +25,7 @@ use crate::stores::{build_store, builds_the_same_store};
 use crate::version::{ConfigVersion, GatewayBody};
 
 /// The running gateway: the current version and how to replace it.
-pub struct Gateway {
+pub(crate) struct Gateway {
     /// Top clients and the 429 baseline.
     pub observers: Observers,
     current: ArcSwap<ConfigVersion>,
@@ -40,7 +40,7 @@ pub struct Gateway {
 
 /// What the configuration file holds now, compared with what the last reload read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FileState {
+pub(crate) enum FileState {
     /// The same text (or the file cannot be read): nothing to do.
     Unchanged,
     /// New text that cannot be put in service: empty, or not a valid configuration (perhaps a
@@ -60,7 +60,7 @@ fn is_empty(text: &str) -> bool {
 
 impl Gateway {
     /// Loads `config_path` and builds the first version.
-    pub fn start(config_path: &Path) -> Result<Arc<Gateway>, GatewayError> {
+    pub(crate) fn start(config_path: &Path) -> Result<Arc<Gateway>, GatewayError> {
         let text = read_config(config_path)?;
         let config = Arc::new(config::parse(&text)?);
         let store = build_store(&config.store)?;
@@ -80,28 +80,28 @@ impl Gateway {
     }
 
     /// Writes the access log's last lines and closes it (on shutdown).
-    pub fn close_access_log(&self) {
+    pub(crate) fn close_access_log(&self) {
         if let Some(log) = self.access_log.swap(None) {
             log.close();
         }
     }
 
     /// Reopens the access log's file before its next line (`SIGUSR1`, after logrotate).
-    pub fn reopen_access_log(&self) {
+    pub(crate) fn reopen_access_log(&self) {
         if let Some(log) = &*self.access_log.load() {
             log.reopen();
         }
     }
 
     /// The version in service.
-    pub fn current(&self) -> Arc<ConfigVersion> {
+    pub(crate) fn current(&self) -> Arc<ConfigVersion> {
         self.current.load_full()
     }
 
     /// Asks the store in service whether it answers, once at start, and says so loudly if not:
     /// a store that refuses the gateway (a wrong password) or cannot be reached is logged at
     /// ERROR with the reason. The gateway still starts; requests follow `on_store_error`.
-    pub async fn check_store_at_start(&self) {
+    pub(crate) async fn check_store_at_start(&self) {
         let store = self.store();
         match store.probe().await {
             Ok(()) => tracing::debug!(backend = store.backend(), "the store answers"),
@@ -115,14 +115,14 @@ impl Gateway {
     }
 
     /// The store of the version in service.
-    pub fn store(&self) -> Arc<dyn Store> {
+    pub(crate) fn store(&self) -> Arc<dyn Store> {
         self.current().store.store.clone()
     }
 
     /// Re-reads the configuration file and swaps it in if valid. With `only_if_changed` (the
     /// watcher), a file whose text the last reload already read is left alone, silently:
     /// only a reload that read new text (or was asked for) is logged and counted.
-    pub fn reload(&self, only_if_changed: bool) -> Result<u64, GatewayError> {
+    pub(crate) fn reload(&self, only_if_changed: bool) -> Result<u64, GatewayError> {
         let result = match self.try_reload(only_if_changed) {
             Ok(None) => return Ok(self.current().version),
             Ok(Some(version)) => Ok(version),
@@ -144,7 +144,7 @@ impl Gateway {
 
     /// What the file holds now, for the watcher to decide whether to reload or to wait for a
     /// writer to finish. Reads and parses, changes nothing.
-    pub fn file_state(&self) -> FileState {
+    pub(crate) fn file_state(&self) -> FileState {
         let Ok(text) = std::fs::read_to_string(&self.config_path) else {
             return FileState::Unchanged;
         };
@@ -260,7 +260,7 @@ fn flush_in_background(store: Arc<dyn Store>) {
 
 /// Serves a request under the version in service when it arrives, and gives it its line in
 /// the access log, if there is one.
-pub async fn handle(
+pub(crate) async fn handle(
     gateway: Arc<Gateway>,
     request: Request<Incoming>,
 ) -> Result<Response<LoggedBody<GatewayBody>>, Infallible> {

@@ -7,7 +7,7 @@ use http::{Method, Request, StatusCode, Version};
 
 /// Why a request head is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HeadRejection {
+pub(crate) enum HeadRejection {
     /// More than one `Host` header, or none on HTTP/1.1: 400.
     BadHost,
     /// An HTTP/2 `host` header that disagrees with `:authority`: 400.
@@ -18,7 +18,7 @@ pub enum HeadRejection {
 
 impl HeadRejection {
     /// The status answered.
-    pub fn status(self) -> StatusCode {
+    pub(crate) fn status(self) -> StatusCode {
         match self {
             HeadRejection::BadHost | HeadRejection::HostAuthorityMismatch => {
                 StatusCode::BAD_REQUEST
@@ -29,7 +29,7 @@ impl HeadRejection {
 
     /// The `error` of the JSON answer, also the `reason` label of
     /// `floodgate_rejected_requests_total`.
-    pub fn reason(self) -> &'static str {
+    pub(crate) fn reason(self) -> &'static str {
         match self {
             HeadRejection::BadHost => "bad_host",
             HeadRejection::HostAuthorityMismatch => "host_authority_mismatch",
@@ -39,7 +39,7 @@ impl HeadRejection {
 }
 
 /// Checks the head of `request`.
-pub fn check<B>(request: &Request<B>) -> Result<(), HeadRejection> {
+pub(crate) fn check<B>(request: &Request<B>) -> Result<(), HeadRejection> {
     if request.method() == Method::CONNECT {
         return Err(HeadRejection::Connect);
     }

@@ -92,7 +92,7 @@ pub fn normalize(path: &str) -> Result<Option<String>, PathError> {
 }
 
 /// `uri` with its path normalised (query kept), or `None` when it already is normal.
-pub fn normalize_uri(uri: &http::Uri) -> Result<Option<http::Uri>, PathError> {
+pub(crate) fn normalize_uri(uri: &http::Uri) -> Result<Option<http::Uri>, PathError> {
     let Some(path) = normalize(uri.path())? else {
         return Ok(None);
     };

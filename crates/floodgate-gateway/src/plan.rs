@@ -21,14 +21,14 @@ const PER_IP_RULE: &str = "per_ip";
 
 /// The gateway's limit plan for one configuration version.
 #[derive(Debug)]
-pub struct GatewayPlan {
+pub(crate) struct GatewayPlan {
     config: Arc<Config>,
     per_ip_rule: Arc<str>,
 }
 
 impl GatewayPlan {
     /// The plan of `config`.
-    pub fn new(config: Arc<Config>) -> Self {
+    pub(crate) fn new(config: Arc<Config>) -> Self {
         GatewayPlan {
             config,
             per_ip_rule: Arc::from(PER_IP_RULE),
@@ -38,7 +38,7 @@ impl GatewayPlan {
 
 /// Who a client is as far as storage keys go.
 #[derive(Clone, Copy, Debug)]
-pub enum ClientKeys<'a> {
+pub(crate) enum ClientKeys<'a> {
     /// Its identity (hashed only if a plan limit needs it).
     Identity(&'a Identity),
     /// The hash and scope (`key`, `user`, `ip`, `unknown`) of an identity known only by them.
@@ -62,7 +62,7 @@ impl ClientKeys<'_> {
 impl GatewayPlan {
     /// The checks of a request `method path` from a client of `plan` at `client_ip`, in SPEC
     /// §1's order: the request path and the admin API's client inspection share it.
-    pub fn client_checks(
+    pub(crate) fn client_checks(
         &self,
         method: &Method,
         path: &str,
@@ -119,7 +119,7 @@ impl GatewayPlan {
     /// limits (when the IP is known), its plan's limits and every endpoint limit of its plan, at
     /// cost 1. Global ceilings are every client's, and not among them. What an operator's reset
     /// of a client clears.
-    pub fn all_client_checks(
+    pub(crate) fn all_client_checks(
         &self,
         client_ip: Option<IpAddr>,
         plan: &str,
@@ -187,7 +187,7 @@ impl GatewayPlan {
 }
 
 /// Whether `check` is a `global` ceiling: one counter every client writes.
-pub fn is_global_ceiling(check: &Check) -> bool {
+pub(crate) fn is_global_ceiling(check: &Check) -> bool {
     check.scope == Scope::Shared
 }
 

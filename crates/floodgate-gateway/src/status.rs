@@ -21,7 +21,7 @@ const RELOAD_ERRORS: usize = 10;
 
 /// The page's shared state; the gateway keeps one across configuration versions.
 #[derive(Debug)]
-pub struct StatusBoard {
+pub(crate) struct StatusBoard {
     started: Instant,
     samples: Mutex<VecDeque<Sample>>,
     /// Whether the 429 share of the baseline's last interval was an anomaly.
@@ -54,7 +54,7 @@ fn unix_now() -> u64 {
 
 impl StatusBoard {
     /// Takes this second's sample of the decision totals (called once a second).
-    pub fn sample(&self) {
+    pub(crate) fn sample(&self) {
         let totals = decision_totals().map(|(_, count)| count);
         let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
         if samples.len() == SAMPLES {
@@ -68,13 +68,13 @@ impl StatusBoard {
 
     /// Records whether the 429 share of the baseline's interval that just closed is an
     /// anomaly (more than 2σ from its trailing five minutes).
-    pub fn record_anomaly(&self, anomaly: bool) {
+    pub(crate) fn record_anomaly(&self, anomaly: bool) {
         self.anomaly
             .store(anomaly, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records a rejected reload (its message names the field; no secret is in it).
-    pub fn record_reload_error(&self, error: String) {
+    pub(crate) fn record_reload_error(&self, error: String) {
         let mut errors = self
             .reload_errors
             .lock()
@@ -87,7 +87,7 @@ impl StatusBoard {
 
     /// The `decisions`, `limited_share`, `reload_errors` and `uptime_seconds` parts of
     /// `/admin/status`.
-    pub fn report(&self) -> Map<String, Value> {
+    pub(crate) fn report(&self) -> Map<String, Value> {
         let samples: Vec<Sample> = self
             .samples
             .lock()
@@ -174,7 +174,7 @@ impl StatusBoard {
 
 /// What every configuration version reports into: kept across reloads.
 #[derive(Default)]
-pub struct Observers {
+pub(crate) struct Observers {
     /// The top clients of the last five minutes.
     pub top: Arc<TopClients>,
     /// The 429-rate baseline.

@@ -69,7 +69,7 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>,
 /// Whether a store built from `new` would be the one built from `current`: then the reload keeps
 /// it, and its counters. The memory store is built from nothing but its backend (and the
 /// prefix its overrides are kept under); `fallback_share` is the layer's, not the store's.
-pub fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
+pub(crate) fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bool {
     match (&current.backend, &new.backend) {
         (Backend::Memory, Backend::Memory) => current.prefix == new.prefix,
         _ => {
@@ -91,7 +91,7 @@ pub fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings) -> bo
 /// A store built from `settings`, and its hot identity tracker if `store.hot_identities` is set
 /// (the admin API says which identities are decided locally).
 #[derive(Clone)]
-pub struct BuiltStore {
+pub(crate) struct BuiltStore {
     /// What decisions go to.
     pub store: Arc<dyn Store>,
     /// Which identities this node decides from leases now.
@@ -132,7 +132,7 @@ impl BuiltStore {
 /// In exact mode, `global` ceilings and hot identities are the same mechanism: a
 /// [`SplitStore`] deciding them from leases of a [`BatchedStore`], each on its own interval
 /// (the ceilings outermost, so that a saturated ceiling costs nothing further).
-pub fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
+pub(crate) fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
     let Some(shared) = shared_store(settings)? else {
         let memory = MemoryStore::builder()
             .evict_every(Duration::from_secs(10))

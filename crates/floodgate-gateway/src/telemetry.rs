@@ -5,39 +5,39 @@ use floodgate::telemetry::{MetricDescription, MetricKind};
 
 /// `floodgate_access_log_dropped_total`: access log lines dropped because the writer could
 /// not keep up (its queue was full).
-pub const ACCESS_LOG_DROPPED_TOTAL: &str = "floodgate_access_log_dropped_total";
+pub(crate) const ACCESS_LOG_DROPPED_TOTAL: &str = "floodgate_access_log_dropped_total";
 /// `floodgate_config_reloads_total{result}`: `success` or `failure`.
-pub const CONFIG_RELOADS_TOTAL: &str = "floodgate_config_reloads_total";
+pub(crate) const CONFIG_RELOADS_TOTAL: &str = "floodgate_config_reloads_total";
 /// `floodgate_config_version`: the version in service.
-pub const CONFIG_VERSION: &str = "floodgate_config_version";
+pub(crate) const CONFIG_VERSION: &str = "floodgate_config_version";
 /// `floodgate_upstream_requests_total{status}`.
-pub const UPSTREAM_REQUESTS_TOTAL: &str = "floodgate_upstream_requests_total";
+pub(crate) const UPSTREAM_REQUESTS_TOTAL: &str = "floodgate_upstream_requests_total";
 /// `floodgate_upstream_duration_seconds`: until the upstream's response head.
-pub const UPSTREAM_DURATION_SECONDS: &str = "floodgate_upstream_duration_seconds";
+pub(crate) const UPSTREAM_DURATION_SECONDS: &str = "floodgate_upstream_duration_seconds";
 /// `floodgate_admin_resets_total`.
-pub const ADMIN_RESETS_TOTAL: &str = "floodgate_admin_resets_total";
+pub(crate) const ADMIN_RESETS_TOTAL: &str = "floodgate_admin_resets_total";
 /// `floodgate_rejected_requests_total{reason}`: refused before any limit.
-pub const REJECTED_REQUESTS_TOTAL: &str = "floodgate_rejected_requests_total";
+pub(crate) const REJECTED_REQUESTS_TOTAL: &str = "floodgate_rejected_requests_total";
 /// `floodgate_client_errors_total{kind}`.
-pub const CLIENT_ERRORS_TOTAL: &str = "floodgate_client_errors_total";
+pub(crate) const CLIENT_ERRORS_TOTAL: &str = "floodgate_client_errors_total";
 /// `floodgate_connections_closed_total{reason}`.
-pub const CONNECTIONS_CLOSED_TOTAL: &str = "floodgate_connections_closed_total";
+pub(crate) const CONNECTIONS_CLOSED_TOTAL: &str = "floodgate_connections_closed_total";
 /// `floodgate_connections_at_limit_total`.
-pub const CONNECTIONS_AT_LIMIT_TOTAL: &str = "floodgate_connections_at_limit_total";
+pub(crate) const CONNECTIONS_AT_LIMIT_TOTAL: &str = "floodgate_connections_at_limit_total";
 /// `floodgate_accept_errors_total`.
-pub const ACCEPT_ERRORS_TOTAL: &str = "floodgate_accept_errors_total";
+pub(crate) const ACCEPT_ERRORS_TOTAL: &str = "floodgate_accept_errors_total";
 /// `floodgate_tls_reloads_total{result}`.
-pub const TLS_RELOADS_TOTAL: &str = "floodgate_tls_reloads_total";
+pub(crate) const TLS_RELOADS_TOTAL: &str = "floodgate_tls_reloads_total";
 /// `floodgate_tls_handshake_failures_total`.
-pub const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "floodgate_tls_handshake_failures_total";
+pub(crate) const TLS_HANDSHAKE_FAILURES_TOTAL: &str = "floodgate_tls_handshake_failures_total";
 /// `floodgate_rls_reloads_total{result}`: reloads of the rate limit service's domain files.
-pub const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
+pub(crate) const RLS_RELOADS_TOTAL: &str = "floodgate_rls_reloads_total";
 /// `floodgate_rls_limit_overrides_total{outcome}`: descriptors that carried Envoy's `limit`
 /// override: `applied` or `invalid`.
-pub const RLS_LIMIT_OVERRIDES_TOTAL: &str = "floodgate_rls_limit_overrides_total";
+pub(crate) const RLS_LIMIT_OVERRIDES_TOTAL: &str = "floodgate_rls_limit_overrides_total";
 /// `floodgate_rls_override_evictions_total`: limits of Envoy's `limit` overrides evicted
 /// (least recently used) to make room for a new override value past the bound.
-pub const RLS_OVERRIDE_EVICTIONS_TOTAL: &str = "floodgate_rls_override_evictions_total";
+pub(crate) const RLS_OVERRIDE_EVICTIONS_TOTAL: &str = "floodgate_rls_override_evictions_total";
 
 const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
     MetricDescription {
@@ -118,7 +118,7 @@ pub const GATEWAY_METRICS: &[MetricDescription] = &[
 ];
 
 /// Describes the library's metrics and the gateway's.
-pub fn describe_all() {
+pub(crate) fn describe_all() {
     floodgate::telemetry::describe_metrics();
     floodgate::telemetry::describe(GATEWAY_METRICS);
 }

@@ -97,7 +97,7 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// The certificates of a PEM file, at least one.
-pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let text = read(path)?;
     let certs = CertificateDer::pem_slice_iter(&text)
         .collect::<Result<Vec<_>, _>>()
@@ -114,7 +114,7 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 }
 
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1).
-pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+pub(crate) fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let text = read(path)?;
     PrivateKeyDer::from_pem_slice(&text).map_err(|source| TlsError::NoKey {
         path: path.to_owned(),
@@ -123,7 +123,7 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 }
 
 /// A certificate chain and its key, checked to belong together.
-pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
+pub(crate) fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     let chain = load_certs(cert)?;
     let key_der = load_key(key)?;
     CertifiedKey::from_der(chain, key_der, &provider()).map_err(|source| TlsError::Pair {
@@ -136,7 +136,7 @@ pub fn load_pair(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
 /// `upstream_tls:` as validated: files exist and parse; what they hold is read again when the
 /// client is built.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct UpstreamTls {
+pub(crate) struct UpstreamTls {
     /// Extra trusted roots (PEM).
     pub ca: Option<PathBuf>,
     /// The name to verify (and send as SNI) instead of the URL's host.
@@ -147,7 +147,7 @@ pub struct UpstreamTls {
 
 /// The rustls configuration of the upstream client: the system's roots plus `ca`, and the
 /// client certificate when set.
-pub fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, TlsError> {
+pub(crate) fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, TlsError> {
     let mut roots = RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();
     let (added, _ignored) = roots.add_parsable_certificates(native.certs);
@@ -182,7 +182,7 @@ pub fn upstream_client_config(settings: &UpstreamTls) -> Result<ClientConfig, Tl
 /// Kubernetes secret rotation). Handshakes in flight keep the pair they started with; a new
 /// pair that does not load is logged and the old one kept.
 #[derive(Debug)]
-pub struct ReloadingCertificate {
+pub(crate) struct ReloadingCertificate {
     cert_path: PathBuf,
     key_path: PathBuf,
     current: ArcSwap<CertifiedKey>,
@@ -190,7 +190,7 @@ pub struct ReloadingCertificate {
 
 impl ReloadingCertificate {
     /// Loads the pair once; fails if it does not load.
-    pub fn load(cert_path: PathBuf, key_path: PathBuf) -> Result<Arc<Self>, TlsError> {
+    pub(crate) fn load(cert_path: PathBuf, key_path: PathBuf) -> Result<Arc<Self>, TlsError> {
         let pair = load_pair(&cert_path, &key_path)?;
         Ok(Arc::new(ReloadingCertificate {
             cert_path,
@@ -200,7 +200,7 @@ impl ReloadingCertificate {
     }
 
     /// A server configuration that offers h2 and HTTP/1.1 by ALPN and serves the current pair.
-    pub fn server_config(self: &Arc<Self>) -> Result<ServerConfig, TlsError> {
+    pub(crate) fn server_config(self: &Arc<Self>) -> Result<ServerConfig, TlsError> {
         let mut config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()?
             .with_no_client_auth()
@@ -212,7 +212,7 @@ impl ReloadingCertificate {
     /// Checks the files every `interval` and swaps in a changed pair. Runs until the process
     /// ends. Polling (of modification times and sizes) sees atomic renames, in-place writes and
     /// Kubernetes' symlink swaps alike.
-    pub fn watch(self: Arc<Self>, interval: Duration) {
+    pub(crate) fn watch(self: Arc<Self>, interval: Duration) {
         tokio::spawn(async move {
             let mut seen = self.stamp();
             let mut ticks = tokio::time::interval(interval);
@@ -229,7 +229,7 @@ impl ReloadingCertificate {
     }
 
     /// Re-reads the pair now: swapped in if it loads, logged and ignored if not.
-    pub fn reload(&self) -> bool {
+    pub(crate) fn reload(&self) -> bool {
         match load_pair(&self.cert_path, &self.key_path) {
             Ok(pair) => {
                 self.current.store(Arc::new(pair));

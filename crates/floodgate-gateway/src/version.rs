@@ -10,7 +10,7 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use floodgate::store::HotIdentities;
 use floodgate::{
-    FailurePolicy, RateLimit, RateLimitLayer, RequestInfo, Store, rollout::Rollout,
+    FailurePolicy, Outcome, RateLimit, RateLimitLayer, RequestInfo, rollout::Rollout,
     service::RateLimitBody,
 };
 use http::{Request, Response};
@@ -22,16 +22,17 @@ use crate::access_log::RequestFacts;
 use crate::client::{Resolution, ResolvedClient, resolve};
 use crate::config::Config;
 use crate::error::GatewayError;
+use crate::outcome::GatewayOutcome;
 use crate::plan::GatewayPlan;
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients};
 use crate::status::Observers;
 use crate::stores::BuiltStore;
 
 /// The body of every gateway response.
-pub type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
+pub(crate) type GatewayBody = Either<RateLimitBody<ProxyBody>, Full<Bytes>>;
 
 /// One configuration version, ready to serve.
-pub struct ConfigVersion {
+pub(crate) struct ConfigVersion {
     /// Increments with every applied configuration.
     pub version: u64,
     /// When it was applied.
@@ -128,25 +129,20 @@ impl ConfigVersion {
         })
     }
 
-    /// The store this version decides with.
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store.store
-    }
-
     /// The per-client overrides of this version's store (`/admin/clients/overrides`).
-    pub fn overrides(&self) -> Option<&Arc<floodgate::overrides::Overrides>> {
+    pub(crate) fn overrides(&self) -> Option<&Arc<floodgate::overrides::Overrides>> {
         self.store.overrides.as_ref()
     }
 
     /// Which identities this version's store decides from leases (`store.hot_identities`).
-    pub fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
+    pub(crate) fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
         self.store.hot_identities.as_ref()
     }
 
     /// Serves one request under this version. `facts`, when the access log wants the
     /// request's line, is filled in with what the gateway learns on the way; it is filled in
     /// as the request goes, so that a request whose client goes away has it too.
-    pub async fn handle(
+    pub(crate) async fn handle(
         &self,
         request: Request<Incoming>,
         facts: Option<&mut RequestFacts>,
@@ -171,7 +167,7 @@ impl ConfigVersion {
         if let Err(rejection) = crate::head::check(&request) {
             metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => rejection.reason())
                 .increment(1);
-            facts.early = Some("rejected");
+            facts.early = Some(GatewayOutcome::Rejected);
             facts.path = Some(request.uri().path().to_owned());
             return json_error(rejection.status(), rejection.reason());
         }
@@ -186,7 +182,7 @@ impl ConfigVersion {
                 };
                 metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => reason)
                     .increment(1);
-                facts.early = Some("rejected");
+                facts.early = Some(GatewayOutcome::Rejected);
                 facts.path = Some(request.uri().path().to_owned());
                 return json_error(http::StatusCode::BAD_REQUEST, "bad_request");
             }
@@ -197,13 +193,13 @@ impl ConfigVersion {
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
         let client = match resolution {
             Resolution::Denied => {
-                facts.early = Some("denylisted");
+                facts.early = Some(GatewayOutcome::Limiter(Outcome::Denylisted));
                 floodgate::telemetry::record_denylisted();
                 return floodgate::response::forbidden_response()
                     .map(|body| Either::Right(Full::new(body)));
             }
             Resolution::UnknownKey => {
-                facts.early = Some("unknown_key");
+                facts.early = Some(GatewayOutcome::UnknownKey);
                 metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
                     .increment(1);
                 return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
@@ -214,18 +210,8 @@ impl ConfigVersion {
             facts.identity = Some(client.identity.clone());
             facts.plan = Some(client.plan.clone());
         }
-        let rollout = self
-            .config
-            .plans
-            .get(&*client.plan)
-            .and_then(|plan| plan.rollout.as_ref())
-            .unwrap_or(&self.config.rollout);
-        if rollout.mode() == floodgate::rollout::Mode::Off {
-            // The kill switch: no limit applies, as the decision metrics count it.
-            facts.early = Some("bypassed");
-        }
         if client.bypass {
-            facts.early = Some("bypassed");
+            facts.early = Some(GatewayOutcome::Limiter(Outcome::Bypassed));
             floodgate::telemetry::record_allowlisted();
         }
         let service = self

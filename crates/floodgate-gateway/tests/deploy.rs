@@ -139,7 +139,7 @@ fn the_dashboard_and_alerts_use_metrics_that_exist() {
     // alert that never fires, or an empty panel). promtool evaluates the rules themselves.
     let known: std::collections::HashSet<&str> = telemetry::METRICS
         .iter()
-        .chain(floodgate_gateway::telemetry::GATEWAY_METRICS)
+        .chain(floodgate_gateway::GATEWAY_METRICS)
         .map(|metric| metric.name)
         .collect();
     for (file, text) in [("alerts.yml", &alerts), ("dashboard", &dashboard)] {

@@ -890,11 +890,11 @@ async fn malformed_key_headers_are_treated_as_absent() {
 fn alias_bombs_and_huge_files_are_rejected_fast_with_a_clear_error() {
     let bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\ne: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\ng: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]\nplans: {}\n";
     let started = std::time::Instant::now();
-    let errors = floodgate_gateway::config::parse(bomb).expect_err("refused");
+    let errors = floodgate_gateway::check_text(bomb).expect_err("refused");
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
     assert!(!errors.to_string().is_empty());
-    let huge = "#".repeat(floodgate_gateway::config::MAX_CONFIG_BYTES + 1);
-    let errors = floodgate_gateway::config::parse(&huge).expect_err("refused");
+    let huge = "#".repeat(floodgate_gateway::MAX_CONFIG_BYTES + 1);
+    let errors = floodgate_gateway::check_text(&huge).expect_err("refused");
     assert!(
         errors
             .to_string()

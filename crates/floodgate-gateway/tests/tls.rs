@@ -297,7 +297,7 @@ fn bad_tls_files_are_config_errors_with_their_field() {
         ("upstream: \"ftp://x\"\n".to_owned(), "upstream: `ftp://x`"),
     ];
     for (text, expected) in cases {
-        let errors = floodgate_gateway::config::parse(&text)
+        let errors = floodgate_gateway::check_text(&text)
             .expect_err("invalid")
             .to_string();
         assert!(errors.contains(expected), "{text}\n=> {errors}");

@@ -20,6 +20,7 @@ use crate::decision::{Decision, DecisionSource};
 use crate::fallback::{DecidedBy, OnStoreError, decide_or_fall_back, settle_or_fall_back};
 use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
+use crate::outcome::{Outcome, RequestOutcome};
 use crate::planning::{Planner, Route};
 use crate::post_charge::{self, ReportedCost, ResponseCost};
 use crate::response::{
@@ -30,7 +31,7 @@ use crate::response::{forbidden_response, unidentified_response};
 use crate::rollout::Mode;
 use crate::store::resilience::StoreObserver;
 use crate::store::{Check, Store};
-use crate::telemetry::{self, DecisionLabel, LimitedRateBaseline};
+use crate::telemetry::{self, LimitedRateBaseline};
 use crate::top::TopClients;
 
 /// What every clone of a layer and its services share: one store, one configuration.
@@ -91,7 +92,11 @@ impl Shared {
         }
     }
 
-    async fn limited_response<B>(&self, decision: &Decision) -> Response<RateLimitBody<B>> {
+    async fn limited_response<B>(
+        &self,
+        decision: &Decision,
+        outcome: RequestOutcome,
+    ) -> Response<RateLimitBody<B>> {
         let concurrency_bound = decision
             .binding_limit()
             .filter(|binding| binding.definition().algorithm() == crate::Algorithm::Concurrency);
@@ -115,6 +120,7 @@ impl Shared {
             remaining_share: 0.0,
             denied: true,
         });
+        response.extensions_mut().insert(outcome);
         response.map(RateLimitBody::full)
     }
 }
@@ -175,22 +181,25 @@ where
         let shared = self.shared.clone();
         if shared.planner.rollout.mode() == Mode::Off {
             // Kill switch: not even a store call.
-            telemetry::record_decision("rollout", "off", DecisionLabel::Bypassed);
-            return pass_through(shared, self.inner.call(request));
+            telemetry::record_decision("rollout", "off", telemetry::DecisionLabel::Bypassed);
+            return pass_through(shared, self.inner.call(request), Outcome::Bypassed);
         }
         let planned = shared.planner.plan(&request);
         shared.planner.record_plan(&planned);
         let (checks, shadowed) = match planned.route {
             Route::Checks { checks, shadowed } if !checks.is_empty() => (checks, shadowed),
-            Route::Checks { .. } | Route::Allowlisted => {
-                return pass_through(shared, self.inner.call(request));
+            Route::Checks { .. } => {
+                return pass_through(shared, self.inner.call(request), Outcome::Unlimited);
+            }
+            Route::Allowlisted => {
+                return pass_through(shared, self.inner.call(request), Outcome::Bypassed);
             }
             Route::Denylisted | Route::Unidentified => {
-                let answer = match planned.route {
-                    Route::Denylisted => forbidden_response(),
-                    _ => unidentified_response(),
-                }
-                .map(RateLimitBody::full);
+                let (answer, outcome) = match planned.route {
+                    Route::Denylisted => (forbidden_response(), Outcome::Denylisted),
+                    _ => (unidentified_response(), Outcome::Unidentified),
+                };
+                let answer = with_outcome(answer, outcome).map(RateLimitBody::full);
                 return ResponseFuture::new(Box::pin(async move { Ok(answer) }));
             }
         };
@@ -232,15 +241,33 @@ struct Decide {
     decided: Option<Result<Decision, Unavailable>>,
 }
 
-/// A request no limit applies to: the inner service's answer, with its reported cost read
-/// (and removed) but charged to nothing.
-fn pass_through<F, ResBody, E>(shared: Arc<Shared>, response: F) -> ResponseFuture<ResBody, E>
+/// A request no limit applies to (`outcome` says why): the inner service's answer, with its
+/// reported cost read (and removed) but charged to nothing.
+fn pass_through<F, ResBody, E>(
+    shared: Arc<Shared>,
+    response: F,
+    outcome: Outcome,
+) -> ResponseFuture<ResBody, E>
 where
     F: Future<Output = Result<Response<ResBody>, E>> + Send + 'static,
     ResBody: Body<Data = Bytes> + Send + 'static,
     E: 'static,
 {
-    ResponseFuture::new(Box::pin(finish(shared, response, Admitted::default())))
+    let admitted = Admitted {
+        headers: None,
+        leases: None,
+        charge_to: None,
+        outcome: RequestOutcome::undecided(outcome),
+    };
+    ResponseFuture::new(Box::pin(finish(shared, response, admitted)))
+}
+
+/// One of the layer's own answers, with its `outcome` for whoever reports on it.
+fn with_outcome<B>(mut response: Response<B>, outcome: Outcome) -> Response<B> {
+    response
+        .extensions_mut()
+        .insert(RequestOutcome::undecided(outcome));
+    response
 }
 
 /// Calls the ready `inner` with a request the store admitted (enforced, not delayed).
@@ -257,13 +284,12 @@ where
     S::Error: 'static,
     ResBody: Body<Data = Bytes> + Send + 'static,
 {
-    let admitted = Admitted::new(&shared, &mut decision, checks, true);
+    let admitted = Admitted::new(&shared, &mut decision, checks, false);
     request.extensions_mut().insert(decision);
     ResponseFuture::new(Box::pin(finish(shared, inner.call(request), admitted)))
 }
 
 /// What an admitted request's response gets once the inner service answers.
-#[derive(Default)]
 struct Admitted {
     /// The rate limit headers.
     headers: Option<RateLimitHeaders>,
@@ -273,22 +299,25 @@ struct Admitted {
     /// The checks a reported cost is post-charged to: only what the store admitted (a
     /// fallback decision, or a shadow denial, which consumed nothing, has nothing to add to).
     charge_to: Option<Vec<Check>>,
+    /// What the layer made of the request.
+    outcome: RequestOutcome,
 }
 
 impl Admitted {
     /// Takes the leases out of `decision`; with its headers when the client may see them
-    /// (`visible`: not a shadow decision).
+    /// (not `shadowed`).
     fn new(
         shared: &Shared,
         decision: &mut Decision,
         checks: Vec<Check>,
-        visible: bool,
+        shadowed: bool,
     ) -> Admitted {
         let post_charged = decision.source() == DecisionSource::Store && decision.is_allowed();
         Admitted {
-            headers: visible.then(|| RateLimitHeaders::new(decision, shared.responses.headers)),
+            headers: (!shadowed).then(|| RateLimitHeaders::new(decision, shared.responses.headers)),
             leases: LeaseGuard::new(&shared.store, decision.take_leases()),
             charge_to: post_charged.then_some(checks),
+            outcome: RequestOutcome::of_decision(decision, shadowed),
         }
     }
 }
@@ -310,6 +339,7 @@ where
     if let Some(headers) = admitted.headers {
         headers.apply_to_response(&mut response);
     }
+    response.extensions_mut().insert(admitted.outcome);
     Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases)))
 }
 
@@ -333,22 +363,21 @@ where
         None => shared.decide(&checks, shadowed, &identity).await,
     };
     let Ok(mut decision) = decided else {
-        return Ok(unavailable_response().map(RateLimitBody::full));
+        let answer = with_outcome(unavailable_response(), Outcome::Unavailable);
+        return Ok(answer.map(RateLimitBody::full));
     };
     if shadowed {
         // Invisible to the client: no denial, no delay, no rate limit headers.
-        let admitted = Admitted::new(&shared, &mut decision, checks, false);
+        let admitted = Admitted::new(&shared, &mut decision, checks, true);
         request.extensions_mut().insert(decision);
         request.extensions_mut().insert(crate::rollout::Shadowed);
         return finish(shared, inner.call(request), admitted).await;
     }
     if !decision.is_allowed() {
-        let mut response = shared.limited_response(&decision).await;
-        // What was decided, for whoever logs the answer (the gateway's access log).
-        response.extensions_mut().insert(decision);
-        return Ok(response);
+        let outcome = RequestOutcome::of_decision(&decision, false);
+        return Ok(shared.limited_response(&decision, outcome).await);
     }
-    let admitted = Admitted::new(&shared, &mut decision, checks, true);
+    let admitted = Admitted::new(&shared, &mut decision, checks, false);
     if !decision.delay().is_zero() {
         tokio::time::sleep(decision.delay()).await;
     }
@@ -409,12 +438,9 @@ impl Shared {
                     &error,
                     allowed,
                 );
-                let label = if allowed {
-                    DecisionLabel::FallbackAllowed
-                } else {
-                    DecisionLabel::FallbackLimited
-                };
-                telemetry::record_decision(&checks[0].rule, checks[0].limit.name(), label);
+                if let Some(label) = Outcome::of_fallback(allowed).decision_label() {
+                    telemetry::record_decision(&checks[0].rule, checks[0].limit.name(), label);
+                }
                 decision.ok_or(Unavailable)
             }
         }
@@ -425,14 +451,12 @@ impl Shared {
         let Some(binding) = decision.binding_limit() else {
             return;
         };
-        let label = match (decision.is_allowed(), shadowed) {
-            (true, _) => DecisionLabel::Allowed,
-            (false, false) => DecisionLabel::Limited,
-            (false, true) => DecisionLabel::ShadowLimited,
-        };
-        telemetry::record_limit_decision(&binding.rule, &binding.name, label);
+        let outcome = Outcome::of_store_decision(decision.is_allowed(), shadowed);
+        if let Some(label) = outcome.decision_label() {
+            telemetry::record_limit_decision(&binding.rule, &binding.name, label);
+        }
         self.observe(identity, decision, shadowed);
-        if label == DecisionLabel::ShadowLimited && self.planner.rollout.may_log_shadow() {
+        if outcome == Outcome::ShadowLimited && self.planner.rollout.may_log_shadow() {
             tracing::info!(
                 rule = %binding.rule,
                 limit = %binding.name,

@@ -2,37 +2,10 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
-use floodgate::store::BoxFuture;
-use floodgate::{
-    Decision, FailurePolicy, RateLimitLayer, Store, StoreError, store::Check, store::Lease,
-    time::Timestamp,
-};
+use floodgate::{FailurePolicy, RateLimitLayer};
 use http::StatusCode;
 use tower::{Layer, service_fn};
-
-/// A store whose backend is down: every call fails the way a dead Redis does.
-struct DownStore;
-
-impl Store for DownStore {
-    fn check_and_consume<'a>(
-        &'a self,
-        _checks: &'a [Check],
-        _now: Option<Timestamp>,
-    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
-    }
-
-    fn release<'a>(&'a self, _leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
-    }
-
-    fn backend(&self) -> &'static str {
-        "down"
-    }
-}
 
 #[tokio::test]
 async fn store_failure_fails_open_by_default() {

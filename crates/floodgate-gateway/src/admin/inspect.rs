@@ -5,14 +5,13 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use floodgate::key::{ClientTag, IdentityHash, IdentityScope};
-use floodgate::{Identity, decision::LimitStatus, store::Check};
+use floodgate::key::{IdentityHash, IdentityScope};
+use floodgate::{Identity, store::Check};
 use http::Method;
-use serde_json::{Value, json};
 
 use crate::client::{ClientParts, Listed, resolve_parts};
 use crate::config::Config;
-use crate::plan::{ClientKeys, GatewayPlan, is_global_ceiling};
+use crate::plan::{ClientKeys, GatewayPlan};
 
 /// The query of `/admin/clients`: one of `api_key`, `user`, `identity` (with `scope`, default
 /// `key`) or `ip` names the client; `ip` alongside another adds its per-IP limits; `plan`
@@ -21,7 +20,7 @@ use crate::plan::{ClientKeys, GatewayPlan, is_global_ceiling};
 /// limits that request meets, global ceilings included. `limit` keeps one limit name.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClientQuery {
+pub(crate) struct ClientQuery {
     api_key: Option<String>,
     user: Option<String>,
     identity: Option<String>,
@@ -42,7 +41,7 @@ pub struct ClientQuery {
 
 /// Why a query names no client.
 #[derive(Debug)]
-pub enum SelectError {
+pub(crate) enum SelectError {
     /// The query is wrong (400).
     BadQuery(String),
     /// An API key the configuration does not know, under `clients.unknown_keys: reject`
@@ -52,7 +51,7 @@ pub enum SelectError {
 
 /// A client, resolved.
 #[derive(Debug)]
-pub struct Selected {
+pub(crate) struct Selected {
     /// The identity's hash, as logs and `/admin/top` show it.
     pub hash: IdentityHash,
     /// The identity's scope.
@@ -67,7 +66,7 @@ pub struct Selected {
 
 impl ClientQuery {
     /// Whether the query names a client at all (listing every override names none).
-    pub fn names_a_client(&self) -> bool {
+    pub(crate) fn names_a_client(&self) -> bool {
         self.api_key.is_some()
             || self.user.is_some()
             || self.identity.is_some()
@@ -126,7 +125,7 @@ impl ClientQuery {
     }
 
     /// Resolves the client and the checks of `method path` under `config`.
-    pub fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
+    pub(crate) fn select(&self, config: &Arc<Config>) -> Result<Selected, SelectError> {
         let bad = |message: &str| Err(SelectError::BadQuery(message.to_owned()));
         let exact_ip = self.checked_selectors(config)?;
         // Resolved as the client's requests are (`identity=` names one by its hash only).
@@ -227,41 +226,18 @@ impl ClientQuery {
 
 impl Selected {
     /// The client's hash tag, `<scope>:<hash>`, as in its storage keys.
-    pub fn tag(&self) -> String {
+    pub(crate) fn tag(&self) -> String {
         format!("{}:{}", self.scope, self.hash)
     }
 
     /// The check of the limit `name` of the client's plan (what an override replaces), among
     /// every check of the client ([`ClientQuery::select`] without a request).
-    pub fn plan_limit(&self, config: &Config, name: &str) -> Option<&Check> {
+    pub(crate) fn plan_limit(&self, config: &Config, name: &str) -> Option<&Check> {
         let plan = config.plans.get(&*self.plan)?;
         self.checks
             .iter()
             .find(|check| check.rule == plan.rule && check.limit.name() == name)
     }
-}
-
-/// An override as the admin API shows it.
-pub fn override_json(
-    entry: &floodgate::overrides::Override,
-    now: floodgate::time::Timestamp,
-) -> Value {
-    let ClientTag { scope, hash } = ClientTag::parse(entry.client()).unwrap_or(ClientTag {
-        scope: "",
-        hash: entry.client(),
-    });
-    json!({
-        "identity": hash,
-        "scope": scope,
-        "rule": &*entry.rule,
-        "name": &*entry.name,
-        "limit": entry.limit,
-        "window_seconds": seconds(entry.window),
-        "burst": entry.burst,
-        "expires_in": entry.remaining_secs(now),
-        "expires_at": entry.expires_at.as_secs_ceil(),
-        "set_at": entry.set_at.as_micros() / 1_000_000,
-    })
 }
 
 /// 32 hex digits.
@@ -276,30 +252,6 @@ fn parse_hash(hex: &str) -> Option<IdentityHash> {
         bytes[index] = u8::from_str_radix(text, 16).ok()?;
     }
     Some(IdentityHash(bytes))
-}
-
-/// Seconds with millisecond precision.
-fn seconds(duration: std::time::Duration) -> f64 {
-    (duration.as_secs_f64() * 1000.0).round() / 1000.0
-}
-
-/// One limit of an inspected client. `view` says whose state it is: `shared` (every gateway's)
-/// or `node` (this gateway's batched copy, up to one sync interval behind the others).
-pub fn limit_json(status: &LimitStatus, check: &Check, batched: bool) -> Value {
-    let global = is_global_ceiling(check);
-    json!({
-        "rule": &*status.rule,
-        "name": &*status.name,
-        "algorithm": status.definition().algorithm().as_str(),
-        "limit": status.limit,
-        "window_seconds": seconds(status.window),
-        "remaining": status.remaining,
-        "reset_after": seconds(status.reset_after),
-        "retry_after": status.retry_after.map(seconds),
-        "allowed": status.allowed,
-        "shared_by_all_clients": global,
-        "view": if batched { "node" } else { "shared" },
-    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The admin API (SPEC §7): health, readiness, metrics, reload, active configuration, top
 //! clients, a client's inspection and reset, and the status page.
 
-pub mod inspect;
+mod answers;
+pub(crate) mod inspect;
 
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
@@ -17,14 +18,25 @@ use axum::routing::{get, post};
 use floodgate::store::resilience::BreakerState;
 use floodgate::{FailurePolicy, StoreError};
 use metrics_exporter_prometheus::PrometheusHandle;
-use serde_json::json;
 
-use crate::admin::inspect::{ClientQuery, SelectError, Selected, limit_json, override_json};
+use crate::admin::answers::{
+    ActiveConfig, ClientOverrides, Failure, InspectedClient, LimitName, LimitView, OverridePage,
+    OverrideView, OverridesRemoved, PlanReadiness, Readiness, Reloaded, Reset, StoreRejected,
+    StoreState, TopClient, TopClients,
+};
+use crate::admin::inspect::{ClientQuery, SelectError, Selected};
 use crate::gateway::Gateway;
+
+/// `FLOODGATE_ADMIN_TOKEN`, when set and not empty: the bearer token the admin API asks for.
+pub(crate) fn token_from_env() -> Option<String> {
+    std::env::var("FLOODGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|token| !token.is_empty())
+}
 
 /// What the admin handlers share.
 #[derive(Clone)]
-pub struct AdminState {
+pub(crate) struct AdminState {
     /// The gateway.
     pub gateway: Arc<Gateway>,
     /// The Prometheus recorder's handle.
@@ -36,7 +48,7 @@ pub struct AdminState {
 /// The admin router. Every `/admin/*` route (reads included: they show client data and
 /// configuration) needs the token when one is set; `/healthz`, `/readyz` and `/metrics` stay
 /// open for probes and scrapers, and `/` (the status page, which holds no data) for browsers.
-pub fn router(state: AdminState) -> Router {
+pub(crate) fn router(state: AdminState) -> Router {
     let guarded = Router::new()
         .route("/admin/reload", post(reload))
         .route("/admin/config", get(active_config))
@@ -71,7 +83,7 @@ async fn require_token(
         (
             StatusCode::UNAUTHORIZED,
             [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
-            Json(json!({"error": "unauthorized"})),
+            Json(Failure::new("unauthorized")),
         )
             .into_response()
     }
@@ -103,7 +115,10 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     if let Err(error @ StoreError::Rejected(_)) = state.gateway.store().probe().await {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "store_rejected", "error": error.to_string()})),
+            Json(StoreRejected {
+                status: "store_rejected",
+                error: error.to_string(),
+            }),
         )
             .into_response();
     }
@@ -112,17 +127,17 @@ async fn readyz(State(state): State<AdminState>) -> Response {
         Some(BreakerState::Open | BreakerState::HalfOpen) => false,
     };
     let config = &current.config;
-    let mut names: Vec<&String> = config.plans.keys().collect();
-    names.sort();
-    let plans: serde_json::Map<String, serde_json::Value> = names
-        .into_iter()
+    let plans = config
+        .plans
+        .keys()
         .map(|name| {
             let policy = config.store_error_policy(name);
             let serving = store_ok || policy != FailurePolicy::Closed;
-            (
-                name.clone(),
-                json!({"on_store_error": policy.as_str(), "serving": serving}),
-            )
+            let readiness = PlanReadiness {
+                on_store_error: policy.as_str(),
+                serving,
+            };
+            (name.as_str(), readiness)
         })
         .collect();
     let ready = store_ok || !config.unready_without_store();
@@ -133,12 +148,12 @@ async fn readyz(State(state): State<AdminState>) -> Response {
     };
     (
         status,
-        Json(json!({
-            "status": label,
-            "version": current.version,
-            "store_reachable": store_ok,
-            "plans": plans,
-        })),
+        Json(Readiness {
+            status: label,
+            version: current.version,
+            store_reachable: store_ok,
+            plans,
+        }),
     )
         .into_response()
 }
@@ -157,15 +172,19 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 async fn reload(State(state): State<AdminState>) -> Response {
     let gateway = state.gateway.clone();
     match tokio::task::spawn_blocking(move || gateway.reload(false)).await {
-        Ok(Ok(version)) => Json(json!({"status": "applied", "version": version})).into_response(),
+        Ok(Ok(version)) => Json(Reloaded {
+            status: "applied",
+            version,
+        })
+        .into_response(),
         Ok(Err(error)) => (
             StatusCode::BAD_REQUEST,
-            Json(json!({"error": error.to_string()})),
+            Json(Failure::new(error.to_string())),
         )
             .into_response(),
         Err(_) => (
             StatusCode::INTERNAL_SERVER_ERROR,
-            Json(json!({"error": "reload failed"})),
+            Json(Failure::new("reload failed")),
         )
             .into_response(),
     }
@@ -177,11 +196,11 @@ async fn active_config(State(state): State<AdminState>) -> Response {
         .loaded_at
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs());
-    Json(json!({
-        "version": current.version,
-        "loaded_at": loaded_at,
-        "config": current.config.redacted,
-    }))
+    Json(ActiveConfig {
+        version: current.version,
+        loaded_at,
+        config: &current.config.redacted,
+    })
     .into_response()
 }
 
@@ -208,26 +227,26 @@ async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> 
             .iter()
             .any(|tag| floodgate::key::ClientTag::parse(tag).is_some_and(|tag| tag.hash == hash))
     };
-    let render = |entries: Vec<floodgate::top::TopEntry>| -> Vec<serde_json::Value> {
+    let render = |entries: Vec<floodgate::top::TopEntry>| -> Vec<TopClient> {
         entries
             .into_iter()
             .map(|entry| {
                 let identity = entry.identity.to_string();
-                json!({
-                    "local": is_local(&identity),
-                    "identity": identity,
-                    "denials": entry.denials,
-                    "closeness": (entry.closeness * 1000.0).round() / 1000.0,
-                })
+                TopClient {
+                    local: is_local(&identity),
+                    identity,
+                    denials: entry.denials,
+                    closeness: (entry.closeness * 1000.0).round() / 1000.0,
+                }
             })
             .collect()
     };
-    Json(json!({
-        "window_seconds": floodgate::top::TopClients::WINDOW.as_secs(),
-        "local_identities": &local_identities,
-        "by_denials": render(by_denials),
-        "by_closeness": render(by_closeness),
-    }))
+    Json(TopClients {
+        window_seconds: floodgate::top::TopClients::WINDOW.as_secs(),
+        local_identities: &local_identities,
+        by_denials: render(by_denials),
+        by_closeness: render(by_closeness),
+    })
     .into_response()
 }
 
@@ -265,30 +284,28 @@ async fn status(State(state): State<AdminState>) -> Response {
         BreakerState::Open => "open",
         BreakerState::HalfOpen => "half_open",
     });
-    let mode = current.config.rollout.mode().as_str();
-    let mut report = state.gateway.observers.status.report();
-    report.insert("version".to_owned(), json!(current.version));
-    report.insert("loaded_at".to_owned(), json!(loaded_at));
-    report.insert("mode".to_owned(), json!(mode));
-    report.insert(
-        "store".to_owned(),
-        json!({"backend": store.backend(), "breaker": breaker}),
-    );
     // This node's copy, as decisions see it: the first 100.
     let (now, overrides) = current
         .overrides()
         .map(|overrides| (overrides.now(), overrides.in_force()))
         .unwrap_or_default();
-    report.insert("overrides_in_force".to_owned(), json!(overrides.len()));
-    report.insert(
-        "overrides".to_owned(),
-        overrides
+    Json(answers::Status {
+        observed: state.gateway.observers.status.report(),
+        version: current.version,
+        loaded_at,
+        mode: current.config.rollout.mode().as_str(),
+        store: StoreState {
+            backend: store.backend(),
+            breaker,
+        },
+        overrides_in_force: overrides.len(),
+        overrides: overrides
             .iter()
             .take(100)
-            .map(|entry| override_json(entry, now))
+            .map(|entry| OverrideView::new(entry, now))
             .collect(),
-    );
-    Json(serde_json::Value::Object(report)).into_response()
+    })
+    .into_response()
 }
 
 /// A client named by the query (only the limit it names, if it names one), or the status and
@@ -313,13 +330,13 @@ fn selected(
 }
 
 fn refusal((status, message): (StatusCode, String)) -> Response {
-    (status, Json(json!({"error": message}))).into_response()
+    (status, Json(Failure::new(message))).into_response()
 }
 
 fn store_failure(error: &StoreError) -> Response {
     (
         StatusCode::SERVICE_UNAVAILABLE,
-        Json(json!({"error": "store_unavailable", "detail": error.to_string()})),
+        Json(Failure::with_detail("store_unavailable", error.to_string())),
     )
         .into_response()
 }
@@ -352,7 +369,7 @@ async fn inspect_client(
             .iter()
             .any(|check| hot.is_hot(floodgate::key::storage::hash_tag(&check.key)))
     });
-    let limits: Vec<serde_json::Value> = decision
+    let limits: Vec<LimitView> = decision
         .limits()
         .iter()
         .zip(&selected.checks)
@@ -362,24 +379,20 @@ async fn inspect_client(
                 || (settings.global_sync_interval.is_some()
                     && crate::plan::is_global_ceiling(check))
                 || (local && leased && !crate::plan::is_global_ceiling(check));
-            let mut limit = limit_json(status, check, batched);
-            if let Some(overrides) = current.overrides()
-                && let Some(entry) = overrides.applied_to(check)
-            {
-                limit["override"] = override_json(&entry, overrides.now());
-            }
+            let mut limit = LimitView::new(status, check, batched);
+            limit.in_force = current.overrides().and_then(|overrides| {
+                let entry = overrides.applied_to(check)?;
+                Some(OverrideView::new(&entry, overrides.now()))
+            });
             limit
         })
         .collect();
-    Json(json!({
-        "identity": selected.hash.to_string(),
-        "scope": selected.scope,
-        "local": local,
-        "plan": &*selected.plan,
-        "listed": selected.listed,
-        "store": store.backend(),
-        "limits": limits,
-    }))
+    Json(InspectedClient::new(
+        &selected,
+        local,
+        store.backend(),
+        limits,
+    ))
     .into_response()
 }
 
@@ -426,17 +439,20 @@ async fn reset_client(
         "client counters reset through the admin API",
     );
     metrics::counter!(crate::telemetry::ADMIN_RESETS_TOTAL).increment(1);
-    let reset: Vec<serde_json::Value> = selected
+    let reset = selected
         .checks
         .iter()
-        .map(|check| json!({"rule": &*check.rule, "name": check.limit.name()}))
+        .map(|check| LimitName {
+            rule: check.rule.to_string(),
+            name: check.limit.name().to_owned(),
+        })
         .collect();
-    Json(json!({
-        "identity": selected.hash.to_string(),
-        "plan": &*selected.plan,
-        "reset": reset,
-        "keys_with_state": held,
-    }))
+    Json(Reset {
+        identity: selected.hash.to_string(),
+        plan: selected.plan.to_string(),
+        reset,
+        keys_with_state: held,
+    })
     .into_response()
 }
 
@@ -472,10 +488,13 @@ fn override_failure(error: floodgate::overrides::OverrideError) -> Response {
             floodgate::overrides::record_change("refused");
             (
                 StatusCode::CONFLICT,
-                Json(json!({
-                    "error": "too_many_overrides",
-                    "detail": format!("{max} overrides are in force (admin.overrides.max_active); remove one or wait for one to expire"),
-                })),
+                Json(Failure::with_detail(
+                    "too_many_overrides",
+                    format!(
+                        "{max} overrides are in force (admin.overrides.max_active); remove one \
+                         or wait for one to expire"
+                    ),
+                )),
             )
                 .into_response()
         }
@@ -486,7 +505,7 @@ fn override_failure(error: floodgate::overrides::OverrideError) -> Response {
         )),
         other => (
             StatusCode::BAD_REQUEST,
-            Json(json!({"error": "invalid_override", "detail": other.to_string()})),
+            Json(Failure::with_detail("invalid_override", other.to_string())),
         )
             .into_response(),
     }
@@ -544,8 +563,8 @@ async fn set_override(
         "limit override set through the admin API"
     );
     floodgate::overrides::record_change("set");
-    let mut answer = override_json(&entry, overrides.now());
-    answer["plan"] = json!(&*selected.plan);
+    let mut answer = OverrideView::new(&entry, overrides.now());
+    answer.plan = Some(selected.plan.to_string());
     Json(answer).into_response()
 }
 
@@ -586,11 +605,14 @@ async fn list_overrides(
             .then(|| page.last().map(|entry| entry.target.to_string()))
             .flatten()
             .filter(|last| all.last().is_some_and(|end| &*end.target != last));
-        return Json(json!({
-            "total": all.len(),
-            "overrides": page.iter().map(|entry| override_json(entry, now)).collect::<Vec<_>>(),
-            "next": next,
-        }))
+        return Json(OverridePage {
+            total: all.len(),
+            overrides: page
+                .iter()
+                .map(|entry| OverrideView::new(entry, now))
+                .collect(),
+            next,
+        })
         .into_response();
     }
     let selected = match selected(&current, query) {
@@ -601,12 +623,15 @@ async fn list_overrides(
         Ok(entries) => entries,
         Err(error) => return override_failure(error),
     };
-    Json(json!({
-        "identity": selected.hash.to_string(),
-        "scope": selected.scope,
-        "plan": &*selected.plan,
-        "overrides": entries.iter().map(|entry| override_json(entry, now)).collect::<Vec<_>>(),
-    }))
+    Json(ClientOverrides {
+        identity: selected.hash.to_string(),
+        scope: selected.scope.clone(),
+        plan: selected.plan.to_string(),
+        overrides: entries
+            .iter()
+            .map(|entry| OverrideView::new(entry, now))
+            .collect(),
+    })
     .into_response()
 }
 
@@ -669,11 +694,11 @@ async fn remove_overrides(
             "no_override: this client has no override in force".to_owned(),
         ));
     }
-    Json(json!({
-        "identity": selected.hash.to_string(),
-        "plan": &*selected.plan,
-        "removed": removed,
-    }))
+    Json(OverridesRemoved {
+        identity: selected.hash.to_string(),
+        plan: selected.plan.to_string(),
+        removed,
+    })
     .into_response()
 }
 

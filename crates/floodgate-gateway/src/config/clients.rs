@@ -18,7 +18,7 @@ use super::limits::RawPlan;
 /// `identity:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawIdentity {
+pub(crate) struct RawIdentity {
     /// Where an API key is read from.
     pub api_key: RawApiKey,
     /// Off unless configured: a header that lets a client pick its user is opt-in.
@@ -49,7 +49,7 @@ impl Default for RawIdentity {
 /// `identity.api_key:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawApiKey {
+pub(crate) struct RawApiKey {
     /// The header that carries the key.
     pub header: String,
     /// Whether `Authorization: Bearer <key>` carries one too.
@@ -68,7 +68,7 @@ impl Default for RawApiKey {
 /// `clients:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawClients {
+pub(crate) struct RawClients {
     /// The plan of a client identified by API key or user id.
     pub default_plan: String,
     /// The plan of a client identified by its IP only.
@@ -93,7 +93,7 @@ impl Default for RawClients {
 /// `allowlist:` or `denylist:` as written.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawLists {
+pub(crate) struct RawLists {
     /// Addresses and CIDRs.
     pub ips: Vec<String>,
     /// API keys (raw, or `sha256:<hex>`).
@@ -107,7 +107,7 @@ pub struct RawLists {
 /// Any string in the key header is an identity, so under `default_plan` a client can invent a
 /// key, and a fresh budget, per request; `per_ip` limits still cap it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UnknownKeys {
+pub(crate) enum UnknownKeys {
     /// Limited under `clients.default_plan`, as its own identity (the default).
     #[default]
     DefaultPlan,
@@ -134,7 +134,7 @@ impl std::str::FromStr for UnknownKeys {
 
 /// `identity.*` beyond what the identifier holds.
 #[derive(Debug)]
-pub struct IdentitySettings {
+pub(crate) struct IdentitySettings {
     /// The identifier (API key, user header, trusted proxies, IPv6 grouping).
     pub identifier: Arc<DefaultIdentifier>,
     /// The header a trusted proxy uses to name the client's plan.

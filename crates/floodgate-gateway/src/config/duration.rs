@@ -4,7 +4,7 @@ use super::errors::Problem;
 use std::time::Duration;
 
 /// Parses `<number><unit>` pairs (units `us`, `ms`, `s`, `m`, `h`, `d`), concatenated.
-pub fn parse_duration(text: &str) -> Result<Duration, Problem> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, Problem> {
     let text = text.trim();
     if text.is_empty() {
         return Err("is empty; expected a duration such as 500ms, 1s or 1d".into());
@@ -49,7 +49,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, Problem> {
 }
 
 /// Formats a duration the way the configuration writes it.
-pub fn format_duration(duration: Duration) -> String {
+#[cfg(test)]
+fn format_duration(duration: Duration) -> String {
     let micros = duration.as_micros();
     if micros.is_multiple_of(86_400_000_000) && micros > 0 {
         format!("{}d", micros / 86_400_000_000)

@@ -8,7 +8,7 @@ use http::Method;
 
 /// A parsed `"METHOD /path"` pattern.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     /// `None` matches any method.
     pub method: Option<Method>,
     /// The path pattern.
@@ -17,7 +17,7 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Parses `"POST /v1/things/{id}"` or `"/health"`.
-    pub fn parse(text: &str) -> Result<Endpoint, Problem> {
+    pub(crate) fn parse(text: &str) -> Result<Endpoint, Problem> {
         let text = text.trim();
         let (method, path) = match text.split_once(' ') {
             Some((method, path)) => {
@@ -39,7 +39,7 @@ impl Endpoint {
     }
 
     /// A stable identifier usable inside storage keys: no spaces, braces or colons.
-    pub fn key_id(&self) -> String {
+    pub(crate) fn key_id(&self) -> String {
         let method = self.method.as_ref().map_or("ANY", Method::as_str);
         let path = floodgate::key::key_part(&self.path, floodgate::key::KeyChars::Path);
         format!("{method}{path}")
@@ -48,7 +48,7 @@ impl Endpoint {
 
 /// Values by endpoint; a method-specific pattern wins over an any-method one.
 #[derive(Debug)]
-pub struct EndpointTable<T> {
+pub(crate) struct EndpointTable<T> {
     by_method: HashMap<Method, matchit::Router<usize>>,
     any: matchit::Router<usize>,
     entries: Vec<(Endpoint, T)>,
@@ -66,7 +66,7 @@ impl<T> Default for EndpointTable<T> {
 
 impl<T> EndpointTable<T> {
     /// Adds `value` under `endpoint`; fails if the pattern is malformed or conflicts.
-    pub fn insert(&mut self, endpoint: Endpoint, value: T) -> Result<(), Problem> {
+    pub(crate) fn insert(&mut self, endpoint: Endpoint, value: T) -> Result<(), Problem> {
         let index = self.entries.len();
         let router = match &endpoint.method {
             Some(method) => self.by_method.entry(method.clone()).or_default(),
@@ -82,13 +82,13 @@ impl<T> EndpointTable<T> {
     /// The endpoint and value matching a request. `HEAD` is a `GET` without the body (RFC 9110
     /// §9.3.2), so it meets `GET` patterns when no `HEAD` pattern matches: otherwise a limit on
     /// `GET /x` could be dodged with `HEAD /x`, which the upstream serves just the same.
-    pub fn find(&self, method: &Method, path: &str) -> Option<&(Endpoint, T)> {
+    pub(crate) fn find(&self, method: &Method, path: &str) -> Option<&(Endpoint, T)> {
         self.entry(self.find_index(method, path)?)
     }
 
     /// Where [`EndpointTable::find`]'s entry stands in the table, to look it up again with
     /// [`EndpointTable::entry`] without matching the path again.
-    pub fn find_index(&self, method: &Method, path: &str) -> Option<usize> {
+    pub(crate) fn find_index(&self, method: &Method, path: &str) -> Option<usize> {
         let in_router = |method: &Method| {
             self.by_method
                 .get(method)
@@ -104,12 +104,12 @@ impl<T> EndpointTable<T> {
     }
 
     /// The entry at `index` ([`EndpointTable::find_index`]).
-    pub fn entry(&self, index: usize) -> Option<&(Endpoint, T)> {
+    pub(crate) fn entry(&self, index: usize) -> Option<&(Endpoint, T)> {
         self.entries.get(index)
     }
 
     /// The same table with every value transformed.
-    pub fn map<U>(self, mut transform: impl FnMut(T) -> U) -> EndpointTable<U> {
+    pub(crate) fn map<U>(self, mut transform: impl FnMut(T) -> U) -> EndpointTable<U> {
         EndpointTable {
             by_method: self.by_method,
             any: self.any,
@@ -122,13 +122,8 @@ impl<T> EndpointTable<T> {
     }
 
     /// Every endpoint and its value, in the order they were added.
-    pub fn entries(&self) -> impl Iterator<Item = &(Endpoint, T)> {
+    pub(crate) fn entries(&self) -> impl Iterator<Item = &(Endpoint, T)> {
         self.entries.iter()
-    }
-
-    /// Whether the table is empty.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }
 

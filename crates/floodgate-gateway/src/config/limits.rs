@@ -15,7 +15,7 @@ use floodgate::FailurePolicy;
 /// One plan under `plans:`, as written.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawPlan {
+pub(crate) struct RawPlan {
     /// Limits on every request of the plan's clients.
     pub limits: Vec<RawLimit>,
     /// Limits on the requests of one endpoint, by pattern.
@@ -29,7 +29,7 @@ pub struct RawPlan {
 /// One limit, as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawLimit {
+pub(crate) struct RawLimit {
     /// Its name, unique within its list (headers, metrics and storage keys carry it).
     pub name: String,
     /// `token_bucket`, `gcra`, `fixed_window`, `sliding_window_log`,
@@ -56,7 +56,7 @@ pub struct RawLimit {
 
 /// Limits on one endpoint, with the rule name their counters are kept under.
 #[derive(Debug)]
-pub struct EndpointLimits {
+pub(crate) struct EndpointLimits {
     /// `plan.<plan>.<endpoint>` or `global.<endpoint>`.
     pub rule: Arc<str>,
     /// The limits.
@@ -65,7 +65,7 @@ pub struct EndpointLimits {
 
 /// One plan's limits.
 #[derive(Debug, Default)]
-pub struct PlanLimits {
+pub(crate) struct PlanLimits {
     /// `plan.<name>`: the rule of the plan's limits in keys, metrics and logs.
     pub rule: Arc<str>,
     /// Limits on every request of the plan's clients.

@@ -29,20 +29,21 @@ mod server;
 mod store;
 mod tls;
 
-pub use clients::{IdentitySettings, UnknownKeys};
-pub use duration::{format_duration, parse_duration};
-pub use endpoints::{Endpoint, EndpointTable};
-pub use errors::{ConfigError, ConfigErrors, Problem};
-pub use floodgate::response::ResponseSettings;
-pub use floodgate::rollout::Rollout;
-pub use limits::{EndpointLimits, PlanLimits};
-pub use operations::{AccessLogFormat, AccessLogSettings, AccessLogTarget, OverrideBounds};
-pub use raw::RawConfig;
-pub use rls::RlsSettings;
-pub use routes::{RouteTarget, Upstream};
-pub use server::{DESCRIPTOR_RESERVE, ServerLimits, Workers, open_file_limit};
-pub use store::{Backend, HotIdentitySettings, StoreSettings};
-pub use tls::{ListenTls, UpstreamProtocol};
+pub(crate) use clients::{IdentitySettings, UnknownKeys};
+pub(crate) use duration::parse_duration;
+pub(crate) use endpoints::{Endpoint, EndpointTable};
+pub(crate) use errors::Problem;
+pub use errors::{ConfigError, ConfigErrors};
+pub(crate) use floodgate::response::ResponseSettings;
+pub(crate) use floodgate::rollout::Rollout;
+pub(crate) use limits::{EndpointLimits, PlanLimits};
+pub(crate) use operations::{AccessLogFormat, AccessLogSettings, AccessLogTarget, OverrideBounds};
+pub(crate) use raw::RawConfig;
+pub(crate) use rls::RlsSettings;
+pub(crate) use routes::{RouteTarget, Upstream};
+pub(crate) use server::{ServerLimits, Workers};
+pub(crate) use store::{Backend, StoreSettings};
+pub(crate) use tls::{ListenTls, UpstreamProtocol};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -56,7 +57,7 @@ use errors::Errors;
 
 /// A validated configuration.
 #[derive(Debug)]
-pub struct Config {
+pub(crate) struct Config {
     /// Proxy listen address.
     pub listen: SocketAddr,
     /// Admin listen address.
@@ -117,13 +118,13 @@ pub struct Config {
     pub redacted: serde_json::Value,
 }
 
-pub use floodgate::lists::api_key_digest as key_digest;
+pub(crate) use floodgate::lists::api_key_digest as key_digest;
 
-pub use floodgate::store::redact_url;
+pub(crate) use floodgate::store::redact_url;
 
 impl Config {
     /// The failure policy of `plan`'s clients: its own `on_store_error`, else the top-level one.
-    pub fn store_error_policy(&self, plan: &str) -> FailurePolicy {
+    pub(crate) fn store_error_policy(&self, plan: &str) -> FailurePolicy {
         self.plans
             .get(plan)
             .and_then(|plan| plan.on_store_error)
@@ -135,7 +136,7 @@ impl Config {
     /// users, or `anonymous_plan`, for IP-only clients) fails closed. A closed plan of named
     /// keys alone does not: its clients get 503 per request, and leaving the pool would take
     /// every other client's traffic with it (SPEC §7 `/readyz`).
-    pub fn unready_without_store(&self) -> bool {
+    pub(crate) fn unready_without_store(&self) -> bool {
         [&self.default_plan, &self.anonymous_plan]
             .into_iter()
             .any(|plan| self.store_error_policy(plan) == FailurePolicy::Closed)
@@ -143,7 +144,7 @@ impl Config {
 
     /// Settings that are valid but probably not what a deployment wants: `floodgate check`
     /// prints them and `serve` logs them at start.
-    pub fn warnings(&self, admin_token_set: bool) -> Vec<String> {
+    pub(crate) fn warnings(&self, admin_token_set: bool) -> Vec<String> {
         let mut warnings = Vec::new();
         let keyed_plans_limit = self.unknown_keys == UnknownKeys::DefaultPlan
             && self
@@ -214,8 +215,14 @@ fn yaml_options() -> serde_saphyr::Options {
     options
 }
 
+/// Checks the configuration `text` as `floodgate check` does, keeping nothing of it: every
+/// error, with its field path.
+pub fn check_text(text: &str) -> Result<(), ConfigErrors> {
+    parse(text).map(drop)
+}
+
 /// Parses and validates a configuration file's text.
-pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
+pub(crate) fn parse(text: &str) -> Result<Config, ConfigErrors> {
     if text.len() > MAX_CONFIG_BYTES {
         return Err(ConfigErrors(vec![ConfigError {
             path: String::new(),
@@ -248,7 +255,7 @@ pub(crate) fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T
 }
 
 /// Reads, parses and validates a configuration file.
-pub fn load(path: &std::path::Path) -> Result<Config, ConfigErrors> {
+pub(crate) fn load(path: &std::path::Path) -> Result<Config, ConfigErrors> {
     let text = std::fs::read_to_string(path).map_err(|error| {
         ConfigErrors(vec![ConfigError {
             path: String::new(),
@@ -319,7 +326,7 @@ fn checked<T>(section: Option<T>) -> Result<T, ConfigErrors> {
 }
 
 /// Validates a parsed file into a [`Config`], collecting every error.
-pub fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
+pub(crate) fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
     let listen = errors.ok("listen", socket_addr(&raw.listen));
     let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));

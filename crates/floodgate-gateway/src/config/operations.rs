@@ -13,7 +13,7 @@ use super::errors::Errors;
 /// `admin:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawAdmin {
+pub(crate) struct RawAdmin {
     /// The admin API's address (loopback by default).
     pub listen: String,
     /// Bounds of the per-client overrides.
@@ -32,7 +32,7 @@ impl Default for RawAdmin {
 /// `admin.overrides` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawOverrides {
+pub(crate) struct RawOverrides {
     /// The most overrides in force at once, across the store.
     pub max_active: usize,
     /// The longest `expires_in` an override may ask for.
@@ -50,7 +50,7 @@ impl Default for RawOverrides {
 
 /// The bounds on per-client overrides (`admin.overrides`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OverrideBounds {
+pub(crate) struct OverrideBounds {
     /// The most in force at once.
     pub max_active: usize,
     /// The longest `expires_in`.
@@ -98,7 +98,7 @@ pub(super) fn overrides(errors: &mut Errors, raw: &RawOverrides) -> Option<Overr
 /// `access_log` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawAccessLog {
+pub(crate) struct RawAccessLog {
     /// `stdout` or a file path.
     pub path: String,
     /// `json` or `text`.
@@ -125,7 +125,7 @@ impl Default for RawAccessLog {
 
 /// Where access log lines go.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AccessLogTarget {
+pub(crate) enum AccessLogTarget {
     /// Standard output.
     Stdout,
     /// A file, appended to (reopened on `SIGUSR1`).
@@ -134,7 +134,7 @@ pub enum AccessLogTarget {
 
 /// How each line is written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AccessLogFormat {
+pub(crate) enum AccessLogFormat {
     /// One JSON object per line.
     Json,
     /// `key=value` pairs, one request per line.
@@ -143,7 +143,7 @@ pub enum AccessLogFormat {
 
 /// The access log (`access_log`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct AccessLogSettings {
+pub(crate) struct AccessLogSettings {
     /// Where.
     pub target: AccessLogTarget,
     /// How.

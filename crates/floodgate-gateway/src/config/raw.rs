@@ -24,7 +24,7 @@ pub(super) const DEFAULT_UPSTREAM: &str = "http://127.0.0.1:3000";
 /// The whole file.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawConfig {
+pub(crate) struct RawConfig {
     /// The proxy's address.
     pub listen: String,
     /// The admin API.

@@ -11,7 +11,7 @@ use super::errors::Errors;
 /// `response:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawResponse {
+pub(crate) struct RawResponse {
     /// `both`, `ietf`, `legacy` (`X-RateLimit-*`) or `none`.
     pub headers: String,
     /// Up to this share of the wait is added at random to `Retry-After`, so that refused

@@ -10,7 +10,7 @@ use super::Errors;
 /// `rls:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRls {
+pub(crate) struct RawRls {
     /// The gRPC (h2c) listen address.
     pub listen: String,
     /// The HTTP/1.1 listen address of envoyproxy/ratelimit's `POST /json` (and
@@ -35,7 +35,7 @@ fn default_response_headers() -> bool {
 
 /// `rls:`, validated.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RlsSettings {
+pub(crate) struct RlsSettings {
     /// The gRPC (h2c) listen address (read at start).
     pub listen: SocketAddr,
     /// The HTTP/1.1 listen address of `POST /json` and `/healthcheck` (read at start), when
@@ -47,6 +47,17 @@ pub struct RlsSettings {
     pub response_headers: bool,
     /// Several files of one domain are merged instead of refused.
     pub merge_domains: bool,
+}
+
+impl RlsSettings {
+    /// `config_dir`, relative to the directory of the configuration file at `config_path`
+    /// unless absolute.
+    pub(crate) fn directory(&self, config_path: &std::path::Path) -> PathBuf {
+        match config_path.parent() {
+            Some(parent) if self.config_dir.is_relative() => parent.join(&self.config_dir),
+            _ => self.config_dir.clone(),
+        }
+    }
 }
 
 /// Validates `rls:`. `taken` are the addresses the other listeners bind, with their field

@@ -10,7 +10,7 @@ use super::errors::{Errors, Problem};
 /// `rollout:` (or a plan's), as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawRollout {
+pub(crate) struct RawRollout {
     /// `enforce`, `shadow` or `off`.
     pub mode: String,
     /// The share of clients, in percent, whose limits are enforced; the others are shadowed.

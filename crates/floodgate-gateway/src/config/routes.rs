@@ -9,7 +9,7 @@ use super::{Endpoint, EndpointTable, redact_url};
 /// One entry of `routes:`, as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRoute {
+pub(crate) struct RawRoute {
     /// The endpoint pattern the route applies to.
     #[serde(rename = "match")]
     pub pattern: String,
@@ -29,7 +29,7 @@ pub struct RawRoute {
 
 /// Where requests go upstream.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upstream {
+pub(crate) struct Upstream {
     /// `http` or `https`.
     pub scheme: http::uri::Scheme,
     /// `host:port`.
@@ -38,7 +38,7 @@ pub struct Upstream {
 
 /// What a route sets for matching requests.
 #[derive(Clone, Debug)]
-pub struct RouteTarget {
+pub(crate) struct RouteTarget {
     /// The upstream, if not the default.
     pub upstream: Option<Upstream>,
     /// The request cost, if not 1.

@@ -19,7 +19,7 @@ const MAX_WORKER_THREADS: usize = 1024;
 /// `server:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawServer {
+pub(crate) struct RawServer {
     /// Time for a request head to arrive in full (the HTTP/2 preface and first request on a new
     /// connection, each next head on an HTTP/1.1 keep-alive connection).
     pub header_read_timeout: String,
@@ -57,7 +57,7 @@ impl Default for RawServer {
 
 /// Validated `server:` settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServerLimits {
+pub(crate) struct ServerLimits {
     /// `server.header_read_timeout` (see `RawServer`).
     pub header_read_timeout: Duration,
     /// `server.idle_timeout` (see `RawServer`).
@@ -76,7 +76,7 @@ pub struct ServerLimits {
 
 /// How the proxy listener's connections are served (`server.workers`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Workers {
+pub(crate) enum Workers {
     /// One multi-threaded (work-stealing) runtime accepts and serves every connection.
     MultiThread,
     /// One current-thread runtime per core, each with its own `SO_REUSEPORT` listener on
@@ -88,7 +88,7 @@ pub enum Workers {
 
 impl Workers {
     /// The name in the configuration file.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Workers::MultiThread => "multi_thread",
             Workers::PerCore => "per_core",
@@ -100,7 +100,7 @@ impl ServerLimits {
     /// How many client connections to serve at once: the configured number, or half of what
     /// the open-file limit leaves after a reserve (each client connection may need an
     /// upstream connection too; the reserve keeps room for the admin API, the store and files).
-    pub fn max_connections(&self) -> usize {
+    pub(crate) fn max_connections(&self) -> usize {
         self.max_connections.unwrap_or_else(|| {
             let descriptors = open_file_limit().unwrap_or(1024);
             (descriptors.saturating_sub(DESCRIPTOR_RESERVE) / 2).max(1)
@@ -108,7 +108,7 @@ impl ServerLimits {
     }
 
     /// How many `per_core` workers to run: the configured number, or one per available core.
-    pub fn worker_threads(&self) -> usize {
+    pub(crate) fn worker_threads(&self) -> usize {
         self.worker_threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         })
@@ -117,10 +117,10 @@ impl ServerLimits {
 
 /// Descriptors kept out of the client budget: listeners, admin connections, store
 /// connections, the config watcher, logs.
-pub const DESCRIPTOR_RESERVE: usize = 64;
+pub(crate) const DESCRIPTOR_RESERVE: usize = 64;
 
 /// The soft open-file limit of this process, from `/proc/self/limits`.
-pub fn open_file_limit() -> Option<usize> {
+pub(crate) fn open_file_limit() -> Option<usize> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = limits
         .lines()

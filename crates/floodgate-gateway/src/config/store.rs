@@ -11,7 +11,7 @@ use super::{positive_duration, redact_url};
 /// `store:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawStore {
+pub(crate) struct RawStore {
     /// `memory`, `redis` (with `sentinel`, the master Sentinel elects), `redis_cluster` or
     /// `redis_sharded`.
     pub backend: String,
@@ -77,7 +77,7 @@ impl Default for RawStore {
 /// `store.sentinel:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawSentinel {
+pub(crate) struct RawSentinel {
     /// The name the sentinels know the master by.
     pub master: String,
     /// The sentinels' URLs.
@@ -87,7 +87,7 @@ pub struct RawSentinel {
 /// `store.hot_identities`: `{ above: 500/s, interval: 50ms }`.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawHotIdentities {
+pub(crate) struct RawHotIdentities {
     /// A decision rate on one node, `<n>/s`, `<n>/m` or `<n>/<duration>`.
     pub above: String,
     /// How long a rate is measured over (and the leases' trading interval).
@@ -103,7 +103,7 @@ fn default_hot_interval() -> String {
 /// `store.breaker:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawBreaker {
+pub(crate) struct RawBreaker {
     /// Failures in a row that open the breaker.
     pub failures: u32,
     /// How long an open breaker keeps calls away from the store.
@@ -121,7 +121,7 @@ impl Default for RawBreaker {
 
 /// Which store backs the limits.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Backend {
+pub(crate) enum Backend {
     /// In-process memory (one node).
     Memory,
     /// One Redis server shared by all gateways.
@@ -158,14 +158,14 @@ pub enum Backend {
 
 impl Backend {
     /// Whether the state is shared between gateways (everything but `memory`).
-    pub fn is_shared(&self) -> bool {
+    pub(crate) fn is_shared(&self) -> bool {
         !matches!(self, Backend::Memory)
     }
 }
 
 /// `store.*`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct StoreSettings {
+pub(crate) struct StoreSettings {
     /// The backend.
     pub backend: Backend,
     /// Deadline of every store call.
@@ -196,7 +196,7 @@ pub struct StoreSettings {
 
 /// `store.hot_identities`, checked.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct HotIdentitySettings {
+pub(crate) struct HotIdentitySettings {
     /// Decisions per second on one node above which an identity is hot.
     pub above_per_second: u64,
     /// The measuring interval, and the leases' trading interval.
@@ -458,6 +458,7 @@ pub(super) fn store(
 
 #[cfg(test)]
 mod tests {
+    use super::HotIdentitySettings;
     use crate::config::tests::errors_of;
     use crate::config::*;
 

@@ -12,7 +12,7 @@ use crate::tls::{UpstreamTls, load_certs, load_pair};
 /// `listen_tls:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawListenTls {
+pub(crate) struct RawListenTls {
     /// PEM certificate chain.
     pub cert: String,
     /// PEM private key.
@@ -22,7 +22,7 @@ pub struct RawListenTls {
 /// `upstream_tls:` as written.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawUpstreamTls {
+pub(crate) struct RawUpstreamTls {
     /// Extra trusted roots.
     #[serde(default)]
     pub ca: Option<String>,
@@ -39,7 +39,7 @@ pub struct RawUpstreamTls {
 
 /// Which HTTP version the gateway speaks to upstreams.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum UpstreamProtocol {
+pub(crate) enum UpstreamProtocol {
     /// h2 or HTTP/1.1 by ALPN on https; HTTP/1.1 on http.
     #[default]
     Auto,
@@ -51,7 +51,7 @@ pub enum UpstreamProtocol {
 
 /// The listener's certificate and key files.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ListenTls {
+pub(crate) struct ListenTls {
     /// PEM chain.
     pub cert: PathBuf,
     /// PEM key.

@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 
 /// A fault of the client's, found while reading its body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ClientFault {
+pub(crate) enum ClientFault {
     /// The client sent nothing for `server.body_read_timeout` mid-body: 408.
     Timeout,
     /// The body could not be read (malformed framing, reset): 400.
@@ -33,11 +33,11 @@ const WAITING: u8 = 3;
 
 /// What the proxy learns of the body after the upstream call.
 #[derive(Debug, Default)]
-pub struct BodyWatch(AtomicU8);
+pub(crate) struct BodyWatch(AtomicU8);
 
 impl BodyWatch {
     /// The fault, if the client caused one.
-    pub fn fault(&self) -> Option<ClientFault> {
+    pub(crate) fn fault(&self) -> Option<ClientFault> {
         match self.0.load(Ordering::Relaxed) {
             TIMEOUT => Some(ClientFault::Timeout),
             MALFORMED => Some(ClientFault::Malformed),
@@ -47,7 +47,7 @@ impl BodyWatch {
 
     /// Whether the body was stalled on the client when this was asked: an upstream that times
     /// out meanwhile was waiting for the client, not the other way round.
-    pub fn waiting_on_client(&self) -> bool {
+    pub(crate) fn waiting_on_client(&self) -> bool {
         self.0.load(Ordering::Relaxed) == WAITING
     }
 
@@ -58,7 +58,7 @@ impl BodyWatch {
 
 /// The error the upstream client sees when the client's body fails.
 #[derive(Debug)]
-pub struct ClientBodyError(ClientFault);
+pub(crate) struct ClientBodyError(ClientFault);
 
 impl std::fmt::Display for ClientBodyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -72,7 +72,7 @@ impl std::fmt::Display for ClientBodyError {
 impl std::error::Error for ClientBodyError {}
 
 /// The request body forwarded upstream: the client's, with a deadline between its pieces.
-pub struct ClientBody {
+pub(crate) struct ClientBody {
     inner: Incoming,
     gap: Duration,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -81,7 +81,7 @@ pub struct ClientBody {
 
 impl ClientBody {
     /// Wraps `inner`; pieces more than `gap` apart are a [`ClientFault::Timeout`].
-    pub fn new(inner: Incoming, gap: Duration) -> (ClientBody, Arc<BodyWatch>) {
+    pub(crate) fn new(inner: Incoming, gap: Duration) -> (ClientBody, Arc<BodyWatch>) {
         let watch = Arc::new(BodyWatch::default());
         let body = ClientBody {
             inner,

@@ -5,13 +5,13 @@
 //! spliced through, and an unreachable or slow upstream yields 502 / 504 with no internal
 //! detail in the body.
 
-pub mod client_body;
-pub mod pool;
+pub(crate) mod client_body;
+pub(crate) mod pool;
 
 /// A request extension marking requests that arrived over the TLS listener
 /// (`X-Forwarded-Proto: https`).
 #[derive(Clone, Copy, Debug)]
-pub struct OverTls;
+pub(crate) struct OverTls;
 
 use std::cell::{Cell, RefCell};
 use std::convert::Infallible;
@@ -44,16 +44,16 @@ use pool::UpstreamBody;
 use rustls::pki_types::ServerName;
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
-pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
+pub(crate) type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// An upstream HTTP client: pooled connections (http and https). Its pool is shared by its
 /// clones, and across configuration versions as long as the TLS settings and protocol stay the
 /// same (see [`UpstreamClients`]).
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, ClientBody>;
+pub(crate) type UpstreamClient = Client<HttpsConnector<HttpConnector>, ClientBody>;
 
 /// What an upstream client is built from: a reload that changes none of it keeps the pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClientSettings {
+pub(crate) struct ClientSettings {
     /// `upstream_tls`.
     pub tls: UpstreamTls,
     /// `upstream_protocol`.
@@ -62,7 +62,7 @@ pub struct ClientSettings {
 
 impl ClientSettings {
     /// The settings of `config`.
-    pub fn of(config: &Config) -> Self {
+    pub(crate) fn of(config: &Config) -> Self {
         ClientSettings {
             tls: config.upstream_tls.clone(),
             protocol: config.upstream_protocol,
@@ -77,7 +77,7 @@ impl ClientSettings {
 /// ([`pool`]); its hyper-util pool serves `https` and h2c upstreams. Cheap to clone;
 /// clones share the pools.
 #[derive(Clone)]
-pub struct UpstreamClients {
+pub(crate) struct UpstreamClients {
     inner: Arc<ClientsInner>,
 }
 
@@ -101,13 +101,14 @@ thread_local! {
 
 /// Makes the calling thread (a `per_core` worker) use an upstream pool of its own, made on its
 /// first request and replaced when a reload brings new client settings.
-pub fn use_thread_local_upstream_pool() {
+pub(crate) fn use_thread_local_upstream_pool() {
     PER_WORKER_POOL.set(true);
 }
 
 impl UpstreamClients {
     /// Whether `self` and `other` are one client (clones of one build).
-    pub fn is(&self, other: &UpstreamClients) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is(&self, other: &UpstreamClients) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
@@ -151,7 +152,7 @@ impl UpstreamClients {
 
     /// The client for a request on the calling thread: the thread's own on a `per_core`
     /// worker, the shared one elsewhere.
-    pub fn client(&self) -> UpstreamClient {
+    pub(crate) fn client(&self) -> UpstreamClient {
         if !PER_WORKER_POOL.get() {
             return self.inner.shared.clone();
         }
@@ -173,7 +174,7 @@ impl UpstreamClients {
 }
 
 /// Pooled clients for http and https upstreams.
-pub fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClients, GatewayError> {
+pub(crate) fn upstream_client(settings: &ClientSettings) -> Result<UpstreamClients, GatewayError> {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     // The TLS layer above decides the scheme.
@@ -229,14 +230,14 @@ fn pooled_client(
 
 /// Forwards requests under one configuration version.
 #[derive(Clone)]
-pub struct Proxy {
+pub(crate) struct Proxy {
     clients: UpstreamClients,
     config: Arc<Config>,
 }
 
 impl Proxy {
     /// A proxy for `config`.
-    pub fn new(clients: UpstreamClients, config: Arc<Config>) -> Self {
+    pub(crate) fn new(clients: UpstreamClients, config: Arc<Config>) -> Self {
         Proxy { clients, config }
     }
 }
@@ -295,7 +296,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 }
 
 /// The gateway's own JSON error answer, `{"error": error}`.
-pub fn json_error(status: StatusCode, error: &'static str) -> Response<Full<Bytes>> {
+pub(crate) fn json_error(status: StatusCode, error: &'static str) -> Response<Full<Bytes>> {
     let body = serde_json::json!({ "error": error }).to_string();
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
@@ -432,13 +433,6 @@ async fn forward(
     let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut request));
 
     let (mut parts, body) = request.into_parts();
-    // The decision that admitted the request, carried to the access log with the response.
-    let logged = config.access_log.is_some().then(|| {
-        (
-            parts.extensions.remove::<floodgate::Decision>(),
-            parts.extensions.remove::<floodgate::rollout::Shadowed>(),
-        )
-    });
     // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`: the upstream gets a
     // `Host` either way (head::check refused requests where the two disagree).
     let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -485,7 +479,7 @@ async fn forward(
     let elapsed = started.elapsed();
     upstream_metrics().duration.record(elapsed.as_secs_f64());
     let mut response = answered(result, &watch, upstream, &config, client_upgrade, route);
-    if let Some((decision, shadowed)) = logged {
+    if config.access_log.is_some() {
         let upstream_status = response
             .extensions()
             .get::<UpstreamAnswered>()
@@ -496,12 +490,6 @@ async fn forward(
                 status: upstream_status,
                 elapsed,
             });
-        if let Some(decision) = decision {
-            response.extensions_mut().insert(decision);
-        }
-        if let Some(shadowed) = shadowed {
-            response.extensions_mut().insert(shadowed);
-        }
     }
     response
 }

@@ -94,7 +94,7 @@ thread_local! {
 
 /// Why an upstream request failed before a response head came back.
 #[derive(Debug, thiserror::Error)]
-pub enum PoolError {
+pub(crate) enum PoolError {
     /// The connection could not be made.
     #[error("connect to {authority}: {source}")]
     Connect {
@@ -110,7 +110,7 @@ pub enum PoolError {
 
 /// Sends `request` (origin-form URI, `Host` set) to `authority` over one of the worker's
 /// connections, or a new one; the response's body gives the connection back when it is done.
-pub async fn send(
+pub(crate) async fn send(
     authority: &Authority,
     mut request: Request<ClientBody>,
 ) -> Result<Response<UpstreamBody>, PoolError> {
@@ -227,7 +227,7 @@ struct GiveBack {
 
 /// An upstream response's body. Read to its end and dropped, it gives its connection back for
 /// the next request; dropped earlier, the connection closes.
-pub struct UpstreamBody {
+pub(crate) struct UpstreamBody {
     body: Incoming,
     ended: bool,
     give_back: Option<GiveBack>,

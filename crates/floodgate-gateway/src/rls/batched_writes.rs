@@ -26,12 +26,12 @@ const HOLD_AT_MOST: usize = 64 * 1024;
 
 /// The calls under way now, on every connection of the service. Clones share the count.
 #[derive(Clone, Debug, Default)]
-pub struct CallsInFlight(Arc<AtomicUsize>);
+pub(crate) struct CallsInFlight(Arc<AtomicUsize>);
 
 impl CallsInFlight {
     /// Counts a call until the guard is dropped (with the call's future, once its answer is
     /// handed to h2).
-    pub fn enter(&self) -> InFlight {
+    pub(crate) fn enter(&self) -> InFlight {
         self.0.fetch_add(1, Ordering::Relaxed);
         InFlight(self.0.clone())
     }
@@ -44,7 +44,7 @@ impl CallsInFlight {
 
 /// One call counted in [`CallsInFlight`].
 #[derive(Debug)]
-pub struct InFlight(Arc<AtomicUsize>);
+pub(crate) struct InFlight(Arc<AtomicUsize>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
@@ -54,7 +54,7 @@ impl Drop for InFlight {
 
 /// An IO whose writes are held until a flush, and whose flush yields once while other calls
 /// are being decided, to let their answers join (see the module docs).
-pub struct BatchedWrites<IO> {
+pub(crate) struct BatchedWrites<IO> {
     inner: IO,
     calls: CallsInFlight,
     held: Vec<u8>,
@@ -66,7 +66,7 @@ pub struct BatchedWrites<IO> {
 
 impl<IO> BatchedWrites<IO> {
     /// Wraps `inner`, a connection of the service whose calls `calls` counts.
-    pub fn new(inner: IO, calls: CallsInFlight) -> Self {
+    pub(crate) fn new(inner: IO, calls: CallsInFlight) -> Self {
         BatchedWrites {
             inner,
             calls,
@@ -74,11 +74,6 @@ impl<IO> BatchedWrites<IO> {
             written: 0,
             yielded: false,
         }
-    }
-
-    /// The wrapped IO.
-    pub fn get_ref(&self) -> &IO {
-        &self.inner
     }
 }
 
@@ -179,14 +174,14 @@ impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connecte
 
 /// A gRPC service whose calls are counted in a [`CallsInFlight`] while under way.
 #[derive(Clone, Debug)]
-pub struct Counted<S> {
+pub(crate) struct Counted<S> {
     inner: S,
     calls: CallsInFlight,
 }
 
 impl<S> Counted<S> {
     /// `inner`, its calls counted in `calls`.
-    pub fn new(inner: S, calls: CallsInFlight) -> Self {
+    pub(crate) fn new(inner: S, calls: CallsInFlight) -> Self {
         Counted { inner, calls }
     }
 }

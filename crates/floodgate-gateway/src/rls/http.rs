@@ -24,10 +24,10 @@ use super::service::RlsService;
 
 /// The largest `/json` body read. Envoy's requests are a few hundred bytes; 64 KiB holds
 /// hundreds of descriptors and keeps a caller from making the service buffer megabytes.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_BODY_BYTES: usize = 64 * 1024;
 
 /// The router of `rls.http_listen`.
-pub fn router(service: Arc<RlsService>) -> Router {
+pub(crate) fn router(service: Arc<RlsService>) -> Router {
     Router::new()
         .route("/json", post(should_rate_limit))
         .route("/healthcheck", get(|| async { "OK" }))
@@ -37,7 +37,7 @@ pub fn router(service: Arc<RlsService>) -> Router {
 
 /// Serves the router on `listener` (`TCP_NODELAY` on every connection) until the task is
 /// dropped.
-pub async fn serve(listener: tokio::net::TcpListener, service: Arc<RlsService>) {
+pub(crate) async fn serve(listener: tokio::net::TcpListener, service: Arc<RlsService>) {
     let served = axum::serve(crate::serve::nodelay_listener(listener), router(service)).await;
     if let Err(error) = served {
         tracing::error!(%error, "rls: the HTTP listener failed");

@@ -30,7 +30,7 @@ const MAX_MESSAGE_CHARS: usize = 200;
 
 /// A request body that is not a `RateLimitRequest` in JSON: why, short enough to send back.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidRequest(String);
+pub(crate) struct InvalidRequest(String);
 
 impl fmt::Display for InvalidRequest {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -47,7 +47,7 @@ impl std::error::Error for InvalidRequest {}
 /// [`InvalidRequest`] naming the field (`descriptors[0].entries[0].key`) and the problem when
 /// the body is not JSON, holds a value of the wrong type, or a field `RateLimitRequest` does
 /// not have.
-pub fn parse_request(body: &[u8]) -> Result<RateLimitRequest, InvalidRequest> {
+pub(crate) fn parse_request(body: &[u8]) -> Result<RateLimitRequest, InvalidRequest> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let Object(request): Object<JsonRequest> = serde_path_to_error::deserialize(&mut deserializer)
         .map_err(|error| {
@@ -305,7 +305,7 @@ fn unit<'de, D: Deserializer<'de>>(deserializer: D) -> Result<i32, D::Error> {
 }
 
 /// The JSON form of a `RateLimitResponse`, as `protojson.Marshal` writes it.
-pub fn response_json(response: &RateLimitResponse) -> serde_json::Value {
+pub(crate) fn response_json(response: &RateLimitResponse) -> serde_json::Value {
     let json = JsonResponse {
         overall_code: code_name(response.overall_code),
         statuses: response.statuses.iter().map(JsonStatus::from).collect(),

@@ -16,13 +16,13 @@ use crate::telemetry::{RLS_LIMIT_OVERRIDES_TOTAL, RLS_OVERRIDE_EVICTIONS_TOTAL};
 /// Distinct `limit` overrides (requests per unit and unit) whose limits are kept at once; past
 /// it, the least recently used is evicted (and counted in
 /// `floodgate_rls_override_evictions_total`).
-pub const MAX_OVERRIDES: usize = 1024;
+pub(crate) const MAX_OVERRIDES: usize = 1024;
 
 /// An override's value as Envoy sends it: requests per unit, and the unit's protocol number.
 type OverrideValue = (u32, i32);
 
 /// The limits of the overrides seen recently; see the [module docs](self).
-pub struct LimitOverrides {
+pub(crate) struct LimitOverrides {
     capacity: usize,
     table: Mutex<Table>,
 }
@@ -45,7 +45,7 @@ impl Default for LimitOverrides {
 
 impl LimitOverrides {
     /// A table keeping the limits of at most `capacity` distinct overrides (at least one).
-    pub fn with_capacity(capacity: usize) -> Self {
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
         LimitOverrides {
             capacity: capacity.max(1),
             table: Mutex::new(Table::default()),
@@ -55,7 +55,11 @@ impl LimitOverrides {
     /// The limit of the override `requests_per_unit` per `unit` (the protocol's unit number),
     /// or `None` when the unit or the value cannot make one. Counts the outcome in
     /// `floodgate_rls_limit_overrides_total{outcome}` (`applied` or `invalid`).
-    pub fn limit_for(&self, requests_per_unit: u32, unit: i32) -> Option<Arc<DescriptorLimit>> {
+    pub(crate) fn limit_for(
+        &self,
+        requests_per_unit: u32,
+        unit: i32,
+    ) -> Option<Arc<DescriptorLimit>> {
         let limit = self.lookup(requests_per_unit, unit);
         let outcome = if limit.is_some() {
             "applied"
@@ -67,12 +71,14 @@ impl LimitOverrides {
     }
 
     /// How many overrides' limits are kept now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.lock().limits.len()
     }
 
     /// Whether no override's limit is kept.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
@@ -146,7 +152,12 @@ mod tests {
             !Arc::ptr_eq(&rebuilt, &second),
             "the least recently used one was evicted and is rebuilt"
         );
-        assert_eq!(rebuilt.counter_name, second.counter_name, "same counter");
+        assert_eq!(
+            rebuilt.counter_name(),
+            second.counter_name(),
+            "same counter"
+        );
+        assert_eq!(rebuilt.counter_name(), Some("override_2_per_day"));
         assert_eq!(overrides.len(), MAX_OVERRIDES);
     }
 

@@ -10,16 +10,16 @@
 //! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
 //! - [`batched_writes`]: answers that are ready together leave in one write.
 
-pub mod batched_writes;
-pub mod http;
-pub mod json;
-pub mod limit_overrides;
-pub mod reload;
-pub mod rules;
-pub mod service;
+pub(crate) mod batched_writes;
+pub(crate) mod http;
+pub(crate) mod json;
+pub(crate) mod limit_overrides;
+pub(crate) mod reload;
+pub(crate) mod rules;
+pub(crate) mod service;
 
-pub use reload::RulesHandle;
-pub use service::RlsService;
+pub(crate) use reload::RulesHandle;
+pub(crate) use service::RlsService;
 
 use std::sync::Arc;
 
@@ -31,7 +31,7 @@ use crate::gateway::Gateway;
 /// Serves the rate limit service on `listener` (gRPC) and, when given, `http_listener`
 /// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped. The
 /// domain rules must have been loaded (and their watcher started) by the caller.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     http_listener: Option<tokio::net::TcpListener>,
     gateway: Arc<Gateway>,

@@ -19,7 +19,7 @@ use crate::telemetry::RLS_RELOADS_TOTAL;
 const SETTLE: Duration = Duration::from_millis(100);
 
 /// The rules in service and where they come from.
-pub struct RulesHandle {
+pub(crate) struct RulesHandle {
     directory: PathBuf,
     /// `rls.merge_domains` (read at start, as the directory is).
     merge_domains: bool,
@@ -52,7 +52,10 @@ fn snapshot(directory: &Path) -> Vec<(String, String)> {
 impl RulesHandle {
     /// Reads `directory`; an error in any file is an error here (`serve` refuses to start).
     /// `merge_domains`: as `rls.merge_domains`.
-    pub fn load(directory: &Path, merge_domains: bool) -> Result<Arc<RulesHandle>, ConfigErrors> {
+    pub(crate) fn load(
+        directory: &Path,
+        merge_domains: bool,
+    ) -> Result<Arc<RulesHandle>, ConfigErrors> {
         let seen = snapshot(directory);
         let rules = load_dir(directory, merge_domains).map_err(ConfigErrors)?;
         Ok(Arc::new(RulesHandle {
@@ -64,13 +67,13 @@ impl RulesHandle {
     }
 
     /// The rules in service.
-    pub fn current(&self) -> Arc<Rules> {
+    pub(crate) fn current(&self) -> Arc<Rules> {
         self.current.load_full()
     }
 
     /// Re-reads the directory if it changed (or always, with `force`), and swaps the new rules
     /// in if every file is valid. `Ok(false)`: nothing changed.
-    pub fn reload(&self, force: bool) -> Result<bool, ConfigErrors> {
+    pub(crate) fn reload(&self, force: bool) -> Result<bool, ConfigErrors> {
         let mut last_seen = self
             .last_seen
             .lock()
@@ -103,7 +106,7 @@ impl RulesHandle {
 
     /// Reloads after every burst of changes in the directory and on every SIGHUP; returns the
     /// watcher, which must be kept alive.
-    pub fn watch(self: &Arc<Self>) -> notify::Result<notify::RecommendedWatcher> {
+    pub(crate) fn watch(self: &Arc<Self>) -> notify::Result<notify::RecommendedWatcher> {
         let (events, mut changes) = tokio::sync::mpsc::unbounded_channel::<()>();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
             // Reads are not changes (the reload's own reads would loop).

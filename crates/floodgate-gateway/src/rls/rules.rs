@@ -93,7 +93,7 @@ struct RawReplace {
 
 /// The time units of envoyproxy/ratelimit, in the protocol's numbering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unit {
+pub(crate) enum Unit {
     /// One second.
     Second,
     /// One minute.
@@ -125,7 +125,7 @@ impl Unit {
     }
 
     /// The window this unit counts over.
-    pub fn window(self) -> Duration {
+    pub(crate) fn window(self) -> Duration {
         const DAY: u64 = 86_400;
         Duration::from_secs(match self {
             Unit::Second => 1,
@@ -139,7 +139,7 @@ impl Unit {
     }
 
     /// The unit of the protocol's number (`RateLimitUnit`; `UNKNOWN`, 0, is none).
-    pub fn from_proto(number: i32) -> Option<Unit> {
+    pub(crate) fn from_proto(number: i32) -> Option<Unit> {
         Some(match number {
             1 => Unit::Second,
             2 => Unit::Minute,
@@ -153,7 +153,7 @@ impl Unit {
     }
 
     /// The unit's name, as domain files write it.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Unit::Second => "second",
             Unit::Minute => "minute",
@@ -166,7 +166,7 @@ impl Unit {
     }
 
     /// The protocol's `RateLimit.Unit` number.
-    pub fn proto(self) -> i32 {
+    pub(crate) fn proto(self) -> i32 {
         match self {
             Unit::Second => 1,
             Unit::Minute => 2,
@@ -181,7 +181,7 @@ impl Unit {
 
 /// What a matched descriptor does.
 #[derive(Clone, Debug)]
-pub enum Action {
+pub(crate) enum Action {
     /// `unlimited: true`: answered `OK`, never counted.
     Unlimited,
     /// `requests_per_unit: 0`: every request is over the limit, nothing is counted.
@@ -192,15 +192,13 @@ pub enum Action {
 
 /// The rate limit of one configured descriptor (or of Envoy's `limit` override).
 #[derive(Clone, Debug)]
-pub struct DescriptorLimit {
+pub(crate) struct DescriptorLimit {
     /// The keys from the domain's root to this descriptor, joined by `.`: the metric's `limit`
     /// label (a path of keys, never a value).
     pub key_path: Arc<str>,
     /// `rate_limit.name` as configured: the response's `current_limit.name` (empty without
     /// one, as envoyproxy/ratelimit answers) and what `replaces` names.
     pub name: Option<Arc<str>>,
-    /// The counter's name in storage keys and `RateLimit` headers: `name`, else the key path.
-    pub counter_name: Arc<str>,
     /// `requests_per_unit`.
     pub requests_per_unit: u32,
     /// `unit`.
@@ -214,9 +212,21 @@ pub struct DescriptorLimit {
     pub replaces: Vec<Arc<str>>,
 }
 
+impl DescriptorLimit {
+    /// The counter's name in storage keys and `RateLimit` headers (`name`, else the key path;
+    /// an override's own): the name of the limit it applies, if it applies one.
+    #[cfg(test)]
+    pub(crate) fn counter_name(&self) -> Option<&str> {
+        match &self.action {
+            Action::Limited(limit) => Some(limit.name()),
+            Action::DenyAll | Action::Unlimited => None,
+        }
+    }
+}
+
 /// One level of a domain's descriptor tree.
 #[derive(Debug, Default)]
-pub struct Node {
+pub(crate) struct Node {
     /// Children by `key` (value-less) or `key` + `\0` + `value`.
     children: HashMap<String, Node>,
     /// The children whose `value` holds a `*`, in the order the file declares them: the first
@@ -271,7 +281,7 @@ impl Wildcard {
 
 /// The limit a request descriptor matched, and the values standing for its entries'.
 #[derive(Debug)]
-pub struct Match<'a> {
+pub(crate) struct Match<'a> {
     /// The matched descriptor's limit.
     pub limit: &'a DescriptorLimit,
     /// Per entry of the request descriptor: the `share_threshold` wildcard value it matched,
@@ -291,7 +301,7 @@ impl Node {
     /// The limit for a request descriptor's entries: at each level the entry's `key` + `value`
     /// match wins over a value-less `key` (the most specific match); the limit is that of the
     /// node the last entry reaches. `None`: no limit applies.
-    pub fn find<'a, 'e>(
+    pub(crate) fn find<'a, 'e>(
         &'a self,
         entries: impl Iterator<Item = (&'e str, &'e str)>,
     ) -> Option<Match<'a>> {
@@ -343,7 +353,7 @@ impl Node {
 
 /// Every domain's rules, as one version of the directory.
 #[derive(Debug, Default)]
-pub struct Rules {
+pub(crate) struct Rules {
     domains: HashMap<String, Node>,
     /// The files read, by name: what the directory held when this version was read.
     pub files: Vec<String>,
@@ -351,17 +361,17 @@ pub struct Rules {
 
 impl Rules {
     /// The tree of `domain`, if a file configures it.
-    pub fn domain(&self, domain: &str) -> Option<&Node> {
+    pub(crate) fn domain(&self, domain: &str) -> Option<&Node> {
         self.domains.get(domain)
     }
 
     /// How many domains are configured.
-    pub fn domain_count(&self) -> usize {
+    pub(crate) fn domain_count(&self) -> usize {
         self.domains.len()
     }
 
     /// The configured domains' names, sorted.
-    pub fn domain_names(&self) -> Vec<&str> {
+    pub(crate) fn domain_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.domains.keys().map(String::as_str).collect();
         names.sort_unstable();
         names
@@ -373,24 +383,19 @@ impl DescriptorLimit {
     /// metadata): a fixed window, as envoyproxy/ratelimit counts it, never shadowed, without a
     /// configured name; its counter is its own (`override_<n>_per_<unit>`), so each override
     /// value counts apart from the file's limit and from other overrides.
-    pub fn from_override(requests_per_unit: u32, unit: Unit) -> Option<DescriptorLimit> {
+    pub(crate) fn from_override(requests_per_unit: u32, unit: Unit) -> Option<DescriptorLimit> {
         let counter_name = format!("override_{requests_per_unit}_per_{}", unit.as_str());
         let action = if requests_per_unit == 0 {
             Action::DenyAll
         } else {
             Action::Limited(Arc::new(
-                Limit::fixed_window(
-                    counter_name.clone(),
-                    u64::from(requests_per_unit),
-                    unit.window(),
-                )
-                .ok()?,
+                Limit::fixed_window(counter_name, u64::from(requests_per_unit), unit.window())
+                    .ok()?,
             ))
         };
         Some(DescriptorLimit {
             key_path: Arc::from("override"),
             name: None,
-            counter_name: Arc::from(counter_name),
             requests_per_unit,
             unit,
             action,
@@ -555,7 +560,6 @@ fn descriptor_limit(
     Some(DescriptorLimit {
         key_path: Arc::from(limit_name(key_path)),
         name: rate_limit.name.as_deref().map(Arc::from),
-        counter_name: Arc::from(counter_name),
         requests_per_unit: u32::try_from(requests).unwrap_or(u32::MAX),
         unit,
         action,
@@ -698,7 +702,7 @@ fn add_children(
 }
 
 /// Parses one domain file's text; `file` names it in errors.
-pub fn parse_domain(file: &str, text: &str) -> Result<(String, Node), Vec<ConfigError>> {
+pub(crate) fn parse_domain(file: &str, text: &str) -> Result<(String, Node), Vec<ConfigError>> {
     let whole = |message: String| {
         vec![ConfigError {
             path: file.to_owned(),
@@ -795,7 +799,7 @@ fn merge_into(file: &str, node: Node, into: &mut Node) -> Result<(), Vec<ConfigE
 /// file, or two files of one domain (unless `merge_domains`, envoyproxy/ratelimit's
 /// `MERGE_DOMAIN_CONFIG`: then their descriptors are merged, a descriptor in both an error),
 /// and every error is returned.
-pub fn load_dir(directory: &Path, merge_domains: bool) -> Result<Rules, Vec<ConfigError>> {
+pub(crate) fn load_dir(directory: &Path, merge_domains: bool) -> Result<Rules, Vec<ConfigError>> {
     let cannot = |message: String| {
         vec![ConfigError {
             path: directory.display().to_string(),
@@ -1112,7 +1116,7 @@ descriptors:
         .unwrap();
         let limit = find(&root, &[("a", "x"), ("b", "y")]).unwrap();
         assert_eq!(limit.name, None);
-        assert_eq!(&*limit.counter_name, "a.b");
+        assert_eq!(limit.counter_name(), Some("a.b"));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::config::Config;
 use crate::gateway::Gateway;
 
 /// The rate limit service: the gateway's store and failure policy, the directory's rules.
-pub struct RlsService {
+pub(crate) struct RlsService {
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     response_headers: bool,
@@ -40,7 +40,11 @@ pub struct RlsService {
 
 impl RlsService {
     /// A service deciding on `gateway`'s store under the rules of `rules`.
-    pub fn new(gateway: Arc<Gateway>, rules: Arc<RulesHandle>, response_headers: bool) -> Self {
+    pub(crate) fn new(
+        gateway: Arc<Gateway>,
+        rules: Arc<RulesHandle>,
+        response_headers: bool,
+    ) -> Self {
         RlsService {
             gateway,
             rules,
@@ -205,7 +209,7 @@ impl RlsService {
     ///
     /// `INVALID_ARGUMENT` for a request without a domain or descriptors, or with
     /// `is_negative_hits`; `UNAVAILABLE` when the store fails under `on_store_error: closed`.
-    pub async fn should_rate_limit(
+    pub(crate) async fn should_rate_limit(
         &self,
         request: &RateLimitRequest,
     ) -> Result<RateLimitResponse, tonic::Status> {

@@ -53,7 +53,7 @@ fn change(event: &Event, file_name: &OsString) -> Option<Change> {
 }
 
 /// Watches the directory of `config_path`; returns the watcher, which must be kept alive.
-pub fn watch_config(
+pub(crate) fn watch_config(
     gateway: Arc<Gateway>,
     config_path: &Path,
 ) -> notify::Result<notify::RecommendedWatcher> {
@@ -122,7 +122,7 @@ async fn reload_on_changes(gateway: Arc<Gateway>, mut changes: UnboundedReceiver
 }
 
 /// Reloads on every SIGHUP.
-pub fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
+pub(crate) fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
@@ -135,7 +135,7 @@ pub fn reload_on_sighup(gateway: Arc<Gateway>) -> std::io::Result<()> {
 }
 
 /// Reopens the access log's file on every SIGUSR1 (logrotate's `postrotate`).
-pub fn reopen_access_log_on_sigusr1(gateway: Arc<Gateway>) -> std::io::Result<()> {
+pub(crate) fn reopen_access_log_on_sigusr1(gateway: Arc<Gateway>) -> std::io::Result<()> {
     let mut signals =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
     tokio::spawn(async move {

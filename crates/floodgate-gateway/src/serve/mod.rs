@@ -9,7 +9,7 @@
 //! the open-file limit, so that one client holding idle sockets cannot stop `accept` for
 //! everyone (nor make it spin: accept errors back off, and their log line is rate-limited).
 
-pub mod config_watch;
+pub(crate) mod config_watch;
 
 use std::future::Future;
 use std::io;
@@ -41,7 +41,7 @@ use crate::proxy::OverTls;
 /// on every connection it accepts, as the proxy's and the gRPC listeners do: an answer written in more than one piece
 /// (a head, then a body) must not wait for the client's delayed ACK of the first (Nagle's
 /// algorithm), about 40 ms on Linux, on every scrape, status page refresh and `/json` answer.
-pub fn nodelay_listener(
+pub(crate) fn nodelay_listener(
     listener: tokio::net::TcpListener,
 ) -> TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
     fn set_nodelay(stream: &mut tokio::net::TcpStream) {
@@ -54,7 +54,7 @@ pub fn nodelay_listener(
 }
 
 /// How long in-flight requests may take to finish after a shutdown signal.
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The longest pause of the accept loop after an error (descriptor exhaustion, mostly).
 const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
@@ -64,7 +64,7 @@ const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Serves the gateway on `listener` (over TLS with `tls`) until `shutdown` resolves, then
 /// drains (`server.workers: multi_thread`: every connection on the calling runtime).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     tls: Option<TlsAcceptor>,
@@ -103,7 +103,7 @@ pub async fn serve(
 /// The listeners must be non-blocking (as [`tokio::net::TcpListener::into_std`] leaves them).
 /// Fails, stopping the workers already started, when a worker's thread or runtime cannot be
 /// made.
-pub async fn serve_per_core(
+pub(crate) async fn serve_per_core(
     listeners: Vec<std::net::TcpListener>,
     gateway: Arc<Gateway>,
     tls: Option<TlsAcceptor>,
@@ -206,7 +206,7 @@ async fn drain(graceful: GracefulShutdown) {
 
 /// On shutdown: the batched store gives its leases back and delivers its debts, and the
 /// access log writes its last lines, before the process exits.
-pub async fn flush_store(gateway: &Gateway) {
+pub(crate) async fn flush_store(gateway: &Gateway) {
     if let Err(error) = gateway.store().flush().await {
         tracing::warn!(%error, "could not flush batched counts on shutdown");
     }

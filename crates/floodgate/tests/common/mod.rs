@@ -8,7 +8,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use floodgate::{Decision, Limit, MemoryStore, PeerAddr, time::FakeClock, time::Timestamp};
+use floodgate::store::{BoxFuture, Check, Lease};
+use floodgate::{
+    Decision, Limit, MemoryStore, PeerAddr, Store, StoreError, time::FakeClock, time::Timestamp,
+};
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
@@ -73,4 +76,25 @@ pub(crate) fn json(response: &Response<Bytes>) -> serde_json::Value {
 /// `X-RateLimit-Remaining` as a number.
 pub(crate) fn remaining(response: &Response<Bytes>) -> u64 {
     header(response, "x-ratelimit-remaining").parse().unwrap()
+}
+
+/// A store whose backend is down: every call fails the way a dead Redis does.
+pub(crate) struct DownStore;
+
+impl Store for DownStore {
+    fn check_and_consume<'a>(
+        &'a self,
+        _checks: &'a [Check],
+        _now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
+    }
+
+    fn release<'a>(&'a self, _leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async { Err(StoreError::Timeout(Duration::from_millis(50))) })
+    }
+
+    fn backend(&self) -> &'static str {
+        "down"
+    }
 }

@@ -1,0 +1,318 @@
+//! The admin API's answers (SPEC §7) as types: every JSON body the API sends is one of these,
+//! serialized, so that a body's fields are named once and checked by the compiler.
+
+use std::collections::BTreeMap;
+
+use floodgate::decision::LimitStatus;
+use floodgate::key::ClientTag;
+use floodgate::overrides::Override;
+use floodgate::store::Check;
+use floodgate::time::Timestamp;
+use serde::Serialize;
+
+use crate::admin::inspect::Selected;
+use crate::plan::is_global_ceiling;
+
+/// A refusal or a failure: `{"error": "<what>", "detail": "<why>"}` (`detail` when there is
+/// more to say).
+#[derive(Debug, Serialize)]
+pub(crate) struct Failure {
+    error: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+impl Failure {
+    /// A failure named by `error` alone.
+    pub(crate) fn new(error: impl Into<String>) -> Failure {
+        Failure {
+            error: error.into(),
+            detail: None,
+        }
+    }
+
+    /// A failure named by `error`, with what went wrong.
+    pub(crate) fn with_detail(error: impl Into<String>, detail: impl Into<String>) -> Failure {
+        Failure {
+            error: error.into(),
+            detail: Some(detail.into()),
+        }
+    }
+}
+
+/// `/readyz` when the store refuses this gateway (a configuration error).
+#[derive(Debug, Serialize)]
+pub(crate) struct StoreRejected {
+    pub(crate) status: &'static str,
+    pub(crate) error: String,
+}
+
+/// `/readyz`: whether this gateway serves, and each plan's policy while the store is down.
+#[derive(Debug, Serialize)]
+pub(crate) struct Readiness<'a> {
+    pub(crate) status: &'static str,
+    pub(crate) version: u64,
+    pub(crate) store_reachable: bool,
+    pub(crate) plans: BTreeMap<&'a str, PlanReadiness>,
+}
+
+/// One plan in [`Readiness`].
+#[derive(Debug, Serialize)]
+pub(crate) struct PlanReadiness {
+    pub(crate) on_store_error: &'static str,
+    pub(crate) serving: bool,
+}
+
+/// `POST /admin/reload`, applied.
+#[derive(Debug, Serialize)]
+pub(crate) struct Reloaded {
+    pub(crate) status: &'static str,
+    pub(crate) version: u64,
+}
+
+/// `GET /admin/config`: the version in service, redacted.
+#[derive(Debug, Serialize)]
+pub(crate) struct ActiveConfig<'a> {
+    pub(crate) version: u64,
+    pub(crate) loaded_at: u64,
+    pub(crate) config: &'a serde_json::Value,
+}
+
+/// `GET /admin/top`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TopClients<'a> {
+    pub(crate) window_seconds: u64,
+    pub(crate) local_identities: &'a [String],
+    pub(crate) by_denials: Vec<TopClient>,
+    pub(crate) by_closeness: Vec<TopClient>,
+}
+
+/// One client of [`TopClients`].
+#[derive(Debug, Serialize)]
+pub(crate) struct TopClient {
+    /// Decided from this node's leases (a hot identity).
+    pub(crate) local: bool,
+    pub(crate) identity: String,
+    pub(crate) denials: u64,
+    /// To three decimals.
+    pub(crate) closeness: f64,
+}
+
+/// `GET /admin/status`: the status page's poll, the observations of
+/// [`crate::status::StatusBoard::report`] with the version, store and overrides beside them.
+#[derive(Debug, Serialize)]
+pub(crate) struct Status {
+    #[serde(flatten)]
+    pub(crate) observed: serde_json::Map<String, serde_json::Value>,
+    pub(crate) version: u64,
+    pub(crate) loaded_at: u64,
+    pub(crate) mode: &'static str,
+    pub(crate) store: StoreState,
+    pub(crate) overrides_in_force: usize,
+    /// The first 100.
+    pub(crate) overrides: Vec<OverrideView>,
+}
+
+/// The store in [`Status`].
+#[derive(Debug, Serialize)]
+pub(crate) struct StoreState {
+    pub(crate) backend: &'static str,
+    pub(crate) breaker: Option<&'static str>,
+}
+
+/// `GET /admin/clients`: a client's limits as they stand.
+#[derive(Debug, Serialize)]
+pub(crate) struct InspectedClient {
+    pub(crate) identity: String,
+    pub(crate) scope: String,
+    /// Decided from this node's leases (a hot identity).
+    pub(crate) local: bool,
+    pub(crate) plan: String,
+    pub(crate) listed: Option<&'static str>,
+    pub(crate) store: &'static str,
+    pub(crate) limits: Vec<LimitView>,
+}
+
+impl InspectedClient {
+    /// `selected`'s answer, with its `limits`.
+    pub(crate) fn new(
+        selected: &Selected,
+        local: bool,
+        store: &'static str,
+        limits: Vec<LimitView>,
+    ) -> InspectedClient {
+        InspectedClient {
+            identity: selected.hash.to_string(),
+            scope: selected.scope.clone(),
+            local,
+            plan: selected.plan.to_string(),
+            listed: selected.listed,
+            store,
+            limits,
+        }
+    }
+}
+
+/// One limit of an inspected client. `view` says whose state it is: `shared` (every
+/// gateway's) or `node` (this gateway's batched copy, up to one sync interval behind the
+/// others).
+#[derive(Debug, Serialize)]
+pub(crate) struct LimitView {
+    rule: String,
+    name: String,
+    algorithm: &'static str,
+    limit: u64,
+    window_seconds: f64,
+    remaining: u64,
+    reset_after: f64,
+    retry_after: Option<f64>,
+    allowed: bool,
+    shared_by_all_clients: bool,
+    view: &'static str,
+    /// The override in force on this limit, if any.
+    #[serde(rename = "override", skip_serializing_if = "Option::is_none")]
+    pub(crate) in_force: Option<OverrideView>,
+}
+
+impl LimitView {
+    /// `status` of `check`, as this node sees it (`batched`) or as every node does.
+    pub(crate) fn new(status: &LimitStatus, check: &Check, batched: bool) -> LimitView {
+        LimitView {
+            rule: status.rule.to_string(),
+            name: status.name.to_string(),
+            algorithm: status.definition().algorithm().as_str(),
+            limit: status.limit,
+            window_seconds: seconds(status.window),
+            remaining: status.remaining,
+            reset_after: seconds(status.reset_after),
+            retry_after: status.retry_after.map(seconds),
+            allowed: status.allowed,
+            shared_by_all_clients: is_global_ceiling(check),
+            view: if batched { "node" } else { "shared" },
+            in_force: None,
+        }
+    }
+}
+
+/// An override as the admin API shows it.
+#[derive(Debug, Serialize)]
+pub(crate) struct OverrideView {
+    identity: String,
+    scope: String,
+    rule: String,
+    name: String,
+    limit: u64,
+    window_seconds: f64,
+    burst: Option<u64>,
+    expires_in: u64,
+    expires_at: u64,
+    set_at: u64,
+    /// The plan of the client it was set for (`PUT` answers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) plan: Option<String>,
+}
+
+impl OverrideView {
+    /// `entry` as it stands at `now`.
+    pub(crate) fn new(entry: &Override, now: Timestamp) -> OverrideView {
+        let ClientTag { scope, hash } = ClientTag::parse(entry.client()).unwrap_or(ClientTag {
+            scope: "",
+            hash: entry.client(),
+        });
+        OverrideView {
+            identity: hash.to_owned(),
+            scope: scope.to_owned(),
+            rule: entry.rule.to_string(),
+            name: entry.name.to_string(),
+            limit: entry.limit,
+            window_seconds: seconds(entry.window),
+            burst: entry.burst,
+            expires_in: entry.remaining_secs(now),
+            expires_at: entry.expires_at.as_secs_ceil(),
+            set_at: entry.set_at.as_micros() / 1_000_000,
+            plan: None,
+        }
+    }
+}
+
+/// `DELETE /admin/clients`: the limits reset.
+#[derive(Debug, Serialize)]
+pub(crate) struct Reset {
+    pub(crate) identity: String,
+    pub(crate) plan: String,
+    pub(crate) reset: Vec<LimitName>,
+    /// Keys the store held state for.
+    pub(crate) keys_with_state: u64,
+}
+
+/// A limit by its rule and name.
+#[derive(Debug, Serialize)]
+pub(crate) struct LimitName {
+    pub(crate) rule: String,
+    pub(crate) name: String,
+}
+
+/// `GET /admin/clients/overrides` without a client: a page of every override.
+#[derive(Debug, Serialize)]
+pub(crate) struct OverridePage {
+    pub(crate) total: usize,
+    pub(crate) overrides: Vec<OverrideView>,
+    /// What to pass as `after` for the next page; `null` on the last.
+    pub(crate) next: Option<String>,
+}
+
+/// `GET /admin/clients/overrides` for a client.
+#[derive(Debug, Serialize)]
+pub(crate) struct ClientOverrides {
+    pub(crate) identity: String,
+    pub(crate) scope: String,
+    pub(crate) plan: String,
+    pub(crate) overrides: Vec<OverrideView>,
+}
+
+/// `DELETE /admin/clients/overrides`: the limits whose override ended.
+#[derive(Debug, Serialize)]
+pub(crate) struct OverridesRemoved {
+    pub(crate) identity: String,
+    pub(crate) plan: String,
+    pub(crate) removed: Vec<String>,
+}
+
+/// Seconds with millisecond precision.
+pub(crate) fn seconds(duration: std::time::Duration) -> f64 {
+    (duration.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_names_its_detail_only_when_it_has_one() {
+        let plain = serde_json::to_value(Failure::new("unauthorized")).unwrap();
+        assert_eq!(plain, serde_json::json!({"error": "unauthorized"}));
+        let detailed = serde_json::to_value(Failure::with_detail("a", "b")).unwrap();
+        assert_eq!(detailed, serde_json::json!({"error": "a", "detail": "b"}));
+    }
+
+    #[test]
+    fn an_override_names_its_client_by_tag_and_its_times_in_seconds() {
+        let entry = Override {
+            target: "fg:key:0123:api:hour".into(),
+            rule: "api".into(),
+            name: "hour".into(),
+            limit: 500,
+            window: std::time::Duration::from_millis(1500),
+            burst: None,
+            set_at: Timestamp::from_secs(100),
+            expires_at: Timestamp::from_secs(160),
+        };
+        let view = serde_json::to_value(OverrideView::new(&entry, Timestamp::from_secs(130)));
+        let view = view.unwrap();
+        assert_eq!(view["window_seconds"], 1.5);
+        assert_eq!(view["expires_in"], 30);
+        assert_eq!(view["set_at"], 100);
+        assert_eq!(view["burst"], serde_json::Value::Null);
+        assert!(view.get("plan").is_none(), "{view}");
+    }
+}

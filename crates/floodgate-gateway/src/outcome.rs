@@ -1,0 +1,68 @@
+//! What became of a request in the gateway: the layer's [`Outcome`], or what the gateway
+//! decided before the layer saw the request. One value per request, read by the access log.
+
+use floodgate::Outcome;
+
+/// What became of a request, as the access log's `decision` field names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GatewayOutcome {
+    /// What the rate limit layer made of it (the gateway's allowlist and denylist, which
+    /// answer before the layer, say [`Outcome::Bypassed`] and [`Outcome::Denylisted`] too).
+    Limiter(Outcome),
+    /// Refused before any identity: a malformed head or path.
+    Rejected,
+    /// An API key no client has: 401.
+    UnknownKey,
+    /// The client went away before the answer's head (499).
+    ClientClosed,
+}
+
+impl GatewayOutcome {
+    /// The `decision` field's value.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            GatewayOutcome::Limiter(outcome) => outcome.as_str(),
+            GatewayOutcome::Rejected => "rejected",
+            GatewayOutcome::UnknownKey => "unknown_key",
+            GatewayOutcome::ClientClosed => "client_closed",
+        }
+    }
+
+    /// Whether the limiter refused the request (`access_log.only: limited`): the layer's
+    /// refusals and an unknown API key.
+    pub(crate) fn is_refused(self) -> bool {
+        match self {
+            GatewayOutcome::Limiter(outcome) => outcome.is_refused(),
+            GatewayOutcome::UnknownKey => true,
+            GatewayOutcome::Rejected | GatewayOutcome::ClientClosed => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gateways_own_outcomes_are_named_apart_from_the_layers() {
+        let own = [
+            GatewayOutcome::Rejected,
+            GatewayOutcome::UnknownKey,
+            GatewayOutcome::ClientClosed,
+        ];
+        for outcome in own {
+            assert_ne!(
+                outcome.as_str(),
+                GatewayOutcome::Limiter(Outcome::Unlimited).as_str()
+            );
+        }
+        assert!(GatewayOutcome::UnknownKey.is_refused());
+        assert!(!GatewayOutcome::Rejected.is_refused());
+        assert!(GatewayOutcome::Limiter(Outcome::Limited).is_refused());
+        assert!(!GatewayOutcome::Limiter(Outcome::ShadowLimited).is_refused());
+        assert_eq!(
+            GatewayOutcome::Limiter(Outcome::FallbackLimited).as_str(),
+            "fallback_limited"
+        );
+    }
+}
