@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use floodgate::{Identity, RequestInfo};
 
-use crate::config::{Config, EndpointTable, RouteTarget, UnknownKeys, key_digest};
+use crate::config::{Config, RouteTable, RouteTarget, UnknownKeys, key_digest};
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
@@ -18,7 +18,7 @@ pub(crate) struct ResolvedClient {
     pub client_ip: Option<IpAddr>,
     /// Allowlisted, or limiting switched off: no limit applies, no store call is made.
     pub bypass: bool,
-    /// The request's route in its configuration's `routes` ([`EndpointTable::find_index`]),
+    /// The request's route in its configuration's `routes` ([`RouteTable::find_index`]),
     /// found once for the limiter's cost and the proxy's upstream.
     pub route: Option<usize>,
 }
@@ -188,7 +188,7 @@ impl ResolvedClient {
     /// The route `request` was resolved with, from its `ResolvedClient` (or, for a request
     /// without one, found in `routes`).
     pub(crate) fn route_of<'c>(
-        routes: &'c EndpointTable<RouteTarget>,
+        routes: &'c RouteTable<RouteTarget>,
         extensions: &http::Extensions,
         method: &http::Method,
         path: &str,

@@ -22,6 +22,7 @@ mod planning;
 pub mod post_charge;
 pub mod response;
 pub mod rollout;
+pub mod route;
 pub mod service;
 pub mod store;
 pub mod telemetry;

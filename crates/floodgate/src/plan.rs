@@ -8,6 +8,7 @@ use crate::error::BuildError;
 use crate::key::storage::RecentKeys;
 use crate::key::{Identity, IdentityScope, RequestInfo, storage_key};
 use crate::limit::{Limit, is_valid_name};
+use crate::route::{RoutePattern, RouteTable};
 use crate::store::Check;
 
 /// Checks a rule name: 1 to 64 characters among `A-Z a-z 0-9 - _ .` (rules name counters in
@@ -98,13 +99,16 @@ pub enum RouteKey {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PlanError {
-    /// A route pattern is not `"METHOD /path"` or `"/path"`.
-    #[error("routes[{index}]: `{pattern}` is not \"METHOD /path\" or \"/path\"")]
+    /// A route pattern is not `"METHOD /path"` or `"/path"` ([`crate::route`]), or could
+    /// match the same requests as an earlier route.
+    #[error("routes[{index}]: `{pattern}`: {reason}")]
     InvalidRoute {
         /// Position of the route.
         index: usize,
         /// The pattern.
         pattern: String,
+        /// What is wrong with it.
+        reason: String,
     },
     /// An API key names a tier that was not declared with `tier`.
     #[error("api_keys: tier `{0}` is not declared (TieredPlanBuilder::tier)")]
@@ -161,7 +165,7 @@ pub struct TieredPlan {
     tiers: std::collections::HashMap<String, Vec<Arc<Limit>>>,
     api_keys: std::collections::HashMap<[u8; 32], String>,
     tier_of: Option<Arc<TierOf>>,
-    routes: Vec<Route>,
+    routes: RouteTable<Route>,
     identifier: crate::key::DefaultIdentifier,
     rules: Rules,
 }
@@ -175,8 +179,6 @@ struct Rules {
 }
 
 struct Route {
-    method: Option<http::Method>,
-    path: String,
     key: RouteKey,
     limits: Vec<Arc<Limit>>,
     rule: Arc<str>,
@@ -258,10 +260,7 @@ impl LimitPlan for TieredPlan {
         };
         self.push(&mut checks, scope, &hash, rule, limits, cost);
         let path = request.uri.path();
-        let route = self.routes.iter().find(|route| {
-            route.path == path && route.method.as_ref().is_none_or(|m| m == request.method)
-        });
-        if let Some(route) = route {
+        if let Some((_, route)) = self.routes.find(request.method, path) {
             match (route.key, &ip_hash) {
                 (RouteKey::Ip, Some(ip_hash)) => self.push(
                     &mut checks,
@@ -339,7 +338,8 @@ impl TieredPlanBuilder {
         self
     }
 
-    /// Limits on one route, `"POST /login"` or `"/login"` (any method), exact path.
+    /// Limits on one route: `"POST /login"`, `"/login"` (any method) or a pattern such as
+    /// `"GET /v1/orders/{id}"`, as [`crate::route`] reads and matches them.
     pub fn route(
         mut self,
         pattern: impl Into<String>,
@@ -391,29 +391,23 @@ impl TieredPlanBuilder {
             }
             api_keys.insert(crate::lists::api_key_digest(&key), tier);
         }
-        let mut routes = Vec::new();
+        let mut routes = RouteTable::default();
         for (index, (pattern, key, limits)) in self.routes.into_iter().enumerate() {
-            let invalid = || PlanError::InvalidRoute {
+            let invalid = |reason: String| PlanError::InvalidRoute {
                 index,
                 pattern: pattern.clone(),
+                reason,
             };
-            let (method, path) = match pattern.trim().split_once(' ') {
-                Some((method, path)) => (
-                    Some(http::Method::from_bytes(method.as_bytes()).map_err(|_| invalid())?),
-                    path.trim(),
-                ),
-                None => (None, pattern.trim()),
-            };
-            if !path.starts_with('/') {
-                return Err(invalid());
-            }
-            routes.push(Route {
-                method,
-                path: path.to_owned(),
+            let parsed =
+                RoutePattern::parse(&pattern).map_err(|error| invalid(error.to_string()))?;
+            let route = Route {
                 key,
                 limits: group(format!("routes[{index}]"), limits)?,
                 rule: Arc::from(format!("route.{index}")),
-            });
+            };
+            routes
+                .insert(parsed, route)
+                .map_err(|error| invalid(error.to_string()))?;
         }
         let plan = TieredPlan {
             prefix: Arc::from(self.prefix.as_deref().unwrap_or("fg")),
@@ -436,7 +430,10 @@ impl TieredPlanBuilder {
             && plan.anonymous.is_empty()
             && plan.keyed.is_empty()
             && plan.tiers.values().all(Vec::is_empty)
-            && plan.routes.iter().all(|route| route.limits.is_empty());
+            && plan
+                .routes
+                .entries()
+                .all(|(_, route)| route.limits.is_empty());
         if empty {
             return Err(PlanError::Empty);
         }

@@ -248,3 +248,51 @@ async fn closures_infer_their_argument_types() {
         "POST cost 2 of 2"
     );
 }
+
+/// Routes read and match as the gateway's endpoints do (`floodgate::route`): `{param}`
+/// segments, a method-specific route over an any-method one, `HEAD` meeting `GET`'s limits.
+#[tokio::test]
+async fn routes_are_patterns_with_the_gateways_meaning() {
+    let plan = TieredPlan::builder()
+        .keyed([per_minute("keyed", 100)])
+        .route(
+            "GET /v1/orders/{id}",
+            RouteKey::Client,
+            [per_minute("read", 2)],
+        )
+        .route("/v1/orders/{id}", RouteKey::Client, [per_minute("any", 5)])
+        .build()
+        .unwrap();
+    let service = RateLimitLayer::builder()
+        .plan(plan)
+        .store(MemoryStore::new())
+        .build()
+        .unwrap()
+        .layer(service_fn(hello));
+    let peer = "198.51.100.7:1";
+    let key = Some("k");
+    // The binding limit is the route's, the tighter one: its limit names which route matched.
+    let first = send(&service, Method::GET, "/v1/orders/1", peer, key).await;
+    assert_eq!(first, (200, "2".to_owned()), "GET meets the GET route");
+    let head = send(&service, Method::HEAD, "/v1/orders/2", peer, key).await;
+    assert_eq!(head, (200, "2".to_owned()), "HEAD meets the GET route too");
+    let third = send(&service, Method::GET, "/v1/orders/3", peer, key).await;
+    assert_eq!(third.0, 429, "one counter for every order id");
+    let post = send(&service, Method::POST, "/v1/orders/1", peer, key).await;
+    assert_eq!(
+        post,
+        (200, "5".to_owned()),
+        "other methods meet the any-method route"
+    );
+    let nested = send(&service, Method::GET, "/v1/orders/1/items", peer, key).await;
+    assert_eq!(nested, (200, "100".to_owned()), "{{id}} is one segment");
+    let conflict = TieredPlan::builder()
+        .route("/a/{x}", RouteKey::Client, [per_minute("a", 1)])
+        .route("/a/{y}", RouteKey::Client, [per_minute("b", 1)])
+        .build()
+        .unwrap_err();
+    assert!(
+        conflict.to_string().starts_with("routes[1]: `/a/{y}`"),
+        "{conflict}"
+    );
+}

@@ -49,6 +49,18 @@ impl From<String> for Problem {
     }
 }
 
+impl From<floodgate::route::RoutePatternError> for Problem {
+    fn from(error: floodgate::route::RoutePatternError) -> Self {
+        Problem(error.to_string())
+    }
+}
+
+impl From<floodgate::route::RouteConflict> for Problem {
+    fn from(error: floodgate::route::RouteConflict) -> Self {
+        Problem(error.to_string())
+    }
+}
+
 impl From<&str> for Problem {
     fn from(message: &str) -> Self {
         Problem(message.to_owned())

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::errors::Errors;
 use super::rollout::{RawRollout, policy, rollout};
-use super::{Endpoint, EndpointTable, Rollout, positive_duration};
+use super::{Rollout, RoutePattern, RouteTable, positive_duration};
 use floodgate::FailurePolicy;
 
 /// One plan under `plans:`, as written.
@@ -71,7 +71,7 @@ pub(crate) struct PlanLimits {
     /// Limits on every request of the plan's clients.
     pub limits: Vec<Arc<Limit>>,
     /// Limits on particular endpoints.
-    pub endpoints: EndpointTable<EndpointLimits>,
+    pub endpoints: RouteTable<EndpointLimits>,
     /// The plan's own failure policy, if it overrides the global one.
     pub on_store_error: Option<FailurePolicy>,
     /// The plan's own rollout, if it overrides the global one.
@@ -131,12 +131,12 @@ pub(super) fn endpoint_limits(
     path: &str,
     rule_prefix: &str,
     raw: &BTreeMap<String, Vec<RawLimit>>,
-) -> EndpointTable<EndpointLimits> {
-    let mut table = EndpointTable::default();
+) -> RouteTable<EndpointLimits> {
+    let mut table = RouteTable::default();
     for (pattern, raws) in raw {
         let entry_path = format!("{path}.\"{pattern}\"");
         let parsed = limits(errors, &entry_path, raws);
-        if let Some(endpoint) = errors.ok(entry_path.clone(), Endpoint::parse(pattern)) {
+        if let Some(endpoint) = errors.ok(entry_path.clone(), RoutePattern::parse(pattern)) {
             let entry = EndpointLimits {
                 rule: Arc::from(format!("{rule_prefix}.{}", endpoint.key_id())),
                 limits: parsed,
@@ -197,9 +197,9 @@ pub(super) fn scaled_plan(plan: PlanLimits, share: f64) -> PlanLimits {
 
 /// Each endpoint's limits scaled by the regional `share` ([`scaled`]).
 pub(super) fn scaled_endpoints(
-    table: EndpointTable<EndpointLimits>,
+    table: RouteTable<EndpointLimits>,
     share: f64,
-) -> EndpointTable<EndpointLimits> {
+) -> RouteTable<EndpointLimits> {
     table.map(|entry| EndpointLimits {
         rule: entry.rule,
         limits: scaled(entry.limits, share),

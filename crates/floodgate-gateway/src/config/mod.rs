@@ -16,7 +16,6 @@ macro_rules! problem {
 
 mod clients;
 mod duration;
-mod endpoints;
 mod errors;
 mod limits;
 mod operations;
@@ -31,11 +30,11 @@ mod tls;
 
 pub(crate) use clients::{IdentitySettings, UnknownKeys};
 pub(crate) use duration::parse_duration;
-pub(crate) use endpoints::{Endpoint, EndpointTable};
 pub(crate) use errors::Problem;
 pub use errors::{ConfigError, ConfigErrors};
 pub(crate) use floodgate::response::ResponseSettings;
 pub(crate) use floodgate::rollout::Rollout;
+pub(crate) use floodgate::route::{RoutePattern, RouteTable};
 pub(crate) use limits::{EndpointLimits, PlanLimits};
 pub(crate) use operations::{AccessLogFormat, AccessLogSettings, AccessLogTarget, OverrideBounds};
 pub(crate) use raw::RawConfig;
@@ -78,7 +77,7 @@ pub(crate) struct Config {
     /// The HTTP version spoken to upstreams.
     pub upstream_protocol: UpstreamProtocol,
     /// Per-endpoint upstream and cost.
-    pub routes: EndpointTable<RouteTarget>,
+    pub routes: RouteTable<RouteTarget>,
     /// The store.
     pub store: StoreSettings,
     /// The failure policy.
@@ -98,7 +97,7 @@ pub(crate) struct Config {
     /// Limits on every request, by client IP.
     pub per_ip: Vec<Arc<Limit>>,
     /// Ceilings across all clients, per endpoint.
-    pub global: EndpointTable<EndpointLimits>,
+    pub global: RouteTable<EndpointLimits>,
     /// Rollout.
     pub rollout: Rollout,
     /// Clients that bypass all limits.

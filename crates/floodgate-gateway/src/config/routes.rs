@@ -4,7 +4,7 @@ use http::Uri;
 use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
-use super::{Endpoint, EndpointTable, redact_url};
+use super::{RoutePattern, RouteTable, redact_url};
 
 /// One entry of `routes:`, as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -79,8 +79,8 @@ pub(super) fn upstream(url: &str) -> Result<Upstream, Problem> {
 }
 
 /// `routes`: each route's upstream, cost and cost header, by endpoint.
-pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> EndpointTable<RouteTarget> {
-    let mut routes = EndpointTable::default();
+pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> RouteTable<RouteTarget> {
+    let mut routes = RouteTable::default();
     for (index, route) in raw.iter().enumerate() {
         let path = format!("routes[{index}]");
         let target_upstream = match &route.upstream {
@@ -102,7 +102,7 @@ pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> EndpointTable<Rou
                 .map(|name| Some((name, route.cost_header_visible))),
             None => Some(None),
         };
-        let endpoint = errors.ok(format!("{path}.match"), Endpoint::parse(&route.pattern));
+        let endpoint = errors.ok(format!("{path}.match"), RoutePattern::parse(&route.pattern));
         if let (Some(endpoint), Some(target_upstream), Some(cost_header)) =
             (endpoint, target_upstream, cost_header)
         {
