@@ -14,7 +14,7 @@ use floodgate::{
 use http::Method;
 
 use crate::client::ResolvedClient;
-use crate::config::Config;
+use crate::config::{Config, EndpointLimits, PlanLimits};
 
 /// The rule of `per_ip` limits.
 const PER_IP_RULE: &str = "per_ip";
@@ -94,23 +94,8 @@ impl GatewayPlan {
             if plan.limits.is_empty() && endpoint.is_none() {
                 return checks;
             }
-            let (hash, scope) = client.hash_and_scope();
-            self.push(
-                &mut checks,
-                (Scope::Client, scope, &hash),
-                &plan.rule,
-                &plan.limits,
-                cost,
-            );
-            if let Some((_, endpoint)) = endpoint {
-                self.push(
-                    &mut checks,
-                    (Scope::Client, scope, &hash),
-                    &endpoint.rule,
-                    &endpoint.limits,
-                    cost,
-                );
-            }
+            let endpoints = endpoint.map(|(_, limits)| limits);
+            self.push_plan(&mut checks, plan, endpoints, client, cost);
         }
         checks
     }
@@ -127,27 +112,28 @@ impl GatewayPlan {
     ) -> Vec<Check> {
         let mut checks = Vec::new();
         self.push_per_ip(&mut checks, client_ip, 1);
-        let Some(plan) = self.config.plans.get(plan) else {
-            return checks;
-        };
-        let (hash, scope) = client.hash_and_scope();
-        self.push(
-            &mut checks,
-            (Scope::Client, scope, &hash),
-            &plan.rule,
-            &plan.limits,
-            1,
-        );
-        for (_, endpoint) in plan.endpoints.entries() {
-            self.push(
-                &mut checks,
-                (Scope::Client, scope, &hash),
-                &endpoint.rule,
-                &endpoint.limits,
-                1,
-            );
+        if let Some(plan) = self.config.plans.get(plan) {
+            let endpoints = plan.endpoints.entries().map(|(_, limits)| limits);
+            self.push_plan(&mut checks, plan, endpoints, client, 1);
         }
         checks
+    }
+
+    /// The checks of `plan`'s own limits, then of `endpoints`' limits, counted for `client`.
+    fn push_plan<'p>(
+        &self,
+        checks: &mut Vec<Check>,
+        plan: &PlanLimits,
+        endpoints: impl IntoIterator<Item = &'p EndpointLimits>,
+        client: ClientKeys<'_>,
+        cost: u64,
+    ) {
+        let (hash, scope) = client.hash_and_scope();
+        let counter = (Scope::Client, scope, &hash);
+        self.push(checks, counter, &plan.rule, &plan.limits, cost);
+        for endpoint in endpoints {
+            self.push(checks, counter, &endpoint.rule, &endpoint.limits, cost);
+        }
     }
 
     /// The `per_ip` checks of a client at `client_ip`, when it is known.

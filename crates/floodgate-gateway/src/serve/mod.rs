@@ -226,28 +226,35 @@ enum PermitOrder {
     AfterAccept,
 }
 
-/// A slot under `server.max_connections`, waiting (and saying so) at the limit; `None` when
-/// `shutdown` resolves first.
-async fn take_permit(
-    permits: &Arc<Semaphore>,
+/// An accept loop's slots under `server.max_connections`, and the log of waiting for one.
+struct Slots<'p> {
+    permits: &'p Arc<Semaphore>,
     max_connections: usize,
-    at_capacity: &mut RateLimitedLog,
-    shutdown: Pin<&mut impl Future<Output = ()>>,
-) -> Option<OwnedSemaphorePermit> {
-    if let Ok(permit) = permits.clone().try_acquire_owned() {
-        return Some(permit);
-    }
-    metrics::counter!(crate::telemetry::CONNECTIONS_AT_LIMIT_TOTAL).increment(1);
-    at_capacity.warn(|suppressed| {
-        tracing::warn!(
-            max_connections,
-            suppressed,
-            "connection limit reached: new connections wait until one closes (server.max_connections)"
-        )
-    });
-    tokio::select! {
-        permit = permits.clone().acquire_owned() => permit.ok(),
-        () = shutdown => None,
+    at_capacity: RateLimitedLog,
+}
+
+impl Slots<'_> {
+    /// A slot, waiting (and saying so) at the limit; `None` when `shutdown` resolves first.
+    async fn take(
+        &mut self,
+        shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Option<OwnedSemaphorePermit> {
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            return Some(permit);
+        }
+        metrics::counter!(crate::telemetry::CONNECTIONS_AT_LIMIT_TOTAL).increment(1);
+        let max_connections = self.max_connections;
+        self.at_capacity.warn(|suppressed| {
+            tracing::warn!(
+                max_connections,
+                suppressed,
+                "connection limit reached: new connections wait until one closes (server.max_connections)"
+            )
+        });
+        tokio::select! {
+            permit = self.permits.clone().acquire_owned() => permit.ok(),
+            () = shutdown => None,
+        }
     }
 }
 
@@ -264,9 +271,12 @@ async fn accept_loop(
     graceful: &GracefulShutdown,
     shutdown: impl Future<Output = ()>,
 ) {
-    let max_connections = limits.max_connections();
+    let mut slots = Slots {
+        permits,
+        max_connections: limits.max_connections(),
+        at_capacity: RateLimitedLog::default(),
+    };
     let builder = connection_builder(limits);
-    let mut at_capacity = RateLimitedLog::default();
     let mut accept_errors = RateLimitedLog::default();
     let mut backoff = Duration::ZERO;
     tokio::pin!(shutdown);
@@ -274,19 +284,10 @@ async fn accept_loop(
         // A free slot first: at the limit, new clients wait in the listen backlog instead of
         // taking descriptors the gateway needs.
         let early = match order {
-            PermitOrder::BeforeAccept => {
-                match take_permit(
-                    permits,
-                    max_connections,
-                    &mut at_capacity,
-                    shutdown.as_mut(),
-                )
-                .await
-                {
-                    Some(permit) => Some(permit),
-                    None => break,
-                }
-            }
+            PermitOrder::BeforeAccept => match slots.take(shutdown.as_mut()).await {
+                Some(permit) => Some(permit),
+                None => break,
+            },
             PermitOrder::AfterAccept => None,
         };
         let (stream, peer) = tokio::select! {
@@ -312,19 +313,10 @@ async fn accept_loop(
         backoff = Duration::ZERO;
         let permit = match early {
             Some(permit) => permit,
-            None => {
-                match take_permit(
-                    permits,
-                    max_connections,
-                    &mut at_capacity,
-                    shutdown.as_mut(),
-                )
-                .await
-                {
-                    Some(permit) => permit,
-                    None => break,
-                }
-            }
+            None => match slots.take(shutdown.as_mut()).await {
+                Some(permit) => permit,
+                None => break,
+            },
         };
         serve_connection(
             &builder, graceful, gateway, limits, tls, stream, peer, permit,

@@ -415,25 +415,21 @@ impl RedisStore {
     /// Runs a command outside the decisions (slot map, probes): within the deadline (at least
     /// 100ms), outside the breaker.
     async fn query(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
-        let deadline = self
-            .inner
-            .guard
-            .config()
-            .timeout
-            .max(Duration::from_millis(100));
+        let deadline = self.deadline_outside_decisions();
         self.inner.connection.query(command, deadline).await
+    }
+
+    /// The deadline of a command outside the decisions: `store.timeout`, at least 100ms.
+    fn deadline_outside_decisions(&self) -> Duration {
+        let timeout = self.inner.guard.config().timeout;
+        timeout.max(Duration::from_millis(100))
     }
 
     /// Runs `command` on the decisions' connection (no connection of its own, unlike
     /// [`RedisStore::query`]: operations that recur, such as reading overrides), within the
     /// deadline (at least 100ms), outside the breaker.
     pub(crate) async fn command(&self, command: &redis::Cmd) -> Result<Value, StoreError> {
-        let deadline = self
-            .inner
-            .guard
-            .config()
-            .timeout
-            .max(Duration::from_millis(100));
+        let deadline = self.deadline_outside_decisions();
         match tokio::time::timeout(deadline, self.inner.connection.run(command)).await {
             Ok(result) => result.map_err(ConnectionError::into_store_error),
             Err(_) => Err(StoreError::Timeout(deadline)),
