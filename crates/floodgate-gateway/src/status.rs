@@ -4,13 +4,13 @@
 //! memory. And [`Observers`]: everything the configuration versions report into, kept across
 //! reloads, that the admin API reads.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use floodgate::telemetry::{DecisionLabel, LimitedRateBaseline, decision_totals};
 use floodgate::top::TopClients;
-use serde_json::{Map, Value, json};
+use serde::Serialize;
 
 /// One-second samples kept: a minute of history, plus the one the first difference needs.
 const SAMPLES: usize = 61;
@@ -87,7 +87,7 @@ impl StatusBoard {
 
     /// The `decisions`, `limited_share`, `reload_errors` and `uptime_seconds` parts of
     /// `/admin/status`.
-    pub(crate) fn report(&self) -> Map<String, Value> {
+    pub(crate) fn report(&self) -> Observed {
         let samples: Vec<Sample> = self
             .samples
             .lock()
@@ -95,27 +95,16 @@ impl StatusBoard {
             .iter()
             .copied()
             .collect();
-        let by_outcome = |counts: [f64; 7]| -> Value {
-            let mut outcomes = Map::new();
-            for (label, count) in DecisionLabel::ALL.iter().zip(counts) {
-                outcomes.insert(label.as_str().to_owned(), json!(count));
-            }
-            Value::Object(outcomes)
-        };
         let difference = |older: &Sample, newer: &Sample| -> [f64; 7] {
             std::array::from_fn(|index| {
                 newer.totals[index].saturating_sub(older.totals[index]) as f64
             })
         };
-        let series: Vec<Value> = samples
+        let series = samples
             .windows(2)
-            .map(|pair| {
-                let mut point = match by_outcome(difference(&pair[0], &pair[1])) {
-                    Value::Object(point) => point,
-                    _ => Map::new(),
-                };
-                point.insert("at".to_owned(), json!(pair[1].at));
-                Value::Object(point)
+            .map(|pair| SeriesPoint {
+                at: pair[1].at,
+                counts: by_outcome(difference(&pair[0], &pair[1])),
             })
             .collect();
         // Decisions of the last ten seconds (or fewer, right after start), and over how long.
@@ -146,30 +135,78 @@ impl StatusBoard {
         } else {
             0.0
         };
-        let anomaly = self.anomaly.load(std::sync::atomic::Ordering::Relaxed);
-        let reload_errors: Vec<Value> = self
+        let reload_errors = self
             .reload_errors
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|(at, error)| json!({"at": at, "error": error}))
+            .map(|(at, error)| ReloadError {
+                at: *at,
+                error: error.clone(),
+            })
             .collect();
-        let mut report = Map::new();
-        report.insert(
-            "uptime_seconds".to_owned(),
-            json!(self.started.elapsed().as_secs()),
-        );
-        report.insert(
-            "decisions".to_owned(),
-            json!({"per_second": by_outcome(per_second), "series": series}),
-        );
-        report.insert(
-            "limited_share".to_owned(),
-            json!({"last_interval": share, "anomaly": anomaly}),
-        );
-        report.insert("reload_errors".to_owned(), Value::Array(reload_errors));
-        report
+        Observed {
+            uptime_seconds: self.started.elapsed().as_secs(),
+            decisions: DecisionRates {
+                per_second: by_outcome(per_second),
+                series,
+            },
+            limited_share: LimitedShare {
+                last_interval: share,
+                anomaly: self.anomaly.load(std::sync::atomic::Ordering::Relaxed),
+            },
+            reload_errors,
+        }
     }
+}
+
+/// Counts by outcome, named as the `decision` label names them.
+fn by_outcome(counts: [f64; 7]) -> BTreeMap<&'static str, f64> {
+    DecisionLabel::ALL
+        .iter()
+        .map(|label| label.as_str())
+        .zip(counts)
+        .collect()
+}
+
+/// What the status board observed, in `/admin/status`.
+#[derive(Debug, Serialize)]
+pub(crate) struct Observed {
+    uptime_seconds: u64,
+    decisions: DecisionRates,
+    limited_share: LimitedShare,
+    /// The last ten, oldest first.
+    reload_errors: Vec<ReloadError>,
+}
+
+/// Decisions per second by outcome: the mean of the last ten seconds, and each second of the
+/// last minute.
+#[derive(Debug, Serialize)]
+struct DecisionRates {
+    per_second: BTreeMap<&'static str, f64>,
+    series: Vec<SeriesPoint>,
+}
+
+/// One second of [`DecisionRates::series`].
+#[derive(Debug, Serialize)]
+struct SeriesPoint {
+    at: u64,
+    #[serde(flatten)]
+    counts: BTreeMap<&'static str, f64>,
+}
+
+/// The 429 share of the last ten seconds, and whether the baseline flagged it.
+#[derive(Debug, Serialize)]
+struct LimitedShare {
+    last_interval: f64,
+    anomaly: bool,
+}
+
+/// A reload that failed: when (Unix seconds) and why.
+#[derive(Debug, Serialize)]
+struct ReloadError {
+    at: u64,
+    error: String,
 }
 
 /// What every configuration version reports into: kept across reloads.
@@ -193,7 +230,7 @@ mod tests {
         for index in 0..15 {
             board.record_reload_error(format!("error {index}"));
         }
-        let report = board.report();
+        let report = serde_json::to_value(board.report()).unwrap();
         let errors = report["reload_errors"].as_array().unwrap();
         assert_eq!(errors.len(), RELOAD_ERRORS);
         assert_eq!(errors[0]["error"], "error 5");
@@ -206,7 +243,7 @@ mod tests {
         for _ in 0..100 {
             board.sample();
         }
-        let report = board.report();
+        let report = serde_json::to_value(board.report()).unwrap();
         assert_eq!(
             report["decisions"]["series"].as_array().unwrap().len(),
             SAMPLES - 1

@@ -103,7 +103,7 @@ pub(crate) struct TopClient {
 #[derive(Debug, Serialize)]
 pub(crate) struct Status {
     #[serde(flatten)]
-    pub(crate) observed: serde_json::Map<String, serde_json::Value>,
+    pub(crate) observed: crate::status::Observed,
     pub(crate) version: u64,
     pub(crate) loaded_at: u64,
     pub(crate) mode: &'static str,
