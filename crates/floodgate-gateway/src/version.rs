@@ -156,6 +156,18 @@ impl ConfigVersion {
         }
     }
 
+    /// Whether `plan`'s rollout (its own, or the top-level one) is `off`: its requests meet
+    /// no limit.
+    fn kill_switch_is_on(&self, plan: &str) -> bool {
+        let rollout = self
+            .config
+            .plans
+            .get(plan)
+            .and_then(|plan| plan.rollout.as_ref())
+            .unwrap_or(&self.config.rollout);
+        rollout.mode() == floodgate::rollout::Mode::Off
+    }
+
     /// The answer to `request`. The facts that cost an allocation (the path, the identity)
     /// are kept only for a request that is `logged`.
     async fn answer(
@@ -209,6 +221,10 @@ impl ConfigVersion {
         if logged {
             facts.identity = Some(client.identity.clone());
             facts.plan = Some(client.plan.clone());
+        }
+        if logged && self.kill_switch_is_on(&client.plan) {
+            // The layer says so on the answer; this is for a client that leaves before it.
+            facts.early = Some(GatewayOutcome::Limiter(Outcome::Bypassed));
         }
         if client.bypass {
             facts.early = Some(GatewayOutcome::Limiter(Outcome::Bypassed));

@@ -335,16 +335,17 @@ async fn lines_time_the_whole_body_and_count_its_bytes() {
     assert!(bytes > 0 && bytes < TOTAL, "{line}");
 }
 
-/// A client that goes away before its answer still gets a line, when it leaves (not when the
-/// upstream answers): status 499 as nginx writes it, with who it was and its trace id.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_goes_away_gets_a_499_line() {
+/// The line of a client that sends `GET /slow` (answered after 20 s) and goes away once the
+/// upstream has it, through a gateway whose configuration ends with `config_tail` after the
+/// access log's path; and how long after it left the line was there.
+async fn line_of_a_client_that_goes_away(config_tail: &str) -> (String, Duration) {
     use tokio::io::AsyncWriteExt;
 
     let upstream = Upstream::start().await;
     let directory = TempDir::new("log");
     let path = directory.file("access.log");
-    let (gateway, _dir) = gateway(&upstream, &format!("  path: \"{}\"", path.display()), 10);
+    let config = format!("  path: \"{}\"\n{config_tail}", path.display());
+    let (gateway, _dir) = gateway(&upstream, &config, 10);
     let mut connection = tokio::net::TcpStream::connect(gateway.listen)
         .await
         .unwrap();
@@ -360,7 +361,15 @@ async fn a_client_that_goes_away_gets_a_499_line() {
     let lines = wait_for_lines(&path, 1);
     let waited = left.elapsed();
     assert_eq!(lines.len(), 1, "{lines:?}");
-    let line = parsed(&lines[0]);
+    (lines[0].clone(), waited)
+}
+
+/// A client that goes away before its answer still gets a line, when it leaves (not when the
+/// upstream answers): status 499 as nginx writes it, with who it was and its trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_gets_a_499_line() {
+    let (text, waited) = line_of_a_client_that_goes_away("").await;
+    let line = parsed(&text);
     assert_eq!(line["status"], 499, "{line}");
     assert_eq!(line["decision"], "client_closed");
     assert_eq!(line["method"], "GET");
@@ -369,10 +378,21 @@ async fn a_client_that_goes_away_gets_a_499_line() {
     assert_eq!(line["scope"], "key");
     assert_eq!(line["trace_id"], TRACE_ID);
     assert!(line["upstream_status"].is_null() && line["limit"].is_null());
-    assert!(!lines[0].contains(API_KEY));
+    assert!(!text.contains(API_KEY));
     // Written when the client left: the upstream would have answered after 20 s.
     assert!(waited < Duration::from_secs(5), "{waited:?}");
     assert!(line["duration_ms"].as_f64().unwrap() < 5_000.0, "{line}");
+}
+
+/// Regression (after review of the typed outcome): under the kill switch a client that goes
+/// away is logged as bypassed, as its answered requests are; the layer's outcome rides on an
+/// answer it never got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_under_the_kill_switch_is_logged_as_bypassed() {
+    let (text, _) = line_of_a_client_that_goes_away("rollout:\n  mode: off").await;
+    let line = parsed(&text);
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["decision"], "bypassed", "{line}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

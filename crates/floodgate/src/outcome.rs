@@ -135,6 +135,30 @@ impl RequestOutcome {
         }
     }
 
+    /// Whether this outcome, of a layer around another, says more of the request than the
+    /// `inner` layer's: never over an inner refusal (the inner layer answered the request
+    /// itself) nor when this layer applied no limit; over an inner layer that applied none;
+    /// between two admissions, when this layer's binding limit has less room left; a shadow
+    /// denial or a fallback here over an inner admission.
+    pub fn supersedes(&self, inner: &RequestOutcome) -> bool {
+        use Outcome::{Allowed, Bypassed, Unlimited};
+        match (self.outcome, inner.outcome) {
+            (_, inner) if inner.is_refused() => false,
+            (Unlimited | Bypassed, _) => false,
+            (_, Unlimited | Bypassed) => true,
+            (Allowed, Allowed) => match (&self.binding, &inner.binding) {
+                (Some(ours), Some(theirs)) => {
+                    u128::from(ours.remaining) * u128::from(theirs.capacity)
+                        < u128::from(theirs.remaining) * u128::from(ours.capacity)
+                }
+                (ours, _) => ours.is_some(),
+            },
+            // An inner shadow denial or fallback says more than an admission here.
+            (Allowed, _) => false,
+            _ => true,
+        }
+    }
+
     /// When the binding limit denied: the wait until it would admit the request.
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         self.binding

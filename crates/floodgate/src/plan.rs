@@ -101,13 +101,13 @@ pub enum RouteKey {
 pub enum PlanError {
     /// A route pattern is not `"METHOD /path"` or `"/path"` ([`crate::route`]), or could
     /// match the same requests as an earlier route.
-    #[error("routes[{index}]: `{pattern}`: {reason}")]
+    #[error("routes[{index}]: {reason}")]
     InvalidRoute {
         /// Position of the route.
         index: usize,
         /// The pattern.
         pattern: String,
-        /// What is wrong with it.
+        /// What is wrong with it (naming the pattern, or the part of it at fault).
         reason: String,
     },
     /// An API key names a tier that was not declared with `tier`.

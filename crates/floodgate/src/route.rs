@@ -7,7 +7,10 @@
 //! - a method-specific pattern wins over an any-method one; a `HEAD` request meets the `GET`
 //!   patterns when no `HEAD` pattern matches it (RFC 9110 §9.3.2: it is a `GET` without the
 //!   body, so a limit on `GET /x` cannot be dodged with `HEAD /x`);
-//! - two patterns that could match the same path for the same method are refused when added.
+//! - patterns axum's router cannot hold together are refused when added (the same path twice
+//!   for one method, or parameters named apart at one place: `/a/{x}` and `/a/{y}`); a literal
+//!   segment and a parameter at one place may stand together, the literal matching first
+//!   (`/a/b` before `/a/{x}`).
 //!
 //! The path a pattern is matched against is the request's, as the caller gives it: the gateway
 //! normalises it first (`/a/../b` is `/b`), the library does not.
@@ -75,8 +78,8 @@ impl RoutePattern {
     }
 }
 
-/// Why a pattern could not join a [`RouteTable`]: it could match the same requests as one
-/// already there (or its path is not a pattern axum's router takes).
+/// Why a pattern could not join a [`RouteTable`]: it conflicts with one already there, or its
+/// path is not a pattern axum's router takes.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("`{path}`: {reason}")]
 pub struct RouteConflict {
@@ -211,6 +214,14 @@ mod tests {
         assert_eq!(found(Method::GET, "/login/"), None);
         assert_eq!(found(Method::GET, "/login/2fa"), Some("step"));
         assert_eq!(found(Method::GET, "/login/2fa/more"), None);
+    }
+
+    #[test]
+    fn a_literal_segment_matches_before_a_parameter() {
+        let table = table(&[("/a/{x}", "param"), ("/a/b", "literal")]);
+        let found = |path: &str| table.find(&Method::GET, path).map(|entry| entry.1);
+        assert_eq!(found("/a/b"), Some("literal"));
+        assert_eq!(found("/a/c"), Some("param"));
     }
 
     #[test]

@@ -121,6 +121,8 @@ impl Shared {
             denied: true,
         });
         response.extensions_mut().insert(outcome);
+        // The whole decision too, for a logging layer outside this one (as documented).
+        response.extensions_mut().insert(decision.clone());
         response.map(RateLimitBody::full)
     }
 }
@@ -339,7 +341,12 @@ where
     if let Some(headers) = admitted.headers {
         headers.apply_to_response(&mut response);
     }
-    response.extensions_mut().insert(admitted.outcome);
+    // A nested rate limit layer's outcome stays when it binds (it refused the request, or
+    // its limit has less room left than ours).
+    let inner = response.extensions().get::<RequestOutcome>();
+    if inner.is_none_or(|inner| admitted.outcome.supersedes(inner)) {
+        response.extensions_mut().insert(admitted.outcome);
+    }
     Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases)))
 }
 

@@ -127,3 +127,45 @@ async fn a_failing_store_is_named_by_what_the_policy_did() {
         (StatusCode::SERVICE_UNAVAILABLE, Outcome::Unavailable)
     );
 }
+
+/// Nested layers (a global limit around a tighter one on a route): the outcome on the
+/// response is the binding layer's, and a 429 still carries its whole decision.
+#[tokio::test]
+async fn nested_layers_keep_the_binding_outcome() {
+    let tight = floodgate::Limit::token_bucket("route", 1, Duration::from_secs(1)).unwrap();
+    let inner = RateLimitLayer::builder()
+        .limit(tight)
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let outer = RateLimitLayer::builder()
+        .limit(per_second(100))
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let service = outer.layer(inner.layer(service_fn(ok_handler)));
+
+    let admitted = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(admitted.status(), StatusCode::OK);
+    let outcome = outcome_of(&admitted);
+    assert_eq!(outcome.outcome, Outcome::Allowed);
+    let binding = outcome.binding.as_ref().unwrap();
+    assert_eq!(
+        (&*binding.name, binding.remaining),
+        ("route", 0),
+        "the inner limit has less room than the outer one's 99 of 100"
+    );
+
+    let limited = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        outcome_of(&limited).outcome,
+        Outcome::Limited,
+        "the outer layer admitted it, but the inner one answered"
+    );
+    let decision = limited
+        .extensions()
+        .get::<floodgate::Decision>()
+        .expect("a denial carries its decision for a logging layer outside");
+    assert!(!decision.is_allowed());
+}
