@@ -104,7 +104,10 @@ impl Gateway {
     pub(crate) async fn check_store_at_start(&self) {
         let store = self.store();
         match store.probe().await {
-            Ok(()) => tracing::debug!(backend = store.backend(), "the store answers"),
+            Ok(()) => {
+                tracing::debug!(backend = store.backend(), "the store answers");
+                self.warn_of_quotas_lost_on_restart(&*store).await;
+            }
             Err(error) => tracing::error!(
                 backend = store.backend(),
                 %error,
@@ -112,6 +115,23 @@ impl Gateway {
                 "store check at start failed: requests follow on_store_error until it answers"
             ),
         }
+    }
+
+    /// Warns when limits of a day or longer are kept in a store that forgets them when it
+    /// restarts (the memory store, a Redis without persistence): each restart would give
+    /// every client its daily or monthly quota again. Silent when the store cannot tell.
+    async fn warn_of_quotas_lost_on_restart(&self, store: &dyn Store) {
+        let quotas = self.current().config.quota_limits();
+        if quotas.is_empty() || store.persistence().await != Some(false) {
+            return;
+        }
+        tracing::warn!(
+            backend = store.backend(),
+            limits = %quotas.join(", "),
+            "limits of a day or longer are kept in a store that loses them when it restarts \
+             (for Redis: appendonly yes, or save snapshots; see README \"Running Redis for \
+             quotas\"): every client would get these again after a restart"
+        );
     }
 
     /// The store of the version in service.

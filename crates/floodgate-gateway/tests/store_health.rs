@@ -129,3 +129,60 @@ async fn readiness_follows_the_plans_that_take_unnamed_clients() {
     assert_eq!(body["plans"]["free"]["serving"], false);
     assert_eq!(body["plans"]["lenient"]["serving"], true);
 }
+
+/// The words of the warning a gateway logs at start when its quotas would not survive the
+/// store's restart.
+const QUOTAS_LOST: &str = "limits of a day or longer are kept in a store that loses them";
+
+/// A gateway with a daily limit on the plan of anonymous clients, on `store`; returns once it
+/// serves (the store is checked before it says so, so its log already holds any warning).
+fn gateway_with_a_daily_quota(store: &str, upstream: &Upstream) -> (Gateway, TempDir) {
+    let directory = TempDir::new("quota");
+    let (listen, admin) = addresses();
+    let path = directory.file("floodgate.yaml");
+    let rest = format!(
+        "{store}plans:\n  free: {{}}\n  anonymous:\n    limits:\n      - {{ name: minute, algorithm: fixed_window, limit: 50, window: 60s }}\n      - {{ name: daily, algorithm: fixed_window, limit: 1000, window: 1d }}\n"
+    );
+    std::fs::write(&path, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
+    (Gateway::start(&path, listen, admin), directory)
+}
+
+fn quota_warning(gateway: &Gateway) -> Option<String> {
+    let log = gateway.log.lock().unwrap();
+    log.iter().find(|line| line.contains(QUOTAS_LOST)).cloned()
+}
+
+/// Issue 34 "durable quotas": a daily limit on a store that forgets its counters when it
+/// restarts (a Redis with neither AOF nor snapshots; the memory store) is warned of at start,
+/// naming the limit; on a Redis that writes an append-only file it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_quota_on_a_store_that_forgets_is_warned_of_at_start() {
+    let upstream = Upstream::start().await;
+    let volatile = redis_support::RedisServer::start();
+    let (gateway, _dir) =
+        gateway_with_a_daily_quota(&support::redis_store(&volatile.url()), &upstream);
+    let warning = quota_warning(&gateway).expect("a warning about the daily limit");
+    assert!(warning.contains("\"WARN\""), "{warning}");
+    assert!(
+        warning.contains("plans.anonymous.limits `daily`"),
+        "{warning}"
+    );
+    assert!(
+        !warning.contains("`minute`"),
+        "a minute is no quota: {warning}"
+    );
+
+    let (memory, _dir) = gateway_with_a_daily_quota("", &upstream);
+    let warning = quota_warning(&memory).expect("the memory store forgets too");
+    assert!(warning.contains("\"backend\":\"memory\""), "{warning}");
+
+    let durable = redis_support::RedisServer::start_with(|_| {
+        vec!["--appendonly".to_owned(), "yes".to_owned()]
+    });
+    let (kept, _dir) = gateway_with_a_daily_quota(&support::redis_store(&durable.url()), &upstream);
+    assert_eq!(
+        quota_warning(&kept),
+        None,
+        "an append-only file keeps the counts"
+    );
+}

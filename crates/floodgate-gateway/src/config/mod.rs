@@ -196,6 +196,47 @@ impl Config {
     }
 }
 
+/// The shortest window a counter must outlive a store's restart for: a day. A limit of a day or
+/// more (a daily or monthly quota) restarted from nothing is a client's quota given again.
+pub(crate) const QUOTA_WINDOW: std::time::Duration = std::time::Duration::from_secs(86_400);
+
+impl Config {
+    /// Every limit whose window is [`QUOTA_WINDOW`] or longer, named by where it is configured
+    /// (`plans.<plan>.limits`, `plans.<plan>.endpoints."<pattern>"`, `per_ip`, `global."<pattern>"`)
+    /// and its name, sorted.
+    pub(crate) fn quota_limits(&self) -> Vec<String> {
+        let named = |place: String, limits: &[std::sync::Arc<floodgate::Limit>]| {
+            limits
+                .iter()
+                .filter(|limit| limit.window() >= QUOTA_WINDOW)
+                .map(|limit| format!("{place} `{}`", limit.name()))
+                .collect::<Vec<_>>()
+        };
+        let mut found = named("per_ip".to_owned(), &self.per_ip);
+        for (name, plan) in &self.plans {
+            found.extend(named(format!("plans.{name}.limits"), &plan.limits));
+            for (pattern, endpoint) in plan.endpoints.entries() {
+                let place = format!("plans.{name}.endpoints.\"{}\"", pattern_text(pattern));
+                found.extend(named(place, &endpoint.limits));
+            }
+        }
+        for (pattern, endpoint) in self.global.entries() {
+            let place = format!("global.\"{}\"", pattern_text(pattern));
+            found.extend(named(place, &endpoint.limits));
+        }
+        found.sort();
+        found
+    }
+}
+
+/// A route pattern as the configuration writes it.
+fn pattern_text(pattern: &RoutePattern) -> String {
+    match pattern.method() {
+        Some(method) => format!("{method} {}", pattern.path()),
+        None => pattern.path().to_owned(),
+    }
+}
+
 /// The largest configuration file read: far above any real one (a million API keys fit),
 /// small enough that a runaway file is refused before it is parsed.
 pub const MAX_CONFIG_BYTES: usize = 128 * 1024 * 1024;

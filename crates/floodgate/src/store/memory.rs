@@ -547,6 +547,11 @@ impl Store for MemoryStore {
         "memory"
     }
 
+    /// Its counters live in this process: a restart forgets them.
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        Box::pin(std::future::ready(Some(false)))
+    }
+
     fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         Some(self.inner.overrides.clone())
     }

@@ -142,6 +142,15 @@ pub trait Store: Send + Sync + 'static {
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(std::future::ready(Ok(())))
     }
+
+    /// Whether the store keeps its counters across its own restart: `Some(false)` when it
+    /// would lose them (the memory store; a Redis with neither append-only file nor RDB
+    /// snapshots), `Some(true)` when it writes them to disk, `None` when it cannot tell (the
+    /// default, or a Redis that refuses `CONFIG GET`, as some managed services do). A limit
+    /// of a day or a month kept where a restart forgets it starts again from nothing.
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        Box::pin(std::future::ready(None))
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -207,5 +216,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         (**self).flush()
+    }
+
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        (**self).persistence()
     }
 }

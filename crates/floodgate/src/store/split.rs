@@ -244,4 +244,8 @@ impl<T: SyncTarget> Store for SplitStore<T> {
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.hot.flush()
     }
+
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        self.exact.persistence()
+    }
 }

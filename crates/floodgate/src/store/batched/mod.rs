@@ -915,4 +915,8 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(self.shared.give_back_everything(None))
     }
+
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        self.shared.target.persistence()
+    }
 }

@@ -715,6 +715,17 @@ impl Inner {
     }
 }
 
+/// The value of a `CONFIG GET <name>` reply: a `[name, value]` array (RESP2) or a one-entry
+/// map (RESP3); `None` for anything else (an unknown setting answers an empty one).
+fn config_value(reply: Value) -> Option<String> {
+    let value = match reply {
+        Value::Array(mut items) if items.len() == 2 => items.pop()?,
+        Value::Map(mut pairs) if pairs.len() == 1 => pairs.pop()?.1,
+        _ => return None,
+    };
+    redis::from_redis_value::<String>(value).ok()
+}
+
 impl Store for RedisStore {
     fn check_and_consume<'a>(
         &'a self,
@@ -808,6 +819,21 @@ impl Store for RedisStore {
     /// `PING`, outside the breaker.
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move { self.query(&redis::cmd("PING")).await.map(drop) })
+    }
+
+    /// `CONFIG GET appendonly` and `save`: kept when either writes to disk. On a cluster, the
+    /// answer of the node the commands reach (its masters are taken to be configured alike).
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        Box::pin(async move {
+            let setting = |name: &'static str| async move {
+                let mut get = redis::cmd("CONFIG");
+                get.arg("GET").arg(name);
+                config_value(self.query(&get).await.ok()?)
+            };
+            let appendonly = setting("appendonly").await?;
+            let save = setting("save").await?;
+            Some(appendonly.eq_ignore_ascii_case("yes") || !save.trim().is_empty())
+        })
     }
 
     /// On a cluster: open if any master's breaker is not closed (its identities follow the

@@ -207,6 +207,21 @@ impl Store for ShardedRedisStore {
         })
     }
 
+    /// Kept only if every node keeps its part; lost if any node loses its part.
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        Box::pin(async move {
+            let answers = self.nodes.iter().map(Store::persistence);
+            let answers = futures_util::future::join_all(answers).await;
+            if answers.contains(&Some(false)) {
+                return Some(false);
+            }
+            answers
+                .into_iter()
+                .collect::<Option<Vec<bool>>>()
+                .map(|_| true)
+        })
+    }
+
     /// Open if any node's breaker is not closed: that node's identities follow the policy.
     fn override_backend(&self) -> Option<Arc<dyn crate::store::override_backend::OverrideBackend>> {
         Some(Arc::new(super::overrides::RedisOverrides::sharded(
