@@ -117,11 +117,16 @@ impl Gateway {
         }
     }
 
-    /// Warns when limits of a day or longer are kept in a store that forgets them when it
-    /// restarts (the memory store, a Redis without persistence): each restart would give
-    /// every client its daily or monthly quota again. Silent when the store cannot tell.
+    /// Warns when limits of a day or longer are kept in a shared store that forgets them
+    /// when it restarts (a Redis without persistence): each restart would give every client
+    /// its daily or monthly quota again. Silent when the store cannot tell, and for the
+    /// memory store, whose counters are this process's by design (the quickstart's).
     async fn warn_of_quotas_lost_on_restart(&self, store: &dyn Store) {
-        let quotas = self.current().config.quota_limits();
+        let config = &self.current().config;
+        if !config.store.backend.is_shared() {
+            return;
+        }
+        let quotas = config.quota_limits();
         if quotas.is_empty() || store.persistence().await != Some(false) {
             return;
         }
