@@ -185,7 +185,7 @@ impl LimitStatus {
 
     /// Remaining as a fraction of capacity, compared without rounding: `a < b` as
     /// `a.remaining / a.capacity < b.remaining / b.capacity`.
-    fn has_less_room_than(&self, other: &LimitStatus) -> bool {
+    pub(crate) fn has_less_room_than(&self, other: &LimitStatus) -> bool {
         u128::from(self.remaining) * u128::from(other.capacity)
             < u128::from(other.remaining) * u128::from(self.capacity)
     }

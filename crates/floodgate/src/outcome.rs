@@ -147,10 +147,7 @@ impl RequestOutcome {
             (Unlimited | Bypassed, _) => false,
             (_, Unlimited | Bypassed) => true,
             (Allowed, Allowed) => match (&self.binding, &inner.binding) {
-                (Some(ours), Some(theirs)) => {
-                    u128::from(ours.remaining) * u128::from(theirs.capacity)
-                        < u128::from(theirs.remaining) * u128::from(ours.capacity)
-                }
+                (Some(ours), Some(theirs)) => ours.has_less_room_than(theirs),
                 (ours, _) => ours.is_some(),
             },
             // An inner shadow denial or fallback says more than an admission here.

@@ -78,6 +78,17 @@ impl RoutePattern {
     }
 }
 
+/// The pattern as configurations write it: `POST /v1/things/{id}`, or `/health` for any
+/// method.
+impl std::fmt::Display for RoutePattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.method {
+            Some(method) => write!(f, "{method} {}", self.path),
+            None => f.write_str(&self.path),
+        }
+    }
+}
+
 /// Why a pattern could not join a [`RouteTable`]: it conflicts with one already there, or its
 /// path is not a pattern axum's router takes.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -247,5 +258,9 @@ mod tests {
         let id = RoutePattern::parse("POST /v1/{id}:run").unwrap().key_id();
         assert_eq!(id, "POST/v1/_id__run");
         assert_eq!(RoutePattern::parse(" /x ").unwrap().key_id(), "ANY/x");
+        assert_eq!(
+            RoutePattern::parse("POST  /a").unwrap().to_string(),
+            "POST /a"
+        );
     }
 }

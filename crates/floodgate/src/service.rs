@@ -121,8 +121,6 @@ impl Shared {
             denied: true,
         });
         response.extensions_mut().insert(outcome);
-        // The whole decision too, for a logging layer outside this one (as documented).
-        response.extensions_mut().insert(decision.clone());
         response.map(RateLimitBody::full)
     }
 }
@@ -382,7 +380,10 @@ where
     }
     if !decision.is_allowed() {
         let outcome = RequestOutcome::of_decision(&decision, false);
-        return Ok(shared.limited_response(&decision, outcome).await);
+        let mut response = shared.limited_response(&decision, outcome).await;
+        // The whole decision too, for a logging layer outside this one (as documented).
+        response.extensions_mut().insert(decision);
+        return Ok(response);
     }
     let admitted = Admitted::new(&shared, &mut decision, checks, false);
     if !decision.delay().is_zero() {

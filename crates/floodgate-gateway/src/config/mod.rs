@@ -216,24 +216,16 @@ impl Config {
         for (name, plan) in &self.plans {
             found.extend(named(format!("plans.{name}.limits"), &plan.limits));
             for (pattern, endpoint) in plan.endpoints.entries() {
-                let place = format!("plans.{name}.endpoints.\"{}\"", pattern_text(pattern));
+                let place = format!("plans.{name}.endpoints.\"{pattern}\"");
                 found.extend(named(place, &endpoint.limits));
             }
         }
         for (pattern, endpoint) in self.global.entries() {
-            let place = format!("global.\"{}\"", pattern_text(pattern));
+            let place = format!("global.\"{pattern}\"");
             found.extend(named(place, &endpoint.limits));
         }
         found.sort();
         found
-    }
-}
-
-/// A route pattern as the configuration writes it.
-fn pattern_text(pattern: &RoutePattern) -> String {
-    match pattern.method() {
-        Some(method) => format!("{method} {}", pattern.path()),
-        None => pattern.path().to_owned(),
     }
 }
 
