@@ -6,6 +6,7 @@ use std::sync::Arc;
 use floodgate::{Identity, RequestInfo};
 
 use crate::config::{Config, RouteTable, RouteTarget, UnknownKeys, key_digest};
+use crate::token::{InvalidToken, Token};
 
 /// The resolved client, carried as a request extension to the limit plan.
 #[derive(Clone, Debug)]
@@ -30,6 +31,8 @@ pub(crate) enum Resolution {
     Denied,
     /// An API key not in `clients.api_keys`, under `clients.unknown_keys: reject`: 401.
     UnknownKey,
+    /// A token `identity.jwt` does not trust, under `invalid_token: reject`: 401.
+    InvalidToken,
     /// Go on with this client.
     Client(ResolvedClient),
 }
@@ -146,28 +149,58 @@ pub(crate) fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<R
 /// Resolves the client of `request` under `config`.
 pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
     let identifier = &config.identity.identifier;
-    let api_key = identifier.api_key(request);
-    let user = if api_key.is_none() {
-        identifier.user_id(request)
-    } else {
-        None
+    let exact_ip = identifier.exact_client_ip(request);
+    let token = match &config.identity.jwt {
+        Some(verifier) => verifier.check(request.headers),
+        None => Token::Absent,
     };
-    // A plan named by a trusted proxy; honoured only from one.
-    let trusted_peer = request
-        .peer_addr()
-        .is_some_and(|peer| identifier.client_ip().is_trusted(peer.ip()));
-    let named_plan = config
-        .identity
-        .plan_header
-        .as_ref()
-        .filter(|_| trusted_peer)
-        .and_then(|name| request.headers.get(name))
-        .and_then(|value| value.to_str().ok());
-    let parts = ClientParts {
-        api_key,
-        user,
-        exact_ip: identifier.exact_client_ip(request),
-        named_plan,
+    if !matches!(token, Token::Absent) {
+        let result = match &token {
+            Token::Refused(problem) => problem.as_str(),
+            _ => "verified",
+        };
+        metrics::counter!(crate::telemetry::TOKENS_TOTAL, "result" => result).increment(1);
+    }
+    let parts = match &token {
+        // A verified token names the client (as a user: SPEC §3) and, signed, its plan.
+        Token::Verified { client, plan } => ClientParts {
+            api_key: None,
+            user: Some(client),
+            exact_ip,
+            named_plan: plan.as_deref(),
+        },
+        Token::Refused(_) => match config.identity.jwt.as_ref().map(|jwt| jwt.invalid) {
+            Some(InvalidToken::Anonymous) => ClientParts {
+                exact_ip,
+                ..ClientParts::default()
+            },
+            _ => return Resolution::InvalidToken,
+        },
+        Token::Absent => {
+            let api_key = identifier.api_key(request);
+            let user = if api_key.is_none() {
+                identifier.user_id(request)
+            } else {
+                None
+            };
+            // A plan named by a trusted proxy; honoured only from one.
+            let trusted_peer = request
+                .peer_addr()
+                .is_some_and(|peer| identifier.client_ip().is_trusted(peer.ip()));
+            let named_plan = config
+                .identity
+                .plan_header
+                .as_ref()
+                .filter(|_| trusted_peer)
+                .and_then(|name| request.headers.get(name))
+                .and_then(|value| value.to_str().ok());
+            ClientParts {
+                api_key,
+                user,
+                exact_ip,
+                named_plan,
+            }
+        }
     };
     let Some(resolved) = resolve_parts(config, parts) else {
         return Resolution::UnknownKey;

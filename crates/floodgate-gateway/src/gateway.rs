@@ -62,7 +62,7 @@ impl Gateway {
     /// Loads `config_path` and builds the first version.
     pub(crate) fn start(config_path: &Path) -> Result<Arc<Gateway>, GatewayError> {
         let text = read_config(config_path)?;
-        let config = Arc::new(config::parse(&text)?);
+        let config = Arc::new(config::parse_in(&text, config::directory_of(config_path))?);
         let store = build_store(&config.store)?;
         let client_settings = ClientSettings::of(&config);
         let client = upstream_client(&client_settings)?;
@@ -180,7 +180,9 @@ impl Gateway {
             == text
         {
             FileState::Unchanged
-        } else if is_empty(&text) || config::parse(&text).is_err() {
+        } else if is_empty(&text)
+            || config::parse_in(&text, config::directory_of(&self.config_path)).is_err()
+        {
             FileState::Incomplete
         } else {
             FileState::Ready
@@ -204,7 +206,10 @@ impl Gateway {
                 path: self.config_path.clone(),
             });
         }
-        let config = Arc::new(config::parse(&text)?);
+        let config = Arc::new(config::parse_in(
+            &text,
+            config::directory_of(&self.config_path),
+        )?);
         let current = self.current();
         if config.listen != current.config.listen
             || config.admin_listen != current.config.admin_listen

@@ -33,6 +33,7 @@ mod status;
 mod stores;
 mod telemetry;
 mod tls;
+mod token;
 mod version;
 
 pub use check::check;

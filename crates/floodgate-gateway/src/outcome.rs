@@ -13,6 +13,8 @@ pub(crate) enum GatewayOutcome {
     Rejected,
     /// An API key no client has: 401.
     UnknownKey,
+    /// A token `identity.jwt` does not trust: 401.
+    InvalidToken,
     /// The client went away before the answer's head (499).
     ClientClosed,
 }
@@ -24,16 +26,17 @@ impl GatewayOutcome {
             GatewayOutcome::Limiter(outcome) => outcome.as_str(),
             GatewayOutcome::Rejected => "rejected",
             GatewayOutcome::UnknownKey => "unknown_key",
+            GatewayOutcome::InvalidToken => "invalid_token",
             GatewayOutcome::ClientClosed => "client_closed",
         }
     }
 
     /// Whether the limiter refused the request (`access_log.only: limited`): the layer's
-    /// refusals and an unknown API key.
+    /// refusals, an unknown API key and a refused token.
     pub(crate) fn is_refused(self) -> bool {
         match self {
             GatewayOutcome::Limiter(outcome) => outcome.is_refused(),
-            GatewayOutcome::UnknownKey => true,
+            GatewayOutcome::UnknownKey | GatewayOutcome::InvalidToken => true,
             GatewayOutcome::Rejected | GatewayOutcome::ClientClosed => false,
         }
     }
@@ -48,6 +51,7 @@ mod tests {
         let own = [
             GatewayOutcome::Rejected,
             GatewayOutcome::UnknownKey,
+            GatewayOutcome::InvalidToken,
             GatewayOutcome::ClientClosed,
         ];
         for outcome in own {
@@ -57,6 +61,7 @@ mod tests {
             );
         }
         assert!(GatewayOutcome::UnknownKey.is_refused());
+        assert!(GatewayOutcome::InvalidToken.is_refused());
         assert!(!GatewayOutcome::Rejected.is_refused());
         assert!(GatewayOutcome::Limiter(Outcome::Limited).is_refused());
         assert!(!GatewayOutcome::Limiter(Outcome::ShadowLimited).is_refused());

@@ -18,6 +18,9 @@ pub(crate) const UPSTREAM_DURATION_SECONDS: &str = "floodgate_upstream_duration_
 pub(crate) const ADMIN_RESETS_TOTAL: &str = "floodgate_admin_resets_total";
 /// `floodgate_rejected_requests_total{reason}`: refused before any limit.
 pub(crate) const REJECTED_REQUESTS_TOTAL: &str = "floodgate_rejected_requests_total";
+/// `floodgate_tokens_total{result}`: requests that carried a token in `identity.jwt`'s header:
+/// `verified`, or why it was refused (`expired`, `signature`, ...).
+pub(crate) const TOKENS_TOTAL: &str = "floodgate_tokens_total";
 /// `floodgate_client_errors_total{kind}`.
 pub(crate) const CLIENT_ERRORS_TOTAL: &str = "floodgate_client_errors_total";
 /// `floodgate_connections_closed_total{reason}`.
@@ -81,6 +84,10 @@ pub const GATEWAY_METRICS: &[MetricDescription] = &[
     counter(
         REJECTED_REQUESTS_TOTAL,
         "Requests refused before any limit, by reason (bad host, path, unknown API key, ...)",
+    ),
+    counter(
+        TOKENS_TOTAL,
+        "Requests that carried a token (identity.jwt): verified, or why it was refused",
     ),
     counter(
         CLIENT_ERRORS_TOTAL,

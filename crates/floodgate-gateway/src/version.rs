@@ -216,6 +216,18 @@ impl ConfigVersion {
                     .increment(1);
                 return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
             }
+            Resolution::InvalidToken => {
+                facts.early = Some(GatewayOutcome::InvalidToken);
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "invalid_token")
+                    .increment(1);
+                let mut answer = json_error(http::StatusCode::UNAUTHORIZED, "invalid_token");
+                // RFC 6750 §3: what a bearer client is told about a token it must replace.
+                answer.headers_mut().insert(
+                    http::header::WWW_AUTHENTICATE,
+                    http::HeaderValue::from_static("Bearer error=\"invalid_token\""),
+                );
+                return answer;
+            }
             Resolution::Client(client) => client,
         };
         if logged {

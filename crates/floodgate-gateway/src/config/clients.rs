@@ -12,8 +12,10 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::errors::{Errors, Problem};
+use super::jwt::RawJwt;
 use super::key_digest;
 use super::limits::RawPlan;
+use crate::token::TokenVerifier;
 
 /// `identity:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -31,6 +33,8 @@ pub(crate) struct RawIdentity {
     pub forwarded: String,
     /// IPv6 clients are grouped by this prefix length.
     pub ipv6_prefix: u8,
+    /// Verified tenants: a signed token names the client and its plan.
+    pub jwt: Option<RawJwt>,
 }
 
 impl Default for RawIdentity {
@@ -42,6 +46,7 @@ impl Default for RawIdentity {
             trusted_proxies: Vec::new(),
             forwarded: "x-forwarded-for".to_owned(),
             ipv6_prefix: 64,
+            jwt: None,
         }
     }
 }
@@ -139,6 +144,8 @@ pub(crate) struct IdentitySettings {
     pub identifier: Arc<DefaultIdentifier>,
     /// The header a trusted proxy uses to name the client's plan.
     pub plan_header: Option<HeaderName>,
+    /// Verified tenants (`identity.jwt`), with their keys.
+    pub jwt: Option<Arc<TokenVerifier>>,
 }
 
 /// Parses `sha256:<64 hex>`, or hashes a raw key.
@@ -186,10 +193,21 @@ pub(super) fn client_list(errors: &mut Errors, path: &str, raw: &RawLists) -> Cl
         .fold(list, |list, user| list.user(user.clone()))
 }
 
-/// `identity`: the identifier and the plan header.
-pub(super) fn identity(errors: &mut Errors, identity: &RawIdentity) -> Option<IdentitySettings> {
+/// `identity`: the identifier, the plan header and verified tenants, whose key files are
+/// read from `base`.
+pub(super) fn identity(
+    errors: &mut Errors,
+    identity: &RawIdentity,
+    base: &std::path::Path,
+) -> Option<IdentitySettings> {
+    let jwt = super::jwt::verifier(errors, identity.jwt.as_ref(), base);
+    // With tokens in `Authorization`, a bearer credential is a token, never an API key.
+    let bearer_is_token = jwt
+        .as_ref()
+        .and_then(Option::as_ref)
+        .is_some_and(|verifier| verifier.header() == http::header::AUTHORIZATION);
     let identifier = match DefaultIdentifier::new()
-        .bearer(identity.api_key.bearer)
+        .bearer(identity.api_key.bearer && !bearer_is_token)
         .api_key_header(Some(&identity.api_key.header))
         .and_then(|next| next.user_header(identity.user_header.as_deref()))
         .and_then(|next| next.trusted_proxies(&identity.trusted_proxies))
@@ -228,6 +246,7 @@ pub(super) fn identity(errors: &mut Errors, identity: &RawIdentity) -> Option<Id
     Some(IdentitySettings {
         identifier: Arc::new(identifier?),
         plan_header: plan_header?,
+        jwt: jwt?,
     })
 }
 

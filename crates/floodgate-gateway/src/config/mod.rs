@@ -17,6 +17,7 @@ macro_rules! problem {
 mod clients;
 mod duration;
 mod errors;
+mod jwt;
 mod limits;
 mod operations;
 mod raw;
@@ -192,6 +193,15 @@ impl Config {
                 self.admin_listen
             ));
         }
+        if let Some(jwt) = &self.identity.jwt {
+            let unchecked = jwt.unchecked_claims();
+            if !unchecked.is_empty() {
+                warnings.push(format!(
+                    "identity.jwt: no {} is set; a token these keys signed for another service is trusted here too",
+                    unchecked.join(" nor ")
+                ));
+            }
+        }
         warnings
     }
 }
@@ -253,8 +263,15 @@ pub fn check_text(text: &str) -> Result<(), ConfigErrors> {
     parse(text).map(drop)
 }
 
-/// Parses and validates a configuration file's text.
+/// Parses and validates a configuration file's text; files it names by relative paths
+/// (`identity.jwt`'s keys) are read from the working directory.
 pub(crate) fn parse(text: &str) -> Result<Config, ConfigErrors> {
+    parse_in(text, std::path::Path::new(""))
+}
+
+/// Parses and validates the text of a configuration file in the directory `base`, from
+/// which the files it names by relative paths are read.
+pub(crate) fn parse_in(text: &str, base: &std::path::Path) -> Result<Config, ConfigErrors> {
     if text.len() > MAX_CONFIG_BYTES {
         return Err(ConfigErrors(vec![ConfigError {
             path: String::new(),
@@ -265,7 +282,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, ConfigErrors> {
         }]));
     }
     let raw = parse_yaml::<RawConfig>(text).map_err(|error| ConfigErrors(vec![error]))?;
-    validate(raw)
+    validate(raw, base)
 }
 
 /// Deserializes YAML `text` with the gateway's parser limits; an error carries the field path
@@ -294,7 +311,13 @@ pub(crate) fn load(path: &std::path::Path) -> Result<Config, ConfigErrors> {
             message: format!("cannot read {}: {error}", path.display()),
         }])
     })?;
-    parse(&text)
+    parse_in(&text, directory_of(path))
+}
+
+/// The directory of the configuration file at `path`, where the files it names by relative
+/// paths are.
+pub(crate) fn directory_of(path: &std::path::Path) -> &std::path::Path {
+    path.parent().unwrap_or(std::path::Path::new(""))
 }
 
 fn socket_addr(text: &str) -> Result<SocketAddr, Problem> {
@@ -358,7 +381,7 @@ fn checked<T>(section: Option<T>) -> Result<T, ConfigErrors> {
 }
 
 /// Validates a parsed file into a [`Config`], collecting every error.
-pub(crate) fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
+pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
     let listen = errors.ok("listen", socket_addr(&raw.listen));
     let admin_listen = errors.ok("admin.listen", socket_addr(&raw.admin.listen));
@@ -376,7 +399,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, ConfigErrors> {
     let routes = routes::routes(&mut errors, &raw.routes);
     let store = store::store(&mut errors, &raw.store, &raw.limit_lists());
     let on_store_error = errors.ok("on_store_error", rollout::policy(&raw.on_store_error));
-    let identity = clients::identity(&mut errors, &raw.identity);
+    let identity = clients::identity(&mut errors, &raw.identity, base);
     let plans = limits::plans(&mut errors, &raw.plans);
     clients::default_plans(&mut errors, &raw.clients, &raw.plans);
     let api_keys = clients::api_keys(&mut errors, &raw.clients, &raw.plans);

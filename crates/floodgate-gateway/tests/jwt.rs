@@ -1,0 +1,237 @@
+//! Verified tenants, black-box (SPEC §3 `identity.jwt`): the real binary, real signed tokens.
+//!
+//! A valid token keys its client and picks its plan; forged, expired and unsigned tokens are
+//! refused (401) or limited as anonymous, as configured; a JWKS rotated by a reload trusts the
+//! new key and no longer the old.
+
+mod support;
+
+use base64::Engine as _;
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use ring::rand::SystemRandom;
+use ring::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair as _};
+use serde_json::{Value, json};
+use support::{Gateway, TempDir, Upstream, addresses, admin_reload, client, config_text, get};
+
+/// Plans told apart by their limit: `gold` 3 a minute, `free` 1, `anonymous` 100.
+const PLANS: &str = "plans:
+  gold:
+    limits: [ { name: m, algorithm: fixed_window, limit: 3, window: 60s } ]
+  free:
+    limits: [ { name: m, algorithm: fixed_window, limit: 1, window: 60s } ]
+  anonymous:
+    limits: [ { name: m, algorithm: fixed_window, limit: 100, window: 60s } ]
+";
+
+/// A fresh P-256 signing key, and its JWK under `kid`.
+fn es256_key(kid: &str) -> (EncodingKey, Value) {
+    let random = SystemRandom::new();
+    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &random).unwrap();
+    let pair = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &random)
+        .unwrap();
+    let point = pair.public_key().as_ref();
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    let jwk = json!({
+        "kty": "EC", "crv": "P-256", "use": "sig", "kid": kid,
+        "x": b64(&point[1..33]), "y": b64(&point[33..65]),
+    });
+    (EncodingKey::from_ec_der(pkcs8.as_ref()), jwk)
+}
+
+fn now() -> i64 {
+    jsonwebtoken::get_current_timestamp() as i64
+}
+
+/// A token for `sub` on `plan`, signed by `key` under `kid`, expiring `expires_in` seconds
+/// from now (negative: already expired).
+fn token(key: &EncodingKey, kid: &str, sub: &str, plan: &str, expires_in: i64) -> String {
+    let mut header = Header::new(Algorithm::ES256);
+    header.kid = Some(kid.to_owned());
+    let claims = json!({
+        "sub": sub, "plan": plan, "iss": "https://auth.test", "aud": "api",
+        "exp": now() + expires_in,
+    });
+    jsonwebtoken::encode(&header, &claims, key).unwrap()
+}
+
+fn bearer(token: &str) -> String {
+    format!("Bearer {token}")
+}
+
+/// A gateway whose `identity.jwt` reads the JWKS `keys` from a file beside its configuration
+/// (a relative path: resolved from the configuration's directory).
+fn gateway_with_keys(upstream: &Upstream, keys: &[&Value], invalid: &str) -> (Gateway, TempDir) {
+    let directory = TempDir::new("jwt");
+    std::fs::write(
+        directory.file("jwks.json"),
+        json!({ "keys": keys }).to_string(),
+    )
+    .unwrap();
+    let (listen, admin) = addresses();
+    let rest = format!(
+        "identity:\n  jwt:\n    jwks_file: jwks.json\n    issuer: \"https://auth.test\"\n    audience: api\n    plan_claim: plan\n    invalid_token: {invalid}\n{PLANS}"
+    );
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(&path, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
+    (Gateway::start(&path, listen, admin), directory)
+}
+
+#[tokio::test]
+async fn a_signed_token_keys_its_client_and_its_plan_and_forgeries_are_refused() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let (gateway, _directory) = gateway_with_keys(&upstream, &[&jwk], "reject");
+    let client = client();
+    let url = gateway.url("/v1/x");
+
+    let gold = token(&key, "k1", "tenant-a", "gold", 3600);
+    for attempt in 1..=3 {
+        let answer = get(&client, &url, &[("authorization", &bearer(&gold))]).await;
+        assert_eq!(answer.status(), 200, "attempt {attempt}");
+        assert_eq!(
+            answer.headers()["x-ratelimit-limit"],
+            "3",
+            "the token's plan"
+        );
+    }
+    let fourth = get(&client, &url, &[("authorization", &bearer(&gold))]).await;
+    assert_eq!(fourth.status(), 429, "tenant-a's own budget of 3 is spent");
+    // Another tenant in the same plan has its own budget; a plan the gateway does not have
+    // falls back to clients.default_plan (free: 1).
+    let other = token(&key, "k1", "tenant-b", "platinum", 3600);
+    let answer = get(&client, &url, &[("authorization", &bearer(&other))]).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["x-ratelimit-limit"], "1");
+
+    let (stranger, _) = es256_key("k1");
+    let forged = token(&stranger, "k1", "tenant-a", "gold", 3600);
+    let expired = token(&key, "k1", "tenant-c", "gold", -120);
+    let b64 = |text: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text);
+    let unsigned = format!(
+        "{}.{}.",
+        b64(r#"{"alg":"none","typ":"JWT"}"#),
+        b64(&json!({"sub": "tenant-d", "plan": "gold", "exp": now() + 60}).to_string())
+    );
+    for (what, token) in [
+        ("forged", forged),
+        ("expired", expired),
+        ("unsigned", unsigned),
+    ] {
+        let answer = get(&client, &url, &[("authorization", &bearer(&token))]).await;
+        assert_eq!(answer.status(), 401, "{what}");
+        assert_eq!(
+            answer.headers()["www-authenticate"],
+            "Bearer error=\"invalid_token\"",
+            "{what}"
+        );
+        assert_eq!(
+            serde_json::from_slice::<Value>(answer.body()).unwrap()["error"],
+            "invalid_token",
+            "{what}"
+        );
+    }
+    // No token: the anonymous plan, by IP, as before.
+    let anonymous = get(&client, &url, &[]).await;
+    assert_eq!(anonymous.status(), 200);
+    assert_eq!(anonymous.headers()["x-ratelimit-limit"], "100");
+
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    for line in [
+        "floodgate_tokens_total{result=\"verified\"} 5",
+        "floodgate_tokens_total{result=\"signature\"} 1",
+        "floodgate_tokens_total{result=\"expired\"} 1",
+        "floodgate_tokens_total{result=\"algorithm\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn a_refused_token_may_be_limited_as_anonymous_instead() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let (gateway, _directory) = gateway_with_keys(&upstream, &[&jwk], "anonymous");
+    let client = client();
+    let url = gateway.url("/v1/x");
+    let expired = token(&key, "k1", "tenant-a", "gold", -120);
+    let answer = get(
+        &client,
+        &url,
+        &[("authorization", &bearer(&expired)), ("x-api-key", "k")],
+    )
+    .await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(
+        answer.headers()["x-ratelimit-limit"],
+        "100",
+        "the anonymous plan, not the token's nor the API key's"
+    );
+}
+
+#[tokio::test]
+async fn a_jwks_rotated_by_reload_trusts_the_new_key_and_not_the_old() {
+    let upstream = Upstream::start().await;
+    let (old_key, old_jwk) = es256_key("2026-11");
+    let (gateway, directory) = gateway_with_keys(&upstream, &[&old_jwk], "reject");
+    let client = client();
+    let url = gateway.url("/v1/x");
+    let old = token(&old_key, "2026-11", "tenant-a", "gold", 3600);
+    let (new_key, new_jwk) = es256_key("2026-12");
+    let new = token(&new_key, "2026-12", "tenant-a", "gold", 3600);
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&old))])
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&new))])
+            .await
+            .status(),
+        401,
+        "not yet published"
+    );
+
+    // Both keys while tokens of the old one are still out, then the new one alone.
+    let jwks = directory.file("jwks.json");
+    std::fs::write(&jwks, json!({ "keys": [&old_jwk, &new_jwk] }).to_string()).unwrap();
+    assert_eq!(admin_reload(&client, &gateway).await.0, 200);
+    for token in [&old, &new] {
+        assert_eq!(
+            get(&client, &url, &[("authorization", &bearer(token))])
+                .await
+                .status(),
+            200
+        );
+    }
+    std::fs::write(&jwks, json!({ "keys": [&new_jwk] }).to_string()).unwrap();
+    assert_eq!(admin_reload(&client, &gateway).await.0, 200);
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&old))])
+            .await
+            .status(),
+        401,
+        "the retired key"
+    );
+    // One tenant whichever key signed its tokens, through both reloads: gold's 3 are spent
+    // (a 429, not a 401: the token verified).
+    let last = get(&client, &url, &[("authorization", &bearer(&new))]).await;
+    assert_eq!(last.status(), 429);
+
+    // A JWKS file broken by a bad write is refused; the keys in service stay.
+    std::fs::write(&jwks, "{\"keys\": [").unwrap();
+    let (status, answer) = admin_reload(&client, &gateway).await;
+    assert_ne!(status, 200);
+    assert!(
+        answer.to_string().contains("identity.jwt.jwks_file"),
+        "{answer}"
+    );
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&new))])
+            .await
+            .status(),
+        429,
+        "the new key still verifies: tenant-a is at its limit"
+    );
+}
