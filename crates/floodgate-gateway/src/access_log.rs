@@ -569,7 +569,7 @@ fn millis(duration: Duration) -> f64 {
 }
 
 /// `2026-12-01T15:04:05.123Z`.
-fn rfc3339(at: SystemTime) -> String {
+pub(crate) fn rfc3339(at: SystemTime) -> String {
     let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = since.as_secs();
     let (days, rest) = (secs / 86_400, secs % 86_400);

@@ -89,8 +89,7 @@ impl ConfigVersion {
                             request.method,
                             request.uri.path(),
                         )
-                        .and_then(|route| route.cost)
-                        .unwrap_or(1)
+                        .map_or(1, |route| route.up_front_cost(request.headers))
                     })
                     .on_store_error(policy)
                     // Each layer its own controls, as the file describes them (a shared handle would

@@ -74,6 +74,38 @@ async fn inspection_changes_nothing(store: &str) {
     assert_eq!(remaining(&as_client(&client, &gateway, "k-one").await), 2);
 }
 
+/// A quota (a fixed window of a day or longer) shows what its period has used and left, and
+/// when the period ends; a shorter limit shows no quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_quota_shows_its_period_used_and_left() {
+    let upstream = Upstream::start().await;
+    let plans = format!(
+        "{KNOWN_KEYS}plans:\n  free:\n    limits:\n      - {{ name: hourly, algorithm: fixed_window, limit: 50, window: 1h }}\n      - {{ name: daily, algorithm: fixed_window, limit: 100, window: 1d }}\n  anonymous: {{}}\n"
+    );
+    let (gateway, _directory) = start_gateway(&upstream.url(), &plans);
+    let client = client();
+    for _ in 0..3 {
+        as_client(&client, &gateway, "k-one").await;
+    }
+    let (status, body) = admin(
+        &client,
+        &gateway,
+        Method::GET,
+        "/admin/clients?api_key=k-one",
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["limits"][0]["name"], "hourly");
+    assert!(body["limits"][0].get("quota").is_none(), "{body}");
+    let quota = &body["limits"][1]["quota"];
+    assert_eq!(quota["used"], 3, "{body}");
+    assert_eq!(quota["left"], 97, "{body}");
+    // A day's window ends at midnight UTC.
+    let ends = quota["period_ends_at"].as_str().unwrap();
+    assert!(ends.ends_with("T00:00:00.000Z"), "{ends}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspection_changes_nothing_on_memory() {
     inspection_changes_nothing("").await;
@@ -413,6 +445,66 @@ async fn costs_known_after_the_response_on_memory() {
 async fn costs_known_after_the_response_on_redis() {
     let redis = redis_support::RedisServer::start();
     costs_after_the_response(&support::redis_store(&redis.url())).await;
+}
+
+/// SPEC §9: a completion charged its `x-max-tokens` estimate up front (at most 400; 50
+/// without one), then settled against the tokens it reports using: the difference back when
+/// it used less, charged when more.
+const ESTIMATED: &str = r#"
+routes:
+  - { match: "GET /tokens", cost_header: "x-tokens-used", estimate_header: "x-max-tokens", estimate_max: 400, cost: 50 }
+plans:
+  free:
+    limits: [ { name: tokens, algorithm: fixed_window, limit: 1000, window: 60s } ]
+  anonymous: {}
+"#;
+
+async fn estimates_are_settled(store: &str) {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) =
+        start_gateway(&upstream.url(), &format!("{KNOWN_KEYS}{store}{ESTIMATED}"));
+    let client = client();
+    let completion = |used: &str| gateway.url(&format!("/tokens?used={used}"));
+    let key = ("x-api-key", "k-one");
+    // 300 estimated and charged up front, 200 used: 100 back.
+    let under = get(&client, &completion("200"), &[key, ("x-max-tokens", "300")]).await;
+    assert_eq!(remaining(&under), 700, "the estimate, up front");
+    let after = get(&client, &gateway.url("/v1/other"), &[key]).await;
+    assert_eq!(remaining(&after), 1000 - 200 - 1, "settled at what it used");
+    // An estimate above the bound is charged 400; 450 used: 50 more.
+    let over = get(
+        &client,
+        &completion("450"),
+        &[key, ("x-max-tokens", "9999")],
+    )
+    .await;
+    assert_eq!(remaining(&over), 799 - 400);
+    // No estimate: the route's cost (50), which it used exactly.
+    let plain = get(&client, &completion("50"), &[key]).await;
+    assert_eq!(remaining(&plain), 1000 - 651 - 50);
+    let last = get(&client, &gateway.url("/v1/other"), &[key]).await;
+    assert_eq!(remaining(&last), 1000 - 651 - 50 - 1);
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(metrics.body()).into_owned();
+    assert!(
+        text.contains("floodgate_refunded_units_total 100"),
+        "{text}"
+    );
+    assert!(
+        text.contains("floodgate_post_charge_units_total 50"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn estimates_are_settled_both_ways_on_memory() {
+    estimates_are_settled("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn estimates_are_settled_both_ways_on_redis() {
+    let redis = redis_support::RedisServer::start();
+    estimates_are_settled(&support::redis_store(&redis.url())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

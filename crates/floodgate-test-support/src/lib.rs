@@ -527,6 +527,15 @@ impl<S: Store> Store for ServedStore<S> {
         self.store.charge(checks, now)
     }
 
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.store.refund(checks, charged_at, now)
+    }
+
     fn override_backend(
         &self,
     ) -> Option<std::sync::Arc<dyn floodgate::overrides::OverrideBackend>> {

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::post_charge::PendingSettlement;
 use crate::store::{Lease, Store};
 
 /// Concurrency leases, released when dropped.
@@ -31,18 +32,23 @@ impl Drop for LeaseGuard {
     fn drop(&mut self) {
         let leases = std::mem::take(&mut self.leases);
         let store = self.store.clone();
-        let mut release = Box::pin(async move {
+        run_detached(async move {
             if let Err(error) = store.release(leases).await {
                 tracing::warn!(%error, "lease release failed; the leases expire with their window");
             }
         });
-        // The memory store releases at once; a networked store finishes in the background.
-        let mut context = Context::from_waker(std::task::Waker::noop());
-        if release.as_mut().poll(&mut context).is_pending()
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            runtime.spawn(release);
-        }
+    }
+}
+
+/// Runs a store call nobody waits for: at once if it is ready at once (the memory store),
+/// else in the background on the current runtime (a networked store).
+pub(crate) fn run_detached(work: impl Future<Output = ()> + Send + 'static) {
+    let mut work = Box::pin(work);
+    let mut context = Context::from_waker(std::task::Waker::noop());
+    if work.as_mut().poll(&mut context).is_pending()
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        runtime.spawn(work);
     }
 }
 
@@ -70,6 +76,7 @@ pin_project! {
             #[pin]
             body: B,
             leases: Option<LeaseGuard>,
+            settlement: Option<PendingSettlement>,
         },
         Full {
             data: Option<Bytes>,
@@ -78,9 +85,17 @@ pin_project! {
 }
 
 impl<B> RateLimitBody<B> {
-    pub(crate) fn inner(body: B, leases: Option<LeaseGuard>) -> Self {
+    pub(crate) fn inner(
+        body: B,
+        leases: Option<LeaseGuard>,
+        settlement: Option<PendingSettlement>,
+    ) -> Self {
         RateLimitBody {
-            kind: Kind::Inner { body, leases },
+            kind: Kind::Inner {
+                body,
+                leases,
+                settlement,
+            },
         }
     }
 
@@ -111,11 +126,27 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.project().kind.project() {
-            KindProjection::Inner { body, leases } => {
-                let frame = std::task::ready!(body.poll_frame(cx));
-                if frame.is_none() {
-                    // The response is complete: the request no longer counts as in flight.
-                    leases.take();
+            KindProjection::Inner {
+                body,
+                leases,
+                settlement,
+            } => {
+                let mut frame = std::task::ready!(body.poll_frame(cx));
+                match &mut frame {
+                    Some(Ok(frame)) => {
+                        if let Some(trailers) = frame.trailers_mut()
+                            && let Some(pending) = settlement.take()
+                        {
+                            pending.settle_from(trailers);
+                        }
+                    }
+                    // The response is complete: the request no longer counts as in flight,
+                    // and a cost it never reported settles nothing.
+                    None => {
+                        leases.take();
+                        settlement.take();
+                    }
+                    Some(Err(_)) => {}
                 }
                 Poll::Ready(frame)
             }

@@ -96,6 +96,15 @@ impl Algorithm {
                 | Algorithm::SlidingWindowCounter
         )
     }
+
+    /// Whether the algorithm counts in windows aligned to the epoch (`fixed_window`,
+    /// `sliding_window_counter`): units belong to the window they were counted in.
+    pub const fn counts_in_windows(self) -> bool {
+        matches!(
+            self,
+            Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
+        )
+    }
 }
 
 impl fmt::Display for Algorithm {

@@ -1,22 +1,30 @@
 //! Costs known only after the response (SPEC §9): tokens of an LLM completion, rows of an
 //! export.
 //!
-//! A request is checked with its up-front cost (1 unless a cost function says otherwise). When
-//! the response head arrives, the cost it reports minus the up-front cost is charged to the same
-//! limits as a *post-charge*: it never denies the finished request, and may leave the client in
-//! debt, which the next requests wait out (their `Retry-After` includes it). A reported cost
-//! below the up-front one is not refunded; one post-charge is capped at sixteen times the
-//! limit's capacity.
+//! A request is checked with its up-front cost (1 unless a cost function says otherwise: an
+//! *estimate*, such as a completion's `max_tokens`). When the response reports its real cost,
+//! the request is *settled* against the same limits:
+//! - more than the estimate: the difference is charged as a *post-charge*, which never denies
+//!   the finished request and may leave the client in debt, which the next requests wait out
+//!   (their `Retry-After` includes it); one post-charge is capped at sixteen times the limit's
+//!   capacity;
+//! - less: the difference is given back ([`Store::refund`]): never more than was charged, never
+//!   above the limit's capacity, and a window's units only to the window they were counted in;
+//! - a response that reports nothing (or nothing readable) settles nothing: the estimate
+//!   stands, and it is counted.
 //!
 //! The cost comes from a [`ResponseCost`] set with
 //! [`RateLimitLayerBuilder::charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response)
 //! (usually a [`CostHeader`]), or from a [`ReportedCost`] the inner service puts in the
 //! response's extensions (a proxy that knows its routes does so).
 
+use std::sync::Arc;
+
 use http::{HeaderMap, HeaderName};
 
 use crate::store::{Check, Store};
 use crate::telemetry;
+use crate::time::Timestamp;
 
 /// What a response says its request cost in total.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,6 +116,64 @@ impl ResponseCost for CostHeader {
     }
 }
 
+/// An up-front estimate read from a request header (a completion's `x-max-tokens: 512`),
+/// bounded: a value above `max` is charged as `max`, and a request without one (or with a
+/// value that is not a non-negative integer) is charged `default`. Settled against the
+/// response's reported cost with [`charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response).
+///
+/// ```
+/// use std::time::Duration;
+/// use floodgate::post_charge::{CostHeader, EstimateHeader};
+/// use floodgate::{Limit, RateLimitLayer};
+///
+/// let layer = RateLimitLayer::builder()
+///     .limit(Limit::token_bucket("tokens", 100_000, Duration::from_secs(60))?)
+///     .cost(EstimateHeader::new(http::HeaderName::from_static("x-max-tokens"), 4_096).default(256))
+///     .charge_from_response(CostHeader::new(http::HeaderName::from_static("x-tokens-used")))
+///     .build()?;
+/// # let _ = layer;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct EstimateHeader {
+    name: HeaderName,
+    max: u64,
+    default: u64,
+}
+
+impl EstimateHeader {
+    /// Reads `name`, charging at most `max` (at least 1) up front; a request without the
+    /// header is charged 1 unless [`default`](EstimateHeader::default) says otherwise.
+    pub fn new(name: HeaderName, max: u64) -> EstimateHeader {
+        EstimateHeader {
+            name,
+            max: max.max(1),
+            default: 1,
+        }
+    }
+
+    /// What a request without a readable estimate is charged up front (bounded by `max`).
+    pub fn default(mut self, default: u64) -> EstimateHeader {
+        self.default = default;
+        self
+    }
+
+    /// The estimate `headers` carry, bounded; `default` without one.
+    pub fn estimate(&self, headers: &HeaderMap) -> u64 {
+        let estimate = match ReportedCost::from_header(headers, &self.name) {
+            ReportedCost::Total(value) => value,
+            ReportedCost::Missing | ReportedCost::Malformed => self.default,
+        };
+        estimate.clamp(1, self.max)
+    }
+}
+
+impl crate::planning::RequestCost for EstimateHeader {
+    fn cost(&self, request: &crate::RequestInfo<'_>) -> u64 {
+        self.estimate(request.headers)
+    }
+}
+
 /// The most one response may post-charge a limit: sixteen times its capacity, sixteen full
 /// refills of debt. A reported value is the upstream's word, and a hostile or broken one
 /// (`x-tokens-used: 18446744073709551615`) must not overflow a counter or leave a debt measured
@@ -117,37 +183,145 @@ fn max_post_charge(limit: &crate::Limit) -> u64 {
     limit.capacity().saturating_mul(16)
 }
 
-/// Charges what `reported` adds to the up-front cost of `checks`, which admitted the request.
-/// Limits with a fixed cost of their own (`cost:` on the limit) and `concurrency` limits are
-/// not charged. Never fails the request: a store error is logged and counted.
-pub(crate) async fn charge(store: &dyn Store, checks: &[Check], reported: ReportedCost) {
+/// Put in a response's extensions by an inner service whose response reports its cost only
+/// at the end of its stream: the layer settles from the body's trailers, read by this
+/// reader (usually the same [`CostHeader`] the head was read with). A stream that ends without
+/// the cost in its trailers, or that the client leaves before its end, settles nothing: the
+/// up-front estimate stands.
+#[derive(Clone)]
+pub struct CostInTrailers(pub Arc<dyn ResponseCost>);
+
+impl CostInTrailers {
+    /// Settles from the trailers `reader` reads.
+    pub fn new(reader: impl ResponseCost) -> CostInTrailers {
+        CostInTrailers(Arc::new(reader))
+    }
+}
+
+impl std::fmt::Debug for CostInTrailers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CostInTrailers").finish_non_exhaustive()
+    }
+}
+
+/// A settlement waiting for a streamed response's trailers: settled when they arrive,
+/// counted as `missing` if the stream ends (or is dropped) without them.
+pub(crate) struct PendingSettlement {
+    store: Arc<dyn Store>,
+    charged: Charged,
+    reader: Arc<dyn ResponseCost>,
+    settled: bool,
+}
+
+impl PendingSettlement {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        charged: Charged,
+        reader: Arc<dyn ResponseCost>,
+    ) -> PendingSettlement {
+        PendingSettlement {
+            store,
+            charged,
+            reader,
+            settled: false,
+        }
+    }
+
+    /// Settles from `trailers` (and removes the cost from them unless the reader keeps it
+    /// visible), in the background when the store must wait.
+    pub(crate) fn settle_from(mut self, trailers: &mut HeaderMap) {
+        self.settled = true;
+        let reported = self.reader.reported_cost(trailers);
+        let store = self.store.clone();
+        let charged = self.charged.clone();
+        crate::body::run_detached(async move { charged.settle(&*store, reported).await });
+    }
+}
+
+impl Drop for PendingSettlement {
+    fn drop(&mut self) {
+        if !self.settled {
+            telemetry::record_post_charge_skipped("missing");
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingSettlement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSettlement")
+            .field("charged", &self.charged)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an admitted request is settled against: the checks the store admitted it with, at
+/// their up-front cost, and the decision's time.
+#[derive(Clone, Debug)]
+pub(crate) struct Charged {
+    /// The checks, each with the cost it charged.
+    pub(crate) checks: Vec<Check>,
+    /// When they were charged.
+    pub(crate) at: Timestamp,
+}
+
+impl Charged {
+    /// Settles against the total cost the response `reported` ([`settle`]).
+    pub(crate) async fn settle(&self, store: &dyn Store, reported: ReportedCost) {
+        settle(store, &self.checks, self.at, reported).await;
+    }
+}
+
+/// Settles `checks`, which admitted the request at `charged_at` at their up-front cost,
+/// against the total cost the response `reported`: the difference is charged when it is
+/// more, refunded when it is less. Limits with a fixed cost of their own (`cost:` on the
+/// limit) and `concurrency` limits are left alone. Never fails the request: a store error is
+/// logged and counted.
+async fn settle(
+    store: &dyn Store,
+    checks: &[Check],
+    charged_at: Timestamp,
+    reported: ReportedCost,
+) {
     let total = match reported {
         ReportedCost::Total(total) => total,
         ReportedCost::Missing => return telemetry::record_post_charge_skipped("missing"),
         ReportedCost::Malformed => return telemetry::record_post_charge_skipped("malformed"),
     };
-    let extra: Vec<Check> = checks
-        .iter()
-        .filter(|check| {
-            check.limit.cost_override().is_none()
-                && check.limit.algorithm() != crate::Algorithm::Concurrency
-        })
-        .filter_map(|check| {
-            let units = total.checked_sub(check.cost).filter(|&units| units > 0)?;
-            Some(Check {
-                cost: units.min(max_post_charge(&check.limit)),
+    let mut extra = Vec::new();
+    let mut refund = Vec::new();
+    for check in checks.iter().filter(|check| {
+        check.limit.cost_override().is_none()
+            && check.limit.algorithm() != crate::Algorithm::Concurrency
+    }) {
+        if total > check.cost {
+            extra.push(Check {
+                cost: (total - check.cost).min(max_post_charge(&check.limit)),
                 ..check.clone()
-            })
-        })
-        .collect();
-    let Some(units) = extra.iter().map(|check| check.cost).max() else {
-        return;
-    };
-    match store.charge(&extra, None).await {
-        Ok(()) => telemetry::record_post_charge_units(units),
-        Err(error) => {
-            tracing::warn!(%error, units, "post-charge failed; the units are not counted");
-            telemetry::record_post_charge_skipped("store_error");
+            });
+        } else if total < check.cost {
+            // Never more than the check charged: the difference to a total of zero or more.
+            refund.push(Check {
+                cost: check.cost - total,
+                ..check.clone()
+            });
+        }
+    }
+    if let Some(units) = extra.iter().map(|check| check.cost).max() {
+        match store.charge(&extra, None).await {
+            Ok(()) => telemetry::record_post_charge_units(units),
+            Err(error) => {
+                tracing::warn!(%error, units, "post-charge failed; the units are not counted");
+                telemetry::record_post_charge_skipped("store_error");
+            }
+        }
+    }
+    if let Some(units) = refund.iter().map(|check| check.cost).max() {
+        match store.refund(&refund, charged_at, None).await {
+            Ok(()) => telemetry::record_refunded_units(units),
+            Err(error) => {
+                tracing::warn!(%error, units, "refund failed; the estimate stays charged");
+                telemetry::record_post_charge_skipped("store_error");
+            }
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::headers::{BindingHeaders, RateLimitHeaders, retry_after_secs};
 use crate::key::Identity;
 use crate::outcome::{Outcome, RequestOutcome};
 use crate::planning::{Planner, Route};
-use crate::post_charge::{self, ReportedCost, ResponseCost};
+use crate::post_charge::{Charged, CostInTrailers, PendingSettlement, ReportedCost, ResponseCost};
 use crate::response::{
     Denial, LimitedResponseHook, ResponseSettings, default_limited_response,
     finish_limited_response, unavailable_response,
@@ -77,18 +77,44 @@ impl Shared {
 
     /// Reads what the response says the request cost (reported by the inner service in the
     /// response's extensions, or read, and removed, by the layer's [`ResponseCost`]) and, with
-    /// `charge_to` (the checks that admitted it), post-charges it. Runs on every response the
-    /// inner service gives, so that the cost header never reaches the client, charged or not.
-    async fn settle_cost<B>(&self, response: &mut Response<B>, charge_to: Option<&[Check]>) {
-        let reported = match response.extensions_mut().remove::<ReportedCost>() {
-            Some(reported) => reported,
-            None => match &self.response_cost {
-                Some(cost) => cost.reported_cost(response.headers_mut()),
-                None => return,
+    /// `charge_to` (what admitted it), settles it: charges what it cost beyond the up-front
+    /// estimate, refunds what it cost less. Runs on every response the inner service gives,
+    /// so that the cost header never reaches the client, settled or not.
+    ///
+    /// A streamed response (a body of no known length) whose head reports no cost (the inner
+    /// service said so with [`CostInTrailers`], or the layer's reader found none) is settled
+    /// from its trailers: the settlement is returned, for the body to carry.
+    async fn settle_cost<B: Body>(
+        &self,
+        response: &mut Response<B>,
+        charge_to: Option<&Charged>,
+    ) -> Option<PendingSettlement> {
+        // A body of a known length has no trailers to wait for.
+        let streamed = response.body().size_hint().exact().is_none();
+        let (reported, trailer_reader) = match response.extensions_mut().remove::<ReportedCost>() {
+            Some(reported) => (reported, None),
+            None => match response.extensions_mut().remove::<CostInTrailers>() {
+                Some(CostInTrailers(reader)) => (ReportedCost::Missing, Some(reader)),
+                None => match &self.response_cost {
+                    Some(cost) => (
+                        cost.reported_cost(response.headers_mut()),
+                        Some(cost.clone()),
+                    ),
+                    None => return None,
+                },
             },
         };
-        if let Some(checks) = charge_to {
-            post_charge::charge(&*self.store, checks, reported).await;
+        let charged = charge_to?;
+        match (reported, trailer_reader) {
+            (ReportedCost::Missing, Some(reader)) if streamed => Some(PendingSettlement::new(
+                self.store.clone(),
+                charged.clone(),
+                reader,
+            )),
+            (reported, _) => {
+                charged.settle(&*self.store, reported).await;
+                None
+            }
         }
     }
 
@@ -298,7 +324,7 @@ struct Admitted {
     leases: Option<LeaseGuard>,
     /// The checks a reported cost is post-charged to: only what the store admitted (a
     /// fallback decision, or a shadow denial, which consumed nothing, has nothing to add to).
-    charge_to: Option<Vec<Check>>,
+    charge_to: Option<Charged>,
     /// What the layer made of the request.
     outcome: RequestOutcome,
 }
@@ -316,7 +342,10 @@ impl Admitted {
         Admitted {
             headers: (!shadowed).then(|| RateLimitHeaders::new(decision, shared.responses.headers)),
             leases: LeaseGuard::new(&shared.store, decision.take_leases()),
-            charge_to: post_charged.then_some(checks),
+            charge_to: post_charged.then(|| Charged {
+                checks,
+                at: decision.decided_at(),
+            }),
             outcome: RequestOutcome::of_decision(decision, shadowed),
         }
     }
@@ -330,11 +359,12 @@ async fn finish<F, ResBody, E>(
 ) -> Result<Response<RateLimitBody<ResBody>>, E>
 where
     F: Future<Output = Result<Response<ResBody>, E>>,
+    ResBody: Body,
 {
     let mut response = response.await?;
     // Before the head goes out, so that the client's next request sees the charge.
-    shared
-        .settle_cost(&mut response, admitted.charge_to.as_deref())
+    let settlement = shared
+        .settle_cost(&mut response, admitted.charge_to.as_ref())
         .await;
     if let Some(headers) = admitted.headers {
         headers.apply_to_response(&mut response);
@@ -345,7 +375,7 @@ where
     if inner.is_none_or(|inner| admitted.outcome.supersedes(inner)) {
         response.extensions_mut().insert(admitted.outcome);
     }
-    Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases)))
+    Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases, settlement)))
 }
 
 async fn decide_then_call<S, ReqBody, ResBody>(
@@ -356,6 +386,7 @@ async fn decide_then_call<S, ReqBody, ResBody>(
 ) -> Result<Response<RateLimitBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: Body,
 {
     let Decide {
         checks,

@@ -43,6 +43,15 @@ pub fn record_post_charge_units(units: u64) {
     metrics::counter!(POST_CHARGE_UNITS_TOTAL).increment(units);
 }
 
+/// `floodgate_refunded_units_total`: units given back after the response, when it reported
+/// less than the up-front estimate (SPEC §9).
+pub const REFUNDED_UNITS_TOTAL: &str = "floodgate_refunded_units_total";
+
+/// Counts units refunded for one response.
+pub fn record_refunded_units(units: u64) {
+    metrics::counter!(REFUNDED_UNITS_TOTAL).increment(units);
+}
+
 /// Counts a response whose cost charged nothing more, by reason.
 pub fn record_post_charge_skipped(reason: &'static str) {
     metrics::counter!(POST_CHARGE_SKIPPED_TOTAL, "reason" => reason).increment(1);
@@ -477,6 +486,12 @@ pub const METRICS: &[MetricDescription] = &[
         kind: MetricKind::Counter,
         seconds: false,
         help: "Units charged after the response, from the cost it reported",
+    },
+    MetricDescription {
+        name: REFUNDED_UNITS_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Units given back after the response, which reported less than the up-front estimate",
     },
     MetricDescription {
         name: POST_CHARGE_SKIPPED_TOTAL,

@@ -80,6 +80,15 @@ impl<T: SyncTarget> Store for SyncedAfterEveryDecision<T> {
             self.node.sync_now(now).await
         })
     }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.node.refund(checks, charged_at, now)
+    }
 }
 
 async fn synced_node() -> SyncedAfterEveryDecision {

@@ -177,6 +177,15 @@ mod cluster {
         ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
             self.store.charge(checks, now)
         }
+
+        fn refund<'a>(
+            &'a self,
+            checks: &'a [Check],
+            charged_at: floodgate::time::Timestamp,
+            now: Option<floodgate::time::Timestamp>,
+        ) -> floodgate::store::BoxFuture<'a, Result<(), floodgate::StoreError>> {
+            self.store.refund(checks, charged_at, now)
+        }
     }
 
     fn on(cluster: RedisCluster) -> ClusterStore {

@@ -15,7 +15,7 @@ use floodgate::{
 };
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::Full;
-use tower::{Layer, service_fn};
+use tower::{Layer, ServiceExt as _, service_fn};
 
 const START: Timestamp = Timestamp::from_secs(1_700_006_400);
 const TOKENS_USED: HeaderName = HeaderName::from_static("x-tokens-used");
@@ -261,4 +261,144 @@ async fn the_cost_header_is_removed_even_when_nothing_is_charged() {
         !response.headers().contains_key(&TOKENS_USED),
         "rollout off"
     );
+}
+
+/// Units `k1` has used of its 1,000, read without consuming.
+async fn used(layer: &RateLimitLayer) -> u64 {
+    let request = client("k1").body(()).unwrap();
+    let look = layer.peek(&request).await.unwrap().unwrap();
+    1_000 - look.limits()[0].remaining
+}
+
+/// SPEC §9's settlement: a request charged its estimate up front (`x-max-tokens`, bounded) is
+/// settled against what the response reports: under the estimate gives the difference back,
+/// at it changes nothing, over it charges the rest, and no report leaves the estimate.
+#[tokio::test]
+async fn an_estimate_is_settled_against_the_reported_cost_both_ways() {
+    use floodgate::post_charge::EstimateHeader;
+    const MAX_TOKENS: HeaderName = HeaderName::from_static("x-max-tokens");
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("tokens", 1_000, Duration::from_secs(3_600)).unwrap())
+        .store(MemoryStore::builder().clock(clock.clone()).build())
+        .cost(EstimateHeader::new(MAX_TOKENS, 400).default(100))
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let estimate = |max_tokens: &str| client("k1").header(&MAX_TOKENS, max_tokens);
+    // 300 estimated, 200 used: 100 back.
+    let under = layer.layer(service_fn(reporting("200")));
+    let answer = send(&under, estimate("300")).await;
+    assert_eq!(remaining(&answer), 700, "the estimate is charged up front");
+    assert_eq!(used(&layer).await, 200);
+    // At the estimate: nothing more, nothing back.
+    let at = layer.layer(service_fn(reporting("300")));
+    send(&at, estimate("300")).await;
+    assert_eq!(used(&layer).await, 500);
+    // An estimate above the bound is charged at the bound (400); 450 used: 50 more.
+    let over = layer.layer(service_fn(reporting("450")));
+    let answer = send(&over, estimate("9999")).await;
+    assert_eq!(remaining(&answer), 1_000 - 500 - 400);
+    assert_eq!(used(&layer).await, 950);
+    clock.advance(Duration::from_secs(3_600));
+    // A response that reports nothing: the estimate (the default, 100) stands.
+    let silent = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    }));
+    send(&silent, client("k1")).await;
+    assert_eq!(used(&layer).await, 100);
+    // A malformed estimate is the default too; and a refund never gives back more than was
+    // charged: 0 used of 100 estimated leaves the limit where it was.
+    let nothing = layer.layer(service_fn(reporting("0")));
+    send(&nothing, estimate("lots")).await;
+    assert_eq!(used(&layer).await, 100);
+}
+
+/// A streamed completion: two data frames, then (when `used` is given) the tokens it used in
+/// its trailers, as a streaming LLM API reports them. No known length: its end is a stream's.
+struct Streamed {
+    frames: std::collections::VecDeque<http_body::Frame<Bytes>>,
+}
+
+impl Streamed {
+    fn new(used: Option<&'static str>) -> Streamed {
+        let mut frames: std::collections::VecDeque<_> = [
+            http_body::Frame::data(Bytes::from_static(b"data: one\n\n")),
+            http_body::Frame::data(Bytes::from_static(b"data: two\n\n")),
+        ]
+        .into();
+        if let Some(used) = used {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert(TOKENS_USED, http::HeaderValue::from_static(used));
+            frames.push_back(http_body::Frame::trailers(trailers));
+        }
+        Streamed { frames }
+    }
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Ready(self.frames.pop_front().map(Ok))
+    }
+}
+
+/// SPEC §9: a stream reports its cost in its trailers; the layer settles from them once the
+/// stream ends, and takes the header out of them. A client that leaves mid-stream, or a
+/// stream that ends without the cost, leaves the estimate charged.
+#[tokio::test]
+async fn a_streamed_response_is_settled_from_its_trailers() {
+    use http_body_util::BodyExt as _;
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::fixed_window("tokens", 1_000, Duration::from_secs(3_600)).unwrap())
+        .store(MemoryStore::builder().clock(clock.clone()).build())
+        .cost_with(|_: &floodgate::RequestInfo<'_>| 300)
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let streaming = |used: Option<&'static str>| {
+        layer.layer(service_fn(move |_: Request<()>| async move {
+            Ok::<_, Infallible>(Response::new(Streamed::new(used)))
+        }))
+    };
+
+    let response = streaming(Some("120"))
+        .oneshot(client("k1").body(()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        used(&layer).await,
+        300,
+        "the estimate until the stream ends"
+    );
+    let collected = response.into_body().collect().await.unwrap();
+    let trailers = collected.trailers().cloned().unwrap_or_default();
+    assert!(
+        !trailers.contains_key(&TOKENS_USED),
+        "the client's trailers"
+    );
+    assert_eq!(used(&layer).await, 120, "settled from the trailers");
+
+    // The client leaves after the first frame: the estimate stands.
+    let response = streaming(Some("10"))
+        .oneshot(client("k1").body(()).unwrap())
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    assert_eq!(used(&layer).await, 420);
+    // A stream that ends without reporting: the estimate stands too.
+    let response = streaming(None)
+        .oneshot(client("k1").body(()).unwrap())
+        .await
+        .unwrap();
+    response.into_body().collect().await.unwrap();
+    assert_eq!(used(&layer).await, 720);
 }

@@ -172,11 +172,41 @@ pub(crate) struct LimitView {
     /// The override in force on this limit, if any.
     #[serde(rename = "override", skip_serializing_if = "Option::is_none")]
     pub(crate) in_force: Option<OverrideView>,
+    /// For a quota (a fixed window of a day or longer): what the period has used and left.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quota: Option<QuotaView>,
+}
+
+/// A quota's period as it stands: `used` and `left` of its `limit`, and when the period ends
+/// (RFC 3339, UTC), when its count starts again.
+#[derive(Debug, Serialize)]
+pub(crate) struct QuotaView {
+    used: u64,
+    left: u64,
+    period_ends_at: String,
 }
 
 impl LimitView {
-    /// `status` of `check`, as this node sees it (`batched`) or as every node does.
-    pub(crate) fn new(status: &LimitStatus, check: &Check, batched: bool) -> LimitView {
+    /// `status` of `check` as read at `read_at`, as this node sees it (`batched`) or as every
+    /// node does.
+    pub(crate) fn new(
+        status: &LimitStatus,
+        check: &Check,
+        batched: bool,
+        read_at: Timestamp,
+    ) -> LimitView {
+        let definition = status.definition();
+        let quota = (definition.algorithm() == floodgate::Algorithm::FixedWindow
+            && definition.window() >= crate::config::QUOTA_WINDOW)
+            .then(|| QuotaView {
+                used: status.limit.saturating_sub(status.remaining),
+                left: status.remaining,
+                period_ends_at: crate::access_log::rfc3339(
+                    std::time::UNIX_EPOCH
+                        + std::time::Duration::from_micros(read_at.as_micros())
+                        + status.reset_after,
+                ),
+            });
         LimitView {
             rule: status.rule.to_string(),
             name: status.name.to_string(),
@@ -190,6 +220,7 @@ impl LimitView {
             shared_by_all_clients: is_global_ceiling(check),
             view: if batched { "node" } else { "shared" },
             in_force: None,
+            quota,
         }
     }
 }

@@ -379,7 +379,7 @@ async fn inspect_client(
                 || (settings.global_sync_interval.is_some()
                     && crate::plan::is_global_ceiling(check))
                 || (local && leased && !crate::plan::is_global_ceiling(check));
-            let mut limit = LimitView::new(status, check, batched);
+            let mut limit = LimitView::new(status, check, batched, decision.decided_at());
             limit.in_force = current.overrides().and_then(|overrides| {
                 let entry = overrides.applied_to(check)?;
                 Some(OverrideView::new(&entry, overrides.now()))

@@ -1,5 +1,6 @@
 //! `upstream` and `routes`: where requests go, and what a route sets for them.
 
+use floodgate::post_charge::EstimateHeader;
 use http::Uri;
 use serde::{Deserialize, Serialize};
 
@@ -25,6 +26,13 @@ pub(crate) struct RawRoute {
     /// Whether the client still sees `cost_header` (default false: removed).
     #[serde(default)]
     pub cost_header_visible: bool,
+    /// A request header holding the up-front estimate (a completion's `x-max-tokens`),
+    /// settled against `cost_header`.
+    #[serde(default)]
+    pub estimate_header: Option<String>,
+    /// The most an estimate charges up front.
+    #[serde(default)]
+    pub estimate_max: Option<u64>,
 }
 
 /// Where requests go upstream.
@@ -46,6 +54,20 @@ pub(crate) struct RouteTarget {
     /// The upstream's response header that reports the request's real cost (SPEC §9), and
     /// whether the client still sees it.
     pub cost_header: Option<(http::HeaderName, bool)>,
+    /// The up-front estimate read from the request (`cost` without one), settled against
+    /// `cost_header`.
+    pub estimate: Option<EstimateHeader>,
+}
+
+impl RouteTarget {
+    /// What a request to this route is charged up front: its estimate, or `cost` (1 unless
+    /// set).
+    pub(crate) fn up_front_cost(&self, headers: &http::HeaderMap) -> u64 {
+        match &self.estimate {
+            Some(estimate) => estimate.estimate(headers),
+            None => self.cost.unwrap_or(1),
+        }
+    }
 }
 
 pub(super) fn upstream(url: &str) -> Result<Upstream, Problem> {
@@ -78,6 +100,56 @@ pub(super) fn upstream(url: &str) -> Result<Upstream, Problem> {
     Ok(Upstream { scheme, authority })
 }
 
+/// A route's `estimate_header` and `estimate_max`: both or neither, and only with a
+/// `cost_header` to settle against (a client's own estimate, never settled, would let it
+/// choose what it pays); `cost` is what a request without an estimate is charged.
+fn estimate(errors: &mut Errors, path: &str, route: &RawRoute) -> Option<Option<EstimateHeader>> {
+    let (name, max) = match (&route.estimate_header, route.estimate_max) {
+        (None, None) => return Some(None),
+        (Some(name), Some(max)) => (name, max),
+        (Some(_), None) => {
+            errors.push(
+                format!("{path}.estimate_max"),
+                "must be set with estimate_header",
+            );
+            return None;
+        }
+        (None, Some(_)) => {
+            errors.push(
+                format!("{path}.estimate_header"),
+                "must be set with estimate_max",
+            );
+            return None;
+        }
+    };
+    let before = errors.0.len();
+    if route.cost_header.is_none() {
+        errors.push(
+            format!("{path}.estimate_header"),
+            "needs a cost_header to settle against: an estimate the client sends is its own word",
+        );
+    }
+    if max == 0 {
+        errors.push(format!("{path}.estimate_max"), "must be at least 1");
+    }
+    let default = route.cost.unwrap_or(1);
+    if default > max {
+        errors.push(
+            format!("{path}.cost"),
+            format!("{default} is above estimate_max ({max}): a request without an estimate is charged cost"),
+        );
+    }
+    let name = errors.ok(
+        format!("{path}.estimate_header"),
+        http::HeaderName::try_from(name.as_str())
+            .map_err(|_| problem!("`{name}` is not a valid header name")),
+    );
+    if errors.0.len() > before {
+        return None;
+    }
+    Some(Some(EstimateHeader::new(name?, max).default(default)))
+}
+
 /// `routes`: each route's upstream, cost and cost header, by endpoint.
 pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> RouteTable<RouteTarget> {
     let mut routes = RouteTable::default();
@@ -102,18 +174,78 @@ pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> RouteTable<RouteT
                 .map(|name| Some((name, route.cost_header_visible))),
             None => Some(None),
         };
+        let estimate = estimate(errors, &path, route);
         let endpoint = errors.ok(format!("{path}.match"), RoutePattern::parse(&route.pattern));
-        if let (Some(endpoint), Some(target_upstream), Some(cost_header)) =
-            (endpoint, target_upstream, cost_header)
+        if let (Some(endpoint), Some(target_upstream), Some(cost_header), Some(estimate)) =
+            (endpoint, target_upstream, cost_header, estimate)
         {
             let target = RouteTarget {
                 upstream: target_upstream,
                 cost: route.cost,
                 cost_header,
+                estimate,
             };
             errors.ok(format!("{path}.match"), routes.insert(endpoint, target));
         }
     }
 
     routes
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::parse;
+
+    fn errors_of(route: &str) -> Vec<String> {
+        match parse(&format!("routes:\n  - {route}\n")) {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors.0.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    #[test]
+    fn an_estimate_is_bounded_and_always_settled() {
+        let settled = r#"{ match: "/v1/x", cost_header: used, estimate_header: x-max-tokens, estimate_max: 400, cost: 50 }"#;
+        assert_eq!(errors_of(settled), Vec::<String>::new());
+        let config = parse(&format!("routes:\n  - {settled}\n")).unwrap();
+        let route = config
+            .routes
+            .find_index(&http::Method::GET, "/v1/x")
+            .and_then(|index| config.routes.entry(index))
+            .map(|(_, route)| route)
+            .unwrap();
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(
+            route.up_front_cost(&headers),
+            50,
+            "cost, without an estimate"
+        );
+        headers.insert("x-max-tokens", http::HeaderValue::from_static("120"));
+        assert_eq!(route.up_front_cost(&headers), 120);
+        headers.insert("x-max-tokens", http::HeaderValue::from_static("100000"));
+        assert_eq!(route.up_front_cost(&headers), 400, "bounded");
+
+        assert_eq!(
+            errors_of(r#"{ match: "/x", estimate_header: x-max-tokens, estimate_max: 4 }"#),
+            [
+                "routes[0].estimate_header: needs a cost_header to settle against: an estimate the client sends is its own word"
+            ]
+        );
+        assert_eq!(
+            errors_of(r#"{ match: "/x", cost_header: used, estimate_header: x-max-tokens }"#),
+            ["routes[0].estimate_max: must be set with estimate_header"]
+        );
+        assert_eq!(
+            errors_of(r#"{ match: "/x", cost_header: used, estimate_max: 4 }"#),
+            ["routes[0].estimate_header: must be set with estimate_max"]
+        );
+        assert_eq!(
+            errors_of(
+                r#"{ match: "/x", cost_header: used, estimate_header: x-max-tokens, estimate_max: 4, cost: 5 }"#
+            ),
+            [
+                "routes[0].cost: 5 is above estimate_max (4): a request without an estimate is charged cost"
+            ]
+        );
+    }
 }

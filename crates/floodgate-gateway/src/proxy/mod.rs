@@ -23,7 +23,8 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use floodgate::{PeerAddr, post_charge::CostHeader, post_charge::ResponseCost};
+use floodgate::PeerAddr;
+use floodgate::post_charge::{CostHeader, CostInTrailers, ReportedCost, ResponseCost};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
@@ -562,11 +563,20 @@ fn answered(
     }
     remove_hop_by_hop(response.headers_mut());
     if let Some((name, visible)) = route.and_then(|route| route.cost_header.as_ref()) {
-        // The rate limit layer post-charges what the upstream reports (SPEC §9).
-        let reported = CostHeader::new(name.clone())
-            .visible(*visible)
-            .reported_cost(response.headers_mut());
-        response.extensions_mut().insert(reported);
+        // The rate limit layer settles what the upstream reports (SPEC §9): in the head, or
+        // at the end of a stream, in its trailers.
+        let reader = CostHeader::new(name.clone()).visible(*visible);
+        let reported = reader.reported_cost(response.headers_mut());
+        let streamed = http_body::Body::size_hint(response.body())
+            .exact()
+            .is_none();
+        if reported == ReportedCost::Missing && streamed {
+            response
+                .extensions_mut()
+                .insert(CostInTrailers::new(reader));
+        } else {
+            response.extensions_mut().insert(reported);
+        }
     }
     response.map(Either::Left)
 }

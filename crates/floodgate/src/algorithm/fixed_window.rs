@@ -71,7 +71,6 @@ pub(super) fn import([window_start, count, _]: [u64; 3]) -> FixedWindowState {
     }
 }
 
-#[cfg(feature = "redis")]
 /// Gives `units` back to a batched node's local copy, if its window is still the current one.
 pub(super) fn unconsume(limit: &Limit, window: &mut FixedWindowState, now: u64, units: u64) {
     if window.window_start == now - now % limit.window_micros() {

@@ -52,7 +52,6 @@ pub(super) fn import([tat, _, _]: [u64; 3]) -> GcraState {
     GcraState { tat }
 }
 
-#[cfg(feature = "redis")]
 /// Gives `credit` (units × emission interval) back to a batched node's local copy.
 pub(super) fn unconsume(gcra: &mut GcraState, credit: u64) {
     gcra.tat = gcra.tat.saturating_sub(credit);

@@ -239,11 +239,12 @@ pub(crate) fn import(algorithm: Algorithm, fields: [u64; 3]) -> Option<State> {
     })
 }
 
-#[cfg(feature = "redis")]
 /// Gives `units` back to `state`: what a batched node does to its local copy when a later store
-/// denied the request, and what the Redis scripts' `refund` does to the shared state (the
-/// differential test holds the two to the same result). A token bucket in debt pays the debt
-/// first.
+/// denied the request, what the Redis scripts' `refund` does to the shared state (the
+/// differential test holds the two to the same result), and the memory store's settlement of
+/// an estimate (`Store::refund`). A token bucket in debt pays the debt first, and is never
+/// filled above its capacity; a window gives back only within the window the state is of. Only
+/// [`Algorithm::is_batchable`] algorithms give anything back.
 pub fn unconsume(limit: &Limit, state: &mut State, now: u64, units: u64) {
     let credit = units * limit.emission_micros();
     match state {

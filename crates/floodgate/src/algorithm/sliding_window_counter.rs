@@ -152,7 +152,6 @@ pub(super) fn import([window_start, current, previous]: [u64; 3]) -> SlidingWind
     }
 }
 
-#[cfg(feature = "redis")]
 /// Gives `units` back to a batched node's local copy, if its window is still the current one.
 pub(super) fn unconsume(
     limit: &Limit,

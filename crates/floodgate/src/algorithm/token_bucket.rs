@@ -85,7 +85,6 @@ pub(super) fn import([level, updated_at, _]: [u64; 3]) -> TokenBucketState {
     TokenBucketState { level, updated_at }
 }
 
-#[cfg(feature = "redis")]
 /// Gives `credit` (units × emission interval) back to a batched node's local copy.
 pub(super) fn unconsume(limit: &Limit, bucket: &mut TokenBucketState, now: u64, credit: u64) {
     // Debt (refill still to come) is paid back first.

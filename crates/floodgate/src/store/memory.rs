@@ -100,13 +100,21 @@ impl Entry {
 
     /// Applies an admission (see [`algorithm::consume`]).
     fn consume(&mut self, limit: &Limit, now: u64, cost: u64, lease_id: u64) {
+        self.update(limit, |state| {
+            algorithm::consume(limit, state, now, cost, lease_id);
+        });
+    }
+
+    /// Changes the entry's state with `change`, keeping its slot's form (a GCRA's atomic TAT)
+    /// and its idle time.
+    fn update(&mut self, limit: &Limit, change: impl FnOnce(&mut Option<State>)) {
         let mut state = match &mut self.slot {
             Slot::Gcra(tat) => Some(State::Gcra(GcraState {
                 tat: *tat.get_mut(),
             })),
             Slot::Other { state, .. } => state.take(),
         };
-        algorithm::consume(limit, &mut state, now, cost, lease_id);
+        change(&mut state);
         self.slot = match state {
             Some(State::Gcra(GcraState { tat })) => Slot::Gcra(AtomicU64::new(tat)),
             state => Slot::Other {
@@ -116,6 +124,15 @@ impl Entry {
                 state,
             },
         };
+    }
+
+    /// Gives `units` back ([`algorithm::unconsume`]).
+    fn unconsume(&mut self, limit: &Limit, now: u64, units: u64) {
+        self.update(limit, |state| {
+            if let Some(state) = state {
+                algorithm::unconsume(limit, state, now, units);
+            }
+        });
     }
 
     /// From this time on, the entry equals a fresh key's.
@@ -276,6 +293,13 @@ impl MemoryStore {
     pub fn peek_now(&self, checks: &[Check], now: Option<Timestamp>) -> Decision {
         let now = now.unwrap_or_else(|| self.inner.clock.now());
         self.inner.decide(checks, now, true)
+    }
+
+    /// The synchronous form of [`Store::refund`].
+    pub fn refund_now(&self, checks: &[Check], charged_at: Timestamp, now: Option<Timestamp>) {
+        let now = now.unwrap_or_else(|| self.inner.clock.now());
+        self.inner
+            .refund(checks, charged_at.as_micros(), now.as_micros());
     }
 
     /// The synchronous form of [`Store::charge`].
@@ -454,6 +478,31 @@ impl Inner {
         }
     }
 
+    /// Gives each check's cost back to its entry ([`Store::refund`]); a key with no entry
+    /// (idle, swept, or reset since) has nothing to give back to. A window's units are given
+    /// back as of `charged_at`: only if the entry still holds that window.
+    fn refund(&self, checks: &[Check], charged_at: u64, now: u64) {
+        for check in checks {
+            let algorithm = check.limit.algorithm();
+            if check.cost == 0 || !algorithm.is_batchable() {
+                continue;
+            }
+            let now = if algorithm.counts_in_windows() {
+                charged_at
+            } else {
+                now
+            };
+            let hash = self.hasher.hash_one(&*check.key);
+            let mut shard = lock(&self.shards[self.shard_of(hash)]);
+            if let Some(entry) = shard
+                .entries
+                .find_mut(hash, |entry| *entry.key == *check.key)
+            {
+                entry.unconsume(&check.limit, now, check.cost);
+            }
+        }
+    }
+
     /// Drops the entries of `keys`; returns how many there were.
     fn reset(&self, keys: &[Arc<str>]) -> u64 {
         let mut removed = 0;
@@ -574,6 +623,16 @@ impl Store for MemoryStore {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         self.charge_now(checks, now);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.refund_now(checks, charged_at, now);
         Box::pin(std::future::ready(Ok(())))
     }
 }

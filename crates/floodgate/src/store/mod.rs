@@ -111,6 +111,24 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(std::future::ready(Err(StoreError::Unsupported("charge"))))
     }
 
+    /// Gives each check's `cost` back to its limit: the settlement of a request admitted at
+    /// `charged_at` (its decision's time) at an estimate that its response showed too high
+    /// (SPEC §9). A refund never gives more than the check's own cost and never fills a limit
+    /// above its capacity; a window's units are given back only to the window they were
+    /// counted in, as long as it is the one the key holds (once the next window has begun,
+    /// nothing is given back: the units are the past window's). Only `token_bucket`, `gcra`,
+    /// `fixed_window` and `sliding_window_counter` limits are refunded
+    /// ([`crate::Algorithm::is_batchable`]); others are left as they are.
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = (checks, charged_at, now);
+        Box::pin(std::future::ready(Err(StoreError::Unsupported("refund"))))
+    }
+
     /// Whether this store can decide limits of `algorithm` (all of them, unless a store says
     /// otherwise: a batched store only counts). Layers check their limits at build time.
     fn supports(&self, algorithm: crate::Algorithm) -> bool {
@@ -196,6 +214,15 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         (**self).charge(checks, now)
+    }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).refund(checks, charged_at, now)
     }
 
     fn supports(&self, algorithm: crate::Algorithm) -> bool {

@@ -170,12 +170,12 @@ impl<T: SyncTarget> Store for SplitStore<T> {
             let exact_decision = match self.exact.check_and_consume(&exact, now).await {
                 Ok(decision) => decision,
                 Err(error) => {
-                    self.hot.refund(&hot, now);
+                    self.hot.return_to_leases(&hot, now);
                     return Err(error);
                 }
             };
             if !exact_decision.is_allowed() {
-                self.hot.refund(&hot, now);
+                self.hot.return_to_leases(&hot, now);
             }
             let decided_at = exact_decision.decided_at();
             Ok(Decision::joined(
@@ -217,6 +217,19 @@ impl<T: SyncTarget> Store for SplitStore<T> {
         Box::pin(async move {
             self.hot.charge(&hot, now).await?;
             self.exact.charge(&exact, now).await
+        })
+    }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let (hot, exact) = self.partition(checks, &self.hot_tags(checks));
+        Box::pin(async move {
+            self.hot.refund(&hot, charged_at, now).await?;
+            self.exact.refund(&exact, charged_at, now).await
         })
     }
 

@@ -752,6 +752,79 @@ every_algorithm_and_the_batchable!(post_charges_leave_debt =>
     post_charges_leave_a_debt_that_the_promised_wait_covers,
     batchable_post_charges_leave_a_debt_that_the_promised_wait_covers);
 
+/// SPEC §9's settlement: a response that cost less than its estimate gets the difference
+/// back, never more than was charged, never above the limit's capacity, and a window's units
+/// only to the window they were counted in. Algorithms that cannot give back (the log, the
+/// leaky bucket, concurrency) are left as they stand.
+async fn refunds_settle_estimates(store: &dyn Store, algorithms: &[Algorithm]) {
+    // 100 s windows: the first one here is [1000 s, 1100 s) after T0's own alignment.
+    let charged_at = at(secs(1_050));
+    for &algorithm in algorithms {
+        let name = format!("refund-{algorithm}");
+        let limit = named(&name, algorithm, 10, secs(100));
+        let key = key("refunded", &name);
+        let check = |cost| [Check::new(key.clone(), limit.clone(), cost)];
+        assert!(hit_all(store, &check(8), charged_at).await.is_allowed());
+        let before = peek_now(store, &check(1), charged_at).await;
+        // The response reports 3 of the estimated 8.
+        store
+            .refund(&check(5), charged_at, Some(charged_at))
+            .await
+            .expect("store refunds");
+        let after = peek_now(store, &check(1), charged_at).await;
+        if !algorithm.is_batchable() {
+            assert_eq!(summary(&after), summary(&before), "{algorithm}: left alone");
+            continue;
+        }
+        assert_eq!(after.limits()[0].remaining, 7, "{algorithm}: 3 of 10 used");
+        // However much is refunded, the limit holds its capacity and no more.
+        store
+            .refund(&check(50), charged_at, Some(charged_at))
+            .await
+            .expect("store refunds");
+        for request in 0..10 {
+            assert!(
+                hit_all(store, &check(1), charged_at).await.is_allowed(),
+                "{algorithm}: request {request} of the 10 the limit holds"
+            );
+        }
+        assert!(
+            !hit_all(store, &check(1), charged_at).await.is_allowed(),
+            "{algorithm}: an 11th is refused"
+        );
+    }
+}
+
+every_algorithm_and_the_batchable!(refunds_settle_estimates =>
+    refunds_settle_estimates_and_never_exceed_the_limit,
+    batchable_refunds_settle_estimates_and_never_exceed_the_limit);
+
+/// A window's units counted in a window that has ended are not given back to the next one:
+/// its counter holds other requests' units.
+pub async fn a_refund_never_reaches_into_the_next_window(store: impl Store) {
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindowCounter] {
+        let name = format!("late-refund-{algorithm}");
+        let limit = named(&name, algorithm, 10, secs(100));
+        let key = key("late", &name);
+        let check = |cost| [Check::new(key.clone(), limit.clone(), cost)];
+        let charged_at = at(secs(1_090));
+        let next_window = at(secs(1_100) + ms(500));
+        assert!(hit_all(&store, &check(8), charged_at).await.is_allowed());
+        assert!(hit_all(&store, &check(2), next_window).await.is_allowed());
+        let before = peek_now(&store, &check(1), next_window).await;
+        store
+            .refund(&check(8), charged_at, Some(next_window))
+            .await
+            .expect("store refunds");
+        let after = peek_now(&store, &check(1), next_window).await;
+        assert_eq!(
+            after.limits()[0].remaining,
+            before.limits()[0].remaining,
+            "{algorithm}: the next window's count is its own"
+        );
+    }
+}
+
 /// The token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
 /// cost 40: three admitted (the third leaves 20 tokens of debt), the fourth told to wait for 21
 /// tokens at one a second.
@@ -800,6 +873,7 @@ macro_rules! conformance_suite {
             a_reset_key_starts_fresh,
             a_reset_frees_leases,
             post_charges_leave_a_debt_that_the_promised_wait_covers,
+            refunds_settle_estimates_and_never_exceed_the_limit,
         );
     };
 }
@@ -828,6 +902,8 @@ macro_rules! batchable_conformance_suite {
             a_reset_batchable_key_starts_fresh,
             batchable_post_charges_leave_a_debt_that_the_promised_wait_covers,
             a_token_budget_admits_three_forty_token_requests,
+            batchable_refunds_settle_estimates_and_never_exceed_the_limit,
+            a_refund_never_reaches_into_the_next_window,
         );
     };
 }

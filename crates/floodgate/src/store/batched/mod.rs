@@ -527,6 +527,26 @@ impl Entry {
         state
     }
 
+    /// Takes `units` of a refund ([`Store::refund`]) at `now`: from the debt not yet sent
+    /// first, then into the lease if it may still be spent. Returns what is left for the
+    /// shared store to refund, which this node's view of it counts as given back already
+    /// (the next trade reads the shared store's own).
+    fn take_back(&mut self, now: u64, units: u64) -> u64 {
+        let from_debt = units.min(self.debt);
+        self.debt -= from_debt;
+        let rest = units - from_debt;
+        self.expire_lease(now);
+        let spendable = self.lease > 0 && now < self.lease_expires;
+        if rest > 0 && spendable {
+            self.lease += rest;
+        }
+        let sent = if spendable { 0 } else { rest };
+        if let Some(state) = &mut self.shared {
+            algorithm::unconsume(&self.limit, state, now, from_debt + sent);
+        }
+        sent
+    }
+
     /// Stops spending a lease that may not be spent any more. Past its lifetime it is given
     /// back with the next trade (the shared store still counts it as used, in the same
     /// window); of another window than `now`'s it is forgotten (the shared store counted it
@@ -560,8 +580,11 @@ impl Entry {
             self.lease += grant.granted;
             self.lease_expires = granted_at + duration_micros(LEASE_LIFETIME);
         }
-        self.lease_window =
-            is_windowed(self.limit.algorithm()).then(|| window_of(&self.limit, granted_at));
+        self.lease_window = self
+            .limit
+            .algorithm()
+            .counts_in_windows()
+            .then(|| window_of(&self.limit, granted_at));
         self.expire_lease(now);
     }
 
@@ -597,19 +620,12 @@ impl Entry {
     /// The most units a lease of this limit may hold: what it refills in the lease's lifetime
     /// for a bucket (a dead node's lease then comes back within it), its limit for a window.
     fn most_leased(&self) -> u64 {
-        if is_windowed(self.limit.algorithm()) {
+        if self.limit.algorithm().counts_in_windows() {
             self.limit.limit()
         } else {
             (duration_micros(LEASE_LIFETIME) / self.limit.emission_micros().max(1)).max(1)
         }
     }
-}
-
-fn is_windowed(algorithm: Algorithm) -> bool {
-    matches!(
-        algorithm,
-        Algorithm::FixedWindow | Algorithm::SlidingWindowCounter
-    )
 }
 
 fn window_of(limit: &Limit, now: u64) -> u64 {
@@ -670,9 +686,10 @@ impl<T: SyncTarget> BatchedStore<T> {
         self.shared.give_back_everything(now).await
     }
 
-    /// Gives back what an admitted `checks` took here (a later store denied the request): the
-    /// units return to this node's leases.
-    pub fn refund(&self, checks: &[Check], now: Option<Timestamp>) {
+    /// Gives back what an admitted `checks` took here a moment ago (a later store denied the
+    /// request): the units return to this node's leases. (A settlement later on, when a lease
+    /// may have ended, is [`Store::refund`].)
+    pub fn return_to_leases(&self, checks: &[Check], now: Option<Timestamp>) {
         let _ = now;
         for check in checks {
             let mut shard = self.shared.lock_shard_of(&check.key);
@@ -762,6 +779,47 @@ impl<T: SyncTarget> Shared<T> {
         }
         if !direct.is_empty() {
             self.target.sync(&direct, now).await?;
+        }
+        Ok(())
+    }
+
+    /// Refunds `checks` ([`Store::refund`]): a key this node holds pays its unsent debt first,
+    /// then takes the rest back into its lease while the lease may still be spent (the same
+    /// window, within its lifetime); the rest, and keys this node does not hold, are refunded
+    /// in the shared store, whose own window decides whether anything is given back. A
+    /// window's units counted in a window that has ended are not given back at all.
+    async fn refund(
+        &self,
+        checks: &[Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> Result<(), StoreError> {
+        let decided_at = self.now(now);
+        let mut direct = Vec::new();
+        for check in checks {
+            if check.cost == 0 || !supports(check.limit.algorithm()) {
+                continue;
+            }
+            if check.limit.algorithm().counts_in_windows()
+                && window_of(&check.limit, charged_at.as_micros())
+                    != window_of(&check.limit, decided_at)
+            {
+                continue;
+            }
+            let mut shard = self.lock_shard_of(&check.key);
+            let rest = match shard.get_mut(&*check.key) {
+                Some(Slot::Ready(entry)) => entry.take_back(decided_at, check.cost),
+                _ => check.cost,
+            };
+            if rest > 0 {
+                direct.push(Check {
+                    cost: rest,
+                    ..check.clone()
+                });
+            }
+        }
+        if !direct.is_empty() {
+            self.target.refund(&direct, charged_at, now).await?;
         }
         Ok(())
     }
@@ -890,6 +948,15 @@ impl<T: SyncTarget> Store for BatchedStore<T> {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(self.shared.charge(checks, now))
+    }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.shared.refund(checks, charged_at, now))
     }
 
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {

@@ -48,7 +48,33 @@ pub(super) trait GroupedStore: Sync {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move { charge_groups(&self.node_groups(checks), checks, now).await })
+        Box::pin(async move {
+            adjust_groups(Mode::Charge, &self.node_groups(checks), checks, now).await
+        })
+    }
+
+    /// [`Store::refund`] over the groups: the windows' limits as of `charged_at` (their
+    /// script gives back only to the window they hold, if it is that time's), the others
+    /// now, by the server's clock unless `now` says otherwise.
+    fn refund_grouped<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let (windows, others): (Vec<Check>, Vec<Check>) = checks
+                .iter()
+                .filter(|check| check.cost > 0 && check.limit.algorithm().is_batchable())
+                .cloned()
+                .partition(|check| check.limit.algorithm().counts_in_windows());
+            for (checks, at) in [(windows, Some(charged_at)), (others, now)] {
+                if !checks.is_empty() {
+                    adjust_groups(Mode::Refund, &self.node_groups(&checks), &checks, at).await?;
+                }
+            }
+            Ok(())
+        })
     }
 }
 
@@ -365,8 +391,10 @@ pub(super) async fn peek_groups(
     ))
 }
 
-/// Post-charges `checks` by one call per group, concurrently.
-async fn charge_groups(
+/// Post-charges (`Mode::Charge`) or refunds (`Mode::Refund`) `checks` by one call per group,
+/// concurrently.
+async fn adjust_groups(
+    mode: Mode,
     groups: &[Group<'_>],
     checks: &[Check],
     now: Option<Timestamp>,
@@ -381,9 +409,14 @@ async fn charge_groups(
                 _ => String::new(),
             })
             .collect();
-        node.guarded_call(Mode::Charge, &group_checks, &tokens, now)
-            .await
-            .map(drop)
+        node.guarded_call(mode, &group_checks, &tokens, now).await?;
+        if mode == Mode::Refund
+            && let Some(cache) = node.deny_cache()
+        {
+            // Units given back may admit what this node remembers as denied.
+            cache.forget_reset(group_checks.iter().map(|check| &*check.key));
+        }
+        Ok::<(), StoreError>(())
     });
     futures_util::future::try_join_all(calls).await.map(drop)
 }

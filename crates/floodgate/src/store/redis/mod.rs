@@ -783,6 +783,15 @@ impl Store for RedisStore {
         self.charge_grouped(checks, now)
     }
 
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.refund_grouped(checks, charged_at, now)
+    }
+
     /// `DEL`, one call per hash slot where calls must stay on one; outside the breaker. Then
     /// the keys are published on [`RESETS_CHANNEL`], so that every node's deny cache forgets
     /// them (this node's forgets them at once).

@@ -183,6 +183,15 @@ impl Store for ShardedRedisStore {
         self.charge_grouped(checks, now)
     }
 
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.refund_grouped(checks, charged_at, now)
+    }
+
     fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
         Box::pin(async move {
             let mut by_node: Vec<Vec<Arc<str>>> = vec![Vec::new(); self.nodes.len()];
