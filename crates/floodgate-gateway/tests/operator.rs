@@ -106,6 +106,49 @@ async fn a_clients_quota_shows_its_period_used_and_left() {
     assert!(ends.ends_with("T00:00:00.000Z"), "{ends}");
 }
 
+/// A daily quota on the calendar (midnight to midnight in UTC): the headers and the
+/// `Retry-After` of a denial point at midnight, the period's real end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_calendar_quota_resets_at_the_periods_end() {
+    let upstream = Upstream::start().await;
+    let plans = format!(
+        "{KNOWN_KEYS}response: {{ retry_after_jitter: 0 }}\nplans:\n  free:\n    limits: [ {{ name: daily, algorithm: fixed_window, limit: 2, period: day, time_zone: UTC }} ]\n  anonymous: {{}}\n"
+    );
+    let (gateway, _directory) = start_gateway(&upstream.url(), &plans);
+    let client = client();
+    let now_secs = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let until_midnight = || 86_400 - now_secs() % 86_400;
+    let header = |response: &http::Response<Bytes>, name: &str| -> u64 {
+        response.headers()[name].to_str().unwrap().parse().unwrap()
+    };
+    let first = as_client(&client, &gateway, "k-one").await;
+    // X-RateLimit-Reset is the reset's Unix time: the next midnight.
+    let reset = header(&first, "x-ratelimit-reset");
+    assert_eq!(reset % 86_400, 0, "reset {reset}");
+    assert!(
+        reset.abs_diff(now_secs() + until_midnight()) <= 5,
+        "reset {reset}"
+    );
+    as_client(&client, &gateway, "k-one").await;
+    let denied = as_client(&client, &gateway, "k-one").await;
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Retry-After is the wait: until midnight (a second may pass while the test reads it).
+    let retry = header(&denied, "retry-after");
+    assert!(retry.abs_diff(until_midnight()) <= 5, "Retry-After {retry}");
+    assert!(
+        denied.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .contains("w=86400"),
+        "the period's nominal length in the policy"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspection_changes_nothing_on_memory() {
     inspection_changes_nothing("").await;

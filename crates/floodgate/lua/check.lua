@@ -39,6 +39,15 @@ local SPECS, specs_kept = {}, 0
 
 local function parse_spec(text)
   local name, a, b = match(text, '^(%S+) (%d+) (%d+)$')
+  if name then
+    b = tonumber(b)
+  else
+    -- A calendar period (a fixed window on the calendar): its limit, then the four
+    -- boundaries around the caller's clock (window_bounds picks the server's period).
+    local b0, b1, b2, b3
+    name, a, b0, b1, b2, b3 = match(text, '^(calendar_window) (%d+) (%d+),(%d+),(%d+),(%d+)$')
+    b = name and { tonumber(b0), tonumber(b1), tonumber(b2), tonumber(b3) }
+  end
   local algorithm = name and ALGORITHMS[name]
   if not algorithm then
     return nil
@@ -46,7 +55,7 @@ local function parse_spec(text)
   if specs_kept >= 4096 then
     SPECS, specs_kept = {}, 0
   end
-  local spec = { algorithm, tonumber(a), tonumber(b), name }
+  local spec = { algorithm, tonumber(a), b, name }
   SPECS[text] = spec
   specs_kept = specs_kept + 1
   return spec
@@ -300,7 +309,7 @@ local function lease(keys, args, n, now, reply, r)
       local s1, s2, s3 = algorithm.load(key, now, b)
       algorithm.consume(key, s1, s2, s3, a, b, now, charge, '')
     end
-    if give_back > 0 and (leased_in == 0 or leased_in == now - now % b) then
+    if give_back > 0 and (leased_in == 0 or leased_in == (window_bounds(b, now))) then
       algorithm.refund(key, a, b, now, give_back, '')
     end
     local s1, s2, s3 = algorithm.load(key, now, b)

@@ -78,6 +78,23 @@ local function ttl_ms(micros)
   return max(1, ceil(micros / 1000))
 end
 
+-- A window's bounds at `now`: aligned to multiples of `window` since the epoch, or, for a
+-- calendar period (a table of four consecutive boundaries around the caller's clock, see
+-- `calendar_window` in check.lua), the period the server's `now` falls in among the three they
+-- delimit, so that a caller whose clock is a little off still counts in the store's period.
+local function window_bounds(window, now)
+  if type(window) == 'table' then
+    if now < window[2] then
+      return window[1], window[2]
+    elseif now < window[3] then
+      return window[2], window[3]
+    end
+    return window[3], window[4]
+  end
+  local start = now - now % window
+  return start, start + window
+end
+
 local function expire_after(key, micros)
   redis.call('PEXPIRE', key, ttl_ms(micros))
 end

@@ -1,5 +1,6 @@
 -- fixed_window: at most `limit` per window, windows aligned to multiples of `window` since the
--- epoch. Hash: w (window start), c (count).
+-- epoch, or the periods of a calendar (`calendar_window`: `window` is then a table of
+-- boundaries; see window_bounds). Hash: w (window start), c (count).
 
 local function fixed_window_load(key)
   -- A sliding window counter's hash has 'p' as well: not this algorithm's state.
@@ -10,22 +11,22 @@ local function fixed_window_load(key)
   return stored_number(values[1]), stored_number(values[2])
 end
 
--- The current window's start, and its count so far.
+-- The current window's start and end, and its count so far.
 local function fixed_window_current(state_start, count, window, now)
-  local window_start = now - now % window
+  local window_start, window_end = window_bounds(window, now)
   if state_start ~= window_start then
     count = 0
   end
-  return window_start, count
+  return window_start, count, window_end
 end
 
 ALGORITHMS.fixed_window = {
   load = fixed_window_load,
 
   evaluate = function(state_start, count, _, limit, window, now, cost)
-    local window_start
-    window_start, count = fixed_window_current(state_start, count, window, now)
-    local until_next_window = window_start + window - now
+    local _, current, window_end = fixed_window_current(state_start, count, window, now)
+    count = current
+    local until_next_window = window_end - now
     local remaining = limit - min(count, limit)
     if cost > limit then
       return 0, remaining, until_next_window, -1, 0
@@ -40,8 +41,8 @@ ALGORITHMS.fixed_window = {
     if not state_start then
       clear_foreign(key)
     end
-    local window_start
-    window_start, count = fixed_window_current(state_start, count, window, now)
+    local window_start, window_end
+    window_start, count, window_end = fixed_window_current(state_start, count, window, now)
     if state_start == window_start then
       -- Within the stored window, 'w' already holds its start: the count alone changes (one
       -- field and one number less to format, on every admitted request).
@@ -51,13 +52,13 @@ ALGORITHMS.fixed_window = {
     end
     -- The key expires with its window: by the server's clock, set when the window begins.
     if state_start ~= window_start or not SERVER_CLOCK then
-      expire_after(key, window_start + window - now)
+      expire_after(key, window_end - now)
     end
   end,
 
   refund = function(key, _, window, now, cost)
     local state_start, count = fixed_window_load(key)
-    if state_start and state_start == now - now % window then
+    if state_start and state_start == (window_bounds(window, now)) then
       redis.call('HSET', key, 'c', max(0, count - cost))
     end
   end,
@@ -66,3 +67,7 @@ ALGORITHMS.fixed_window = {
     return state_start, count, 0
   end,
 }
+
+-- A fixed window on the calendar: the same counting, over the periods its spec's boundaries
+-- delimit.
+ALGORITHMS.calendar_window = ALGORITHMS.fixed_window

@@ -5,6 +5,7 @@ mod body;
 #[cfg(feature = "axum")]
 #[doc = include_str!("cookbook.md")]
 pub mod cookbook {}
+pub mod calendar;
 pub mod decision;
 mod error;
 mod fallback;

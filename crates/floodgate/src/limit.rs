@@ -1,6 +1,7 @@
 //! Limits: what a client may do per window, validated when built so bad configuration cannot
 //! reach the algorithms.
 
+use crate::calendar::CalendarPeriod;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -139,6 +140,8 @@ pub enum LimitField {
     Burst,
     /// `cost`.
     Cost,
+    /// `period` (a calendar period).
+    Period,
 }
 
 impl LimitField {
@@ -151,6 +154,7 @@ impl LimitField {
             LimitField::Window => "window",
             LimitField::Burst => "burst",
             LimitField::Cost => "cost",
+            LimitField::Period => "period",
         }
     }
 }
@@ -190,6 +194,10 @@ pub enum LimitError {
     BurstNotSupported(Algorithm),
     /// `cost` is zero.
     ZeroCost,
+    /// A calendar period was given for an algorithm other than `fixed_window`.
+    PeriodNotSupported(Algorithm),
+    /// Both a calendar period and a window were given.
+    WindowWithPeriod,
 }
 
 impl LimitError {
@@ -208,6 +216,8 @@ impl LimitError {
             | LimitError::BurstTooLarge
             | LimitError::BurstNotSupported(_) => LimitField::Burst,
             LimitError::ZeroCost => LimitField::Cost,
+            LimitError::PeriodNotSupported(_) => LimitField::Period,
+            LimitError::WindowWithPeriod => LimitField::Window,
         }
     }
 
@@ -236,6 +246,12 @@ impl LimitError {
                 format!("not used by {algorithm}; remove it")
             }
             LimitError::ZeroCost => "must be at least 1".to_owned(),
+            LimitError::PeriodNotSupported(algorithm) => {
+                format!("counts fixed_window limits only, not {algorithm}")
+            }
+            LimitError::WindowWithPeriod => {
+                "not used with a calendar period (the period is the window); remove it".to_owned()
+            }
         }
     }
 }
@@ -272,6 +288,9 @@ pub struct Limit {
     /// `lua/common.lua`), built once.
     #[cfg(feature = "redis")]
     script_spec: Box<str>,
+    /// The calendar period whose days, weeks, months or years are the windows, if any
+    /// (`fixed_window` only); `window` is then the period's nominal length.
+    calendar: Option<CalendarPeriod>,
 }
 
 impl Limit {
@@ -284,6 +303,7 @@ impl Limit {
             window: None,
             burst: None,
             cost: None,
+            calendar: None,
         }
     }
 
@@ -326,9 +346,26 @@ impl Limit {
         Duration::from_micros(self.window_micros)
     }
 
-    /// The window in microseconds.
+    /// The window in microseconds (a calendar period's nominal length).
     pub fn window_micros(&self) -> u64 {
         self.window_micros
+    }
+
+    /// The calendar period whose days, weeks, months or years are this limit's windows.
+    pub fn calendar(&self) -> Option<&CalendarPeriod> {
+        self.calendar.as_ref()
+    }
+
+    /// The window containing `now` (microseconds since the epoch), `(start, end)`: aligned to
+    /// multiples of the window since the epoch, or the calendar period.
+    pub fn window_bounds(&self, now: u64) -> (u64, u64) {
+        match &self.calendar {
+            Some(calendar) => calendar.bounds(now),
+            None => {
+                let start = now - now % self.window_micros.max(1);
+                (start, start + self.window_micros)
+            }
+        }
     }
 
     /// The burst: bucket capacity for `token_bucket` and `gcra`, queue depth in units for
@@ -364,8 +401,11 @@ impl Limit {
         let scale = |value: u64| ((value as f64 * share).floor() as u64).max(1);
         let mut builder = Limit::builder(self.name())
             .algorithm(self.algorithm)
-            .limit(scale(self.limit))
-            .window(self.window());
+            .limit(scale(self.limit));
+        builder = match &self.calendar {
+            Some(calendar) => builder.calendar(calendar.clone()),
+            None => builder.window(self.window()),
+        };
         if self.algorithm.uses_burst() {
             builder = builder.burst(scale(self.burst));
         }
@@ -393,9 +433,22 @@ impl Limit {
 
     /// The limit as the Redis library takes it: the algorithm and the two numbers it uses
     /// (`burst` and `emission` for the buckets and GCRA, `limit` and `window` for the rest).
+    ///
+    /// A calendar period's boundaries change with time: its spec is
+    /// `"calendar_window <limit> <b0>,<b1>,<b2>,<b3>"`, the four boundaries around `now`
+    /// ([`CalendarPeriod::boundaries`]), among which the script finds the store's own period.
     #[cfg(feature = "redis")]
-    pub(crate) fn script_spec(&self) -> &str {
-        &self.script_spec
+    pub(crate) fn script_spec(&self, now: crate::time::Timestamp) -> std::borrow::Cow<'_, str> {
+        match &self.calendar {
+            None => std::borrow::Cow::Borrowed(&self.script_spec),
+            Some(calendar) => {
+                let [b0, b1, b2, b3] = calendar.boundaries(now.as_micros());
+                std::borrow::Cow::Owned(format!(
+                    "calendar_window {} {b0},{b1},{b2},{b3}",
+                    self.limit
+                ))
+            }
+        }
     }
 }
 
@@ -430,6 +483,7 @@ pub struct LimitBuilder {
     window: Option<Duration>,
     burst: Option<u64>,
     cost: Option<u64>,
+    calendar: Option<CalendarPeriod>,
 }
 
 impl LimitBuilder {
@@ -469,6 +523,13 @@ impl LimitBuilder {
         self
     }
 
+    /// Windows on the calendar (`fixed_window` only, with no `window`): the days, weeks,
+    /// months or years of `calendar`.
+    pub fn calendar(mut self, calendar: CalendarPeriod) -> Self {
+        self.calendar = Some(calendar);
+        self
+    }
+
     /// Validates and builds the limit.
     pub fn build(self) -> Result<Limit, LimitError> {
         if !is_valid_name(&self.name) {
@@ -481,10 +542,15 @@ impl LimitBuilder {
             Some(limit) if limit > MAX_QUANTITY => return Err(LimitError::LimitTooLarge),
             Some(limit) => limit,
         };
-        let window = match (self.window, algorithm) {
-            (Some(window), _) => window,
-            (None, Algorithm::Concurrency) => DEFAULT_LEASE_TTL,
-            (None, algorithm) => return Err(LimitError::MissingWindow(algorithm)),
+        if self.calendar.is_some() && algorithm != Algorithm::FixedWindow {
+            return Err(LimitError::PeriodNotSupported(algorithm));
+        }
+        let window = match (self.window, algorithm, &self.calendar) {
+            (Some(_), _, Some(_)) => return Err(LimitError::WindowWithPeriod),
+            (None, _, Some(calendar)) => calendar.period().nominal(),
+            (Some(window), _, None) => window,
+            (None, Algorithm::Concurrency, None) => DEFAULT_LEASE_TTL,
+            (None, algorithm, None) => return Err(LimitError::MissingWindow(algorithm)),
         };
         if window < Duration::from_millis(1) {
             return Err(LimitError::WindowTooShort);
@@ -529,6 +595,7 @@ impl LimitBuilder {
             burst,
             cost: self.cost,
             emission_micros,
+            calendar: self.calendar,
         })
     }
 }

@@ -5,9 +5,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use floodgate::Limit;
+use floodgate::calendar::{CalendarPeriod, Period};
 use serde::{Deserialize, Serialize};
 
-use super::errors::Errors;
+use super::errors::{Errors, Problem};
 use super::rollout::{RawRollout, policy, rollout};
 use super::{Rollout, RoutePattern, RouteTable, positive_duration};
 use floodgate::FailurePolicy;
@@ -52,6 +53,46 @@ pub(crate) struct RawLimit {
     /// Whether the client still sees `cost_header` (default false: removed).
     #[serde(default)]
     pub cost_header_visible: bool,
+    /// A calendar period instead of `window` (`fixed_window`): `day`, `week`, `month`, `year`.
+    #[serde(default)]
+    pub period: Option<String>,
+    /// The period's time zone (an IANA name), UTC by default.
+    #[serde(default)]
+    pub time_zone: Option<String>,
+    /// A month's billing day (1 to 31), a week's first day (`monday` to `sunday`).
+    #[serde(default)]
+    pub anchor: Option<String>,
+}
+
+/// `period`, `time_zone` and `anchor` of a limit: its calendar period, if any.
+fn calendar(errors: &mut Errors, path: &str, raw: &RawLimit) -> Option<Option<CalendarPeriod>> {
+    let Some(period) = &raw.period else {
+        for (field, given) in [("time_zone", &raw.time_zone), ("anchor", &raw.anchor)] {
+            if given.is_some() {
+                errors.push(format!("{path}.{field}"), "is only used with a period");
+            }
+        }
+        return (raw.time_zone.is_none() && raw.anchor.is_none()).then_some(None);
+    };
+    let period: Period = errors.ok(format!("{path}.period"), period.parse().map_err(problem_of))?;
+    let zone = raw.time_zone.as_deref().unwrap_or("UTC");
+    let calendar = errors.ok(
+        format!("{path}.time_zone"),
+        CalendarPeriod::new(period, zone).map_err(problem_of),
+    )?;
+    match &raw.anchor {
+        Some(anchor) => errors
+            .ok(
+                format!("{path}.anchor"),
+                calendar.anchored(anchor).map_err(problem_of),
+            )
+            .map(Some),
+        None => Some(Some(calendar)),
+    }
+}
+
+fn problem_of(error: floodgate::calendar::CalendarError) -> Problem {
+    Problem(error.to_string())
 }
 
 /// Limits on one endpoint, with the rule name their counters are kept under.
@@ -101,6 +142,9 @@ pub(super) fn limit(
     }
     if let Some(cost) = raw.cost {
         builder = builder.cost(cost);
+    }
+    if let Some(calendar) = calendar(errors, path, raw)? {
+        builder = builder.calendar(calendar);
     }
     if !names.insert(raw.name.clone()) {
         errors.push(
@@ -222,6 +266,56 @@ pub(super) fn scaled(limits: Vec<Arc<Limit>>, share: f64) -> Vec<Arc<Limit>> {
 mod tests {
     use crate::config::tests::errors_of;
     use crate::config::*;
+
+    #[test]
+    fn a_limit_may_count_on_the_calendar() {
+        let config = parse(
+            "plans:\n  free:\n    limits:\n      - { name: monthly, algorithm: fixed_window, limit: 10000, period: month, time_zone: America/New_York, anchor: \"15\" }\n  anonymous: {}\n",
+        )
+        .unwrap();
+        let monthly = &config.plans["free"].limits[0];
+        assert_eq!(
+            monthly.calendar().map(ToString::to_string).as_deref(),
+            Some("month from day 15 (America/New_York)")
+        );
+        let limit = |fields: &str| {
+            errors_of(&format!(
+                "plans:\n  free:\n    limits: [ {{ name: q, algorithm: fixed_window, limit: 5, {fields} }} ]\n  anonymous: {{}}\n"
+            ))
+        };
+        assert_eq!(
+            limit("period: fortnight"),
+            ["plans.free.limits[0].period: `fortnight` is not one of day, week, month, year"]
+        );
+        assert_eq!(
+            limit("period: day, time_zone: Mars/Base"),
+            [
+                "plans.free.limits[0].time_zone: `Mars/Base` is not a time zone (an IANA name such as Europe/Lisbon, or UTC)"
+            ]
+        );
+        assert_eq!(
+            limit("period: week, anchor: someday"),
+            [
+                "plans.free.limits[0].anchor: a week's anchor is its first day, monday to sunday, not `someday`"
+            ]
+        );
+        assert_eq!(
+            limit("window: 1d, time_zone: UTC"),
+            ["plans.free.limits[0].time_zone: is only used with a period"]
+        );
+        assert_eq!(
+            limit("period: day, window: 1d"),
+            [
+                "plans.free.limits[0].window: not used with a calendar period (the period is the window); remove it"
+            ]
+        );
+        assert_eq!(
+            errors_of(
+                "plans:\n  free:\n    limits: [ { name: q, algorithm: token_bucket, limit: 5, period: day } ]\n  anonymous: {}\n"
+            ),
+            ["plans.free.limits[0].period: counts fixed_window limits only, not token_bucket"]
+        );
+    }
 
     #[test]
     fn a_regional_share_scales_every_limit() {

@@ -3,6 +3,7 @@
 //! entry by entry; every error names its file and field path
 //! (`rls/api.yaml: descriptors[0].rate_limit.unit: ...`).
 
+use floodgate::calendar::{CalendarPeriod, Period};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -67,6 +68,21 @@ struct RawDescriptor {
     /// floodgate's addition, for the bucket algorithms.
     #[serde(default)]
     burst: Option<u64>,
+    /// floodgate's addition: count a `day`, `week`, `month` or `year` unit on the calendar
+    /// (a month from its billing day, 28 to 31 days) instead of envoyproxy/ratelimit's equal
+    /// spans (a month of 30 days).
+    #[serde(default)]
+    calendar: Option<RawCalendar>,
+}
+
+/// A descriptor's `calendar`: the unit's period in a time zone, with its anchor.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCalendar {
+    #[serde(default)]
+    time_zone: Option<String>,
+    #[serde(default)]
+    anchor: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -537,8 +553,11 @@ fn descriptor_limit(
     } else {
         let mut builder = Limit::builder(counter_name.clone())
             .algorithm(algorithm)
-            .limit(requests)
-            .window(unit.window());
+            .limit(requests);
+        builder = match &raw.calendar {
+            Some(calendar) => builder.calendar(calendar_period(at, errors, unit, calendar)?),
+            None => builder.window(unit.window()),
+        };
         if let Some(burst) = raw.burst {
             builder = builder.burst(burst);
         }
@@ -549,7 +568,7 @@ fn descriptor_limit(
                     LimitField::Limit => ".rate_limit.requests_per_unit",
                     LimitField::Window => ".rate_limit.unit",
                     LimitField::Burst => ".burst",
-                    LimitField::Algorithm => ".algorithm",
+                    LimitField::Algorithm | LimitField::Period => ".algorithm",
                     LimitField::Name | LimitField::Cost => ".rate_limit.name",
                 };
                 at.push(errors, field, error.problem());
@@ -570,6 +589,40 @@ fn descriptor_limit(
             .map(|replaced| Arc::from(replaced.name.as_str()))
             .collect(),
     })
+}
+
+/// A descriptor's `calendar`: its unit (`day`, `week`, `month`, `year`) as a calendar period.
+fn calendar_period(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    unit: Unit,
+    raw: &RawCalendar,
+) -> Option<CalendarPeriod> {
+    let period = match unit {
+        Unit::Day => Period::Day,
+        Unit::Week => Period::Week,
+        Unit::Month => Period::Month,
+        Unit::Year => Period::Year,
+        Unit::Second | Unit::Minute | Unit::Hour => {
+            at.push(
+                errors,
+                ".calendar",
+                "counts a day, week, month or year unit only".to_owned(),
+            );
+            return None;
+        }
+    };
+    let zone = raw.time_zone.as_deref().unwrap_or("UTC");
+    let calendar = CalendarPeriod::new(period, zone)
+        .map_err(|error| at.push(errors, ".calendar.time_zone", error.to_string()))
+        .ok()?;
+    match &raw.anchor {
+        Some(anchor) => calendar
+            .anchored(anchor)
+            .map_err(|error| at.push(errors, ".calendar.anchor", error.to_string()))
+            .ok(),
+        None => Some(calendar),
+    }
 }
 
 /// `rate_limit.unit`: required unless `unlimited`.
@@ -896,6 +949,53 @@ descriptors:
             .iter()
             .map(ToString::to_string)
             .collect()
+    }
+
+    #[test]
+    fn a_descriptor_may_count_its_unit_on_the_calendar() {
+        let (_, root) = parse_domain(
+            "quota.yaml",
+            r#"
+domain: quota
+descriptors:
+  - key: tenant
+    rate_limit: { unit: month, requests_per_unit: 10000 }
+    calendar: { time_zone: Europe/Lisbon, anchor: "15" }
+  - key: plain
+    rate_limit: { unit: month, requests_per_unit: 10000 }
+"#,
+        )
+        .unwrap();
+        let limit = |key: &str| match &find(&root, &[(key, "x")]).unwrap().action {
+            Action::Limited(limit) => limit.clone(),
+            _ => panic!("a limit"),
+        };
+        let tenant = limit("tenant");
+        let calendar = tenant.calendar().expect("on the calendar");
+        assert_eq!(calendar.to_string(), "month from day 15 (Europe/Lisbon)");
+        // 2026-12-02T10:00:00Z: the period began on November 15 at midnight in Lisbon (UTC+0
+        // in winter) and ends on December 15.
+        let (start, end) = tenant.window_bounds(1_796_205_600_000_000);
+        assert_eq!((start, end), (1_794_700_800_000_000, 1_797_292_800_000_000));
+        // Without `calendar`, a month stays envoyproxy/ratelimit's 30 days from the epoch.
+        let plain = limit("plain");
+        assert!(plain.calendar().is_none());
+        assert_eq!(plain.window(), Duration::from_secs(30 * 86_400));
+
+        let errors = errors_of(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n    calendar: {}\n  - key: b\n    rate_limit: { unit: day, requests_per_unit: 1 }\n    calendar: { time_zone: Mars/Base }\n  - key: c\n    rate_limit: { unit: month, requests_per_unit: 1 }\n    calendar: { anchor: \"40\" }\n  - key: e\n    rate_limit: { unit: month, requests_per_unit: 1 }\n    calendar: {}\n    algorithm: token_bucket\n",
+        );
+        for expected in [
+            "descriptors[0].calendar: counts a day, week, month or year unit only",
+            "descriptors[1].calendar.time_zone: `Mars/Base` is not a time zone",
+            "descriptors[2].calendar.anchor: the billing day of a month is 1 to 31, not 40",
+            "descriptors[3].algorithm: counts fixed_window limits only, not token_bucket",
+        ] {
+            assert!(
+                errors.iter().any(|error| error.contains(expected)),
+                "{expected} in {errors:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `fixed_window`: at most `limit` per window, windows aligned to multiples of `window` since
-//! the Unix epoch. Cheap, with the known flaw that a client may send `limit` at the end of one
-//! window and `limit` again at the start of the next.
+//! the Unix epoch, or the periods of a calendar ([`Limit::window_bounds`]). Cheap, with the
+//! known flaw that a client may send `limit` at the end of one window and `limit` again at the
+//! start of the next.
 
 use super::LimitOutcome;
 use crate::limit::Limit;
@@ -15,7 +16,7 @@ pub struct FixedWindowState {
 }
 
 fn current(limit: &Limit, state: Option<&FixedWindowState>, now: u64) -> FixedWindowState {
-    let window_start = now - now % limit.window_micros();
+    let (window_start, _) = limit.window_bounds(now);
     let count = match state {
         Some(state) if state.window_start == window_start => state.count,
         _ => 0,
@@ -33,7 +34,7 @@ pub(super) fn evaluate(
     cost: u64,
 ) -> LimitOutcome {
     let window = current(limit, state, now);
-    let until_next_window = window.window_start + limit.window_micros() - now;
+    let until_next_window = limit.window_bounds(now).1 - now;
     let remaining = limit.limit() - window.count.min(limit.limit());
     if cost > limit.limit() {
         return LimitOutcome::never(remaining, until_next_window);
@@ -59,7 +60,7 @@ pub(super) fn consume(
 }
 
 pub(super) fn idle_at(limit: &Limit, state: &FixedWindowState) -> u64 {
-    state.window_start + limit.window_micros()
+    limit.window_bounds(state.window_start).1
 }
 
 #[cfg(feature = "redis")]
@@ -73,7 +74,7 @@ pub(super) fn import([window_start, count, _]: [u64; 3]) -> FixedWindowState {
 
 /// Gives `units` back to a batched node's local copy, if its window is still the current one.
 pub(super) fn unconsume(limit: &Limit, window: &mut FixedWindowState, now: u64, units: u64) {
-    if window.window_start == now - now % limit.window_micros() {
+    if window.window_start == limit.window_bounds(now).0 {
         window.count = window.count.saturating_sub(units);
     }
 }

@@ -825,6 +825,50 @@ pub async fn a_refund_never_reaches_into_the_next_window(store: impl Store) {
     }
 }
 
+/// A fixed window on the calendar (a month from the 31st, in New York): April's period runs
+/// from March 31 to April 30 at midnight there, so the wait a denial promises ends at that
+/// midnight, and the first microsecond of the next period admits again; the period after
+/// runs to May 31.
+pub async fn calendar_periods_end_at_the_periods_real_end(store: impl Store) {
+    use floodgate::calendar::{CalendarPeriod, Period};
+    let month = CalendarPeriod::new(Period::Month, "America/New_York")
+        .and_then(|month| month.anchored("31"))
+        .expect("a calendar period");
+    let limit = Arc::new(
+        Limit::builder("monthly")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(3)
+            .calendar(month)
+            .build()
+            .expect("a calendar limit"),
+    );
+    let checks = [Check::new(key("calendar", "monthly"), limit, 1)];
+    // 2026-04-29T12:00:00-04:00 and the period's end, 2026-04-30T00:00:00-04:00.
+    let noon = Timestamp::from_secs(1_777_478_400);
+    let period_end = Timestamp::from_secs(1_777_521_600);
+    for request in 0..3 {
+        assert!(
+            hit_all(&store, &checks, noon).await.is_allowed(),
+            "request {request}"
+        );
+    }
+    let denied = hit_all(&store, &checks, noon).await;
+    assert!(!denied.is_allowed());
+    assert_eq!(
+        denied.retry_after(),
+        Some(secs(12 * 3600)),
+        "until midnight in New York"
+    );
+    assert_eq!(denied.limits()[0].reset_after, secs(12 * 3600));
+    let just_before = Timestamp::from_micros(period_end.as_micros() - 1);
+    assert!(!hit_all(&store, &checks, just_before).await.is_allowed());
+    let next = hit_all(&store, &checks, period_end).await;
+    assert!(next.is_allowed(), "a new period at midnight");
+    assert_eq!(next.limits()[0].remaining, 2);
+    // April 30 to May 31: 31 days.
+    assert_eq!(next.limits()[0].reset_after, secs(31 * 86_400));
+}
+
 /// The token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
 /// cost 40: three admitted (the third leaves 20 tokens of debt), the fourth told to wait for 21
 /// tokens at one a second.
@@ -904,6 +948,7 @@ macro_rules! batchable_conformance_suite {
             a_token_budget_admits_three_forty_token_requests,
             batchable_refunds_settle_estimates_and_never_exceed_the_limit,
             a_refund_never_reaches_into_the_next_window,
+            calendar_periods_end_at_the_periods_real_end,
         );
     };
 }

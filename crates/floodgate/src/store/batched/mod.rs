@@ -629,7 +629,7 @@ impl Entry {
 }
 
 fn window_of(limit: &Limit, now: u64) -> u64 {
-    now - now % limit.window_micros().max(1)
+    limit.window_bounds(now).0
 }
 
 fn duration_micros(duration: Duration) -> u64 {

@@ -215,6 +215,8 @@ pub(crate) fn command(
     }
     let batch = decisions.len() != 1;
     debug_assert!(!batch || mode == Mode::Check, "only checks are batched");
+    // A calendar period's boundaries are given around this time; the script picks its own.
+    let spec_time = now.unwrap_or_else(Timestamp::now);
     command.arg(if batch { "batch" } else { mode.as_str() });
     match now {
         Some(now) => command.arg(now.as_micros()),
@@ -235,7 +237,9 @@ pub(crate) fn command(
             command.arg(decision.checks.len()).arg(arguments);
         }
         for (index, check) in decision.checks.iter().enumerate() {
-            command.arg(check.limit.script_spec()).arg(check.cost);
+            command
+                .arg(&*check.limit.script_spec(spec_time))
+                .arg(check.cost);
             if takes_token(check.limit.algorithm()) {
                 command.arg(decision.tokens.get(index).map_or("", String::as_str));
             }
@@ -272,9 +276,10 @@ pub(crate) fn lease_command(
         Some(now) => command.arg(now.as_micros()),
         None => command.arg(""),
     };
+    let spec_time = now.unwrap_or_else(Timestamp::now);
     for request in requests {
         command
-            .arg(request.check.limit.script_spec())
+            .arg(&*request.check.limit.script_spec(spec_time))
             .arg(request.give_back)
             .arg(request.want)
             .arg(request.charge)
