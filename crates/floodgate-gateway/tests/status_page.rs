@@ -102,7 +102,7 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
     let directory = TempDir::new("page");
     let (listen, admin) = addresses();
     let path = directory.file("floodgate.yaml");
-    let rest = "plans:\n  free:\n    limits: [ { name: per-second, algorithm: token_bucket, limit: 2, window: 1s } ]\n  anonymous: {}\n";
+    let rest = "plans:\n  free:\n    limits:\n      - { name: per-second, algorithm: token_bucket, limit: 2, window: 1s }\n      - { name: daily, algorithm: fixed_window, limit: 1000000, period: day }\n  anonymous: {}\n";
     std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
     let gateway =
         Gateway::start_with_env(&path, listen, admin, &[("FLOODGATE_ADMIN_TOKEN", TOKEN)]);
@@ -180,7 +180,8 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
     assert!(tag_of(&without_token, "data").contains("hidden"));
     assert_eq!(text_of(&without_token, "version"), "");
 
-    let with_token = format!("{url}#token={TOKEN}");
+    // The fragment names a client whose quotas the page shows.
+    let with_token = format!("{url}#token={TOKEN}&api_key=page-a");
     let dom = tokio::task::spawn_blocking({
         let profile = profile.file("with");
         let url = with_token.clone();
@@ -209,6 +210,24 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
         overrides.contains("<td>per-second</td>") && overrides.contains(">50<"),
         "the override in force is listed: {overrides}"
     );
+
+    let quotas = &dom[dom.find("id=\"quotas\"").unwrap()..];
+    let quotas = &quotas[..quotas.find("</tbody>").unwrap()];
+    assert!(
+        quotas.contains("<td>daily</td>") && quotas.contains(">1000000<"),
+        "the client's daily quota: {quotas}"
+    );
+    assert!(
+        !quotas.contains("per-second"),
+        "a limit shorter than a day is no quota: {quotas}"
+    );
+    let used: u64 = quotas
+        .split("<td class=\"num\">")
+        .nth(1)
+        .and_then(|cell| cell.split('<').next())
+        .and_then(|cell| cell.parse().ok())
+        .expect("a used count");
+    assert!(used > 0, "page-a's requests count: {quotas}");
 
     let screenshot = directory.file("status.png");
     tokio::task::spawn_blocking({
