@@ -708,3 +708,84 @@ async fn a_reset_on_one_gateway_ends_local_denials_on_another() {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
+
+/// A streamed completion over h2c: two data frames, then the tokens it used (the query's
+/// `used`) in its trailers, as streaming LLM APIs report them. Any other path: a plain answer.
+struct Completion {
+    frames: std::collections::VecDeque<http_body::Frame<Bytes>>,
+}
+
+impl http_body::Body for Completion {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.frames.pop_front().map(Ok))
+    }
+}
+
+async fn h2c_streaming_upstream() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let service = hyper::service::service_fn(
+                |request: http::Request<hyper::body::Incoming>| async move {
+                    let mut frames = std::collections::VecDeque::new();
+                    frames.push_back(http_body::Frame::data(Bytes::from_static(b"data: one\n\n")));
+                    if request.uri().path() == "/stream" {
+                        let used = request
+                            .uri()
+                            .query()
+                            .and_then(|query| query.strip_prefix("used="))
+                            .unwrap_or("0")
+                            .to_owned();
+                        frames.push_back(http_body::Frame::data(Bytes::from_static(
+                            b"data: two\n\n",
+                        )));
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("x-tokens-used", used.parse().unwrap());
+                        frames.push_back(http_body::Frame::trailers(trailers));
+                    }
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Completion { frames }))
+                },
+            );
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+            );
+        }
+    });
+    addr
+}
+
+/// SPEC §9 through the gateway: an h2c upstream streams a completion and reports its tokens in
+/// the trailers; the gateway settles the estimate from them when the stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_completion_is_settled_from_the_upstreams_trailers() {
+    let upstream = h2c_streaming_upstream().await;
+    let rest = format!(
+        "{KNOWN_KEYS}upstream_protocol: http2\nroutes:\n  - {{ match: \"GET /stream\", cost_header: \"x-tokens-used\", estimate_header: \"x-max-tokens\", estimate_max: 400 }}\nplans:\n  free:\n    limits: [ {{ name: tokens, algorithm: fixed_window, limit: 1000, window: 60s }} ]\n  anonymous: {{}}\n"
+    );
+    let (gateway, _directory) = start_gateway(&format!("http://{upstream}"), &rest);
+    let client = client();
+    let key = ("x-api-key", "k-one");
+    let streamed = get(
+        &client,
+        &gateway.url("/stream?used=120"),
+        &[key, ("x-max-tokens", "300")],
+    )
+    .await;
+    assert_eq!(streamed.status(), StatusCode::OK);
+    assert_eq!(remaining(&streamed), 700, "the estimate, up front");
+    assert_eq!(&streamed.body()[..], b"data: one\n\ndata: two\n\n");
+    let next = get(&client, &gateway.url("/v1/other"), &[key]).await;
+    assert_eq!(
+        remaining(&next),
+        1000 - 120 - 1,
+        "settled from the trailers"
+    );
+}
