@@ -10,8 +10,10 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
 
 use jiff::civil::Date;
 use jiff::tz::TimeZone;
@@ -97,8 +99,9 @@ struct Inner {
     zone: TimeZone,
     /// A month's billing day (1 to 31), a week's first day (0 Monday to 6 Sunday); 0 else.
     anchor: i8,
-    /// The last period computed, `(start, end)` in microseconds: most decisions fall in it.
-    last: Mutex<(u64, u64)>,
+    /// The last period computed, `(start, end)` in microseconds: most decisions fall in it,
+    /// and read it without a lock.
+    last: ArcSwap<(u64, u64)>,
 }
 
 const WEEKDAYS: [&str; 7] = [
@@ -127,7 +130,7 @@ impl CalendarPeriod {
                 zone_name: time_zone.to_owned(),
                 zone,
                 anchor,
-                last: Mutex::new((0, 0)),
+                last: ArcSwap::from_pointee((0, 0)),
             }),
         })
     }
@@ -169,7 +172,7 @@ impl CalendarPeriod {
                 zone_name: inner.zone_name.clone(),
                 zone: inner.zone.clone(),
                 anchor,
-                last: Mutex::new((0, 0)),
+                last: ArcSwap::from_pointee((0, 0)),
             }),
         })
     }
@@ -186,16 +189,12 @@ impl CalendarPeriod {
 
     /// The period containing `now` (microseconds since the epoch): `(start, end)`.
     pub fn bounds(&self, now: u64) -> (u64, u64) {
-        let mut last = self
-            .inner
-            .last
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let last = **self.inner.last.load();
         if last.0 <= now && now < last.1 {
-            return *last;
+            return last;
         }
         let bounds = self.compute(now);
-        *last = bounds;
+        self.inner.last.store(Arc::new(bounds));
         bounds
     }
 
