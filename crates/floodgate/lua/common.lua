@@ -84,12 +84,26 @@ end
 -- delimit, so that a caller whose clock is a little off still counts in the store's period.
 local function window_bounds(window, now)
   if type(window) == 'table' then
-    if now < window[2] then
+    if now < window[1] then
+      -- A caller's clock ahead by more than a period: periods as long as the first, back.
+      local start, stop = window[1], window[2]
+      while now < start do
+        start, stop = start - (stop - start), start
+      end
+      return start, stop
+    elseif now < window[2] then
       return window[1], window[2]
     elseif now < window[3] then
       return window[2], window[3]
+    elseif now < window[4] then
+      return window[3], window[4]
     end
-    return window[3], window[4]
+    -- Behind by more than a period: periods as long as the last, on.
+    local start, stop = window[3], window[4]
+    while now >= stop do
+      start, stop = stop, stop + (stop - start)
+    end
+    return start, stop
   end
   local start = now - now % window
   return start, start + window

@@ -45,10 +45,16 @@ impl Drop for LeaseGuard {
 pub(crate) fn run_detached(work: impl Future<Output = ()> + Send + 'static) {
     let mut work = Box::pin(work);
     let mut context = Context::from_waker(std::task::Waker::noop());
-    if work.as_mut().poll(&mut context).is_pending()
-        && let Ok(runtime) = tokio::runtime::Handle::try_current()
-    {
-        runtime.spawn(work);
+    if work.as_mut().poll(&mut context).is_pending() {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(work);
+            }
+            Err(_) => tracing::warn!(
+                "a store call could not finish: no Tokio runtime to run it on (a lease expires \
+                 with its window; a settlement is not made)"
+            ),
+        }
     }
 }
 

@@ -394,6 +394,13 @@ impl Overrides {
             ));
         }
         let original = &target.limit;
+        if original.calendar().is_some() && spec.window.is_some() {
+            // The period is the window: a window of another length would count elsewhere.
+            return Err(OverrideError::invalid(
+                "window",
+                "a limit on the calendar keeps its period; override its limit only".to_owned(),
+            ));
+        }
         let burst = match spec.burst {
             Some(burst) => Some(burst),
             // A burst left at the limit (the default) follows the new limit.
@@ -697,6 +704,47 @@ mod tests {
         let mut checks = vec![original.clone()];
         overrides.apply(&mut checks);
         assert_eq!(checks[0].limit.limit(), 10);
+    }
+
+    /// A calendar quota overridden keeps its period (its counter, its period's end); a
+    /// `window` for it is refused. Fails when the override rebuilt the limit from its nominal
+    /// window: a 30-day window from the epoch, counting elsewhere.
+    #[tokio::test]
+    async fn an_override_of_a_calendar_limit_keeps_its_period() {
+        let month = crate::calendar::CalendarPeriod::new(crate::calendar::Period::Month, "UTC")
+            .and_then(|month| month.anchored("15"))
+            .unwrap();
+        let limit = Limit::builder("monthly")
+            .algorithm(crate::Algorithm::FixedWindow)
+            .limit(1000)
+            .calendar(month.clone())
+            .build()
+            .unwrap();
+        let original = check("monthly", limit);
+        let overrides = Arc::new(Overrides::in_memory());
+        overrides
+            .set(
+                &original,
+                &OverrideSpec::new("monthly", 5000, Duration::from_secs(60)),
+            )
+            .await
+            .unwrap();
+        let mut checks = vec![original.clone()];
+        overrides.apply(&mut checks);
+        assert_eq!(checks[0].limit.limit(), 5000);
+        assert_eq!(checks[0].limit.calendar(), Some(&month));
+        let now = 1_796_205_600_000_000; // 2026-12-02T10:00:00Z
+        assert_eq!(
+            checks[0].limit.window_bounds(now),
+            original.limit.window_bounds(now),
+            "the same period: November 15 to December 15"
+        );
+        let mut with_window = OverrideSpec::new("monthly", 5000, Duration::from_secs(60));
+        with_window.window = Some(Duration::from_secs(86_400));
+        assert!(matches!(
+            overrides.set(&original, &with_window).await,
+            Err(OverrideError::Invalid { ref field, .. }) if field == "window"
+        ));
     }
 
     #[tokio::test]

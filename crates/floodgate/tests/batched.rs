@@ -1089,3 +1089,41 @@ async fn a_dead_nodes_bucket_lease_costs_at_most_its_lifetime_of_refill() {
         "the bucket lost the dead node's lease ({held}) and nothing more"
     );
 }
+
+/// SPEC §9 on a batched node: a bucket refunded after it refilled is never above its
+/// capacity. A 100-token bucket spent by one estimate of 100, full again a refill later, then
+/// refunded the whole estimate: the node (holding a lease by then) admits 100 in all, not the
+/// 100 plus the refund its lease would have taken. Fails when a refund is added to a bucket's
+/// lease unchecked (it admitted 200).
+#[tokio::test]
+async fn a_bucket_refunded_after_it_refilled_admits_its_capacity_and_no_more() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let server = RedisServer::start();
+        let node = node(&server);
+        let limit = Arc::new(Limit::new("tokens", algorithm, 100, secs(100)).unwrap());
+        let key = format!("fgtest:{{key:alice}}:plan:{algorithm}");
+        let estimate = [Check::new(key.clone(), limit.clone(), 100)];
+        let charged_at = at(ms(0));
+        assert!(
+            node.check_and_consume(&estimate, Some(charged_at))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+        node.sync_now(Some(charged_at)).await.unwrap();
+        let refilled = at(secs(100));
+        let one = [Check::new(key, limit, 1)];
+        assert!(
+            node.check_and_consume(&one, Some(refilled))
+                .await
+                .unwrap()
+                .is_allowed(),
+            "{algorithm}: full again"
+        );
+        node.refund(&estimate, charged_at, Some(refilled))
+            .await
+            .expect("refund");
+        let more = admitted_over_rounds(&node, &one, refilled).await;
+        assert_eq!(1 + more, 100, "{algorithm}: the bucket's capacity");
+    }
+}

@@ -480,7 +480,8 @@ impl Inner {
 
     /// Gives each check's cost back to its entry ([`Store::refund`]); a key with no entry
     /// (idle, swept, or reset since) has nothing to give back to. A window's units are given
-    /// back as of `charged_at`: only if the entry still holds that window.
+    /// back as of `charged_at`, only while `now` is still in that window and the entry holds
+    /// it.
     fn refund(&self, checks: &[Check], charged_at: u64, now: u64) {
         for check in checks {
             let algorithm = check.limit.algorithm();
@@ -488,6 +489,11 @@ impl Inner {
                 continue;
             }
             let now = if algorithm.counts_in_windows() {
+                // Units of a window that has ended belong to it (and a sliding counter's
+                // next window weighs them): nothing is given back.
+                if check.limit.window_bounds(charged_at).0 != check.limit.window_bounds(now).0 {
+                    continue;
+                }
                 charged_at
             } else {
                 now

@@ -55,12 +55,16 @@ impl Override {
         self.expires_at > now
     }
 
-    /// `original` with this override's settings: same name, algorithm and cost.
+    /// `original` with this override's settings: same name, algorithm and cost, and a limit
+    /// on the calendar keeps its period (its window is the period's).
     pub fn apply_to(&self, original: &Limit) -> Result<Limit, LimitError> {
         let mut builder = Limit::builder(original.name())
             .algorithm(original.algorithm())
-            .limit(self.limit)
-            .window(self.window);
+            .limit(self.limit);
+        builder = match original.calendar() {
+            Some(calendar) => builder.calendar(calendar.clone()),
+            None => builder.window(self.window),
+        };
         if let Some(burst) = self.burst {
             builder = builder.burst(burst);
         }

@@ -228,8 +228,10 @@ impl<T: SyncTarget> Store for SplitStore<T> {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         let (hot, exact) = self.partition(checks, &self.hot_tags(checks));
         Box::pin(async move {
-            self.hot.refund(&hot, charged_at, now).await?;
-            self.exact.refund(&exact, charged_at, now).await
+            // Both halves, whichever fails: the first error is the answer.
+            let hot = self.hot.refund(&hot, charged_at, now).await;
+            let exact = self.exact.refund(&exact, charged_at, now).await;
+            hot.and(exact)
         })
     }
 

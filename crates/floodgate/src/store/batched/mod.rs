@@ -528,13 +528,19 @@ impl Entry {
     }
 
     /// Takes `units` of a refund ([`Store::refund`]) at `now`: from the debt not yet sent
-    /// first, then into the lease if it may still be spent. Returns what is left for the
-    /// shared store to refund, which this node's view of it counts as given back already
-    /// (the next trade reads the shared store's own).
+    /// first; then, for a window, into the lease if it may still be spent. Returns what is
+    /// left for the shared store to refund, which this node's view of it counts as given back
+    /// already (the next trade reads the shared store's own).
+    ///
+    /// A bucket gives back its unsent debt only: the shared bucket's level does not count the
+    /// leases nodes hold, so units given back to it (capped at its capacity) or to a lease
+    /// after it refilled could be spent on top of a full bucket. The rest of its estimate
+    /// stays charged.
     fn take_back(&mut self, now: u64, units: u64) -> u64 {
         let from_debt = units.min(self.debt);
         self.debt -= from_debt;
-        let rest = units - from_debt;
+        let windowed = self.limit.algorithm().counts_in_windows();
+        let rest = if windowed { units - from_debt } else { 0 };
         self.expire_lease(now);
         let spendable = self.lease > 0 && now < self.lease_expires;
         if rest > 0 && spendable {
@@ -783,11 +789,12 @@ impl<T: SyncTarget> Shared<T> {
         Ok(())
     }
 
-    /// Refunds `checks` ([`Store::refund`]): a key this node holds pays its unsent debt first,
-    /// then takes the rest back into its lease while the lease may still be spent (the same
-    /// window, within its lifetime); the rest, and keys this node does not hold, are refunded
-    /// in the shared store, whose own window decides whether anything is given back. A
-    /// window's units counted in a window that has ended are not given back at all.
+    /// Refunds `checks` ([`Store::refund`]): a key this node holds pays its unsent debt first;
+    /// a window then takes the rest back into its lease while the lease may still be spent
+    /// (the same window, within its lifetime), and the rest, and windows this node does not
+    /// hold, are refunded in the shared store, whose own window decides whether anything is
+    /// given back. A window's units counted in a window that has ended are not given back at
+    /// all; a bucket gives back its unsent debt only ([`Entry::take_back`]).
     async fn refund(
         &self,
         checks: &[Check],
@@ -809,7 +816,10 @@ impl<T: SyncTarget> Shared<T> {
             let mut shard = self.lock_shard_of(&check.key);
             let rest = match shard.get_mut(&*check.key) {
                 Some(Slot::Ready(entry)) => entry.take_back(decided_at, check.cost),
-                _ => check.cost,
+                // A window this node does not hold is refunded where it is counted; a bucket's
+                // units are not given back (see `Entry::take_back`).
+                _ if check.limit.algorithm().counts_in_windows() => check.cost,
+                _ => 0,
             };
             if rest > 0 {
                 direct.push(Check {

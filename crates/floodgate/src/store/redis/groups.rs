@@ -63,9 +63,17 @@ pub(super) trait GroupedStore: Sync {
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
+            // Whether the charge's window is still the current one, by `now` or this node's
+            // clock (the script then checks that the key still holds it, by its time).
+            let current = now.unwrap_or_else(Timestamp::now).as_micros();
             let (windows, others): (Vec<Check>, Vec<Check>) = checks
                 .iter()
                 .filter(|check| check.cost > 0 && check.limit.algorithm().is_batchable())
+                .filter(|check| {
+                    !check.limit.algorithm().counts_in_windows()
+                        || check.limit.window_bounds(charged_at.as_micros()).0
+                            == check.limit.window_bounds(current).0
+                })
                 .cloned()
                 .partition(|check| check.limit.algorithm().counts_in_windows());
             for (checks, at) in [(windows, Some(charged_at)), (others, now)] {
