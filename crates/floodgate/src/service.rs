@@ -89,8 +89,6 @@ impl Shared {
         response: &mut Response<B>,
         charge_to: Option<&Charged>,
     ) -> Option<PendingSettlement> {
-        // A body of a known length has no trailers to wait for.
-        let streamed = response.body().size_hint().exact().is_none();
         let (reported, trailer_reader) = match response.extensions_mut().remove::<ReportedCost>() {
             Some(reported) => (reported, None),
             None => match response.extensions_mut().remove::<CostInTrailers>() {
@@ -106,11 +104,16 @@ impl Shared {
         };
         let charged = charge_to?;
         match (reported, trailer_reader) {
-            (ReportedCost::Missing, Some(reader)) if streamed => Some(PendingSettlement::new(
-                self.store.clone(),
-                charged.clone(),
-                reader,
-            )),
+            // A body of a known length has no trailers to wait for.
+            (ReportedCost::Missing, Some(reader))
+                if response.body().size_hint().exact().is_none() =>
+            {
+                Some(PendingSettlement::new(
+                    self.store.clone(),
+                    charged.clone(),
+                    reader,
+                ))
+            }
             (reported, _) => {
                 charged.settle(&*self.store, reported).await;
                 None
