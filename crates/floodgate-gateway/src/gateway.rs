@@ -32,10 +32,29 @@ pub(crate) struct Gateway {
     /// The access log (`access_log`), replaced when a reload changes its settings.
     access_log: ArcSwapOption<AccessLog>,
     config_path: PathBuf,
-    /// The text the last reload read, applied or rejected: the watcher acts (and logs, and
-    /// counts) only when the file says something else. Held through a reload, so that reloads
-    /// from the watcher, SIGHUP and the admin API take turns.
-    last_seen: Mutex<String>,
+    /// What the last reload read, applied or rejected: the watcher acts (and logs, and
+    /// counts) only when the file, or the key file it names, says something else. Held
+    /// through a reload, so that reloads from the watcher, SIGHUP and the admin API take
+    /// turns.
+    last_seen: Mutex<Inputs>,
+}
+
+/// What a configuration version is read from: the file's text, and the key file
+/// `identity.jwt` names (its bytes; `None` without one, or when it cannot be read).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Inputs {
+    text: String,
+    keys: Option<Vec<u8>>,
+}
+
+impl Inputs {
+    /// `text`, with the bytes of `key_file`.
+    fn read(text: String, key_file: Option<&Path>) -> Inputs {
+        Inputs {
+            text,
+            keys: key_file.and_then(|path| std::fs::read(path).ok()),
+        }
+    }
 }
 
 /// What the configuration file holds now, compared with what the last reload read.
@@ -68,6 +87,7 @@ impl Gateway {
         let client = upstream_client(&client_settings)?;
         let observers = Observers::default();
         let access_log = open_access_log(&config)?;
+        let inputs = Inputs::read(text, config.identity.key_file.as_deref());
         let first = ConfigVersion::build(1, config, store, (client_settings, client), &observers)?;
         metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(1.0);
         Ok(Arc::new(Gateway {
@@ -75,7 +95,7 @@ impl Gateway {
             current: ArcSwap::from_pointee(first),
             access_log: ArcSwapOption::new(access_log),
             config_path: config_path.to_owned(),
-            last_seen: Mutex::new(text),
+            last_seen: Mutex::new(inputs),
         }))
     }
 
@@ -139,6 +159,15 @@ impl Gateway {
         );
     }
 
+    /// The name of the key file the version in service reads (`identity.jwt`), when it is in
+    /// the configuration file's directory: the watcher reloads when it changes.
+    pub(crate) fn key_file_beside_config(&self) -> Option<std::ffi::OsString> {
+        let key_file = self.current().config.identity.key_file.clone()?;
+        (key_file.parent() == self.config_path.parent())
+            .then(|| key_file.file_name().map(ToOwned::to_owned))
+            .flatten()
+    }
+
     /// The store of the version in service.
     pub(crate) fn store(&self) -> Arc<dyn Store> {
         self.current().store.store.clone()
@@ -173,15 +202,16 @@ impl Gateway {
         let Ok(text) = std::fs::read_to_string(&self.config_path) else {
             return FileState::Unchanged;
         };
+        let inputs = self.inputs(text);
         if *self
             .last_seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            == text
+            == inputs
         {
             FileState::Unchanged
-        } else if is_empty(&text)
-            || config::parse_in(&text, config::directory_of(&self.config_path)).is_err()
+        } else if is_empty(&inputs.text)
+            || config::parse_in(&inputs.text, config::directory_of(&self.config_path)).is_err()
         {
             FileState::Incomplete
         } else {
@@ -189,18 +219,25 @@ impl Gateway {
         }
     }
 
-    /// The new version, or `None` if `only_if_changed` and the text is the one last read.
+    /// `text` with the key file of the version in service: what the watcher compares.
+    fn inputs(&self, text: String) -> Inputs {
+        Inputs::read(text, self.current().config.identity.key_file.as_deref())
+    }
+
+    /// The new version, or `None` if `only_if_changed` and the file and its key file are
+    /// what the last reload read.
     fn try_reload(&self, only_if_changed: bool) -> Result<Option<u64>, GatewayError> {
-        let text = read_config(&self.config_path)?;
+        let inputs = self.inputs(read_config(&self.config_path)?);
         let mut last_seen = self
             .last_seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if only_if_changed && *last_seen == text {
+        if only_if_changed && *last_seen == inputs {
             return Ok(None);
         }
         // Held to the end: reloads from the watcher, SIGHUP and the admin API take turns.
-        last_seen.clone_from(&text);
+        last_seen.clone_from(&inputs);
+        let text = inputs.text;
         if is_empty(&text) {
             return Err(GatewayError::Empty {
                 path: self.config_path.clone(),
@@ -238,6 +275,8 @@ impl Gateway {
         } else {
             open_access_log(&config)?
         };
+        // The key file this version reads is the one the watcher compares from now on.
+        *last_seen = Inputs::read(text, config.identity.key_file.as_deref());
         let next =
             ConfigVersion::build(version, config, store, (settings, client), &self.observers)?;
         self.current.store(Arc::new(next));

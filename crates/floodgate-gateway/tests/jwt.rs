@@ -235,3 +235,49 @@ async fn a_jwks_rotated_by_reload_trusts_the_new_key_and_not_the_old() {
         "the new key still verifies: tenant-a is at its limit"
     );
 }
+
+/// The watcher reloads when the JWKS file beside the configuration changes, as it does for the
+/// configuration itself: a rotation needs no signal. (Within 2 s: SPEC's "within 1 s", doubled
+/// for a loaded machine.)
+#[tokio::test]
+async fn a_jwks_file_written_beside_the_configuration_is_reloaded_by_the_watcher() {
+    let upstream = Upstream::start().await;
+    let (old_key, old_jwk) = es256_key("old");
+    let (gateway, directory) = gateway_with_keys(&upstream, &[&old_jwk], "reject");
+    let client = client();
+    let url = gateway.url("/v1/x");
+    let (new_key, new_jwk) = es256_key("new");
+    let new = token(&new_key, "new", "tenant-w", "gold", 3600);
+    let old = token(&old_key, "old", "tenant-w", "gold", 3600);
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&new))])
+            .await
+            .status(),
+        401
+    );
+    support::write_atomically(
+        &directory.file("jwks.json"),
+        &json!({ "keys": [&new_jwk] }).to_string(),
+    );
+    let started = std::time::Instant::now();
+    loop {
+        let status = get(&client, &url, &[("authorization", &bearer(&new))])
+            .await
+            .status();
+        if status == 200 {
+            break;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "the new key is not trusted 2 s after the JWKS file changed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        get(&client, &url, &[("authorization", &bearer(&old))])
+            .await
+            .status(),
+        401,
+        "the old key is gone"
+    );
+}

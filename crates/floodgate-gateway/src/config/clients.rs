@@ -146,6 +146,9 @@ pub(crate) struct IdentitySettings {
     pub plan_header: Option<HeaderName>,
     /// Verified tenants (`identity.jwt`), with their keys.
     pub jwt: Option<Arc<TokenVerifier>>,
+    /// The file `identity.jwt` read its keys from (`jwks_file`, `secret_file`), if any: a
+    /// change to it reloads the configuration as a change to the file itself does.
+    pub key_file: Option<std::path::PathBuf>,
 }
 
 /// Parses `sha256:<64 hex>`, or hashes a raw key.
@@ -247,6 +250,11 @@ pub(super) fn identity(
         identifier: Arc::new(identifier?),
         plan_header: plan_header?,
         jwt: jwt?,
+        key_file: identity
+            .jwt
+            .as_ref()
+            .and_then(|jwt| jwt.jwks_file.as_ref().or(jwt.secret_file.as_ref()))
+            .map(|file| base.join(file)),
     })
 }
 

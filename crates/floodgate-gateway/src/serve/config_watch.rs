@@ -30,12 +30,16 @@ enum Change {
 }
 
 /// Whether `event` changes the configuration file: a create, write, remove or rename of the file
-/// itself or of Kubernetes' `..data` link. Reads (the reload's own `open` of the file), metadata
-/// and other files in the directory are not changes.
-fn change(event: &Event, file_name: &OsString) -> Option<Change> {
+/// itself, of the key file it names (`key_file`, in its directory) or of Kubernetes' `..data`
+/// link. Reads (the reload's own `open` of the file), metadata and other files in the
+/// directory are not changes.
+fn change(event: &Event, file_name: &OsString, key_file: Option<&OsString>) -> Option<Change> {
     let concerns_the_file = event.paths.iter().any(|path| {
-        path.file_name()
-            .is_some_and(|name| name == file_name.as_os_str() || name == "..data")
+        path.file_name().is_some_and(|name| {
+            name == file_name.as_os_str()
+                || name == "..data"
+                || Some(name) == key_file.map(OsString::as_os_str)
+        })
     });
     if !concerns_the_file {
         return None;
@@ -67,8 +71,14 @@ pub(crate) fn watch_config(
         .map(ToOwned::to_owned)
         .unwrap_or_default();
     let (events, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let versions = gateway.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
-        if let Some(change) = event.ok().and_then(|event| change(&event, &file_name)) {
+        // The key file of the version in service: a reload may name another.
+        let key_file = versions.key_file_beside_config();
+        if let Some(change) = event
+            .ok()
+            .and_then(|event| change(&event, &file_name, key_file.as_ref()))
+        {
             let _ = events.send(change);
         }
     })?;
@@ -163,29 +173,50 @@ mod tests {
         let file = "/etc/floodgate/floodgate.yaml";
         let read = EventKind::Access(AccessKind::Open(AccessMode::Any));
         assert_eq!(
-            change(&event(read, file), &name),
+            change(&event(read, file), &name, None),
             None,
             "the reload's own open"
         );
         let closed = EventKind::Access(AccessKind::Close(AccessMode::Read));
-        assert_eq!(change(&event(closed, file), &name), None);
+        assert_eq!(change(&event(closed, file), &name, None), None);
         let touched = EventKind::Modify(ModifyKind::Metadata(notify::event::MetadataKind::Any));
-        assert_eq!(change(&event(touched, file), &name), None);
+        assert_eq!(change(&event(touched, file), &name, None), None);
         let written = EventKind::Modify(ModifyKind::Data(DataChange::Any));
-        assert_eq!(change(&event(written, file), &name), Some(Change::InPlace));
         assert_eq!(
-            change(&event(written, "/etc/floodgate/other.yaml"), &name),
+            change(&event(written, file), &name, None),
+            Some(Change::InPlace)
+        );
+        assert_eq!(
+            change(&event(written, "/etc/floodgate/other.yaml"), &name, None),
             None
         );
         let renamed = EventKind::Modify(ModifyKind::Name(RenameMode::To));
         assert_eq!(
-            change(&event(renamed, "/etc/floodgate/..data"), &name),
+            change(&event(renamed, "/etc/floodgate/..data"), &name, None),
             Some(Change::Replaced),
             "a ConfigMap swap"
         );
         assert_eq!(
-            change(&event(EventKind::Create(CreateKind::File), file), &name),
+            change(
+                &event(EventKind::Create(CreateKind::File), file),
+                &name,
+                None
+            ),
             Some(Change::Replaced)
+        );
+        // The key file identity.jwt reads, beside the configuration: a change too.
+        let keys = OsString::from("jwks.json");
+        assert_eq!(
+            change(
+                &event(renamed, "/etc/floodgate/jwks.json"),
+                &name,
+                Some(&keys)
+            ),
+            Some(Change::Replaced)
+        );
+        assert_eq!(
+            change(&event(renamed, "/etc/floodgate/jwks.json"), &name, None),
+            None
         );
     }
 }
