@@ -677,7 +677,14 @@ async fn three_processes_admit_exactly_the_limit(store: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_on_one_redis_admit_exactly_the_limit() {
     let redis = redis_support::RedisServer::start();
-    three_processes_admit_exactly_the_limit(&redis_store(&redis, "closed")).await;
+    // A deadline of 2 s, as the cluster's and the sharded store's below: twelve clients on
+    // three processes, on a machine the rest of the suite loads, once took over 100 ms for
+    // one call, which `closed` answers UNAVAILABLE.
+    three_processes_admit_exactly_the_limit(&format!(
+        "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\non_store_error: closed\n",
+        redis.url()
+    ))
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1083,8 +1090,10 @@ async fn calls_pinging_on_data(address: SocketAddr, calls: usize) -> Vec<Duratio
 ///
 /// The bound: Linux delays an ACK by at least 40 ms (`TCP_DELACK_MIN`), so a call held by
 /// Nagle takes over 40 ms; an answer from the memory store on loopback takes well under 1 ms,
-/// so 25 ms leaves a loaded machine and a debug build ample room and still catches every
-/// stalled call.
+/// so 25 ms leaves a debug build ample room and still catches every stalled call. The stall
+/// holds most calls (132 of 200 in the reproduction); a machine loaded by the rest of
+/// the suite may deschedule a few calls for as long (a full run saw 2 of 50 at 27–28 ms), so up
+/// to a tenth may pass the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_pings_on_data_is_answered_without_a_delayed_ack_stall() {
     const CALLS: usize = 50;
@@ -1103,7 +1112,7 @@ async fn a_client_that_pings_on_data_is_answered_without_a_delayed_ack_stall() {
         .filter(|duration| **duration >= BOUND)
         .collect();
     assert!(
-        stalled.is_empty(),
+        stalled.len() <= CALLS / 10,
         "{} of {CALLS} calls took {BOUND:?} or more: {stalled:?}",
         stalled.len()
     );
