@@ -22,7 +22,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
-use support::{Gateway, TempDir, addresses, client, free_port, get, write_atomically};
+use support::{Gateway, TempDir, client, distinct_addresses, get, write_atomically};
 use tonic::transport::Channel;
 
 /// A running `floodgate serve` with `rls:` and its directories.
@@ -46,9 +46,7 @@ impl Rls {
         for (name, text) in domain_files {
             std::fs::write(rules.join(name), text).unwrap();
         }
-        let (listen, admin) = addresses();
-        let address: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let http: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let [listen, admin, address, http] = distinct_addresses();
         // No `upstream`: an RLS-only deployment.
         let text = format!(
             "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  http_listen: \"{http}\"\n  config_dir: rls\n  response_headers: {response_headers}\n{rest}"

@@ -60,10 +60,18 @@ pub fn write_atomically(path: &Path, text: &str) {
 
 /// Two free loopback addresses: the proxy's and the admin API's.
 pub fn addresses() -> (SocketAddr, SocketAddr) {
-    (
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
-    )
+    let [listen, admin] = distinct_addresses();
+    (listen, admin)
+}
+
+/// `N` free loopback addresses, all different: each port stays bound until all are chosen
+/// (ports picked one at a time may repeat, and a gateway given one address twice refuses
+/// its configuration).
+pub fn distinct_addresses<const N: usize>() -> [SocketAddr; N] {
+    let listeners: Vec<StdListener> = (0..N)
+        .map(|_| StdListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    std::array::from_fn(|index| listeners[index].local_addr().unwrap())
 }
 
 /// A config file's text: `listen`, `admin.listen` and `upstream`, then `rest`.
