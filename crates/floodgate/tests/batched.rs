@@ -526,7 +526,10 @@ async fn redis_calls_follow_the_interval_not_the_traffic() {
     }
     let elapsed = started.elapsed();
     let calls = server.script_calls();
-    let intervals = (elapsed.as_millis() / interval.as_millis()) as u64 + 1;
+    // Every interval begun during the run, and one more: a node's rounds need not line up
+    // with the run's start (a suite run counted 77 calls against a bound of 76 that allowed
+    // one interval beyond those begun).
+    let intervals = (elapsed.as_millis() / interval.as_millis()) as u64 + 2;
     let allowed = 4 * intervals + 4 * 8;
     assert!(
         decisions >= 10_000,
