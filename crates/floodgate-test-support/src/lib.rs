@@ -7,6 +7,7 @@ mod cluster;
 pub mod failover;
 pub mod faults;
 pub mod fleet;
+pub mod regions;
 
 pub use cluster::{ClusterNode, RedisCluster};
 

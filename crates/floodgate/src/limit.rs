@@ -399,15 +399,32 @@ impl Limit {
             1.0
         };
         let scale = |value: u64| ((value as f64 * share).floor() as u64).max(1);
+        self.rescaled(scale(self.limit), scale(self.burst))
+    }
+
+    /// This limit cut to `units` of its `limit` (at least 1, at most all of it), its burst in
+    /// proportion (rounded down, at least 1): a region's share of it (see
+    /// `store::region`). Exact in integers, unlike [`Limit::scaled`].
+    pub fn with_share(&self, units: u64) -> Limit {
+        let units = units.clamp(1, self.limit);
+        if units == self.limit {
+            return self.clone();
+        }
+        let burst = (u128::from(self.burst) * u128::from(units) / u128::from(self.limit)) as u64;
+        self.rescaled(units, burst.max(1))
+    }
+
+    /// This limit with another `limit` and `burst` (no greater than its own), all else kept.
+    fn rescaled(&self, limit: u64, burst: u64) -> Limit {
         let mut builder = Limit::builder(self.name())
             .algorithm(self.algorithm)
-            .limit(scale(self.limit));
+            .limit(limit);
         builder = match &self.calendar {
             Some(calendar) => builder.calendar(calendar.clone()),
             None => builder.window(self.window()),
         };
         if self.algorithm.uses_burst() {
-            builder = builder.burst(scale(self.burst));
+            builder = builder.burst(burst);
         }
         if let Some(cost) = self.cost {
             builder = builder.cost(cost);

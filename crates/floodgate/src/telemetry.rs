@@ -32,6 +32,20 @@ pub fn record_batched_sync(succeeded: bool) {
     metrics::counter!(BATCHED_SYNCS_TOTAL, "result" => result).increment(1);
 }
 
+/// `floodgate_region_trades_total{result}`: a region's trades with the global store, `ok`,
+/// `failed` or `stale` (SPEC §5, `store.region`).
+pub const REGION_TRADES_TOTAL: &str = "floodgate_region_trades_total";
+/// `floodgate_region_last_trade_age_seconds`: time since the region's last good trade, on the
+/// gateway that trades for it.
+pub const REGION_LAST_TRADE_AGE_SECONDS: &str = "floodgate_region_last_trade_age_seconds";
+/// `floodgate_region_trader`: 1 on the gateway that trades for its region, else 0.
+pub const REGION_TRADER: &str = "floodgate_region_trader";
+
+/// Counts one trade of a region with the global store.
+pub fn record_region_trade(result: &'static str) {
+    metrics::counter!(REGION_TRADES_TOTAL, "result" => result).increment(1);
+}
+
 /// `floodgate_post_charge_units_total`: units charged after the response (SPEC §9).
 pub const POST_CHARGE_UNITS_TOTAL: &str = "floodgate_post_charge_units_total";
 /// `floodgate_post_charge_skipped_total{reason}`: responses whose cost was `missing`,
@@ -444,6 +458,24 @@ pub const METRICS: &[MetricDescription] = &[
         kind: MetricKind::Gauge,
         seconds: false,
         help: "The store's circuit breaker: 0 closed, 1 open, 2 half-open (the worst of its nodes)",
+    },
+    MetricDescription {
+        name: REGION_TRADES_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "A region's trades of its shares with the global store, by result",
+    },
+    MetricDescription {
+        name: REGION_LAST_TRADE_AGE_SECONDS,
+        kind: MetricKind::Gauge,
+        seconds: true,
+        help: "Time since the region's last good trade with the global store (on its trader)",
+    },
+    MetricDescription {
+        name: REGION_TRADER,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "1 on the gateway that trades for its region, else 0",
     },
     MetricDescription {
         name: BATCHED_SYNCS_TOTAL,

@@ -12,6 +12,8 @@ mod memory;
 pub(crate) mod override_backend;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod region;
 pub mod resilience;
 mod shards;
 #[cfg(feature = "redis")]

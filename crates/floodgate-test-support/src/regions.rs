@@ -1,0 +1,326 @@
+//! Regions on one machine: a `redis-server` per region and one global, gateways per region
+//! (each a [`RegionalStore`] with its own connections and its own rounds, as separate
+//! processes would have), and a [`FaultProxy`] between each region and the global store, so
+//! that a test can give the ocean its round trip or cut a region off. Traffic is driven per
+//! region in real time; the report says what each region admitted, when, how fast it
+//! answered and which share it held.
+//!
+//! Fixed shares (`store.share`, the design notes' partition) run on the same servers and the
+//! same load for comparison ([`Mode::Fixed`]): each region decides under `limit / regions`
+//! against its own Redis and never talks to the global store.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use floodgate::store::RedisStore;
+use floodgate::store::region::{RegionSettings, RegionalStore, TradeResult};
+use floodgate::{Limit, Store, store::Check};
+
+use crate::RedisServer;
+use crate::faults::FaultProxy;
+
+/// How the regions share the limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Shares traded through the global store.
+    Traded,
+    /// Each region its fixed share, no global store.
+    Fixed,
+}
+
+/// The width of a report's time buckets.
+pub const BUCKET: Duration = Duration::from_millis(100);
+
+/// One region's part of a run.
+#[derive(Clone, Debug, Default)]
+pub struct RegionReport {
+    /// Requests sent.
+    pub sent: u64,
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Decisions that failed (a store error).
+    pub errors: u64,
+    /// Admitted per [`BUCKET`] since the run's start.
+    pub admitted_per_bucket: Vec<u64>,
+    /// Each decision's latency, sorted.
+    pub latencies: Vec<Duration>,
+    /// The share in force on the region's first gateway at the end of each [`BUCKET`].
+    pub share_per_bucket: Vec<u64>,
+    /// Trades with the global store during the run, all gateways and results.
+    pub trades: u64,
+}
+
+impl RegionReport {
+    /// The `q` quantile of the latencies (0 to 1).
+    pub fn latency(&self, q: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        let index = ((self.latencies.len() - 1) as f64 * q).round() as usize;
+        self.latencies[index]
+    }
+
+    /// Admitted between `from` and `to` (from the run's start; whole buckets).
+    pub fn admitted_between(&self, from: Duration, to: Duration) -> u64 {
+        let first = (from.as_millis() / BUCKET.as_millis()) as usize;
+        let last = (to.as_millis() / BUCKET.as_millis()) as usize;
+        self.admitted_per_bucket.iter().take(last).skip(first).sum()
+    }
+}
+
+/// What a run admitted, region by region.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Per region, in order.
+    pub regions: Vec<RegionReport>,
+    /// How long the run lasted.
+    pub elapsed: Duration,
+    /// The limit's allowance over the run: its capacity plus its refill while it lasted.
+    pub allowance: f64,
+}
+
+impl Report {
+    /// Admitted by every region.
+    pub fn admitted(&self) -> u64 {
+        self.regions.iter().map(|region| region.admitted).sum()
+    }
+
+    /// Admitted by every region between `from` and `to`.
+    pub fn admitted_between(&self, from: Duration, to: Duration) -> u64 {
+        self.regions
+            .iter()
+            .map(|region| region.admitted_between(from, to))
+            .sum()
+    }
+
+    /// Store errors in every region.
+    pub fn errors(&self) -> u64 {
+        self.regions.iter().map(|region| region.errors).sum()
+    }
+}
+
+/// The regions, their stores and the links between them. See the [module docs](self).
+pub struct Regions {
+    /// The global store (behind every region's link).
+    pub global: RedisServer,
+    /// Each region's link to the global store.
+    pub links: Vec<FaultProxy>,
+    /// Each region's own store.
+    pub stores: Vec<RedisServer>,
+    /// Each region's gateways.
+    pub gateways: Vec<Vec<Arc<RegionalStore>>>,
+    /// Each region's name.
+    pub names: Vec<String>,
+    /// The rounds' interval.
+    pub interval: Duration,
+    mode: Mode,
+}
+
+/// The region names: `r0`, `r1`, ...
+fn names(count: usize) -> Vec<String> {
+    (0..count).map(|index| format!("r{index}")).collect()
+}
+
+impl Regions {
+    /// `regions` regions of `gateways` gateways each, syncing every `interval`. Call from
+    /// inside a Tokio runtime.
+    pub fn start(mode: Mode, regions: usize, gateways: usize, interval: Duration) -> Regions {
+        let global = RedisServer::start();
+        let links: Vec<FaultProxy> = (0..regions)
+            .map(|_| FaultProxy::start(global.port()))
+            .collect();
+        let stores: Vec<RedisServer> = (0..regions).map(|_| RedisServer::start()).collect();
+        let mut set = Regions {
+            global,
+            links,
+            stores,
+            gateways: Vec::new(),
+            names: names(regions),
+            interval,
+            mode,
+        };
+        // Fixed shares decide against each region's store directly: no gateway trades.
+        let gateways = if mode == Mode::Fixed { 0 } else { gateways };
+        set.gateways = (0..regions)
+            .map(|region| {
+                (0..gateways)
+                    .map(|_| Arc::new(set.gateway(region, &set.names)))
+                    .collect()
+            })
+            .collect();
+        set
+    }
+
+    /// The settings of a gateway of `region` among `regions`.
+    pub fn settings(&self, region: usize, regions: &[String]) -> RegionSettings {
+        RegionSettings::new(
+            self.names[region].clone(),
+            regions.to_vec(),
+            self.links[region].url(),
+            self.stores[region].url(),
+            self.interval,
+        )
+    }
+
+    /// A new gateway of `region` (not added to the set).
+    pub fn gateway(&self, region: usize, regions: &[String]) -> RegionalStore {
+        let store = RedisStore::builder(self.stores[region].url())
+            .timeout(Duration::from_secs(2))
+            .build()
+            .expect("a Redis store");
+        RegionalStore::new(Arc::new(store), self.settings(region, regions)).expect("a region")
+    }
+
+    /// Replaces every gateway of `region` with a new one (a region restarting; its store
+    /// keeps the table).
+    pub fn restart_region(&mut self, region: usize) {
+        let count = self.gateways[region].len();
+        let names = self.names.clone();
+        self.gateways[region].clear();
+        self.gateways[region] = (0..count)
+            .map(|_| Arc::new(self.gateway(region, &names)))
+            .collect();
+    }
+
+    /// Replaces every gateway with one that counts `regions` regions (a reload that adds a
+    /// region); the new regions need servers and links: `add_region` first.
+    pub fn reload_with(&mut self, regions: &[String]) {
+        for region in 0..self.gateways.len() {
+            let count = self.gateways[region].len();
+            self.gateways[region] = (0..count)
+                .map(|_| Arc::new(self.gateway(region, regions)))
+                .collect();
+        }
+    }
+
+    /// Adds a region of `gateways` gateways that counts `regions` (its name the next `rN`).
+    pub fn add_region(&mut self, gateways: usize, regions: &[String]) {
+        let index = self.names.len();
+        self.links.push(FaultProxy::start(self.global.port()));
+        self.stores.push(RedisServer::start());
+        self.names.push(format!("r{index}"));
+        let added = (0..gateways)
+            .map(|_| Arc::new(self.gateway(index, regions)))
+            .collect();
+        self.gateways.push(added);
+    }
+
+    /// Kills the global store and starts an empty one on its port.
+    pub fn restart_global_empty(&mut self) {
+        let port = self.global.port();
+        self.global.kill();
+        self.global = RedisServer::start_on(port).expect("the global store restarts");
+    }
+
+    fn trades(&self, region: usize) -> u64 {
+        self.gateways[region]
+            .iter()
+            .map(|gateway| {
+                let status = gateway.status();
+                [TradeResult::Ok, TradeResult::Failed, TradeResult::Stale]
+                    .into_iter()
+                    .map(|result| status.trades(result))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// Drives `rate(region, since_start)` requests a second into each region for `duration`
+    /// against `limit` on one client's key, round-robin over the region's gateways (a test
+    /// that cuts links or restarts things mid-run joins this with its own task).
+    pub async fn run(
+        &self,
+        limit: &Arc<Limit>,
+        client: &str,
+        duration: Duration,
+        rate: impl Fn(usize, Duration) -> f64 + Send + Sync + 'static,
+    ) -> Report {
+        let key: Arc<str> = format!("fgregion:{{user:{client}}}:plan:{}", limit.name()).into();
+        let started = Instant::now();
+        let rate = Arc::new(rate);
+        let buckets = (duration.as_millis() / BUCKET.as_millis()) as usize + 1;
+        let trades_before: Vec<u64> = (0..self.gateways.len()).map(|r| self.trades(r)).collect();
+        let mut tasks = Vec::new();
+        for (region, gateways) in self.gateways.iter().enumerate() {
+            let (gateways, rate, key, limit) =
+                (gateways.clone(), rate.clone(), key.clone(), limit.clone());
+            let fixed = Arc::new(limit.with_share(limit.limit() / self.names.len() as u64));
+            let direct: Option<RedisStore> = (self.mode == Mode::Fixed).then(|| {
+                RedisStore::builder(self.stores[region].url())
+                    .timeout(Duration::from_secs(2))
+                    .build()
+                    .expect("a Redis store")
+            });
+            tasks.push(tokio::spawn(async move {
+                let mut report = RegionReport {
+                    admitted_per_bucket: vec![0; buckets],
+                    share_per_bucket: vec![0; buckets],
+                    ..RegionReport::default()
+                };
+                let mut ticks = tokio::time::interval(Duration::from_millis(5));
+                let mut owed = 0.0;
+                let mut last = started;
+                let mut next_gateway = 0;
+                while started.elapsed() < duration {
+                    ticks.tick().await;
+                    let now = Instant::now();
+                    let since = now - started;
+                    owed += rate(region, since) * (now - last).as_secs_f64();
+                    last = now;
+                    while owed >= 1.0 {
+                        owed -= 1.0;
+                        let asked = Instant::now();
+                        let result = match &direct {
+                            Some(store) => {
+                                let checks = [Check::new(key.clone(), fixed.clone(), 1)];
+                                store.check_and_consume(&checks, None).await
+                            }
+                            None => {
+                                let checks = [Check::new(key.clone(), limit.clone(), 1)];
+                                let gateway = &gateways[next_gateway % gateways.len()];
+                                next_gateway += 1;
+                                gateway.check_and_consume(&checks, None).await
+                            }
+                        };
+                        report.latencies.push(asked.elapsed());
+                        report.sent += 1;
+                        let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
+                        match result {
+                            Ok(decision) if decision.is_allowed() => {
+                                report.admitted += 1;
+                                if let Some(count) = report.admitted_per_bucket.get_mut(bucket) {
+                                    *count += 1;
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(_) => report.errors += 1,
+                        }
+                    }
+                    let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
+                    if let Some(share) = report.share_per_bucket.get_mut(bucket) {
+                        *share = match &direct {
+                            Some(_) => fixed.limit(),
+                            None => gateways[0].share_of(&key, &limit).units,
+                        };
+                    }
+                }
+                report.latencies.sort();
+                report
+            }));
+        }
+        let mut regions = Vec::new();
+        for task in tasks {
+            regions.push(task.await.expect("a region's load"));
+        }
+        let elapsed = started.elapsed();
+        for (region, report) in regions.iter_mut().enumerate() {
+            report.trades = self.trades(region) - trades_before[region];
+        }
+        let rate = limit.limit() as f64 / limit.window().as_secs_f64();
+        Report {
+            regions,
+            elapsed,
+            allowance: limit.capacity() as f64 + rate * elapsed.as_secs_f64(),
+        }
+    }
+}

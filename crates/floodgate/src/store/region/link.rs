@@ -1,0 +1,130 @@
+//! The two Redis a region talks to besides its decisions: its own store, where its gateways
+//! share the table, and the global store, where regions trade. One script each.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use deadpool_redis::redis::aio::MultiplexedConnection;
+use deadpool_redis::redis::{self, Client, Script, Value};
+
+use crate::store::StoreError;
+
+static REGIONAL: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/region_local.lua")));
+static GLOBAL: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../../../lua/region_global.lua")));
+
+/// One multiplexed connection to one Redis, opened on first use and dropped after any failure
+/// (so that a call that timed out can not be applied later on the same stream).
+pub(crate) struct Link {
+    client: Client,
+    timeout: Duration,
+    connection: tokio::sync::Mutex<Option<MultiplexedConnection>>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").finish_non_exhaustive()
+    }
+}
+
+fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Unavailable(Box::new(error))
+}
+
+impl Link {
+    /// A link to `url` whose calls give up after `timeout`.
+    pub(crate) fn new(url: &str, timeout: Duration) -> Result<Link, StoreError> {
+        let client = Client::open(url).map_err(|error| {
+            StoreError::Config(format!("{}: {error}", crate::store::redact_url(url)))
+        })?;
+        Ok(Link {
+            client,
+            timeout,
+            connection: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    async fn run(
+        &self,
+        script: &Script,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        let mut slot = self.connection.lock().await;
+        let call = async {
+            if slot.is_none() {
+                *slot = Some(
+                    self.client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(unavailable)?,
+                );
+            }
+            let Some(connection) = slot.as_mut() else {
+                unreachable!("connected above")
+            };
+            let mut invocation = script.prepare_invoke();
+            for key in keys {
+                invocation.key(key);
+            }
+            for arg in args {
+                invocation.arg(arg);
+            }
+            invocation
+                .invoke_async::<Value>(connection)
+                .await
+                .map_err(unavailable)
+        };
+        let result = match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        };
+        if result.is_err() {
+            *slot = None;
+        }
+        result
+    }
+
+    /// Runs the regional script (`lua/region_local.lua`).
+    pub(crate) async fn regional(
+        &self,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        self.run(&REGIONAL, keys, args).await
+    }
+
+    /// Runs the global script (`lua/region_global.lua`).
+    pub(crate) async fn global(
+        &self,
+        keys: &[String],
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        self.run(&GLOBAL, keys, args).await
+    }
+}
+
+/// Readers of the scripts' replies.
+pub(crate) mod reply {
+    use super::{StoreError, Value, redis};
+
+    fn malformed(what: &str) -> StoreError {
+        StoreError::Protocol(format!("malformed region reply: {what}"))
+    }
+
+    pub(crate) fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {
+        match value {
+            Value::Array(items) => Ok(items),
+            _ => Err(malformed(what)),
+        }
+    }
+
+    pub(crate) fn int(value: &Value, what: &str) -> Result<i64, StoreError> {
+        redis::from_redis_value::<i64>(value.clone()).map_err(|_| malformed(what))
+    }
+
+    pub(crate) fn text(value: &Value, what: &str) -> Result<String, StoreError> {
+        redis::from_redis_value::<String>(value.clone()).map_err(|_| malformed(what))
+    }
+}

@@ -1,0 +1,434 @@
+//! Several regions, one limit: each region decides against its own store, on its share of
+//! every limit, and the shares follow the demand through a global store, off the request path.
+//!
+//! **Shares.** A region may use its *fixed share* of a limit (`limit / regions`, at least 1)
+//! without asking anyone: a region that meets a new client decides its first request at once.
+//! [`RegionalStore`] wraps the region's store (any of them: exact, batched, cluster, sharded)
+//! and decides each check under the region's share of its limit (`limit` and `burst` cut in
+//! proportion, [`Limit::with_share`]). The algorithms that batch (token bucket, GCRA, fixed and
+//! sliding window counter, on a plain window) trade their shares; the others keep the fixed one.
+//!
+//! **Trades.** Once per `sync_interval` every gateway of a region syncs with the region's own
+//! Redis (`lua/region_local.lua`): it adds the demand it saw, puts the region's *table* of
+//! shares in force, and acknowledges the table's version. The one gateway that holds the
+//! region's trader lock then trades every key whose share should move, in one call to the
+//! global store (`lua/region_global.lua`): so a region makes one cross-region call per
+//! interval, however many gateways and clients it has. A region asks for a quarter more than
+//! its demand's rate; the global store grants it what the other regions leave (each counted at
+//! its fixed share unless it promised less), never letting the shares together exceed the
+//! limit, and, when regions want more than the limit holds, gives each a max-min fair part.
+//! Regions learn which keys others want more of from every trade's reply, and lend from
+//! their own share of those keys.
+//!
+//! **Order.** A share goes down on every gateway of the region (the table written, every live
+//! gateway's acknowledgement seen) before the global store hears of it, and goes up only after
+//! the global store granted it; a bucket's stored credit, kept as time, would be worth more
+//! units under a larger share, so a raise is charged the difference first. A grant ends no
+//! later than the promises it borrows from ([`RegionSettings::lease_lifetime`] after they were
+//! made); a region's gateways drop a raised share by then without being told.
+//!
+//! **Partitions.** A region that cannot reach the global store keeps serving throughout: its
+//! raised shares end when their grants do, its promises to stay low are not renewed and end
+//! `timeout + lease_lifetime + sync_interval` after its last trade, and every share is then the
+//! fixed one. So the regions together never hold more than the limit, partition or not: the
+//! bound assumes clocks that advance at the same rate (no synchronised wall clocks: every
+//! deadline is a duration measured by the process that keeps it), and a trade the global store
+//! applies within `timeout` of its sending or not at all (a trade carries a deadline by the
+//! global store's clock, from the offset the last trade measured; the first trade has none).
+//! A gateway whose syncs with its region's store fail for two intervals decides every
+//! tradeable limit at one unit until one succeeds (its region may have lowered any share).
+//!
+//! **Costs.** A limit of fewer units than there are regions gives each region 1 (their sum
+//! exceeds the limit, as `store.share` does). A window algorithm lowers no further than its
+//! window's count so far (read just before: admissions between the read and the write can
+//! overshoot by that many). What the region wants is estimated from one interval of demand.
+
+mod link;
+mod shares;
+mod spec;
+mod trader;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use self::link::Link;
+use self::shares::Shares;
+use self::trader::Trader;
+use super::resilience::BreakerState;
+use super::{BoxFuture, Check, Lease, Store, StoreError};
+use crate::decision::Decision;
+use crate::limit::Limit;
+use crate::time::Timestamp;
+
+/// Where a region trades, and how often.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSettings {
+    /// This region's name, one of `regions`.
+    pub name: String,
+    /// Every region sharing the limits (their number gives the fixed share).
+    pub regions: Vec<String>,
+    /// The global store's URL: any Redis every region reaches (one server: a trade's keys
+    /// span slots).
+    pub global_url: String,
+    /// The region's own Redis, where its gateways share the table (one server).
+    pub regional_url: String,
+    /// How often each gateway syncs, and the trader trades.
+    pub sync_interval: Duration,
+    /// How long a grant or a promise lasts without being renewed.
+    pub lease_lifetime: Duration,
+    /// Deadline of each call to either store.
+    pub timeout: Duration,
+}
+
+impl RegionSettings {
+    /// Settings with a lease lifetime of three intervals and a timeout of 1 s (a trade over an
+    /// ocean takes a few round trips when it has to connect or load its script).
+    pub fn new(
+        name: impl Into<String>,
+        regions: Vec<String>,
+        global_url: impl Into<String>,
+        regional_url: impl Into<String>,
+        sync_interval: Duration,
+    ) -> RegionSettings {
+        RegionSettings {
+            name: name.into(),
+            regions,
+            global_url: global_url.into(),
+            regional_url: regional_url.into(),
+            sync_interval,
+            lease_lifetime: sync_interval * 3,
+            timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+/// How a trade with the global store ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TradeResult {
+    /// Answered.
+    Ok,
+    /// Not answered (the global store unreachable, or too slow).
+    Failed,
+    /// Answered too late: the global store applied nothing.
+    Stale,
+}
+
+impl TradeResult {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TradeResult::Ok => "ok",
+            TradeResult::Failed => "failed",
+            TradeResult::Stale => "stale",
+        }
+    }
+}
+
+/// What a region's trading looks like from one gateway.
+#[derive(Debug)]
+pub struct RegionStatus {
+    name: String,
+    trader: AtomicBool,
+    ok: AtomicU64,
+    failed: AtomicU64,
+    stale: AtomicU64,
+    rows: AtomicU64,
+    last_good: Mutex<Option<Instant>>,
+    started: Instant,
+}
+
+impl RegionStatus {
+    fn new(name: String) -> RegionStatus {
+        RegionStatus {
+            name,
+            trader: AtomicBool::new(false),
+            ok: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            stale: AtomicU64::new(0),
+            rows: AtomicU64::new(0),
+            last_good: Mutex::new(None),
+            started: Instant::now(),
+        }
+    }
+
+    /// This region's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether this gateway is its region's trader.
+    pub fn is_trader(&self) -> bool {
+        self.trader.load(Ordering::Relaxed)
+    }
+
+    /// Trades this gateway made, by result.
+    pub fn trades(&self, result: TradeResult) -> u64 {
+        match result {
+            TradeResult::Ok => &self.ok,
+            TradeResult::Failed => &self.failed,
+            TradeResult::Stale => &self.stale,
+        }
+        .load(Ordering::Relaxed)
+    }
+
+    /// Keys whose share is not the fixed one, as the trader last saw the table.
+    pub fn moved_shares(&self) -> u64 {
+        self.rows.load(Ordering::Relaxed)
+    }
+
+    /// Time since this gateway's last good trade (or since it started, if none); `None` when
+    /// it is not the trader.
+    pub fn since_last_good_trade(&self) -> Option<Duration> {
+        if !self.is_trader() {
+            return None;
+        }
+        let last = *self
+            .last_good
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Some(last.unwrap_or(self.started).elapsed())
+    }
+
+    fn set_trader(&self, trader: bool) {
+        self.trader.store(trader, Ordering::Relaxed);
+        metrics::gauge!(crate::telemetry::REGION_TRADER).set(if trader { 1.0 } else { 0.0 });
+    }
+
+    fn set_rows(&self, rows: usize) {
+        self.rows.store(rows as u64, Ordering::Relaxed);
+    }
+
+    fn traded(&self, result: TradeResult) {
+        match result {
+            TradeResult::Ok => &self.ok,
+            TradeResult::Failed => &self.failed,
+            TradeResult::Stale => &self.stale,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        if result == TradeResult::Ok {
+            *self
+                .last_good
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+        }
+        crate::telemetry::record_region_trade(result.as_str());
+    }
+
+    fn publish_age(&self) {
+        if let Some(age) = self.since_last_good_trade() {
+            metrics::gauge!(crate::telemetry::REGION_LAST_TRADE_AGE_SECONDS).set(age.as_secs_f64());
+        }
+    }
+}
+
+/// The share of one limit key in force on this gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareInForce {
+    /// Units of the limit this region decides under now.
+    pub units: u64,
+    /// The region's fixed share of the limit.
+    pub fixed: u64,
+    /// How long a share above the fixed one lasts unless renewed.
+    pub raised_for: Option<Duration>,
+}
+
+/// A region's store: decisions against the region's own store on its shares of each limit,
+/// shares traded with the other regions in the background. See the [module docs](self).
+pub struct RegionalStore {
+    inner: Arc<dyn Store>,
+    shares: Arc<Shares>,
+    status: Arc<RegionStatus>,
+    settings: Arc<RegionSettings>,
+    rounds: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for RegionalStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionalStore")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RegionalStore {
+    fn drop(&mut self) {
+        self.rounds.abort();
+    }
+}
+
+/// Syncs of each gateway with its region's table per `sync_interval`.
+const SYNCS_PER_INTERVAL: u32 = 4;
+
+/// Keys tracked per gateway beyond those the table names.
+const MAX_KEYS: usize = 100_000;
+
+impl RegionalStore {
+    /// A region's store over `inner` (the region's own store), trading as `settings` say.
+    /// Spawns the rounds on the current Tokio runtime.
+    pub fn new(
+        inner: Arc<dyn Store>,
+        settings: RegionSettings,
+    ) -> Result<RegionalStore, StoreError> {
+        if !settings.regions.contains(&settings.name) {
+            return Err(StoreError::Config(format!(
+                "region {:?} is not among the regions {:?}",
+                settings.name, settings.regions
+            )));
+        }
+        let settings = Arc::new(settings);
+        let shares = Arc::new(Shares::new(settings.regions.len(), MAX_KEYS));
+        let status = Arc::new(RegionStatus::new(settings.name.clone()));
+        let mut trader = Trader::new(
+            settings.clone(),
+            shares.clone(),
+            inner.clone(),
+            Link::new(&settings.regional_url, settings.timeout)?,
+            Link::new(&settings.global_url, settings.timeout)?,
+            format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
+            status.clone(),
+        );
+        let interval = settings.sync_interval;
+        let rounds = tokio::spawn({
+            let status = status.clone();
+            async move {
+                // Gateways sync four times per interval (acknowledging lowerings quickly);
+                // the trader trades once per interval.
+                // (Delayed ticks keep trades at least an interval apart.)
+                let mut syncs = tokio::time::interval(interval / SYNCS_PER_INTERVAL);
+                syncs.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut trades = tokio::time::interval(interval);
+                trades.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    let trade = tokio::select! {
+                        biased;
+                        _ = trades.tick() => true,
+                        _ = syncs.tick() => false,
+                    };
+                    trader.round(trade).await;
+                    status.publish_age();
+                }
+            }
+        });
+        Ok(RegionalStore {
+            inner,
+            shares,
+            status,
+            settings,
+            rounds,
+        })
+    }
+
+    /// The settings this store trades by.
+    pub fn settings(&self) -> &RegionSettings {
+        &self.settings
+    }
+
+    /// Its trading, as this gateway sees it.
+    pub fn status(&self) -> &Arc<RegionStatus> {
+        &self.status
+    }
+
+    /// The share in force here for `key` under `limit`: the table's, or the fixed share.
+    pub fn share_of(&self, key: &str, limit: &Limit) -> ShareInForce {
+        let fixed = shares::fixed_share(limit.limit(), self.settings.regions.len());
+        match self.shares.share_of(key) {
+            Some((units, fixed, raised_until)) => ShareInForce {
+                units,
+                fixed,
+                raised_for: raised_until
+                    .and_then(|until| until.checked_duration_since(Instant::now())),
+            },
+            None => ShareInForce {
+                units: fixed,
+                fixed,
+                raised_for: None,
+            },
+        }
+    }
+}
+
+impl Store for RegionalStore {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        let scaled = self.shares.scale(checks);
+        Box::pin(async move { self.inner.check_and_consume(&scaled, now).await })
+    }
+
+    fn check_and_consume_ready(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        // Not counted as demand: a decision that is not ready here is counted when it runs.
+        let _ = (checks, now);
+        None
+    }
+
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.release(leases)
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn peek<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        let scaled = self.shares.scale_quietly(checks);
+        Box::pin(async move { self.inner.peek(&scaled, now).await })
+    }
+
+    fn reset<'a>(&'a self, keys: &'a [Arc<str>]) -> BoxFuture<'a, Result<u64, StoreError>> {
+        self.inner.reset(keys)
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let scaled = self.shares.scale_quietly(checks);
+        Box::pin(async move { self.inner.charge(&scaled, now).await })
+    }
+
+    fn refund<'a>(
+        &'a self,
+        checks: &'a [Check],
+        charged_at: Timestamp,
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let scaled = self.shares.scale_quietly(checks);
+        Box::pin(async move { self.inner.refund(&scaled, charged_at, now).await })
+    }
+
+    fn supports(&self, algorithm: crate::Algorithm) -> bool {
+        self.inner.supports(algorithm)
+    }
+
+    fn breaker_state(&self) -> Option<BreakerState> {
+        self.inner.breaker_state()
+    }
+
+    fn override_backend(&self) -> Option<Arc<dyn super::override_backend::OverrideBackend>> {
+        self.inner.override_backend()
+    }
+
+    fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.probe()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.flush()
+    }
+
+    fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
+        self.inner.persistence()
+    }
+}

@@ -1,0 +1,726 @@
+//! A gateway's round, once per interval: sync with its region's table (its demand in, the table
+//! out), and, on the one gateway of the region that holds the trader's lock, trade every key
+//! whose share should move with the global store.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deadpool_redis::redis::Value;
+
+use super::link::{Link, reply};
+use super::shares::{Shares, TableEntry, fixed_share, tradeable};
+use super::spec::LimitSpec;
+use super::{RegionSettings, RegionStatus, TradeResult};
+use crate::limit::{Algorithm, Limit};
+use crate::store::{Check, Store, StoreError};
+
+/// A row of the region's table: `"units,ends_ms,version,previous,spec"`.
+#[derive(Clone, Debug)]
+struct Row {
+    /// The share, in units of the limit.
+    units: u64,
+    /// By the regional store's clock (ms): when a raised share ends, when a lowered one goes
+    /// back to the fixed share; 0 for neither.
+    ends_ms: i64,
+    /// The table version that wrote the row.
+    version: i64,
+    /// The most a gateway may still have in force until every live one has the row's version.
+    previous: u64,
+    spec: LimitSpec,
+}
+
+impl Row {
+    fn parse(text: &str) -> Option<Row> {
+        let mut parts = text.splitn(5, ',');
+        Some(Row {
+            units: parts.next()?.parse().ok()?,
+            ends_ms: parts.next()?.parse().ok()?,
+            version: parts.next()?.parse().ok()?,
+            previous: parts.next()?.parse().ok()?,
+            spec: LimitSpec(parts.next()?.to_owned()),
+        })
+    }
+
+    /// The row as the write script stores it, `#` standing for the version it writes.
+    fn encode(&self) -> String {
+        format!(
+            "{},{},#,{},{}",
+            self.units, self.ends_ms, self.previous, self.spec.0
+        )
+    }
+}
+
+/// What the trader knows of a key between rounds.
+struct Estimate {
+    limit: Arc<Limit>,
+    spec: LimitSpec,
+    /// Units the region asked for per interval (a running estimate).
+    per_interval: u64,
+    /// Units asked in the last interval.
+    last_round: u64,
+    /// Units asked this interval so far.
+    this_round: u64,
+    /// Trades since the key's demand was first seen: the first interval is partial.
+    rounds: u32,
+}
+
+/// The global store's answer for one key: the grant, the ms a grant above the fixed share
+/// lasts, the key's fair cap.
+type Granted = (u64, i64, u64);
+
+/// One key's part of a trade.
+struct Item {
+    key: Arc<str>,
+    limit: Arc<Limit>,
+    spec: LimitSpec,
+    /// The share in force after this round's lowering.
+    units: u64,
+    report: u64,
+    want: u64,
+}
+
+/// The region's round on one gateway.
+pub(super) struct Trader {
+    pub(super) settings: Arc<RegionSettings>,
+    pub(super) shares: Arc<Shares>,
+    pub(super) inner: Arc<dyn Store>,
+    pub(super) regional: Link,
+    pub(super) global: Link,
+    pub(super) gateway: String,
+    pub(super) status: Arc<RegionStatus>,
+    loaded_version: i64,
+    estimates: HashMap<Arc<str>, Estimate>,
+    /// The fair part the global store last gave each key.
+    caps: HashMap<Arc<str>, u64>,
+    /// Keys some region wants more of, with their specs: this region lends from them.
+    pressure: HashMap<Arc<str>, LimitSpec>,
+    /// The global store's clock minus this process's (ms), from the last good trade.
+    offset_ms: Option<i64>,
+    /// The last trade failed: promises to stay low are not renewed until one succeeds.
+    failing: bool,
+    epoch: Instant,
+}
+
+fn ms_between(from: Instant, to: Instant) -> i64 {
+    if to >= from {
+        to.duration_since(from).as_millis() as i64
+    } else {
+        -(from.duration_since(to).as_millis() as i64)
+    }
+}
+
+fn shifted(at: Instant, ms: i64) -> Instant {
+    if ms >= 0 {
+        at + Duration::from_millis(ms as u64)
+    } else {
+        at.checked_sub(Duration::from_millis(ms.unsigned_abs()))
+            .unwrap_or(at)
+    }
+}
+
+impl Trader {
+    pub(super) fn new(
+        settings: Arc<RegionSettings>,
+        shares: Arc<Shares>,
+        inner: Arc<dyn Store>,
+        regional: Link,
+        global: Link,
+        gateway: String,
+        status: Arc<RegionStatus>,
+    ) -> Trader {
+        Trader {
+            settings,
+            shares,
+            inner,
+            regional,
+            global,
+            gateway,
+            status,
+            loaded_version: 0,
+            estimates: HashMap::new(),
+            caps: HashMap::new(),
+            pressure: HashMap::new(),
+            offset_ms: None,
+            failing: false,
+            epoch: Instant::now(),
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        let tag = format!("floodgate:region:{{{}}}", self.settings.name);
+        ["table", "version", "acks", "demand", "specs", "trader"]
+            .iter()
+            .map(|part| format!("{tag}:{part}"))
+            .collect()
+    }
+
+    fn live_ms(&self) -> u64 {
+        (self.settings.sync_interval * 3).as_millis() as u64
+    }
+
+    /// One round: sync with the region's table, then, if `trade_due` and this gateway holds
+    /// the region's trader lock, trade.
+    pub(super) async fn round(&mut self, trade_due: bool) {
+        let view = match self.sync().await {
+            Ok(view) => view,
+            Err(error) => {
+                tracing::warn!(%error, region = %self.settings.name, "region sync failed");
+                self.status.set_trader(false);
+                return;
+            }
+        };
+        if !view.trader {
+            self.estimates.clear();
+            self.caps.clear();
+            self.pressure.clear();
+            return;
+        }
+        if trade_due && let Err(error) = self.trade(view).await {
+            tracing::warn!(%error, region = %self.settings.name, "region trade round failed");
+        }
+    }
+
+    /// Adds this gateway's demand to the region's, puts the region's table in force here and
+    /// acknowledges it; on the trader, takes the region's demand into the estimates.
+    async fn sync(&mut self) -> Result<View, StoreError> {
+        let demand = self.shares.take_demand();
+        let sent = Instant::now();
+        let mut args = vec![
+            "sync".to_owned(),
+            self.gateway.clone(),
+            self.live_ms().to_string(),
+            self.loaded_version.to_string(),
+            demand.len().to_string(),
+        ];
+        for (key, units, spec) in &demand {
+            args.extend([key.to_string(), units.to_string(), spec.0.clone()]);
+        }
+        let synced = self.regional.regional(&self.keys(), &args).await?;
+        let mut parts = reply::array(synced, "sync")?.into_iter();
+        let mut next = |what: &str| {
+            parts
+                .next()
+                .ok_or_else(|| StoreError::Protocol(format!("region sync reply: no {what}")))
+        };
+        let regional_now = reply::int(&next("now")?, "now")?;
+        let version = reply::int(&next("version")?, "version")?;
+        let trader = reply::int(&next("trader")?, "trader")? == 1;
+        let mut table = HashMap::new();
+        let pairs = reply::array(next("table")?, "table")?;
+        for pair in pairs.chunks(2) {
+            let [key, value] = pair else { continue };
+            let key: Arc<str> = reply::text(key, "table key")?.into();
+            if let Some(row) = Row::parse(&reply::text(value, "table row")?) {
+                table.insert(key, row);
+            }
+        }
+        self.put_in_force(&table, regional_now, sent);
+        self.loaded_version = version;
+        self.status.set_trader(trader);
+        let mut view = View {
+            regional_now,
+            sent,
+            trader,
+            oldest_acked: version,
+            table,
+        };
+        if !trader {
+            return Ok(view);
+        }
+        view.oldest_acked = reply::int(&next("oldest acknowledged")?, "oldest")?;
+        let taken = reply::array(next("demand")?, "demand")?;
+        for triple in taken.chunks(3) {
+            let [key, units, spec] = triple else { continue };
+            let key: Arc<str> = reply::text(key, "demand key")?.into();
+            let units = reply::int(units, "demand units")?.max(0) as u64;
+            let spec = LimitSpec(reply::text(spec, "demand spec")?);
+            let Some(limit) = spec.limit() else { continue };
+            let estimate = self.estimates.entry(key).or_insert_with(|| Estimate {
+                limit: Arc::new(limit),
+                spec,
+                per_interval: 0,
+                last_round: 0,
+                this_round: 0,
+                rounds: 0,
+            });
+            estimate.this_round += units;
+        }
+        Ok(view)
+    }
+
+    /// The table in force on this gateway: rows' ends by this process's clock, measured from
+    /// when the sync was sent (earlier than the regional store read its clock: a raised share
+    /// ends here no later than the table says).
+    fn put_in_force(&self, table: &HashMap<Arc<str>, Row>, regional_now: i64, sent: Instant) {
+        let regions = self.settings.regions.len();
+        let entries: HashMap<Arc<str>, (TableEntry, LimitSpec)> = table
+            .iter()
+            .filter_map(|(key, row)| {
+                Some((
+                    key.clone(),
+                    (row.entry(regions, regional_now, sent)?, row.spec.clone()),
+                ))
+            })
+            .collect();
+        self.shares.apply(&entries, regions);
+        self.shares
+            .mark_current(sent + self.settings.sync_interval * 2);
+    }
+
+    /// The units a request could still take from `key` under `units` (its window's count so
+    /// far, for the algorithms that count in windows; 0 for the others, whose stored credit
+    /// shrinks with their share by itself).
+    async fn used(&self, key: &Arc<str>, limit: &Arc<Limit>, units: u64) -> u64 {
+        if !limit.algorithm().counts_in_windows() {
+            return 0;
+        }
+        let check = Check::new(key.clone(), Arc::new(limit.with_share(units)), 0);
+        match self.inner.peek(&[check], None).await {
+            Ok(decision) => decision
+                .limits()
+                .first()
+                .map_or(units, |status| units.saturating_sub(status.remaining)),
+            // Not knowing, lower nothing.
+            Err(_) => units,
+        }
+    }
+
+    /// Before a share rises from `from` to `to`: a bucket's stored credit would be worth more
+    /// units under the larger share (its level is kept in time), so the units it would gain are
+    /// charged first, and the key holds as many units as before. Windows gain nothing.
+    async fn charge_for_raise(&self, key: &Arc<str>, limit: &Arc<Limit>, from: u64, to: u64) {
+        if !matches!(limit.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra) || to <= from {
+            return;
+        }
+        let before = Check::new(key.clone(), Arc::new(limit.with_share(from)), 0);
+        let tokens = match self.inner.peek(&[before], None).await {
+            Ok(decision) => decision
+                .limits()
+                .first()
+                .map_or(0, |status| status.remaining),
+            // Not knowing, charge as if the bucket were full.
+            Err(_) => limit.with_share(from).burst(),
+        };
+        let gained = (u128::from(tokens) * u128::from(to - from)).div_ceil(u128::from(from.max(1)));
+        if gained == 0 {
+            return;
+        }
+        let charge = Check::new(key.clone(), Arc::new(limit.with_share(to)), gained as u64);
+        if let Err(error) = self.inner.charge(&[charge], None).await {
+            tracing::warn!(%error, "region: charging a raised share failed");
+        }
+    }
+
+    /// The share a demand of `per_interval` units calls for: a quarter more than its rate, in
+    /// units of the limit's window, between 1 and the whole limit.
+    fn target(&self, limit: &Limit, per_interval: u64) -> u64 {
+        let interval = self.settings.sync_interval.as_micros().max(1);
+        let per_window =
+            u128::from(per_interval) * u128::from(limit.window_micros()) * 5 / (interval * 4);
+        (per_window.min(u128::from(u64::MAX)) as u64).clamp(1, limit.limit())
+    }
+
+    /// What the region wants of `key`: under pressure (some region wants more than it has),
+    /// what its last interval's demand calls for, down to 1; otherwise what its running
+    /// estimate calls for, and never less than its fixed share.
+    fn want(&self, key: &Arc<str>, limit: &Limit, fixed: u64) -> u64 {
+        let estimate = self.estimates.get(key);
+        if self.pressure.contains_key(key) {
+            match estimate {
+                // A demand seen for part of an interval only says little yet.
+                Some(estimate) if estimate.rounds < 2 => {
+                    self.target(limit, estimate.last_round).max(fixed)
+                }
+                _ => self.target(limit, estimate.map_or(0, |e| e.last_round)),
+            }
+        } else {
+            self.target(limit, estimate.map_or(0, |e| e.per_interval))
+                .max(fixed)
+        }
+    }
+
+    /// The limit of a key to trade: the one its demand came with, else its spec's.
+    fn limit_of(&self, key: &Arc<str>, spec: &LimitSpec) -> Option<Arc<Limit>> {
+        self.estimates
+            .get(key)
+            .map(|estimate| estimate.limit.clone())
+            .or_else(|| spec.limit().map(Arc::new))
+            .filter(|limit| tradeable(limit))
+    }
+
+    async fn trade(&mut self, mut view: View) -> Result<(), StoreError> {
+        let regions = self.settings.regions.len();
+        for estimate in self.estimates.values_mut() {
+            estimate.last_round = estimate.this_round;
+            estimate.rounds = estimate.rounds.saturating_add(1);
+            estimate.per_interval = estimate.this_round.max(estimate.per_interval / 2);
+            estimate.this_round = 0;
+        }
+        let table = &view.table;
+        self.estimates
+            .retain(|key, estimate| estimate.per_interval > 0 || table.contains_key(key));
+
+        // Which keys trade: every row, every key the region wants more of than its fixed
+        // share, every key others want more of (this region lends from it).
+        let mut keys: Vec<(Arc<str>, LimitSpec)> = Vec::new();
+        let mut seen = HashSet::new();
+        for (key, row) in &view.table {
+            if seen.insert(key.clone()) {
+                keys.push((key.clone(), row.spec.clone()));
+            }
+        }
+        for (key, estimate) in &self.estimates {
+            let fixed = fixed_share(estimate.limit.limit(), regions);
+            if self.want(key, &estimate.limit, fixed) > fixed && seen.insert(key.clone()) {
+                keys.push((key.clone(), estimate.spec.clone()));
+            }
+        }
+        for (key, spec) in &self.pressure {
+            if seen.insert(key.clone()) {
+                keys.push((key.clone(), spec.clone()));
+            }
+        }
+        let keys: Vec<(Arc<str>, Arc<Limit>, LimitSpec)> = keys
+            .into_iter()
+            .filter_map(|(key, spec)| Some((key.clone(), self.limit_of(&key, &spec)?, spec)))
+            .collect();
+
+        // Lowerings first: in force on every gateway of the region before the global store
+        // hears of them. Each gateway acknowledges them at its next sync; the trade waits for
+        // that up to half an interval (a gateway that has not acknowledged by then is reported
+        // at what it may still have in force).
+        let promise_ms =
+            (self.settings.timeout + self.settings.lease_lifetime + self.settings.sync_interval)
+                .as_millis() as i64;
+        let revert_ms = |view: &View| view.regional_at(Instant::now()) + promise_ms;
+        let mut changes: Vec<(Arc<str>, Option<Row>)> = Vec::new();
+        for (key, limit, spec) in &keys {
+            let fixed = fixed_share(limit.limit(), regions);
+            let units = view.units(key, fixed);
+            let cap = self.caps.get(key).copied().unwrap_or(limit.limit());
+            let hold = self.want(key, limit, fixed).min(cap).max(1);
+            if hold >= units {
+                continue;
+            }
+            let lowered = hold.max(self.used(key, limit, units).await).max(1);
+            if lowered >= units {
+                continue;
+            }
+            let row = view.table.get(key);
+            changes.push((
+                key.clone(),
+                Some(Row {
+                    units: lowered,
+                    ends_ms: if lowered < fixed {
+                        revert_ms(&view)
+                    } else {
+                        row.map_or(0, |row| row.ends_ms)
+                    },
+                    version: 0,
+                    previous: view.most_in_force(key, fixed),
+                    spec: spec.clone(),
+                }),
+            ));
+        }
+        if !changes.is_empty() {
+            let written = self.write(&mut changes, &mut view).await?;
+            let waited = Instant::now();
+            while view.oldest_acked < written && waited.elapsed() < self.settings.sync_interval / 2
+            {
+                tokio::time::sleep(self.settings.sync_interval / 20).await;
+                view = self.sync().await?;
+                if !view.trader {
+                    return Ok(());
+                }
+            }
+        }
+
+        // The trade: every key, one call.
+        let mut items: Vec<Item> = Vec::new();
+        for (key, limit, spec) in keys {
+            let fixed = fixed_share(limit.limit(), regions);
+            let units = view.units(&key, fixed);
+            let most = view.most_in_force(&key, fixed);
+            // While the global store is unreachable, promises to stay low are not renewed: a
+            // trade that arrives late says this region may hold its fixed share.
+            let report = if self.failing { most.max(fixed) } else { most };
+            let want = self.want(&key, &limit, fixed);
+            items.push(Item {
+                key,
+                limit,
+                spec,
+                units,
+                report,
+                want,
+            });
+        }
+        let global_sent = Instant::now();
+        let replies = match self.call_global(&items, global_sent).await {
+            Ok(replies) => {
+                self.failing = false;
+                self.status.traded(TradeResult::Ok);
+                replies
+            }
+            Err(result) => {
+                self.failing = true;
+                self.status.traded(result);
+                Vec::new()
+            }
+        };
+        let granted_at = view.regional_at(global_sent);
+        let traded: HashSet<Arc<str>> = if replies.is_empty() {
+            HashSet::new()
+        } else {
+            items.iter().map(|item| item.key.clone()).collect()
+        };
+        for (item, (grant, left_ms, cap)) in items.iter().zip(replies) {
+            self.caps.insert(item.key.clone(), cap);
+            let fixed = fixed_share(item.limit.limit(), regions);
+            let row = view.table.get(&item.key);
+            let pending = view.is_pending(&item.key);
+            let pressured = self.pressure.contains_key(&item.key);
+            if grant == fixed && item.want <= fixed && !pressured && !pending {
+                if row.is_some() {
+                    changes.push((item.key.clone(), None));
+                }
+                continue;
+            }
+            // A grant is what the region may hold; it takes no more than it wants and its fair
+            // part (a grant at its report while a lowering is pending is not a raise).
+            let units = grant
+                .min(item.want)
+                .min(cap)
+                .max(item.units)
+                .min(item.limit.limit());
+            let ends_ms = if units > fixed {
+                granted_at + left_ms
+            } else if units < fixed {
+                revert_ms(&view)
+            } else {
+                0
+            };
+            if units > item.units {
+                self.charge_for_raise(&item.key, &item.limit, item.units, units)
+                    .await;
+            }
+            let previous = match row {
+                Some(row) if pending => row.previous.max(row.units),
+                _ => 0,
+            };
+            changes.push((
+                item.key.clone(),
+                Some(Row {
+                    units,
+                    ends_ms,
+                    version: 0,
+                    previous,
+                    spec: item.spec.clone(),
+                }),
+            ));
+        }
+        // Rows no trade renewed: a raised share that ended is gone; a lowered one whose
+        // promise may have lapsed at the global store goes back to the fixed share.
+        let now_ms = view.regional_at(Instant::now());
+        for (key, row) in &view.table {
+            if traded.contains(key) || row.ends_ms == 0 || row.ends_ms > now_ms {
+                continue;
+            }
+            if let Some(limit) = row.spec.limit() {
+                let fixed = fixed_share(limit.limit(), regions);
+                if row.units < fixed {
+                    self.charge_for_raise(key, &Arc::new(limit), row.units, fixed)
+                        .await;
+                }
+            }
+            changes.push((key.clone(), None));
+        }
+        self.status.set_rows(view.table.len());
+        if !changes.is_empty() {
+            self.write(&mut changes, &mut view).await?;
+        }
+        Ok(())
+    }
+
+    /// The trade: one call for every key. Per item: the grant, the ms its raise lasts, the
+    /// fair cap. Keys others want more of are kept for the next round.
+    async fn call_global(
+        &mut self,
+        items: &[Item],
+        sent: Instant,
+    ) -> Result<Vec<Granted>, TradeResult> {
+        let deadline = match self.offset_ms {
+            Some(offset) => {
+                ms_between(self.epoch, sent) + offset + self.settings.timeout.as_millis() as i64
+            }
+            None => 0,
+        };
+        let mut keys: Vec<String> = items
+            .iter()
+            .map(|item| format!("floodgate:regions:{}", item.key))
+            .collect();
+        keys.push("floodgate:regions:pressure".to_owned());
+        let mut args = vec![
+            self.settings.name.clone(),
+            self.settings.regions.join(","),
+            self.settings.lease_lifetime.as_millis().to_string(),
+            deadline.to_string(),
+            items.len().to_string(),
+        ];
+        for item in items {
+            args.extend([
+                item.key.to_string(),
+                item.spec.0.clone(),
+                item.limit.limit().to_string(),
+                item.report.to_string(),
+                item.want.to_string(),
+            ]);
+        }
+        let value = self.global.global(&keys, &args).await.map_err(|error| {
+            tracing::warn!(%error, region = %self.settings.name, "region trade failed");
+            TradeResult::Failed
+        })?;
+        let received = Instant::now();
+        let parsed = (|| -> Result<Option<Vec<Granted>>, StoreError> {
+            let parts = reply::array(value, "trade")?;
+            let global_now = reply::int(parts.first().unwrap_or(&Value::Nil), "now")?;
+            if reply::text(parts.get(1).unwrap_or(&Value::Nil), "result")? != "ok" {
+                return Ok(None);
+            }
+            self.offset_ms = Some(global_now - ms_between(self.epoch, received));
+            let mut grants = Vec::with_capacity(items.len());
+            for index in 0..items.len() {
+                let at = 2 + index * 3;
+                let field = |offset: usize| {
+                    reply::int(parts.get(at + offset).unwrap_or(&Value::Nil), "grant")
+                };
+                grants.push((
+                    field(0)?.max(0) as u64,
+                    field(1)?.max(0),
+                    field(2)?.max(0) as u64,
+                ));
+            }
+            self.pressure.clear();
+            for pair in parts[2 + items.len() * 3..].chunks(2) {
+                let [key, spec] = pair else { continue };
+                self.pressure.insert(
+                    reply::text(key, "pressured key")?.into(),
+                    LimitSpec(reply::text(spec, "pressured spec")?),
+                );
+            }
+            Ok(Some(grants))
+        })();
+        match parsed {
+            Ok(Some(grants)) => Ok(grants),
+            Ok(None) => Err(TradeResult::Stale),
+            Err(error) => {
+                tracing::warn!(%error, "region trade reply");
+                Err(TradeResult::Failed)
+            }
+        }
+    }
+
+    /// Writes `changes` to the region's table, puts them in force here at once and in `view`;
+    /// returns the version written.
+    async fn write(
+        &mut self,
+        changes: &mut Vec<(Arc<str>, Option<Row>)>,
+        view: &mut View,
+    ) -> Result<i64, StoreError> {
+        let mut args = vec![
+            "write".to_owned(),
+            self.gateway.clone(),
+            self.live_ms().to_string(),
+            changes.len().to_string(),
+        ];
+        for (key, row) in changes.iter() {
+            args.push(key.to_string());
+            args.push(row.as_ref().map(Row::encode).unwrap_or_default());
+        }
+        let sent = Instant::now();
+        let value = self.regional.regional(&self.keys(), &args).await?;
+        let parts = reply::array(value, "write")?;
+        let regional_now = reply::int(parts.first().unwrap_or(&Value::Nil), "now")?;
+        let version = reply::int(parts.get(1).unwrap_or(&Value::Nil), "version")?;
+        let regions = self.settings.regions.len();
+        let mut entries = Vec::with_capacity(changes.len());
+        for (key, row) in changes.drain(..) {
+            match row {
+                Some(mut row) => {
+                    row.version = version;
+                    entries.push((
+                        key.clone(),
+                        row.entry(regions, regional_now, sent)
+                            .map(|entry| (entry, row.spec.clone())),
+                    ));
+                    view.table.insert(key, row);
+                }
+                None => {
+                    view.table.remove(&key);
+                    entries.push((key, None));
+                }
+            }
+        }
+        self.shares.overlay(&entries);
+        self.loaded_version = version;
+        Ok(version)
+    }
+}
+
+/// The region's table as the last sync (and this gateway's writes since) left it.
+struct View {
+    /// The regional store's clock at the sync (ms).
+    regional_now: i64,
+    /// When the sync was sent, by this process's clock.
+    sent: Instant,
+    trader: bool,
+    /// The oldest table version a live gateway of the region has in force.
+    oldest_acked: i64,
+    table: HashMap<Arc<str>, Row>,
+}
+
+impl View {
+    /// The regional store's clock at `at` (ms), from the sync's reading.
+    fn regional_at(&self, at: Instant) -> i64 {
+        self.regional_now + ms_between(self.sent, at)
+    }
+
+    /// The share of `key` in force by the table (the fixed share once a raise ended).
+    fn units(&self, key: &str, fixed: u64) -> u64 {
+        match self.table.get(key) {
+            Some(row) if row.units <= fixed || row.ends_ms > self.regional_at(Instant::now()) => {
+                row.units
+            }
+            _ => fixed,
+        }
+    }
+
+    /// Whether some live gateway may not have `key`'s row in force yet.
+    fn is_pending(&self, key: &str) -> bool {
+        self.table
+            .get(key)
+            .is_some_and(|row| row.version > self.oldest_acked)
+    }
+
+    /// The most any gateway of the region may have in force for `key`.
+    fn most_in_force(&self, key: &str, fixed: u64) -> u64 {
+        let units = self.units(key, fixed);
+        match self.table.get(key) {
+            Some(row) if self.is_pending(key) => units.max(row.previous),
+            _ => units,
+        }
+    }
+}
+
+impl Row {
+    /// The row as a gateway puts it in force: a raised share's end by this process's clock,
+    /// from a reading of the regional clock (`regional_now`) taken after `sent`.
+    fn entry(&self, regions: usize, regional_now: i64, sent: Instant) -> Option<TableEntry> {
+        let limit = self.spec.limit()?;
+        let raised = self.units > fixed_share(limit.limit(), regions);
+        Some(TableEntry {
+            units: self.units,
+            raised_until: raised.then(|| shifted(sent, self.ends_ms - regional_now)),
+        })
+    }
+}
