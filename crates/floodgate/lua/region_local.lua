@@ -5,13 +5,15 @@
 -- spec"), its version, the gateways' acknowledgements (gateway -> "version,at_ms"), the demand
 -- gathered since the trader last took it (limit key -> units), the specs of those keys, and
 -- the trader's lock.
--- ARGV[1]: 'sync' or 'write'; ARGV[2]: this gateway's id; ARGV[3]: how long a gateway stays
+-- ARGV[1]: 'sync', 'write' or 'release'; ARGV[2]: this gateway's id; ARGV[3]: how long a gateway stays
 -- live (and the lock held) without syncing (ms).
 --   'sync': ARGV[4]: the table version this gateway has in force; ARGV[5]: the number of
 --   demands, then per demand its limit key, units and spec. Adds the demands, records the
 --   acknowledgement, takes or keeps the trader's lock. Reply: { now_ms, version, trader (0/1),
 --   the table as pairs, and for the trader: the oldest version a live gateway has in force,
 --   the demand taken as triples (key, units, spec) }.
+--   'release': gives the lock up if this gateway holds it, and its acknowledgement (a gateway
+--   shutting down: another takes over at its next sync). Reply: { now_ms, version }.
 --   'write' (the trader only): ARGV[4]: the number of changes, then per change a limit key and
 --   its value ('' removes it; its first '#' stands for the version written). Bumps the version, acknowledged by the writer at once (it puts
 --   the table in force as it writes it). Reply: { now_ms, version }, or an error when this
@@ -28,6 +30,13 @@ local function floodgate_region_local(keys, args)
   local mode, me, live = args[1], args[2], tonumber(args[3])
   local now = now_ms()
   local version = tonumber(redis.call('GET', version_key) or '0')
+  if mode == 'release' then
+    if redis.call('GET', lock_key) == me then
+      redis.call('DEL', lock_key)
+    end
+    redis.call('HDEL', acks_key, me)
+    return { now, version }
+  end
   if mode == 'write' then
     if redis.call('GET', lock_key) ~= me then
       return redis.error_reply('floodgate: not the region trader')

@@ -120,3 +120,166 @@ async fn a_client_moving_between_regions_is_followed_and_bounded() {
     );
     assert_eq!(report.errors(), 0);
 }
+
+/// A client concentrated in the first region (600/s), whose shares have moved, for `for`.
+async fn concentrated(regions: &Regions, client: &str, run: Duration) -> support::regions::Report {
+    regions
+        .run(&bucket(), client, run, |region, _| {
+            if region == 0 { 600.0 } else { 0.0 }
+        })
+        .await
+}
+
+/// The allowance of the bucket over `elapsed`: its burst and its refill.
+fn allowance(elapsed: Duration) -> f64 {
+    300.0 + 300.0 * elapsed.as_secs_f64()
+}
+
+/// The first region loses the global store for 1.5 s while its client keeps sending, then
+/// heals. Nothing fails; its raised share lapses to the fixed one within a lease lifetime
+/// (3 intervals) plus an interval; the regions together never admit more than the allowance
+/// (the bound README documents for a partition); the share rises again after the heal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_region_keeps_serving_on_its_fixed_share_and_recovers() {
+    let regions = Arc::new(Regions::start(Mode::Traded, 3, 1, INTERVAL));
+    oceans(&regions);
+    let run = Duration::from_secs(6);
+    let (cut_at, heal_at) = (Duration::from_millis(2000), Duration::from_millis(3500));
+    let cut = {
+        let regions = regions.clone();
+        async move {
+            tokio::time::sleep(cut_at).await;
+            regions.links[0].set(Fault::BlackHole);
+            tokio::time::sleep(heal_at - cut_at).await;
+            regions.links[0].set(Fault::DelayReplies(ROUND_TRIP));
+        }
+    };
+    let (report, ()) = tokio::join!(concentrated(&regions, "partitioned", run), cut);
+    assert_eq!(report.errors(), 0);
+    let admitted = report.admitted() as f64;
+    assert!(
+        admitted <= report.allowance,
+        "admitted {admitted} > allowance {:.0}",
+        report.allowance
+    );
+    let shares = &report.regions[0].share_per_bucket;
+    let bucket_of = |at: Duration| (at.as_millis() / 100) as usize;
+    assert!(
+        shares[..bucket_of(cut_at)].iter().any(|&units| units > 100),
+        "raised before the cut: {shares:?}"
+    );
+    // Lapsed by the end of the lease lifetime and an interval after the cut.
+    let lapsed = bucket_of(cut_at + INTERVAL * 4);
+    assert!(
+        shares[lapsed..bucket_of(heal_at)]
+            .iter()
+            .all(|&units| units <= 100),
+        "still raised while cut off: {shares:?}"
+    );
+    assert!(
+        shares[bucket_of(heal_at)..]
+            .iter()
+            .any(|&units| units > 100),
+        "raised again after the heal: {shares:?}"
+    );
+}
+
+/// A region whose gateways all restart (their region's store keeps the table, the old trader
+/// gave its lock up) goes on with the share its table holds, renewed by its new trader; the
+/// bound holds across the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_region_keeps_its_share_and_the_bound() {
+    let mut regions = Regions::start(Mode::Traded, 3, 2, INTERVAL);
+    oceans(&regions);
+    let started = std::time::Instant::now();
+    let before = concentrated(&regions, "restarted", Duration::from_secs(2)).await;
+    regions.restart_region(0);
+    let after = concentrated(&regions, "restarted", Duration::from_secs(2)).await;
+    let elapsed = started.elapsed();
+    let admitted = (before.admitted() + after.admitted()) as f64;
+    assert!(
+        admitted <= allowance(elapsed),
+        "admitted {admitted} > allowance {:.0}",
+        allowance(elapsed)
+    );
+    assert!(
+        after.regions[0]
+            .share_per_bucket
+            .iter()
+            .all(|&units| units > 100),
+        "the restarted gateways go on from the table, their new trader renewing it: {:?}",
+        after.regions[0].share_per_bucket
+    );
+    assert_eq!(before.errors() + after.errors(), 0);
+}
+
+/// A global store that restarts empty forgets every grant and promise: the regions report
+/// what they hold at their next trade and the bound holds; the concentrated client gets most
+/// of the limit again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_store_restarted_empty_is_rebuilt_by_the_next_trades() {
+    let mut regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
+    oceans(&regions);
+    let started = std::time::Instant::now();
+    let before = concentrated(&regions, "amnesia", Duration::from_secs(2)).await;
+    regions.restart_global_empty();
+    let after = concentrated(&regions, "amnesia", Duration::from_secs(3)).await;
+    let elapsed = started.elapsed();
+    let admitted = (before.admitted() + after.admitted()) as f64;
+    assert!(
+        admitted <= allowance(elapsed),
+        "admitted {admitted} > allowance {:.0}",
+        allowance(elapsed)
+    );
+    let last = after.regions[0].admitted_between(Duration::from_secs(2), Duration::from_secs(3));
+    assert!(
+        last as f64 >= 0.75 * 300.0,
+        "the last second admitted {last}, shares {:?}",
+        after.regions[0].share_per_bucket
+    );
+}
+
+/// A reload that adds a fourth region: the new region decides on its fixed share (a quarter)
+/// at once, while grants made under three regions run out. The bound README documents for
+/// it: the allowance plus the new region's fixed share (its burst, and its refill over a lease
+/// lifetime and an interval). Shares then follow the demand among four.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_added_by_a_reload_gets_its_fixed_share_within_the_bound() {
+    let mut regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
+    oceans(&regions);
+    let started = std::time::Instant::now();
+    let before = concentrated(&regions, "grown", Duration::from_secs(2)).await;
+    let four: Vec<String> = (0..4).map(|index| format!("r{index}")).collect();
+    regions.add_region(1, &four);
+    regions.links[3].set(Fault::DelayReplies(ROUND_TRIP));
+    regions.reload_with(&four);
+    let after = regions
+        .run(&bucket(), "grown", Duration::from_secs(3), |region, _| {
+            if region == 0 || region == 3 {
+                600.0
+            } else {
+                0.0
+            }
+        })
+        .await;
+    let elapsed = started.elapsed();
+    let admitted = (before.admitted() + after.admitted()) as f64;
+    let new_share = 75.0;
+    let bound = allowance(elapsed) + new_share + new_share * (INTERVAL * 4).as_secs_f64();
+    assert!(admitted <= bound, "admitted {admitted} > bound {bound:.0}");
+    assert!(
+        after.regions[3].admitted > 0,
+        "the new region admits from its fixed share"
+    );
+    // Two regions wanting all of it end near an even split.
+    let (r0, r3) = (
+        after.regions[0].admitted_between(Duration::from_secs(2), Duration::from_secs(3)),
+        after.regions[3].admitted_between(Duration::from_secs(2), Duration::from_secs(3)),
+    );
+    assert!(
+        r0 + r3 >= 225 && r0.abs_diff(r3) <= 100,
+        "last second: {r0} and {r3}; shares {:?} / {:?}",
+        after.regions[0].share_per_bucket,
+        after.regions[3].share_per_bucket
+    );
+}

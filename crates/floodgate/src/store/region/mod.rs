@@ -241,6 +241,10 @@ pub struct RegionalStore {
     status: Arc<RegionStatus>,
     settings: Arc<RegionSettings>,
     rounds: tokio::task::JoinHandle<()>,
+    /// The region's own store, to give the trader's lock up on drop.
+    regional: Arc<Link>,
+    /// This gateway's id among its region's.
+    gateway: String,
 }
 
 impl std::fmt::Debug for RegionalStore {
@@ -254,6 +258,18 @@ impl std::fmt::Debug for RegionalStore {
 impl Drop for RegionalStore {
     fn drop(&mut self) {
         self.rounds.abort();
+        // A gateway shutting down gives the trader's lock up, so that another trades at its
+        // next sync rather than after the lock's lifetime (best effort: a crash cannot).
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (regional, gateway) = (self.regional.clone(), self.gateway.clone());
+            let name = self.settings.name.clone();
+            runtime.spawn(async move {
+                let args = ["release".to_owned(), gateway, "0".to_owned()];
+                let _ = regional
+                    .regional(&trader::regional_keys(&name), &args)
+                    .await;
+            });
+        }
     }
 }
 
@@ -279,13 +295,15 @@ impl RegionalStore {
         let settings = Arc::new(settings);
         let shares = Arc::new(Shares::new(settings.regions.len(), MAX_KEYS));
         let status = Arc::new(RegionStatus::new(settings.name.clone()));
+        let regional = Arc::new(Link::new(&settings.regional_url, settings.timeout)?);
+        let gateway = format!("{}-{:016x}", std::process::id(), fastrand::u64(..));
         let mut trader = Trader::new(
             settings.clone(),
             shares.clone(),
             inner.clone(),
-            Link::new(&settings.regional_url, settings.timeout)?,
+            regional.clone(),
             Link::new(&settings.global_url, settings.timeout)?,
-            format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
+            gateway.clone(),
             status.clone(),
         );
         let interval = settings.sync_interval;
@@ -316,6 +334,8 @@ impl RegionalStore {
             status,
             settings,
             rounds,
+            regional,
+            gateway,
         })
     }
 

@@ -15,6 +15,15 @@ use super::{RegionSettings, RegionStatus, TradeResult};
 use crate::limit::{Algorithm, Limit};
 use crate::store::{Check, Store, StoreError};
 
+/// The keys of the regional script, all under the region's hash tag.
+pub(super) fn regional_keys(region: &str) -> Vec<String> {
+    let tag = format!("floodgate:region:{{{region}}}");
+    ["table", "version", "acks", "demand", "specs", "trader"]
+        .iter()
+        .map(|part| format!("{tag}:{part}"))
+        .collect()
+}
+
 /// A row of the region's table: `"units,ends_ms,version,previous,spec"`.
 #[derive(Clone, Debug)]
 struct Row {
@@ -85,7 +94,7 @@ pub(super) struct Trader {
     pub(super) settings: Arc<RegionSettings>,
     pub(super) shares: Arc<Shares>,
     pub(super) inner: Arc<dyn Store>,
-    pub(super) regional: Link,
+    pub(super) regional: Arc<Link>,
     pub(super) global: Link,
     pub(super) gateway: String,
     pub(super) status: Arc<RegionStatus>,
@@ -99,6 +108,8 @@ pub(super) struct Trader {
     offset_ms: Option<i64>,
     /// The last trade failed: promises to stay low are not renewed until one succeeds.
     failing: bool,
+    /// Trades since this gateway became its region's trader.
+    rounds_as_trader: u32,
     epoch: Instant,
 }
 
@@ -124,7 +135,7 @@ impl Trader {
         settings: Arc<RegionSettings>,
         shares: Arc<Shares>,
         inner: Arc<dyn Store>,
-        regional: Link,
+        regional: Arc<Link>,
         global: Link,
         gateway: String,
         status: Arc<RegionStatus>,
@@ -143,16 +154,13 @@ impl Trader {
             pressure: HashMap::new(),
             offset_ms: None,
             failing: false,
+            rounds_as_trader: 0,
             epoch: Instant::now(),
         }
     }
 
     fn keys(&self) -> Vec<String> {
-        let tag = format!("floodgate:region:{{{}}}", self.settings.name);
-        ["table", "version", "acks", "demand", "specs", "trader"]
-            .iter()
-            .map(|part| format!("{tag}:{part}"))
-            .collect()
+        regional_keys(&self.settings.name)
     }
 
     fn live_ms(&self) -> u64 {
@@ -174,6 +182,7 @@ impl Trader {
             self.estimates.clear();
             self.caps.clear();
             self.pressure.clear();
+            self.rounds_as_trader = 0;
             return;
         }
         if trade_due && let Err(error) = self.trade(view).await {
@@ -321,23 +330,21 @@ impl Trader {
         (per_window.min(u128::from(u64::MAX)) as u64).clamp(1, limit.limit())
     }
 
-    /// What the region wants of `key`: under pressure (some region wants more than it has),
-    /// what its last interval's demand calls for, down to 1; otherwise what its running
-    /// estimate calls for, and never less than its fixed share.
-    fn want(&self, key: &Arc<str>, limit: &Limit, fixed: u64) -> u64 {
+    /// What the region wants of `key`, holding `units`: under pressure (some region wants
+    /// more than it has), what its last interval's demand calls for, down to 1; otherwise what
+    /// its running estimate calls for, and never less than its fixed share. Until the demand
+    /// is known (a trader in its first two rounds, a demand first seen an interval ago: its
+    /// first interval was partial), never less than it holds.
+    fn want(&self, key: &Arc<str>, limit: &Limit, fixed: u64, units: u64) -> u64 {
         let estimate = self.estimates.get(key);
-        if self.pressure.contains_key(key) {
-            match estimate {
-                // A demand seen for part of an interval only says little yet.
-                Some(estimate) if estimate.rounds < 2 => {
-                    self.target(limit, estimate.last_round).max(fixed)
-                }
-                _ => self.target(limit, estimate.map_or(0, |e| e.last_round)),
-            }
+        let wanted = if self.pressure.contains_key(key) {
+            self.target(limit, estimate.map_or(0, |e| e.last_round))
         } else {
             self.target(limit, estimate.map_or(0, |e| e.per_interval))
                 .max(fixed)
-        }
+        };
+        let known = self.rounds_as_trader >= 2 && estimate.is_none_or(|e| e.rounds >= 2);
+        if known { wanted } else { wanted.max(units) }
     }
 
     /// The limit of a key to trade: the one its demand came with, else its spec's.
@@ -351,6 +358,7 @@ impl Trader {
 
     async fn trade(&mut self, mut view: View) -> Result<(), StoreError> {
         let regions = self.settings.regions.len();
+        self.rounds_as_trader = self.rounds_as_trader.saturating_add(1);
         for estimate in self.estimates.values_mut() {
             estimate.last_round = estimate.this_round;
             estimate.rounds = estimate.rounds.saturating_add(1);
@@ -372,7 +380,8 @@ impl Trader {
         }
         for (key, estimate) in &self.estimates {
             let fixed = fixed_share(estimate.limit.limit(), regions);
-            if self.want(key, &estimate.limit, fixed) > fixed && seen.insert(key.clone()) {
+            let units = view.units(key, fixed);
+            if self.want(key, &estimate.limit, fixed, units) > fixed && seen.insert(key.clone()) {
                 keys.push((key.clone(), estimate.spec.clone()));
             }
         }
@@ -399,7 +408,7 @@ impl Trader {
             let fixed = fixed_share(limit.limit(), regions);
             let units = view.units(key, fixed);
             let cap = self.caps.get(key).copied().unwrap_or(limit.limit());
-            let hold = self.want(key, limit, fixed).min(cap).max(1);
+            let hold = self.want(key, limit, fixed, units).min(cap).max(1);
             if hold >= units {
                 continue;
             }
@@ -445,7 +454,7 @@ impl Trader {
             // While the global store is unreachable, promises to stay low are not renewed: a
             // trade that arrives late says this region may hold its fixed share.
             let report = if self.failing { most.max(fixed) } else { most };
-            let want = self.want(&key, &limit, fixed);
+            let want = self.want(&key, &limit, fixed, units);
             items.push(Item {
                 key,
                 limit,
