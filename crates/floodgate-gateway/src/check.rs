@@ -113,7 +113,19 @@ fn store_summary(store: &config::StoreSettings) -> String {
         }
         (true, None, None) => ", exact".to_owned(),
     };
-    format!("{backend}{mode}")
+    let region = store.region.as_ref().map_or_else(String::new, |region| {
+        let settings = &region.settings;
+        format!(
+            ", region {} of {} (fixed share 1/{}, traded every {:?} through {}, leases of {:?})",
+            settings.name,
+            settings.regions.join("/"),
+            settings.regions.len(),
+            settings.sync_interval,
+            config::redact_url(&settings.global_url),
+            settings.lease_lifetime,
+        )
+    });
+    format!("{backend}{mode}{region}")
 }
 
 /// Names joined by commas, the first ten and a count of the rest.

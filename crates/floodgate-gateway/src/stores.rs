@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use floodgate::overrides::Overrides;
 use floodgate::store::batched::SyncTarget;
+use floodgate::store::region::RegionalStore;
 use floodgate::store::{
     BatchedStore, Check, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder,
     ShardedRedisStore, SplitStore,
@@ -84,6 +85,7 @@ pub(crate) fn builds_the_same_store(current: &StoreSettings, new: &StoreSettings
                 && current.deny_cache == new.deny_cache
                 && current.coalesce == new.coalesce
                 && current.hot_identities == new.hot_identities
+                && current.region == new.region
         }
     }
 }
@@ -104,6 +106,8 @@ pub(crate) struct BuiltStore {
     /// a [`SplitStore`] in front of the same batched store decides the limits that cannot run
     /// batched exactly on the shared store.
     pub for_any_algorithm: Arc<dyn Store>,
+    /// With `store.region`: the region's trading, and the share in force of each key.
+    pub region: Option<RegionalStore>,
 }
 
 impl BuiltStore {
@@ -123,6 +127,7 @@ impl BuiltStore {
             store,
             hot_identities,
             overrides,
+            region: None,
         }
     }
 }
@@ -133,6 +138,19 @@ impl BuiltStore {
 /// [`SplitStore`] deciding them from leases of a [`BatchedStore`], each on its own interval
 /// (the ceilings outermost, so that a saturated ceiling costs nothing further).
 pub(crate) fn build_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
+    let mut built = build_regional_store(settings)?;
+    if let Some(region) = &settings.region {
+        // Every mode decides against the region's own store, on the region's shares.
+        let regional = RegionalStore::new(built.store.clone(), region.settings.clone())?;
+        built.for_any_algorithm = Arc::new(regional.sharing(built.for_any_algorithm.clone()));
+        built.store = Arc::new(regional.clone());
+        built.region = Some(regional);
+    }
+    Ok(built)
+}
+
+/// The store of one region (of the only one, without `store.region`).
+fn build_regional_store(settings: &StoreSettings) -> Result<BuiltStore, StoreError> {
     let Some(shared) = shared_store(settings)? else {
         let memory = MemoryStore::builder()
             .evict_every(Duration::from_secs(10))

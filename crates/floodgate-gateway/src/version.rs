@@ -133,6 +133,11 @@ impl ConfigVersion {
         self.store.overrides.as_ref()
     }
 
+    /// The region's trading (`store.region`).
+    pub(crate) fn region(&self) -> Option<&floodgate::store::region::RegionalStore> {
+        self.store.region.as_ref()
+    }
+
     /// Which identities this version's store decides from leases (`store.hot_identities`).
     pub(crate) fn hot_identities(&self) -> Option<&Arc<HotIdentities>> {
         self.store.hot_identities.as_ref()

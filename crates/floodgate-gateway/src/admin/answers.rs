@@ -118,6 +118,52 @@ pub(crate) struct Status {
 pub(crate) struct StoreState {
     pub(crate) backend: &'static str,
     pub(crate) breaker: Option<&'static str>,
+    /// With `store.region`: the region and its trades with the global store.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) region: Option<RegionState>,
+}
+
+/// A region's trading as this gateway sees it. `global` is `healthy` (the last good trade
+/// within two intervals), `unreachable` (none since: shares lapse to the fixed ones), or
+/// `other_gateway` (another gateway of the region trades; this one only syncs).
+#[derive(Debug, Serialize)]
+pub(crate) struct RegionState {
+    name: String,
+    regions: Vec<String>,
+    global: &'static str,
+    trader: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    since_last_good_trade_seconds: Option<f64>,
+    trades_ok: u64,
+    trades_failed: u64,
+    trades_stale: u64,
+    moved_shares: u64,
+}
+
+impl RegionState {
+    /// `region`'s state now.
+    pub(crate) fn of(region: &floodgate::store::region::RegionalStore) -> RegionState {
+        use floodgate::store::region::TradeResult;
+        let status = region.status();
+        let settings = region.settings();
+        let since = status.since_last_good_trade();
+        let global = match since {
+            None => "other_gateway",
+            Some(since) if since <= settings.sync_interval * 2 => "healthy",
+            Some(_) => "unreachable",
+        };
+        RegionState {
+            name: settings.name.clone(),
+            regions: settings.regions.clone(),
+            global,
+            trader: status.is_trader(),
+            since_last_good_trade_seconds: since.map(seconds),
+            trades_ok: status.trades(TradeResult::Ok),
+            trades_failed: status.trades(TradeResult::Failed),
+            trades_stale: status.trades(TradeResult::Stale),
+            moved_shares: status.moved_shares(),
+        }
+    }
 }
 
 /// `GET /admin/clients`: a client's limits as they stand.
@@ -175,6 +221,38 @@ pub(crate) struct LimitView {
     /// For a quota (a fixed window of a day or longer): what the period has used and left.
     #[serde(skip_serializing_if = "Option::is_none")]
     quota: Option<QuotaView>,
+    /// With `store.region`: this region's share of the limit in force here (`limit` and
+    /// `remaining` above are of the share).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) region_share: Option<RegionShareView>,
+}
+
+/// A region's share of one limit: `units` of the configured `of`, its `fixed` share, whether
+/// it `trades`, and how long a raised share lasts unless renewed.
+#[derive(Debug, Serialize)]
+pub(crate) struct RegionShareView {
+    region: String,
+    units: u64,
+    of: u64,
+    fixed: u64,
+    trades: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    raised_for_seconds: Option<f64>,
+}
+
+impl RegionShareView {
+    /// `region`'s share of `check`'s limit as it stands on this gateway.
+    pub(crate) fn of(region: &floodgate::store::region::RegionalStore, check: &Check) -> Self {
+        let share = region.share_of(&check.key, &check.limit);
+        RegionShareView {
+            region: region.settings().name.clone(),
+            units: share.units,
+            of: check.limit.limit(),
+            fixed: share.fixed,
+            trades: floodgate::store::region::trades(&check.limit),
+            raised_for_seconds: share.raised_for.map(seconds),
+        }
+    }
 }
 
 /// A quota's period as it stands: `used` and `left` of its `limit`, and when the period ends
@@ -221,6 +299,7 @@ impl LimitView {
             view: if batched { "node" } else { "shared" },
             in_force: None,
             quota,
+            region_share: None,
         }
     }
 }

@@ -21,8 +21,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::admin::answers::{
     ActiveConfig, ClientOverrides, Failure, InspectedClient, LimitName, LimitView, OverridePage,
-    OverrideView, OverridesRemoved, PlanReadiness, Readiness, Reloaded, Reset, StoreRejected,
-    StoreState, TopClient, TopClients,
+    OverrideView, OverridesRemoved, PlanReadiness, Readiness, RegionShareView, RegionState,
+    Reloaded, Reset, StoreRejected, StoreState, TopClient, TopClients,
 };
 use crate::admin::inspect::{ClientQuery, SelectError, Selected};
 use crate::gateway::Gateway;
@@ -297,6 +297,7 @@ async fn status(State(state): State<AdminState>) -> Response {
         store: StoreState {
             backend: store.backend(),
             breaker,
+            region: current.region().map(RegionState::of),
         },
         overrides_in_force: overrides.len(),
         overrides: overrides
@@ -384,6 +385,9 @@ async fn inspect_client(
                 let entry = overrides.applied_to(check)?;
                 Some(OverrideView::new(&entry, overrides.now()))
             });
+            limit.region_share = current
+                .region()
+                .map(|region| RegionShareView::of(region, check));
             limit
         })
         .collect();

@@ -144,6 +144,34 @@ impl Config {
 
     /// Settings that are valid but probably not what a deployment wants: `floodgate check`
     /// prints them and `serve` logs them at start.
+    /// Every configured limit for which `matches` holds, as `<path> `<name>` (<algorithm>)`,
+    /// sorted.
+    fn limits_where(&self, matches: impl Fn(&Limit) -> bool) -> Vec<String> {
+        let mut found: Vec<String> = self
+            .plans
+            .iter()
+            .flat_map(|(name, plan)| {
+                let endpoints = plan.endpoints.entries().flat_map(|(_, limits)| {
+                    limits
+                        .limits
+                        .iter()
+                        .map(|limit| (format!("endpoint rule {}", limits.rule), limit))
+                });
+                plan.limits
+                    .iter()
+                    .map(move |limit| (format!("plans.{name}.limits"), limit))
+                    .chain(endpoints)
+            })
+            .chain(self.per_ip.iter().map(|limit| ("per_ip".to_owned(), limit)))
+            .filter(|(_, limit)| matches(limit))
+            .map(|(path, limit)| {
+                format!("{path} `{}` ({})", limit.name(), limit.algorithm().as_str())
+            })
+            .collect();
+        found.sort();
+        found
+    }
+
     pub(crate) fn warnings(&self, admin_token_set: bool) -> Vec<String> {
         let mut warnings = Vec::new();
         let keyed_plans_limit = self.unknown_keys == UnknownKeys::DefaultPlan
@@ -158,32 +186,22 @@ impl Config {
             ));
         }
         if self.store.hot_identities.is_some() {
-            let mut exact: Vec<String> = self
-                .plans
-                .iter()
-                .flat_map(|(name, plan)| {
-                    let endpoints = plan.endpoints.entries().flat_map(|(_, limits)| {
-                        limits
-                            .limits
-                            .iter()
-                            .map(|limit| (format!("endpoint rule {}", limits.rule), limit))
-                    });
-                    plan.limits
-                        .iter()
-                        .map(move |limit| (format!("plans.{name}.limits"), limit))
-                        .chain(endpoints)
-                })
-                .chain(self.per_ip.iter().map(|limit| ("per_ip".to_owned(), limit)))
-                .filter(|(_, limit)| !floodgate::store::batched::supports(limit.algorithm()))
-                .map(|(path, limit)| {
-                    format!("{path} `{}` ({})", limit.name(), limit.algorithm().as_str())
-                })
-                .collect();
-            exact.sort();
+            let exact =
+                self.limits_where(|limit| !floodgate::store::batched::supports(limit.algorithm()));
             if !exact.is_empty() {
                 warnings.push(format!(
                     "store.hot_identities: these limits stay exact even for hot identities (only token_bucket, gcra, fixed_window and sliding_window_counter can be leased): {}",
                     exact.join(", ")
+                ));
+            }
+        }
+        if let Some(region) = &self.store.region {
+            let fixed = self.limits_where(|limit| !floodgate::store::region::trades(limit));
+            if !fixed.is_empty() {
+                warnings.push(format!(
+                    "store.region: these limits keep the fixed share of each region (1/{}) and never trade it (only token_bucket, gcra, fixed_window and sliding_window_counter on a plain window trade): {}",
+                    region.settings.regions.len(),
+                    fixed.join(", ")
                 ));
             }
         }

@@ -48,6 +48,48 @@ pub(crate) struct RawStore {
     pub fallback_share: f64,
     /// This deployment's share of every limit (a region's fixed share of a global limit).
     pub share: f64,
+    /// Several regions sharing the limits, shares traded through a global store.
+    pub region: Option<RawRegion>,
+}
+
+/// `store.region:` as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRegion {
+    /// This region's name, one of `regions`.
+    pub name: String,
+    /// Every region sharing the limits.
+    pub regions: Vec<String>,
+    /// The global store's URL: where regions trade their shares.
+    pub global: String,
+    /// The region's own Redis where its gateways share their table (default: `store.url`;
+    /// needed with a cluster, sharded or Sentinel store).
+    #[serde(default)]
+    pub local: Option<String>,
+    /// How often the region trades.
+    #[serde(default = "default_region_interval")]
+    pub sync_interval: String,
+    /// How long a grant or a promise lasts unless renewed (default: three intervals).
+    #[serde(default)]
+    pub lease_lifetime: Option<String>,
+    /// Deadline of a call to the global store or the region's table.
+    #[serde(default = "default_region_timeout")]
+    pub timeout: String,
+}
+
+fn default_region_interval() -> String {
+    "1s".to_owned()
+}
+
+fn default_region_timeout() -> String {
+    "1s".to_owned()
+}
+
+/// `store.region`, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RegionConfig {
+    /// The library's settings, URLs included.
+    pub settings: floodgate::store::region::RegionSettings,
 }
 
 impl Default for RawStore {
@@ -70,6 +112,7 @@ impl Default for RawStore {
             sentinel: None,
             fallback_share: 1.0,
             share: 1.0,
+            region: None,
         }
     }
 }
@@ -192,6 +235,8 @@ pub(crate) struct StoreSettings {
     /// Exact mode on a shared store: identities decided from leases while their decision rate
     /// on this node is above a threshold.
     pub hot_identities: Option<HotIdentitySettings>,
+    /// Several regions sharing the limits (`store.region`).
+    pub region: Option<RegionConfig>,
 }
 
 /// `store.hot_identities`, checked.
@@ -201,6 +246,211 @@ pub(crate) struct HotIdentitySettings {
     pub above_per_second: u64,
     /// The measuring interval, and the leases' trading interval.
     pub interval: Duration,
+}
+
+/// The shortest and longest region sync intervals: trades cross oceans (a round trip of
+/// 100 ms or more), and a share that moves once a minute follows no demand.
+const REGION_INTERVALS: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(60));
+
+/// Whether `name` can name a region: 1 to 32 letters, digits, `-` or `_` (it is part of
+/// Redis keys and metrics).
+fn is_region_name(name: &str) -> bool {
+    (1..=32).contains(&name.len())
+        && name
+            .bytes()
+            .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
+}
+
+/// Whether `url` looks like a Redis server's URL: `redis://` or `rediss://` and a host.
+fn looks_like_redis_url(url: &str) -> bool {
+    let rest = url
+        .strip_prefix("redis://")
+        .or_else(|| url.strip_prefix("rediss://"));
+    rest.is_some_and(|rest| {
+        let authority = rest.split('/').next().unwrap_or("");
+        let host = authority.rsplit('@').next().unwrap_or("");
+        !host.is_empty() && !host.starts_with(':')
+    })
+}
+
+/// `store.region`, checked against the rest of `store`.
+fn region(
+    errors: &mut Errors,
+    store: &RawStore,
+    backend: Option<&Backend>,
+) -> Option<RegionConfig> {
+    let raw = store.region.as_ref()?;
+    let mut valid = true;
+    let mut fail = |errors: &mut Errors, path: &str, problem: String| {
+        errors.push(path.to_owned(), problem);
+        valid = false;
+    };
+    if backend.is_some_and(|backend| !backend.is_shared()) {
+        fail(
+            errors,
+            "store.region",
+            "needs a shared store (redis, redis_cluster or redis_sharded): each region decides \
+             against its own Redis"
+                .to_owned(),
+        );
+    }
+    if store.share != 1.0 {
+        fail(
+            errors,
+            "store.share",
+            "cannot be combined with store.region, whose fixed share is 1 / regions and moves \
+             with the demand"
+                .to_owned(),
+        );
+    }
+    if raw.regions.is_empty() {
+        fail(
+            errors,
+            "store.region.regions",
+            "needs at least one region".to_owned(),
+        );
+    }
+    for (index, name) in raw.regions.iter().enumerate() {
+        if !is_region_name(name) {
+            fail(
+                errors,
+                &format!("store.region.regions[{index}]"),
+                format!("`{name}` is not a region name (1 to 32 letters, digits, - or _)"),
+            );
+        } else if raw.regions[..index].contains(name) {
+            fail(
+                errors,
+                &format!("store.region.regions[{index}]"),
+                format!("`{name}` is listed twice"),
+            );
+        }
+    }
+    if !raw.regions.contains(&raw.name) {
+        fail(
+            errors,
+            "store.region.name",
+            format!(
+                "`{}` is not among store.region.regions ({})",
+                raw.name,
+                raw.regions.join(", ")
+            ),
+        );
+    }
+    if !looks_like_redis_url(&raw.global) {
+        fail(
+            errors,
+            "store.region.global",
+            format!(
+                "`{}` is not a redis:// URL of a server every region reaches",
+                redact_url(&raw.global)
+            ),
+        );
+    }
+    let local = match (&raw.local, backend) {
+        (Some(local), _) => Some(local.clone()),
+        (None, Some(Backend::Redis { url, .. })) => Some(url.clone()),
+        (None, Some(_)) => {
+            fail(
+                errors,
+                "store.region.local",
+                "needed with this backend: the URL of one Redis in this region where its \
+                 gateways share their table of shares"
+                    .to_owned(),
+            );
+            None
+        }
+        (None, None) => None,
+    };
+    if let Some(local) = &local
+        && !looks_like_redis_url(local)
+    {
+        fail(
+            errors,
+            "store.region.local",
+            format!("`{}` is not a redis:// URL", redact_url(local)),
+        );
+    }
+    if local.as_deref() == Some(raw.global.as_str()) {
+        fail(
+            errors,
+            "store.region.global",
+            "must not be the region's own store: a region that cannot reach the global store \
+             must still reach its own"
+                .to_owned(),
+        );
+    }
+    let (shortest, longest) = REGION_INTERVALS;
+    let interval = match positive_duration(&raw.sync_interval) {
+        Ok(interval) if interval < shortest || interval > longest => {
+            fail(
+                errors,
+                "store.region.sync_interval",
+                format!("must be between {shortest:?} and {longest:?}"),
+            );
+            None
+        }
+        Ok(interval) => Some(interval),
+        Err(problem) => {
+            fail(errors, "store.region.sync_interval", problem.to_string());
+            None
+        }
+    };
+    let lifetime = match (&raw.lease_lifetime, interval) {
+        (None, interval) => interval.map(|interval| interval * 3),
+        (Some(text), interval) => match positive_duration(text) {
+            Ok(lifetime) if interval.is_some_and(|interval| lifetime < interval * 2) => {
+                fail(
+                    errors,
+                    "store.region.lease_lifetime",
+                    "must be at least two sync intervals (a grant is renewed once per interval)"
+                        .to_owned(),
+                );
+                None
+            }
+            Ok(lifetime) if lifetime > Duration::from_secs(600) => {
+                fail(
+                    errors,
+                    "store.region.lease_lifetime",
+                    "must be at most 10m".to_owned(),
+                );
+                None
+            }
+            Ok(lifetime) => Some(lifetime),
+            Err(problem) => {
+                fail(errors, "store.region.lease_lifetime", problem.to_string());
+                None
+            }
+        },
+    };
+    let timeout = match positive_duration(&raw.timeout) {
+        Ok(timeout) if timeout > Duration::from_secs(30) => {
+            fail(
+                errors,
+                "store.region.timeout",
+                "must be at most 30s".to_owned(),
+            );
+            None
+        }
+        Ok(timeout) => Some(timeout),
+        Err(problem) => {
+            fail(errors, "store.region.timeout", problem.to_string());
+            None
+        }
+    };
+    if !valid {
+        return None;
+    }
+    let mut settings = floodgate::store::region::RegionSettings::new(
+        raw.name.clone(),
+        raw.regions.clone(),
+        raw.global.clone(),
+        local?,
+        interval?,
+    );
+    settings.lease_lifetime = lifetime?;
+    settings.timeout = timeout?;
+    Some(RegionConfig { settings })
 }
 
 /// A decision rate, `<n>/s`, `<n>/m`, `<n>/h` or `<n>/<duration>` (`3000/10s`), as decisions
@@ -440,6 +690,7 @@ pub(super) fn store(
     if !(store.share > 0.0 && store.share <= 1.0) {
         errors.push("store.share", "must be greater than 0 and at most 1");
     }
+    let region = region(errors, store, backend.as_ref());
     Some(StoreSettings {
         backend: backend?,
         timeout: store_timeout?,
@@ -453,6 +704,7 @@ pub(super) fn store(
         deny_cache: store.deny_cache,
         coalesce: store.coalesce,
         hot_identities,
+        region,
     })
 }
 
@@ -529,6 +781,142 @@ plans:
                 "backend: redis, sync_interval: 100ms, hot_identities: { above: 5/s }",
                 "store.hot_identities",
                 "applies to exact mode",
+            ),
+        ] {
+            let errors = errors_of(&format!(
+                "store: {{ {store} }}\nplans: {{ free: {{}}, anonymous: {{}} }}\n"
+            ));
+            if path.is_empty() {
+                assert!(errors.is_empty(), "{store}: {errors:?}");
+                continue;
+            }
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error.starts_with(path) && error.contains(problem)),
+                "{store}: {errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_region_trades_through_a_global_store_it_names() {
+        let config = parse(
+            r#"
+store:
+  backend: redis
+  url: "redis://redis.eu:6379"
+  region: { name: eu, regions: [eu, us, ap], global: "redis://redis.us:6379", sync_interval: 500ms }
+plans:
+  free:
+    limits:
+      - { name: s, algorithm: token_bucket, limit: 300, window: 1s }
+      - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
+      - { name: month, algorithm: fixed_window, limit: 10000, period: month }
+  anonymous: {}
+"#,
+        )
+        .unwrap();
+        let region = &config.store.region.as_ref().unwrap().settings;
+        assert_eq!(region.name, "eu");
+        assert_eq!(region.regions, ["eu", "us", "ap"]);
+        assert_eq!(region.global_url, "redis://redis.us:6379");
+        assert_eq!(region.regional_url, "redis://redis.eu:6379");
+        assert_eq!(region.sync_interval, Duration::from_millis(500));
+        assert_eq!(region.lease_lifetime, Duration::from_millis(1500));
+        let warnings = config.warnings(true);
+        assert!(
+            warnings
+                .iter()
+                .any(|warning| warning.starts_with("store.region:")
+                    && warning.contains("1/3")
+                    && warning.contains("`log` (sliding_window_log)")
+                    && warning.contains("`month` (fixed_window)")
+                    && !warning.contains("`s`")),
+            "{warnings:?}"
+        );
+        let region = "name: eu, regions: [eu, us], global: \"redis://g:6379\"";
+        for (store, path, problem) in [
+            (
+                format!("backend: redis, region: {{ {region} }}"),
+                "",
+                "",
+            ),
+            (
+                format!("backend: memory, region: {{ {region} }}"),
+                "store.region",
+                "needs a shared store",
+            ),
+            (
+                format!("backend: redis, share: 0.5, region: {{ {region} }}"),
+                "store.share",
+                "cannot be combined with store.region",
+            ),
+            (
+                "backend: redis, region: { name: asia, regions: [eu, us], global: \"redis://g\" }"
+                    .to_owned(),
+                "store.region.name",
+                "`asia` is not among store.region.regions (eu, us)",
+            ),
+            (
+                "backend: redis, region: { name: eu, regions: [eu, \"u s\", eu], global: \"redis://g\" }"
+                    .to_owned(),
+                "store.region.regions[1]",
+                "not a region name",
+            ),
+            (
+                "backend: redis, region: { name: eu, regions: [eu, us, eu], global: \"redis://g\" }"
+                    .to_owned(),
+                "store.region.regions[2]",
+                "listed twice",
+            ),
+            (
+                "backend: redis, region: { name: eu, regions: [eu], global: \"http://g\" }"
+                    .to_owned(),
+                "store.region.global",
+                "not a redis:// URL",
+            ),
+            (
+                "backend: redis, region: { name: eu, regions: [eu], global: \"redis://:6379\" }"
+                    .to_owned(),
+                "store.region.global",
+                "not a redis:// URL",
+            ),
+            (
+                "backend: redis, url: \"redis://r:1\", region: { name: eu, regions: [eu], global: \"redis://r:1\" }"
+                    .to_owned(),
+                "store.region.global",
+                "must not be the region's own store",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, sync_interval: 10ms }}"),
+                "store.region.sync_interval",
+                "between 100ms and 60s",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, sync_interval: 1s, lease_lifetime: 1s }}"),
+                "store.region.lease_lifetime",
+                "at least two sync intervals",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, timeout: 0s }}"),
+                "store.region.timeout",
+                "greater than 0",
+            ),
+            (
+                format!("backend: redis_cluster, nodes: [\"redis://c:1\"], region: {{ {region} }}"),
+                "store.region.local",
+                "needed with this backend",
+            ),
+            (
+                format!("backend: redis_cluster, nodes: [\"redis://c:1\"], region: {{ {region}, local: \"redis://t:1\" }}"),
+                "",
+                "",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, every: 1s }}"),
+                "store.region",
+                "unknown field `every`",
             ),
         ] {
             let errors = errors_of(&format!(

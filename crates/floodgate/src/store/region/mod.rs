@@ -61,6 +61,12 @@ use crate::decision::Decision;
 use crate::limit::Limit;
 use crate::time::Timestamp;
 
+/// Whether a limit's share moves between regions: the algorithms that batch, on a plain window
+/// (a calendar period keeps its fixed share).
+pub fn trades(limit: &Limit) -> bool {
+    shares::tradeable(limit)
+}
+
 /// Where a region trades, and how often.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionSettings {
@@ -235,8 +241,17 @@ pub struct ShareInForce {
 
 /// A region's store: decisions against the region's own store on its shares of each limit,
 /// shares traded with the other regions in the background. See the [module docs](self).
+///
+/// Clones, and the stores [`RegionalStore::sharing`] makes, share the shares and the rounds;
+/// the rounds stop when the last of them is dropped.
+#[derive(Clone)]
 pub struct RegionalStore {
     inner: Arc<dyn Store>,
+    core: Arc<Core>,
+}
+
+/// What every store of one region on one gateway shares.
+struct Core {
     shares: Arc<Shares>,
     status: Arc<RegionStatus>,
     settings: Arc<RegionSettings>,
@@ -250,12 +265,12 @@ pub struct RegionalStore {
 impl std::fmt::Debug for RegionalStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegionalStore")
-            .field("settings", &self.settings)
+            .field("settings", &self.core.settings)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for RegionalStore {
+impl Drop for Core {
     fn drop(&mut self) {
         self.rounds.abort();
         // A gateway shutting down gives the trader's lock up, so that another trades at its
@@ -330,29 +345,41 @@ impl RegionalStore {
         });
         Ok(RegionalStore {
             inner,
-            shares,
-            status,
-            settings,
-            rounds,
-            regional,
-            gateway,
+            core: Arc::new(Core {
+                shares,
+                status,
+                settings,
+                rounds,
+                regional,
+                gateway,
+            }),
         })
+    }
+
+    /// A store deciding through `inner` on this region's shares, with this store's rounds (a
+    /// gateway's second path to the same regional store, for limits of other algorithms).
+    /// The rounds trade `inner`'s keys' shares too, and charge a raise through this store's.
+    pub fn sharing(&self, inner: Arc<dyn Store>) -> RegionalStore {
+        RegionalStore {
+            inner,
+            core: self.core.clone(),
+        }
     }
 
     /// The settings this store trades by.
     pub fn settings(&self) -> &RegionSettings {
-        &self.settings
+        &self.core.settings
     }
 
     /// Its trading, as this gateway sees it.
     pub fn status(&self) -> &Arc<RegionStatus> {
-        &self.status
+        &self.core.status
     }
 
     /// The share in force here for `key` under `limit`: the table's, or the fixed share.
     pub fn share_of(&self, key: &str, limit: &Limit) -> ShareInForce {
-        let fixed = shares::fixed_share(limit.limit(), self.settings.regions.len());
-        match self.shares.share_of(key) {
+        let fixed = shares::fixed_share(limit.limit(), self.core.settings.regions.len());
+        match self.core.shares.share_of(key) {
             Some((units, fixed, raised_until)) => ShareInForce {
                 units,
                 fixed,
@@ -374,7 +401,7 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        let scaled = self.shares.scale(checks);
+        let scaled = self.core.shares.scale(checks);
         Box::pin(async move { self.inner.check_and_consume(&scaled, now).await })
     }
 
@@ -401,7 +428,7 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        let scaled = self.shares.scale_quietly(checks);
+        let scaled = self.core.shares.scale_quietly(checks);
         Box::pin(async move { self.inner.peek(&scaled, now).await })
     }
 
@@ -414,7 +441,7 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let scaled = self.shares.scale_quietly(checks);
+        let scaled = self.core.shares.scale_quietly(checks);
         Box::pin(async move { self.inner.charge(&scaled, now).await })
     }
 
@@ -424,7 +451,7 @@ impl Store for RegionalStore {
         charged_at: Timestamp,
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let scaled = self.shares.scale_quietly(checks);
+        let scaled = self.core.shares.scale_quietly(checks);
         Box::pin(async move { self.inner.refund(&scaled, charged_at, now).await })
     }
 
