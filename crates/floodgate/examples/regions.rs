@@ -41,16 +41,21 @@ fn print(shape: Shape, mode: Mode, report: &Report, run: Duration, interval: Dur
         / (RATE * (run - steady_from).as_secs_f64());
     // One trade per interval at most: the first at the run's start.
     let intervals = (report.elapsed.as_secs_f64() / interval.as_secs_f64()).floor() + 1.0;
-    let p99: Vec<String> = report
-        .regions
-        .iter()
-        .map(|region| format!("{:.2}", region.latency(0.99).as_secs_f64() * 1000.0))
-        .collect();
-    let p50: Vec<String> = report
-        .regions
-        .iter()
-        .map(|region| format!("{:.2}", region.latency(0.5).as_secs_f64() * 1000.0))
-        .collect();
+    // A region without requests has no latency: "–".
+    let quantile = |q: f64| -> Vec<String> {
+        report
+            .regions
+            .iter()
+            .map(|region| {
+                if region.latencies.is_empty() {
+                    "–".to_owned()
+                } else {
+                    format!("{:.2}", region.latency(q).as_secs_f64() * 1000.0)
+                }
+            })
+            .collect()
+    };
+    let (p50, p99) = (quantile(0.5), quantile(0.99));
     let calls: Vec<String> = report
         .regions
         .iter()

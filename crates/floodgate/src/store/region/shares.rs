@@ -46,7 +46,12 @@ struct Tracked {
     scaled: Arc<Limit>,
     /// Units asked for since the last sync (admitted or not).
     demand: u64,
+    /// Syncs since the key was last asked for.
+    idle_syncs: u8,
 }
+
+/// Syncs a key no row names stays tracked without being asked for (two intervals).
+const FORGET_AFTER_SYNCS: u8 = 8;
 
 /// What a region's table says of one key, for a gateway to put in force.
 #[derive(Clone, Debug)]
@@ -156,6 +161,7 @@ impl Shares {
                             scaled_units: check.limit.limit(),
                             scaled: check.limit.clone(),
                             demand: 0,
+                            idle_syncs: 0,
                         })
                     }
                     None => {
@@ -211,6 +217,11 @@ impl Shares {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (key, tracked) in shard.iter_mut() {
                 let demand = std::mem::take(&mut tracked.demand);
+                tracked.idle_syncs = if demand > 0 {
+                    0
+                } else {
+                    tracked.idle_syncs.saturating_add(1)
+                };
                 if demand > 0 {
                     taken.push((key.clone(), demand, LimitSpec::of(&tracked.original)));
                 }
@@ -230,7 +241,9 @@ impl Shares {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             shard.retain(|key, tracked| {
                 tracked.in_force = table.get(key).map(|(entry, _)| entry.in_force());
-                let keep = tracked.in_force.is_some() || tracked.demand > 0;
+                let keep = tracked.in_force.is_some()
+                    || tracked.demand > 0
+                    || tracked.idle_syncs < FORGET_AFTER_SYNCS;
                 forgotten += usize::from(!keep);
                 keep
             });
@@ -276,6 +289,7 @@ impl Shares {
                 original,
                 in_force: Some(entry.in_force()),
                 demand: 0,
+                idle_syncs: 0,
             },
         );
     }

@@ -163,8 +163,17 @@ impl Trader {
         regional_keys(&self.settings.name)
     }
 
+    /// How long a gateway counts as live after its last sync (and the lock lasts): an interval
+    /// beyond how long its table stays current ([`Trader::current_for`]), so that a gateway the
+    /// trader stops waiting for has stopped deciding above one unit.
     fn live_ms(&self) -> u64 {
-        (self.settings.sync_interval * 3).as_millis() as u64
+        (self.current_for() + self.settings.sync_interval).as_millis() as u64
+    }
+
+    /// How long a sync keeps this gateway's table current: two intervals, and a trade's
+    /// deadline (the trader syncs again only once its trade is over).
+    fn current_for(&self) -> Duration {
+        self.settings.sync_interval * 2 + self.settings.timeout
     }
 
     /// One round: sync with the region's table, then, if `trade_due` and this gateway holds
@@ -273,8 +282,7 @@ impl Trader {
             })
             .collect();
         self.shares.apply(&entries, regions);
-        self.shares
-            .mark_current(sent + self.settings.sync_interval * 2);
+        self.shares.mark_current(sent + self.current_for());
     }
 
     /// The units a request could still take from `key` under `units` (its window's count so
