@@ -35,8 +35,9 @@
 //! deadline is a duration measured by the process that keeps it), and a trade the global store
 //! applies within `timeout` of its sending or not at all (a trade carries a deadline by the
 //! global store's clock, from the offset the last trade measured; the first trade has none).
-//! A gateway whose syncs with its region's store fail for two intervals and a `timeout` decides every
-//! tradeable limit at one unit until one succeeds (its region may have lowered any share).
+//! A gateway whose syncs with its region's store fail for two intervals and a `timeout`
+//! decides every tradeable limit at one unit until one succeeds (its region may have lowered
+//! any share), and so does a gateway before its first sync.
 //!
 //! **Costs.** A limit of fewer units than there are regions gives each region 1 (their sum
 //! exceeds the limit, as `store.share` does). A window algorithm lowers no further than its
