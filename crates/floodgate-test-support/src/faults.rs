@@ -42,6 +42,11 @@ pub enum Fault {
     /// after the server sent it. A client whose deadline is shorter sees an error although the
     /// server applied the command. Replies already held when the fault changes keep their time.
     DelayReplies(Duration),
+    /// A link with this one-way delay: what the client sends reaches the server this long
+    /// after it reached the proxy, and each reply reaches the client this long after the
+    /// server sent it (a round trip of twice the delay, as across an ocean). Bytes already
+    /// held when the fault changes keep their time.
+    Latency(Duration),
     /// What the client sends is forwarded; once the server answers, the answer is discarded and
     /// the connection closed on both sides: applied, but never seen by the client.
     DropAfterForward,
@@ -234,8 +239,11 @@ struct Connection {
     upstream: Option<TcpStream>,
     fault: watch::Receiver<Fault>,
     counters: Arc<Counters>,
-    /// Replies held back by [`Fault::DelayReplies`], with when each may go, in order.
+    /// Replies held back by [`Fault::DelayReplies`] and [`Fault::Latency`], with when each
+    /// may go, in order.
     held: VecDeque<(Instant, Vec<u8>)>,
+    /// Commands held back by [`Fault::Latency`], with when each may go, in order.
+    outbound: VecDeque<(Instant, Vec<u8>)>,
     /// [`Fault::DropAfterForward`] forwarded something: the next reply is discarded and the
     /// connection closed.
     dropping: bool,
@@ -263,6 +271,7 @@ impl Connection {
             fault,
             counters,
             held: VecDeque::new(),
+            outbound: VecDeque::new(),
             dropping: false,
             swallowed: false,
         }
@@ -291,6 +300,7 @@ impl Connection {
                 return;
             }
             let next_release = self.held.front().map(|(at, _)| *at);
+            let next_send = self.outbound.front().map(|(at, _)| *at);
             let upstream = self.upstream.as_mut();
             let next = tokio::select! {
                 changed = self.fault.changed() => {
@@ -306,6 +316,8 @@ impl Connection {
                 },
                 () = tokio::time::sleep_until(next_release.unwrap_or_else(Instant::now)),
                     if next_release.is_some() => self.release_due().await,
+                () = tokio::time::sleep_until(next_send.unwrap_or_else(Instant::now)),
+                    if next_send.is_some() => self.send_due().await,
             };
             if let Next::Close = next {
                 return;
@@ -331,24 +343,59 @@ impl Connection {
                 if self.must_close(fault) {
                     return Next::Close;
                 }
-                if self.upstream.is_none() && self.connect().await.is_err() {
-                    return Next::Close;
+                if let Fault::Latency(delay) = fault {
+                    self.outbound
+                        .push_back((Instant::now() + delay, bytes.to_vec()));
+                    return Next::Continue;
                 }
-                let Some(upstream) = self.upstream.as_mut() else {
-                    return Next::Close;
-                };
-                if upstream.write_all(bytes).await.is_err() {
-                    return Next::Close;
+                if !self.outbound.is_empty() {
+                    // Behind the commands still held, so that commands keep their order.
+                    self.outbound.push_back((Instant::now(), bytes.to_vec()));
+                    return Next::Continue;
                 }
-                self.counters
-                    .forwarded
-                    .fetch_add(bytes.len() as u64, Ordering::SeqCst);
-                if fault == Fault::DropAfterForward {
-                    self.dropping = true;
-                }
-                Next::Continue
+                self.forward(bytes, fault).await
             }
         }
+    }
+
+    /// Sends every held command whose time has come.
+    async fn send_due(&mut self) -> Next {
+        let now = Instant::now();
+        while self.outbound.front().is_some_and(|(at, _)| *at <= now) {
+            let Some((_, bytes)) = self.outbound.pop_front() else {
+                break;
+            };
+            let fault = self.current();
+            let next = match fault {
+                Fault::Refuse => Next::Close,
+                Fault::BlackHole => self.swallow(&bytes),
+                _ => self.forward(&bytes, fault).await,
+            };
+            if let Next::Close = next {
+                return Next::Close;
+            }
+        }
+        Next::Continue
+    }
+
+    /// Writes `bytes` to the upstream (connecting first if needed), under `fault`.
+    async fn forward(&mut self, bytes: &[u8], fault: Fault) -> Next {
+        if self.upstream.is_none() && self.connect().await.is_err() {
+            return Next::Close;
+        }
+        let Some(upstream) = self.upstream.as_mut() else {
+            return Next::Close;
+        };
+        if upstream.write_all(bytes).await.is_err() {
+            return Next::Close;
+        }
+        self.counters
+            .forwarded
+            .fetch_add(bytes.len() as u64, Ordering::SeqCst);
+        if fault == Fault::DropAfterForward {
+            self.dropping = true;
+        }
+        Next::Continue
     }
 
     async fn on_upstream_bytes(&mut self, bytes: &[u8]) -> Next {
@@ -365,7 +412,7 @@ impl Connection {
                 self.swallow(bytes);
                 Next::Close
             }
-            Fault::DelayReplies(delay) => {
+            Fault::DelayReplies(delay) | Fault::Latency(delay) => {
                 self.held
                     .push_back((Instant::now() + delay, bytes.to_vec()));
                 Next::Continue

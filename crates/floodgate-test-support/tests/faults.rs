@@ -102,6 +102,36 @@ fn delayed_replies_time_out_at_the_client_although_redis_applied_the_command() {
     assert_eq!(incr(&mut fresh, "k").unwrap(), 3, "recovered");
 }
 
+/// One-way latency: a command reaches Redis only after the delay (not applied while the
+/// client's deadline runs out before it), and a patient client's round trip takes twice it.
+#[test]
+fn latency_delays_commands_and_replies_alike() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let mut existing = connect(&proxy.url(), CLIENT_DEADLINE).unwrap();
+    ping(&mut existing).unwrap();
+    proxy.set(Fault::Latency(DELAY));
+    let sent = Instant::now();
+    let error = incr(&mut existing, "k").expect_err("the reply comes after the deadline");
+    assert!(error.is_timeout(), "{error}");
+    // Its deadline is over (300 ms) and the command is still on its way (800 ms).
+    assert!(sent.elapsed() < DELAY);
+    assert_eq!(stored(&server, "k"), None, "not applied before the delay");
+    wait_until(Duration::from_secs(3), "the INCR applied", || {
+        stored(&server, "k") == Some(1)
+    });
+    assert!(sent.elapsed() >= DELAY, "{:?}", sent.elapsed());
+
+    let mut patient = connect(&proxy.url(), DELAY * 5).unwrap();
+    let started = Instant::now();
+    assert_eq!(incr(&mut patient, "k").unwrap(), 2);
+    assert!(started.elapsed() >= DELAY * 2, "{:?}", started.elapsed());
+
+    proxy.set(Fault::None);
+    let mut fresh = connect(&proxy.url(), CLIENT_DEADLINE).unwrap();
+    assert_eq!(incr(&mut fresh, "k").unwrap(), 3, "recovered");
+}
+
 #[test]
 fn drop_after_forward_applies_the_command_and_closes_before_the_reply() {
     let server = RedisServer::start();
