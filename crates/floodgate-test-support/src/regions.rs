@@ -236,6 +236,10 @@ impl Regions {
         rate: impl Fn(usize, Duration) -> f64 + Send + Sync + 'static,
     ) -> Report {
         let key: Arc<str> = format!("fgregion:{{user:{client}}}:plan:{}", limit.name()).into();
+        // As a gateway does before it serves: every one's table in force.
+        for gateway in self.gateways.iter().flatten() {
+            gateway.probe().await.expect("the region's table loads");
+        }
         let started = Instant::now();
         let rate = Arc::new(rate);
         let buckets = (duration.as_millis() / BUCKET.as_millis()) as usize + 1;

@@ -1,21 +1,30 @@
 -- Regions trading their shares of each limit in the global store (floodgate_region_trade).
 --
 -- A region may use its fixed share of a limit (`limit / regions`, at least 1) without asking.
--- A record (one hash per limit key, one field per region: "share,ends_ms,want") says otherwise
--- until it ends: a share below the fixed one is a region's promise to stay under it (it
--- lends), one above is a grant (it borrows). A grant never makes the shares of all regions
--- exceed the limit (every region without a live record counted at its fixed share) and ends
--- no later than the promises it borrows from; when regions want more than the limit holds,
--- each gets a max-min fair part of it (its `cap`), and a region holding more than its part
--- lowers itself before saying so.
+-- A record (one hash per limit key, one field per region: "share,ends_ms,want,counts_ms")
+-- says otherwise: a share below the fixed one is a region's promise to stay under it until
+-- `ends` (it lends); one above is a grant it may use until `ends` (it borrows), and whose
+-- units count until `counts` (a window's count outlives the grant: to the end of its window,
+-- and of the next for a sliding window counter, with a margin for the servers' clocks). Every
+-- region without a record that counts is counted at its fixed share, so a grant never makes
+-- the shares of all regions exceed the limit; a grant ends no later than the promises it
+-- borrows from and is not renewed while the region holds more than the others now leave it;
+-- when regions want more than the limit holds, each gets a max-min fair part of it (its
+-- `cap`), and a region holding more than its part lowers itself before saying so.
 --
--- KEYS: the record of each item, then the pressure set (a sorted set of "<limit key> <spec>"
--- for the keys some region wanted more of than it got, scored by when).
+-- A store that starts empty (its `born` key missing: a new deployment, or a restart without
+-- its data) only records for a lifetime: every region that can reach it reports what it holds
+-- at its next trade, promises included, before anything is granted again (one that cannot is
+-- counted at its fixed share, which it returns to on its own).
+--
+-- KEYS: the record of each item, then the pressure set (a sorted set of "<limit key>\n<spec>"
+-- for the keys some region wants more of than its fixed share or than it got, scored by
+-- when), then the `born` key.
 -- ARGV: this region, the regions (comma-separated), the lifetime of a record (ms), the
 -- trade's deadline by this server's clock (ms; 0: none; a trade that arrives later is stale
--- and changes nothing), the number of items; then per item its limit key, its spec (to tell
--- lending regions what the limit is), the limit, the most this region may have in force now
--- (`report`) and the share it wants.
+-- and changes nothing), the margin for clocks (ms), the number of items; then per item its
+-- limit key, its spec ("<algorithm> <limit> <window us> <burst>"), the limit, the most this
+-- region may have in force now (`report`) and the share it wants.
 -- Reply: { now_ms, 'ok' | 'stale', per item: grant, ms until a grant above the fixed share
 -- ends (0 if none), cap; then the pressured keys and their specs, in pairs }.
 
@@ -39,9 +48,26 @@ local function fair_level(wants, limit)
   return limit
 end
 
+-- Until when a region's units of a limit count, from when its share ends: windows keep their
+-- count to the end of the window (and of the next for a sliding window counter).
+local function counts_until(spec, ends, margin)
+  local algorithm, window = string.match(spec, '^(%S+) %d+ (%d+) ')
+  window = math.floor(tonumber(window or '0') / 1000)
+  if window <= 0 then
+    return ends
+  end
+  if algorithm == 'fixed_window' then
+    return (math.floor(ends / window) + 1) * window + margin
+  elseif algorithm == 'sliding_window_counter' then
+    return (math.floor(ends / window) + 2) * window + margin
+  end
+  return ends
+end
+
 local function floodgate_region_trade(keys, args)
   local now = now_ms()
-  local me, lifetime, deadline, n = args[1], tonumber(args[3]), tonumber(args[4]), tonumber(args[5])
+  local me, lifetime, deadline = args[1], tonumber(args[3]), tonumber(args[4])
+  local margin, n = tonumber(args[5]), tonumber(args[6])
   local regions = {}
   for name in string.gmatch(args[2], '[^,]+') do
     regions[#regions + 1] = name
@@ -49,25 +75,33 @@ local function floodgate_region_trade(keys, args)
   if deadline > 0 and now > deadline then
     return { now, 'stale' }
   end
+  local pressure, born_key = keys[n + 1], keys[n + 2]
+  redis.call('SET', born_key, now, 'NX')
+  local settling = now - tonumber(redis.call('GET', born_key)) < lifetime
   local reply = { now, 'ok' }
-  local pressure = keys[n + 1]
   for i = 1, n do
-    local at = 6 + (i - 1) * 5
+    local at = 7 + (i - 1) * 5
     local key, spec = keys[i], args[at + 1]
     local limit, report, want = tonumber(args[at + 2]), tonumber(args[at + 3]), tonumber(args[at + 4])
     local fixed = math.max(1, math.floor(limit / #regions))
     local others, promises_end, wants = 0, now + lifetime, {}
+    local previous_ends = now
     for _, region in ipairs(regions) do
-      if region ~= me then
+      local value = redis.call('HGET', key, region)
+      local s, e, w, c
+      if value then
+        s, e, w, c = string.match(value, '^(%d+),(%d+),(%d+),(%d+)$')
+      end
+      if region == me then
+        if s and tonumber(e) > now then
+          previous_ends = tonumber(e)
+        end
+      else
         local share, wanted = fixed, fixed
-        local value = redis.call('HGET', key, region)
-        if value then
-          local s, e, w = string.match(value, '^(%d+),(%d+),(%d+)$')
-          if s and tonumber(e) > now then
-            share, wanted = tonumber(s), tonumber(w)
-            if share < fixed then
-              promises_end = math.min(promises_end, tonumber(e))
-            end
+        if s and tonumber(c) > now then
+          share, wanted = tonumber(s), tonumber(w)
+          if share < fixed then
+            promises_end = math.min(promises_end, tonumber(e))
           end
         end
         others = others + share
@@ -76,23 +110,38 @@ local function floodgate_region_trade(keys, args)
     end
     wants[#wants + 1] = want
     local cap = math.min(want, fair_level(wants, limit))
-    local grant = math.max(report, math.min(want, cap, limit - others))
-    local ends = now + lifetime
-    if grant > fixed then
-      ends = promises_end
+    local grant, ends
+    if settling then
+      grant, cap = report, report
+    else
+      grant = math.max(report, math.min(want, cap, limit - others))
     end
-    if grant == fixed and want <= fixed then
+    if grant > fixed then
+      if settling or report > math.max(fixed, limit - others) then
+        -- Not renewed: the others came back, or the store lost what it granted.
+        ends = math.min(previous_ends, promises_end)
+      else
+        ends = promises_end
+      end
+    else
+      ends = now + lifetime
+    end
+    if grant == fixed and want <= fixed and not settling then
       redis.call('HDEL', key, me)
     else
-      redis.call('HSET', key, me, grant .. ',' .. ends .. ',' .. want)
-      redis.call('PEXPIRE', key, lifetime * 4)
+      local counts = ends
+      if grant > fixed then
+        counts = counts_until(spec, ends, margin)
+      end
+      redis.call('HSET', key, me, grant .. ',' .. ends .. ',' .. want .. ',' .. counts)
+      redis.call('PEXPIRE', key, math.max(lifetime * 4, counts - now + lifetime))
     end
-    if want > grant then
-      redis.call('ZADD', pressure, now, args[at] .. ' ' .. spec)
+    if want > fixed or want > grant then
+      redis.call('ZADD', pressure, now, args[at] .. '\n' .. spec)
     end
     local left = 0
     if grant > fixed then
-      left = ends - now
+      left = math.max(0, ends - now)
     end
     reply[#reply + 1] = grant
     reply[#reply + 1] = left
@@ -100,7 +149,7 @@ local function floodgate_region_trade(keys, args)
   end
   redis.call('ZREMRANGEBYSCORE', pressure, '-inf', now - lifetime)
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', pressure, now - lifetime, '+inf', 'LIMIT', 0, 1024)) do
-    local key, spec = string.match(member, '^(%S+) (.+)$')
+    local key, spec = string.match(member, '^([^\n]+)\n(.+)$')
     if key then
       reply[#reply + 1] = key
       reply[#reply + 1] = spec

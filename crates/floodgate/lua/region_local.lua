@@ -77,7 +77,13 @@ local function floodgate_region_local(keys, args)
       if not at or tonumber(at) < now - live then
         redis.call('HDEL', acks_key, acks[i])
       else
-        oldest = math.min(oldest, tonumber(acked))
+        -- A version beyond the table's was acknowledged before the store lost its table: it
+        -- says nothing of this table's versions.
+        acked = tonumber(acked)
+        if acked > version then
+          acked = 0
+        end
+        oldest = math.min(oldest, acked)
       end
     end
     local demand = redis.call('HGETALL', demand_key)

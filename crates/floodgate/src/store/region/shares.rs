@@ -78,6 +78,8 @@ pub(crate) struct Shares {
     /// Until when this gateway's table is current: past it (its syncs failing), every
     /// tradeable key is decided at one unit, since its region may have lowered any share.
     current_until: Mutex<Option<Instant>>,
+    /// Whether a sync ever put the table in force.
+    synced: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shares {
@@ -89,6 +91,7 @@ impl Shares {
             max_keys,
             keys: AtomicU64::new(0),
             current_until: Mutex::new(None),
+            synced: tokio::sync::watch::Sender::new(false),
         }
     }
 
@@ -116,6 +119,13 @@ impl Shares {
             .current_until
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(until);
+        self.synced.send_replace(true);
+    }
+
+    /// Waits until a first sync put the region's table in force.
+    pub(crate) async fn first_sync(&self) {
+        let mut synced = self.synced.subscribe();
+        let _ = synced.wait_for(|synced| *synced).await;
     }
 
     /// The units of `limit` in force for `key` now.
@@ -183,7 +193,7 @@ impl Shares {
                     tracked.scaled_units = units;
                 }
                 if count && tradeable(&check.limit) {
-                    tracked.demand += check.cost;
+                    tracked.demand = tracked.demand.saturating_add(check.cost);
                 }
                 Check {
                     limit: tracked.scaled.clone(),

@@ -110,7 +110,25 @@ pub(super) struct Trader {
     failing: bool,
     /// Trades since this gateway became its region's trader.
     rounds_as_trader: u32,
+    /// Until when this gateway puts no table in force (its region's store lost its table).
+    distrust_until: Option<Instant>,
+    /// The global store's clock was asked for once, at start.
+    clock_asked: bool,
     epoch: Instant,
+}
+
+/// How long a region keeps a promise to stay low after it last told the global store so:
+/// as long as the global store may hold it (its deadline, a lifetime), an interval more,
+/// and for a window algorithm as long as a borrower's count of its window may stand on it
+/// (a window, two for a sliding window counter).
+fn promise_ms(settings: &RegionSettings, limit: &Limit) -> i64 {
+    let windows = match limit.algorithm() {
+        Algorithm::FixedWindow => 1,
+        Algorithm::SlidingWindowCounter => 2,
+        _ => 0,
+    };
+    (settings.timeout + settings.lease_lifetime + settings.sync_interval).as_millis() as i64
+        + windows * (limit.window_micros() / 1000) as i64
 }
 
 fn ms_between(from: Instant, to: Instant) -> i64 {
@@ -155,6 +173,8 @@ impl Trader {
             offset_ms: None,
             failing: false,
             rounds_as_trader: 0,
+            distrust_until: None,
+            clock_asked: false,
             epoch: Instant::now(),
         }
     }
@@ -187,6 +207,13 @@ impl Trader {
                 return;
             }
         };
+        if self.offset_ms.is_none() && !self.clock_asked {
+            // Every gateway measures the global store's clock once when it starts (and every
+            // trade measures it again), so that even a new trader's first trade carries a
+            // deadline without a call of its own.
+            self.clock_asked = true;
+            let _ = self.call_global(&[], Instant::now()).await;
+        }
         if !view.trader {
             self.estimates.clear();
             self.caps.clear();
@@ -194,7 +221,10 @@ impl Trader {
             self.rounds_as_trader = 0;
             return;
         }
-        if trade_due && let Err(error) = self.trade(view).await {
+        // A gateway that just became its region's trader trades at once: the shares its
+        // predecessor was granted need renewing.
+        let due = trade_due || self.rounds_as_trader == 0;
+        if due && let Err(error) = self.trade(view).await {
             tracing::warn!(%error, region = %self.settings.name, "region trade round failed");
         }
     }
@@ -212,9 +242,14 @@ impl Trader {
             demand.len().to_string(),
         ];
         for (key, units, spec) in &demand {
-            args.extend([key.to_string(), units.to_string(), spec.0.clone()]);
+            args.extend([
+                key.to_string(),
+                units.min(&(i64::MAX as u64 / 4)).to_string(),
+                spec.0.clone(),
+            ]);
         }
         let synced = self.regional.regional(&self.keys(), &args).await?;
+        let received = Instant::now();
         let mut parts = reply::array(synced, "sync")?.into_iter();
         let mut next = |what: &str| {
             parts
@@ -233,12 +268,30 @@ impl Trader {
                 table.insert(key, row);
             }
         }
-        self.put_in_force(&table, regional_now, sent);
+        if version < self.loaded_version {
+            // The region's store lost its table (a restart without its data): the promises it
+            // held may still stand at the global store. Distrust every share until they lapse.
+            tracing::warn!(region = %self.settings.name, "the region's table went back a version: \
+                deciding tradeable limits at one unit until its promises lapse");
+            self.distrust_until = Some(
+                sent + self.settings.timeout
+                    + self.settings.lease_lifetime
+                    + self.settings.sync_interval,
+            );
+        }
+        if self
+            .distrust_until
+            .is_none_or(|until| Instant::now() >= until)
+        {
+            self.distrust_until = None;
+            self.put_in_force(&table, regional_now, sent);
+        }
         self.loaded_version = version;
         self.status.set_trader(trader);
         let mut view = View {
             regional_now,
             sent,
+            received,
             trader,
             oldest_acked: version,
             table,
@@ -262,7 +315,7 @@ impl Trader {
                 this_round: 0,
                 rounds: 0,
             });
-            estimate.this_round += units;
+            estimate.this_round = estimate.this_round.saturating_add(units);
         }
         Ok(view)
     }
@@ -306,26 +359,33 @@ impl Trader {
     /// Before a share rises from `from` to `to`: a bucket's stored credit would be worth more
     /// units under the larger share (its level is kept in time), so the units it would gain are
     /// charged first, and the key holds as many units as before. Windows gain nothing.
-    async fn charge_for_raise(&self, key: &Arc<str>, limit: &Arc<Limit>, from: u64, to: u64) {
+    /// Whether the raise may go ahead (charged, or nothing to charge).
+    async fn charge_for_raise(
+        &self,
+        key: &Arc<str>,
+        limit: &Arc<Limit>,
+        from: u64,
+        to: u64,
+    ) -> bool {
         if !matches!(limit.algorithm(), Algorithm::TokenBucket | Algorithm::Gcra) || to <= from {
-            return;
+            return true;
         }
         let before = Check::new(key.clone(), Arc::new(limit.with_share(from)), 0);
-        let tokens = match self.inner.peek(&[before], None).await {
-            Ok(decision) => decision
-                .limits()
-                .first()
-                .map_or(0, |status| status.remaining),
-            // Not knowing, charge as if the bucket were full.
-            Err(_) => limit.with_share(from).burst(),
+        let Ok(peeked) = self.inner.peek(&[before], None).await else {
+            return false;
         };
+        let tokens = peeked.limits().first().map_or(0, |status| status.remaining);
         let gained = (u128::from(tokens) * u128::from(to - from)).div_ceil(u128::from(from.max(1)));
         if gained == 0 {
-            return;
+            return true;
         }
         let charge = Check::new(key.clone(), Arc::new(limit.with_share(to)), gained as u64);
-        if let Err(error) = self.inner.charge(&[charge], None).await {
-            tracing::warn!(%error, "region: charging a raised share failed");
+        match self.inner.charge(&[charge], None).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "region: charging a raised share failed: not raised");
+                false
+            }
         }
     }
 
@@ -398,19 +458,26 @@ impl Trader {
                 keys.push((key.clone(), spec.clone()));
             }
         }
+        // Each key under its limit as configured now (a reload may have changed it since its row
+        // was written).
         let keys: Vec<(Arc<str>, Arc<Limit>, LimitSpec)> = keys
             .into_iter()
-            .filter_map(|(key, spec)| Some((key.clone(), self.limit_of(&key, &spec)?, spec)))
+            .filter_map(|(key, spec)| {
+                let limit = self.limit_of(&key, &spec)?;
+                let spec = LimitSpec::of(&limit);
+                Some((key, limit, spec))
+            })
             .collect();
+        let round_synced = view.sent;
 
         // Lowerings first: in force on every gateway of the region before the global store
         // hears of them. Each gateway acknowledges them at its next sync; the trade waits for
         // that up to half an interval (a gateway that has not acknowledged by then is reported
         // at what it may still have in force).
-        let promise_ms =
-            (self.settings.timeout + self.settings.lease_lifetime + self.settings.sync_interval)
-                .as_millis() as i64;
-        let revert_ms = |view: &View| view.regional_at(Instant::now()) + promise_ms;
+        let settings = self.settings.clone();
+        let revert_ms = |view: &View, limit: &Limit| {
+            view.at_most(Instant::now()) + promise_ms(&settings, limit)
+        };
         let mut changes: Vec<(Arc<str>, Option<Row>)> = Vec::new();
         for (key, limit, spec) in &keys {
             let fixed = fixed_share(limit.limit(), regions);
@@ -430,7 +497,7 @@ impl Trader {
                 Some(Row {
                     units: lowered,
                     ends_ms: if lowered < fixed {
-                        revert_ms(&view)
+                        revert_ms(&view, limit)
                     } else {
                         row.map_or(0, |row| row.ends_ms)
                     },
@@ -472,6 +539,41 @@ impl Trader {
                 want,
             });
         }
+        // Promises renewed by this trade last, in the region, at least as long as the global
+        // store may hold them from it: written before it hears of them.
+        for item in &items {
+            let fixed = fixed_share(item.limit.limit(), regions);
+            if item.report < fixed
+                && let Some(row) = view.table.get(&item.key)
+            {
+                let mut row = row.clone();
+                row.ends_ms = row.ends_ms.max(revert_ms(&view, &item.limit));
+                row.previous = if view.is_pending(&item.key) {
+                    row.previous.max(row.units)
+                } else {
+                    0
+                };
+                changes.push((item.key.clone(), Some(row)));
+            }
+        }
+        if !changes.is_empty() {
+            self.write(&mut changes, &mut view).await?;
+        }
+        // The trade must be applied while this gateway still holds the trader's lock (taken
+        // at the round's sync), so that two traders never overlap: else it waits a round.
+        let lock_left =
+            Duration::from_millis(self.live_ms()).saturating_sub(round_synced.elapsed());
+        if lock_left < self.settings.timeout + self.settings.sync_interval / 2 {
+            tracing::warn!(region = %self.settings.name, "region round too slow: trade skipped");
+            return Ok(());
+        }
+        if self.offset_ms.is_none() {
+            // The clock was never measured: a trade without a deadline could be applied late,
+            // and only what cannot harm may go (promises to stay low are not renewed).
+            for item in &mut items {
+                item.report = item.report.max(fixed_share(item.limit.limit(), regions));
+            }
+        }
         let global_sent = Instant::now();
         let replies = match self.call_global(&items, global_sent).await {
             Ok(replies) => {
@@ -485,12 +587,17 @@ impl Trader {
                 Vec::new()
             }
         };
-        let granted_at = view.regional_at(global_sent);
+        // Grants end by the regional clock no later than the global store said: measured from
+        // the least the regional clock can read when the trade was sent.
+        let granted_at = view.at_least(global_sent);
         let traded: HashSet<Arc<str>> = if replies.is_empty() {
             HashSet::new()
         } else {
             items.iter().map(|item| item.key.clone()).collect()
         };
+        if !replies.is_empty() {
+            self.caps.retain(|key, _| traded.contains(key));
+        }
         for (item, (grant, left_ms, cap)) in items.iter().zip(replies) {
             self.caps.insert(item.key.clone(), cap);
             let fixed = fixed_share(item.limit.limit(), regions);
@@ -498,29 +605,39 @@ impl Trader {
             let pending = view.is_pending(&item.key);
             let pressured = self.pressure.contains_key(&item.key);
             if grant == fixed && item.want <= fixed && !pressured && !pending {
-                if row.is_some() {
+                // Back to the fixed share: a lender's bucket is charged what it would gain.
+                if row.is_some()
+                    && (item.units >= fixed
+                        || self
+                            .charge_for_raise(&item.key, &item.limit, item.units, fixed)
+                            .await)
+                {
                     changes.push((item.key.clone(), None));
                 }
                 continue;
             }
             // A grant is what the region may hold; it takes no more than it wants and its fair
             // part (a grant at its report while a lowering is pending is not a raise).
-            let units = grant
+            let mut units = grant
                 .min(item.want)
                 .min(cap)
                 .max(item.units)
                 .min(item.limit.limit());
+            if units > item.units
+                && !self
+                    .charge_for_raise(&item.key, &item.limit, item.units, units)
+                    .await
+            {
+                // Not charged: not raised.
+                units = item.units;
+            }
             let ends_ms = if units > fixed {
                 granted_at + left_ms
             } else if units < fixed {
-                revert_ms(&view)
+                revert_ms(&view, &item.limit)
             } else {
                 0
             };
-            if units > item.units {
-                self.charge_for_raise(&item.key, &item.limit, item.units, units)
-                    .await;
-            }
             let previous = match row {
                 Some(row) if pending => row.previous.max(row.units),
                 _ => 0,
@@ -538,16 +655,19 @@ impl Trader {
         }
         // Rows no trade renewed: a raised share that ended is gone; a lowered one whose
         // promise may have lapsed at the global store goes back to the fixed share.
-        let now_ms = view.regional_at(Instant::now());
+        let now_ms = view.at_least(Instant::now());
         for (key, row) in &view.table {
             if traded.contains(key) || row.ends_ms == 0 || row.ends_ms > now_ms {
                 continue;
             }
             if let Some(limit) = row.spec.limit() {
                 let fixed = fixed_share(limit.limit(), regions);
-                if row.units < fixed {
-                    self.charge_for_raise(key, &Arc::new(limit), row.units, fixed)
-                        .await;
+                if row.units < fixed
+                    && !self
+                        .charge_for_raise(key, &Arc::new(limit), row.units, fixed)
+                        .await
+                {
+                    continue;
                 }
             }
             changes.push((key.clone(), None));
@@ -577,11 +697,13 @@ impl Trader {
             .map(|item| format!("floodgate:regions:{}", item.key))
             .collect();
         keys.push("floodgate:regions:pressure".to_owned());
+        keys.push("floodgate:regions:born".to_owned());
         let mut args = vec![
             self.settings.name.clone(),
             self.settings.regions.join(","),
             self.settings.lease_lifetime.as_millis().to_string(),
             deadline.to_string(),
+            self.settings.timeout.as_millis().to_string(),
             items.len().to_string(),
         ];
         for item in items {
@@ -601,10 +723,12 @@ impl Trader {
         let parsed = (|| -> Result<Option<Vec<Granted>>, StoreError> {
             let parts = reply::array(value, "trade")?;
             let global_now = reply::int(parts.first().unwrap_or(&Value::Nil), "now")?;
+            // Measured from stale answers too: a global clock that stepped forward would
+            // otherwise make every later trade stale.
+            self.offset_ms = Some(global_now - ms_between(self.epoch, received));
             if reply::text(parts.get(1).unwrap_or(&Value::Nil), "result")? != "ok" {
                 return Ok(None);
             }
-            self.offset_ms = Some(global_now - ms_between(self.epoch, received));
             let mut grants = Vec::with_capacity(items.len());
             for index in 0..items.len() {
                 let at = 2 + index * 3;
@@ -690,6 +814,8 @@ struct View {
     regional_now: i64,
     /// When the sync was sent, by this process's clock.
     sent: Instant,
+    /// When its answer came back.
+    received: Instant,
     trader: bool,
     /// The oldest table version a live gateway of the region has in force.
     oldest_acked: i64,
@@ -697,15 +823,22 @@ struct View {
 }
 
 impl View {
-    /// The regional store's clock at `at` (ms), from the sync's reading.
-    fn regional_at(&self, at: Instant) -> i64 {
+    /// The least the regional store's clock can read at `at` (ms): its reading was taken
+    /// before the sync's answer came back. For ends that must not come late.
+    fn at_least(&self, at: Instant) -> i64 {
+        self.regional_now + ms_between(self.received, at)
+    }
+
+    /// The most the regional store's clock can read at `at` (ms): its reading was taken after
+    /// the sync was sent. For ends that must not come early.
+    fn at_most(&self, at: Instant) -> i64 {
         self.regional_now + ms_between(self.sent, at)
     }
 
     /// The share of `key` in force by the table (the fixed share once a raise ended).
     fn units(&self, key: &str, fixed: u64) -> u64 {
         match self.table.get(key) {
-            Some(row) if row.units <= fixed || row.ends_ms > self.regional_at(Instant::now()) => {
+            Some(row) if row.units <= fixed || row.ends_ms > self.at_least(Instant::now()) => {
                 row.units
             }
             _ => fixed,
