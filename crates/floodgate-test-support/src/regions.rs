@@ -48,6 +48,9 @@ pub struct RegionReport {
     pub share_per_bucket: Vec<u64>,
     /// Trades with the global store during the run, all gateways and results.
     pub trades: u64,
+    /// Admitted per second of the wall clock (seconds since the epoch, as the answer came:
+    /// the windows of a window algorithm on one second).
+    pub admitted_per_epoch_second: std::collections::BTreeMap<u64, u64>,
 }
 
 impl RegionReport {
@@ -91,6 +94,17 @@ impl Report {
             .iter()
             .map(|region| region.admitted_between(from, to))
             .sum()
+    }
+
+    /// Admitted by every region in each second of the wall clock.
+    pub fn admitted_per_epoch_second(&self) -> std::collections::BTreeMap<u64, u64> {
+        let mut total = std::collections::BTreeMap::new();
+        for region in &self.regions {
+            for (second, admitted) in &region.admitted_per_epoch_second {
+                *total.entry(*second).or_default() += admitted;
+            }
+        }
+        total
     }
 
     /// Store errors in every region.
@@ -292,6 +306,10 @@ impl Regions {
                         match result {
                             Ok(decision) if decision.is_allowed() => {
                                 report.admitted += 1;
+                                let second = std::time::SystemTime::now()
+                                    .duration_since(std::time::UNIX_EPOCH)
+                                    .map_or(0, |since| since.as_secs());
+                                *report.admitted_per_epoch_second.entry(second).or_default() += 1;
                                 if let Some(count) = report.admitted_per_bucket.get_mut(bucket) {
                                     *count += 1;
                                 }
