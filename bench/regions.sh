@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several regions, one limit: three regions in one process, each with its own redis-server and
-# gateways, a global redis-server behind a fault-injecting proxy per region (a 100 ms round
-# trip; the partition shape cuts the first region off for 5 s, then heals), a token bucket of
+# gateways, a global redis-server behind a fault-injecting proxy per region (50 ms each way: a
+# 100 ms round trip; the partition shape cuts the first region off for 5 s, then heals), a token bucket of
 # 300/s (burst 300), the shapes (concentrated, spread, moving, partition), traded
 # shares (`store.region`) beside fixed ones (`store.share`: each region 1/3, no global store)
 # on the same servers and load. Prints the table BENCHMARKS.md keeps, and each region's share

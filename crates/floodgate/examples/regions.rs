@@ -1,6 +1,6 @@
 //! The regions simulation of `bench/regions.sh`: three regions in one process, each with its
 //! own redis-server and gateways, a global redis-server behind a fault-injecting proxy per
-//! region (a 100 ms round trip), the issue's traffic shapes against a token bucket of 300/s
+//! region (50 ms each way: a 100 ms round trip), the issue's traffic shapes against a token bucket of 300/s
 //! (burst 300), traded shares beside fixed ones (`store.share`) on the same servers and load.
 //!
 //! `regions [SECONDS] [GATEWAYS PER REGION]` (default 10 s, 2 gateways)
@@ -12,7 +12,8 @@ use floodgate::{Algorithm, Limit};
 use floodgate_test_support::faults::Fault;
 use floodgate_test_support::regions::{Mode, Regions, Report};
 
-const ROUND_TRIP: Duration = Duration::from_millis(100);
+/// Each way between a region and the global store: a round trip of 100 ms.
+const ONE_WAY: Duration = Duration::from_millis(50);
 const INTERVAL: Duration = Duration::from_secs(1);
 const RATE: f64 = 300.0;
 
@@ -116,7 +117,7 @@ async fn main() {
     );
     println!(
         "token bucket 300/s, burst 300; 3 regions of {gateways} gateways; sync_interval {INTERVAL:?}; \
-         round trip to the global store {ROUND_TRIP:?}; {seconds} s per shape (partition: +5 s, the first region cut off from 5 s to 10 s)"
+         one-way delay to the global store {ONE_WAY:?} (a round trip of twice it); {seconds} s per shape (partition: +5 s, the first region cut off from 5 s to 10 s)"
     );
     println!(
         "| shape | shares | admitted | allowance | admitted / allowance | last 5 s, % of the limit | p50 ms per region | p99 ms per region | cross-region calls per region and interval | errors |"
@@ -131,7 +132,7 @@ async fn main() {
         for mode in [Mode::Fixed, Mode::Traded] {
             let regions = Arc::new(Regions::start(mode, 3, gateways, INTERVAL));
             for link in &regions.links {
-                link.set(Fault::DelayReplies(ROUND_TRIP));
+                link.set(Fault::Latency(ONE_WAY));
             }
             let run = match shape {
                 Shape::Partition => run + Duration::from_secs(5),
@@ -144,7 +145,7 @@ async fn main() {
                         tokio::time::sleep(Duration::from_secs(5)).await;
                         regions.links[0].set(Fault::BlackHole);
                         tokio::time::sleep(Duration::from_secs(5)).await;
-                        regions.links[0].set(Fault::DelayReplies(ROUND_TRIP));
+                        regions.links[0].set(Fault::Latency(ONE_WAY));
                     }
                 }
             };

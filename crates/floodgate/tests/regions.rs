@@ -20,7 +20,8 @@ use support::faults::Fault;
 use support::regions::{Mode, Regions};
 
 const INTERVAL: Duration = Duration::from_millis(200);
-const ROUND_TRIP: Duration = Duration::from_millis(100);
+/// Each way between a region and the global store: a round trip of 100 ms.
+const ONE_WAY: Duration = Duration::from_millis(50);
 
 fn bucket() -> Arc<Limit> {
     Arc::new(
@@ -36,7 +37,7 @@ fn bucket() -> Arc<Limit> {
 
 fn oceans(regions: &Regions) {
     for link in &regions.links {
-        link.set(Fault::DelayReplies(ROUND_TRIP));
+        link.set(Fault::Latency(ONE_WAY));
     }
 }
 
@@ -161,7 +162,7 @@ async fn a_partitioned_region_keeps_serving_on_its_fixed_share_and_recovers() {
             tokio::time::sleep(cut_at).await;
             regions.links[0].set(Fault::BlackHole);
             tokio::time::sleep(heal_at - cut_at).await;
-            regions.links[0].set(Fault::DelayReplies(ROUND_TRIP));
+            regions.links[0].set(Fault::Latency(ONE_WAY));
         }
     };
     let (report, ()) = tokio::join!(concentrated(&regions, "partitioned", run), cut);
@@ -260,7 +261,7 @@ async fn a_region_added_by_a_reload_gets_its_fixed_share_within_the_bound() {
     let before = concentrated(&regions, "grown", Duration::from_secs(2)).await;
     let four: Vec<String> = (0..4).map(|index| format!("r{index}")).collect();
     regions.add_region(1, &four);
-    regions.links[3].set(Fault::DelayReplies(ROUND_TRIP));
+    regions.links[3].set(Fault::Latency(ONE_WAY));
     regions.reload_with(&four);
     let after = regions
         .run(&bucket(), "grown", Duration::from_secs(3), |region, _| {
