@@ -12,8 +12,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use floodgate::store::RedisStore;
 use floodgate::store::region::{RegionSettings, RegionalStore, TradeResult};
+use floodgate::store::{BatchedStore, RedisStore};
 use floodgate::{Limit, Store, store::Check};
 
 use crate::RedisServer;
@@ -22,8 +22,11 @@ use crate::faults::FaultProxy;
 /// How the regions share the limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
-    /// Shares traded through the global store.
+    /// Shares traded through the global store, every gateway exact against its region's store.
     Traded,
+    /// Shares traded through the global store, every gateway batched in its region (leasing
+    /// from its region's store on this interval).
+    TradedBatched(Duration),
     /// Each region its fixed share, no global store.
     Fixed,
 }
@@ -182,7 +185,13 @@ impl Regions {
             .timeout(Duration::from_secs(2))
             .build()
             .expect("a Redis store");
-        RegionalStore::new(Arc::new(store), self.settings(region, regions)).expect("a region")
+        let inner: Arc<dyn Store> = match self.mode {
+            Mode::TradedBatched(interval) => {
+                Arc::new(BatchedStore::builder(store).sync_interval(interval).build())
+            }
+            Mode::Traded | Mode::Fixed => Arc::new(store),
+        };
+        RegionalStore::new(inner, self.settings(region, regions)).expect("a region")
     }
 
     /// Replaces every gateway of `region` with a new one (a region restarting; its store

@@ -67,6 +67,7 @@ fn print(shape: Shape, mode: Mode, report: &Report, run: Duration, interval: Dur
         shape.name(),
         match mode {
             Mode::Traded => "traded",
+            Mode::TradedBatched(_) => "traded, batched in each region",
             Mode::Fixed => "fixed",
         },
         report.admitted(),
@@ -78,7 +79,7 @@ fn print(shape: Shape, mode: Mode, report: &Report, run: Duration, interval: Dur
         calls.join(" / "),
         report.errors(),
     );
-    if mode == Mode::Traded {
+    if mode != Mode::Fixed {
         for (index, region) in report.regions.iter().enumerate() {
             let per_second: Vec<String> = region
                 .share_per_bucket
