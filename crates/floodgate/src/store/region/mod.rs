@@ -110,6 +110,36 @@ impl RegionSettings {
     }
 }
 
+impl RegionSettings {
+    /// Why these settings cannot run, if they cannot: the name among the regions, an interval
+    /// of at least 10 ms (syncs run four times per interval), a lifetime of at least two
+    /// intervals (a grant is renewed once per interval), a timeout greater than zero.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.regions.contains(&self.name) {
+            return Err(format!(
+                "region {:?} is not among the regions {:?}",
+                self.name, self.regions
+            ));
+        }
+        if self.sync_interval < Duration::from_millis(10) {
+            return Err(format!(
+                "sync_interval must be at least 10ms, got {:?}",
+                self.sync_interval
+            ));
+        }
+        if self.lease_lifetime < self.sync_interval * 2 {
+            return Err(format!(
+                "lease_lifetime must be at least two sync intervals, got {:?} for {:?}",
+                self.lease_lifetime, self.sync_interval
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err("timeout must be greater than 0".to_owned());
+        }
+        Ok(())
+    }
+}
+
 /// How a trade with the global store ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TradeResult {
@@ -302,12 +332,7 @@ impl RegionalStore {
         inner: Arc<dyn Store>,
         settings: RegionSettings,
     ) -> Result<RegionalStore, StoreError> {
-        if !settings.regions.contains(&settings.name) {
-            return Err(StoreError::Config(format!(
-                "region {:?} is not among the regions {:?}",
-                settings.name, settings.regions
-            )));
-        }
+        settings.check().map_err(StoreError::Config)?;
         let settings = Arc::new(settings);
         let shares = Arc::new(Shares::new(settings.regions.len(), MAX_KEYS));
         let status = Arc::new(RegionStatus::new(settings.name.clone()));
@@ -490,5 +515,53 @@ impl Store for RegionalStore {
 
     fn persistence(&self) -> BoxFuture<'_, Option<bool>> {
         self.inner.persistence()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> RegionSettings {
+        RegionSettings::new(
+            "eu",
+            vec!["eu".into(), "us".into()],
+            "redis://g:6379",
+            "redis://r:6379",
+            Duration::from_secs(1),
+        )
+    }
+
+    #[test]
+    fn settings_that_cannot_run_say_why() {
+        assert_eq!(settings().check(), Ok(()));
+        let mut outsider = settings();
+        outsider.name = "ap".into();
+        assert!(
+            outsider
+                .check()
+                .unwrap_err()
+                .contains("not among the regions")
+        );
+        let mut hasty = settings();
+        hasty.sync_interval = Duration::ZERO;
+        assert!(hasty.check().unwrap_err().contains("at least 10ms"));
+        let mut brief = settings();
+        brief.lease_lifetime = Duration::from_millis(1500);
+        assert!(brief.check().unwrap_err().contains("two sync intervals"));
+        let mut impatient = settings();
+        impatient.timeout = Duration::ZERO;
+        assert!(impatient.check().unwrap_err().contains("greater than 0"));
+    }
+
+    #[tokio::test]
+    async fn a_store_refuses_settings_that_cannot_run() {
+        let mut hasty = settings();
+        hasty.sync_interval = Duration::ZERO;
+        let store: Arc<dyn Store> = Arc::new(crate::MemoryStore::builder().build());
+        assert!(matches!(
+            RegionalStore::new(store, hasty),
+            Err(StoreError::Config(_))
+        ));
     }
 }
