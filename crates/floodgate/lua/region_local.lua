@@ -15,8 +15,9 @@
 --   'release': gives the lock up if this gateway holds it, and its acknowledgement (a gateway
 --   shutting down: another takes over at its next sync). Reply: { now_ms, version }.
 --   'write' (the trader only): ARGV[4]: the number of changes, then per change a limit key and
---   its value ('' removes it; its first '#' stands for the version written). Bumps the version, acknowledged by the writer at once (it puts
---   the table in force as it writes it). Reply: { now_ms, version }, or an error when this
+--   its value ('' removes it; its first '#' stands for the version written). Bumps the version
+--   (the writer acknowledges it at its next sync, once no decision it cut under an older
+--   version is still under way). Reply: { now_ms, version }, or an error when this
 --   gateway no longer holds the lock.
 
 local function now_ms()
@@ -51,7 +52,6 @@ local function floodgate_region_local(keys, args)
         redis.call('HSET', table_key, key, (string.gsub(value, '#', version, 1)))
       end
     end
-    redis.call('HSET', acks_key, me, version .. ',' .. now)
     return { now, version }
   end
   local n = tonumber(args[5])

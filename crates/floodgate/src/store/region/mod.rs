@@ -21,7 +21,8 @@
 //! their own share of those keys.
 //!
 //! **Order.** A share goes down on every gateway of the region (the table written, every live
-//! gateway's acknowledgement seen) before the global store hears of it, and goes up only after
+//! gateway's acknowledgement seen, which a gateway gives once no decision it cut under an
+//! older version is still on its way to the store) before the global store hears of it, and goes up only after
 //! the global store granted it; a bucket's stored credit, kept as time, would be worth more
 //! units under a larger share, so a raise is charged the difference first. A grant ends no
 //! later than the promises it borrows from ([`RegionSettings::lease_lifetime`] after they were
@@ -427,8 +428,12 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        let scaled = self.core.shares.scale(checks);
-        Box::pin(async move { self.inner.check_and_consume(&scaled, now).await })
+        let (scaled, ticket) = self.core.shares.scale(checks);
+        Box::pin(async move {
+            let decided = self.inner.check_and_consume(&scaled, now).await;
+            drop(ticket);
+            decided
+        })
     }
 
     fn check_and_consume_ready(

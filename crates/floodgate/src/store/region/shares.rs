@@ -80,6 +80,34 @@ pub(crate) struct Shares {
     current_until: Mutex<Option<Instant>>,
     /// Whether a sync ever put the table in force.
     synced: tokio::sync::watch::Sender<bool>,
+    /// The version of the table in force.
+    version: std::sync::atomic::AtomicI64,
+    /// Decisions under way, by the version of the table they were cut under: a version is
+    /// acknowledged only once no decision cut under an older one is still on its way to the
+    /// store (a lowering must be in force for every decision the store will apply).
+    in_flight: Mutex<std::collections::BTreeMap<i64, usize>>,
+}
+
+/// A decision under way, cut under one version of the table; counted until dropped.
+pub(crate) struct Ticket<'a> {
+    shares: &'a Shares,
+    version: i64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self
+            .shares
+            .in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = in_flight.get_mut(&self.version) {
+            *count -= 1;
+            if *count == 0 {
+                in_flight.remove(&self.version);
+            }
+        }
+    }
 }
 
 impl Shares {
@@ -92,6 +120,8 @@ impl Shares {
             keys: AtomicU64::new(0),
             current_until: Mutex::new(None),
             synced: tokio::sync::watch::Sender::new(false),
+            version: std::sync::atomic::AtomicI64::new(0),
+            in_flight: Mutex::new(std::collections::BTreeMap::new()),
         }
     }
 
@@ -143,9 +173,48 @@ impl Shares {
         }
     }
 
-    /// `checks` with each limit cut to this region's share of it, counting their demand.
-    pub(crate) fn scale(&self, checks: &[Check]) -> Vec<Check> {
-        self.cut(checks, true)
+    /// `checks` with each limit cut to this region's share of it, counting their demand, and
+    /// the ticket that counts the decision as under way until it is dropped.
+    pub(crate) fn scale(&self, checks: &[Check]) -> (Vec<Check>, Ticket<'_>) {
+        let ticket = self.enter();
+        (self.cut(checks, true), ticket)
+    }
+
+    fn enter(&self) -> Ticket<'_> {
+        let mut in_flight = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Read under the lock: `acknowledgeable` then sees either the ticket or a newer version.
+        let version = self.version.load(Ordering::Acquire);
+        *in_flight.entry(version).or_default() += 1;
+        Ticket {
+            shares: self,
+            version,
+        }
+    }
+
+    /// The table version this gateway may acknowledge: the one in force, or the oldest a
+    /// decision still under way was cut under.
+    pub(crate) fn acknowledgeable(&self) -> i64 {
+        let in_flight = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let current = self.version.load(Ordering::Acquire);
+        in_flight
+            .keys()
+            .next()
+            .map_or(current, |&oldest| oldest.min(current))
+    }
+
+    /// The table of `version` is in force from now on.
+    pub(crate) fn set_version(&self, version: i64) {
+        let _in_flight = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.version.store(version, Ordering::Release);
     }
 
     /// `checks` cut as [`Shares::scale`] does, their demand not counted (a peek, a charge
@@ -311,5 +380,29 @@ impl TableEntry {
             units: self.units,
             raised_until: self.raised_until,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_is_acknowledged_once_no_decision_cut_under_an_older_one_is_under_way() {
+        let shares = Shares::new(3, 10);
+        shares.set_version(1);
+        let ticket = shares.enter();
+        shares.set_version(2);
+        assert_eq!(
+            shares.acknowledgeable(),
+            1,
+            "a decision of version 1 is under way"
+        );
+        let newer = shares.enter();
+        drop(ticket);
+        assert_eq!(shares.acknowledgeable(), 2);
+        drop(newer);
+        shares.set_version(3);
+        assert_eq!(shares.acknowledgeable(), 3);
     }
 }

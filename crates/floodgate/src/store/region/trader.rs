@@ -238,7 +238,7 @@ impl Trader {
             "sync".to_owned(),
             self.gateway.clone(),
             self.live_ms().to_string(),
-            self.loaded_version.to_string(),
+            self.shares.acknowledgeable().to_string(),
             demand.len().to_string(),
         ];
         for (key, units, spec) in &demand {
@@ -287,6 +287,7 @@ impl Trader {
             self.put_in_force(&table, regional_now, sent);
         }
         self.loaded_version = version;
+        self.shares.set_version(version);
         self.status.set_trader(trader);
         let mut view = View {
             regional_now,
@@ -804,6 +805,7 @@ impl Trader {
         }
         self.shares.overlay(&entries);
         self.loaded_version = version;
+        self.shares.set_version(version);
         Ok(version)
     }
 }
