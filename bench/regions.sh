@@ -4,7 +4,7 @@
 # 100 ms round trip; the partition shape cuts the first region off for 5 s, then heals), a token bucket of
 # 300/s (burst 300), the shapes (concentrated, spread, moving, partition), traded
 # shares (`store.region`) beside fixed ones (`store.share`: each region 1/3, no global store)
-# on the same servers and load. Prints the table BENCHMARKS.md keeps, and each region's share
+# on the same setup and load (fresh servers for each run). Prints the table BENCHMARKS.md keeps, and each region's share
 # and admissions second by second. crates/floodgate-test-support/src/regions.rs is the harness.
 #
 #   bash bench/regions.sh [seconds per shape] [gateways per region]     (default: 10 s; 2)

@@ -3,7 +3,8 @@
 //! concentrated in one region gets more than that region's fixed half once shares have moved,
 //! never more than the limit; `/admin/clients` shows the share in force, `/admin/status` the
 //! region and the global store's health, `/metrics` the trades; `floodgate check` reports the
-//! section; a reload that adds a region rebuilds the store with it.
+//! section; a reload that adds a region rebuilds the store with it; a gateway shutting down
+//! gives its region's trader lock up.
 
 use floodgate_test_support as redis_support;
 mod support;
@@ -139,4 +140,18 @@ async fn two_regions_share_one_limit_through_the_gateway() {
         status["store"]["region"]["regions"],
         serde_json::json!(["eu", "us", "ap"])
     );
+
+    // On SIGTERM the gateway gives its region's trader lock up, so that another gateway of
+    // the region trades at its next sync.
+    let lock = "floodgate:region:{eu}:trader";
+    let held: Option<String> = eu_store.command(&["GET", lock]);
+    assert!(held.is_some(), "eu's gateway holds its region's lock");
+    let mut eu = eu;
+    eu.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || eu.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    let held: Option<String> = eu_store.command(&["GET", lock]);
+    assert_eq!(held, None, "given up on shutdown");
 }

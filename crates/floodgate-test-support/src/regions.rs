@@ -5,9 +5,9 @@
 //! region in real time; the report says what each region admitted, when, how fast it
 //! answered and which share it held.
 //!
-//! Fixed shares (`store.share`, the design notes' partition) run on the same servers and the
-//! same load for comparison ([`Mode::Fixed`]): each region decides under `limit / regions`
-//! against its own Redis and never talks to the global store.
+//! Fixed shares (`store.share`, the design notes' partition) run on the same setup and the
+//! same load (fresh servers for each run) for comparison ([`Mode::Fixed`]): each region
+//! decides under `limit / regions` against its own Redis and never talks to the global store.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

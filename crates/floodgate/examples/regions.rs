@@ -1,7 +1,7 @@
 //! The regions simulation of `bench/regions.sh`: three regions in one process, each with its
 //! own redis-server and gateways, a global redis-server behind a fault-injecting proxy per
 //! region (50 ms each way: a 100 ms round trip), the issue's traffic shapes against a token bucket of 300/s
-//! (burst 300), traded shares beside fixed ones (`store.share`) on the same servers and load.
+//! (burst 300), traded shares beside fixed ones (`store.share`) on the same setup and load (fresh servers for each run).
 //!
 //! `regions [SECONDS] [GATEWAYS PER REGION]` (default 10 s, 2 gateways)
 

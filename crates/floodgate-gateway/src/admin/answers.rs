@@ -124,8 +124,10 @@ pub(crate) struct StoreState {
 }
 
 /// A region's trading as this gateway sees it. `global` is `healthy` (the last good trade
-/// within two intervals), `unreachable` (none since: shares lapse to the fixed ones), or
-/// `other_gateway` (another gateway of the region trades; this one only syncs).
+/// within two intervals; a trader that has not traded yet counts from its start),
+/// `unreachable` (none since: shares lapse to the fixed ones), `other_gateway` (another
+/// gateway of the region trades; this one syncs), or `region_store_unreachable` (this gateway's
+/// syncs with its region's table fail: it decides tradeable limits at one unit).
 #[derive(Debug, Serialize)]
 pub(crate) struct RegionState {
     name: String,
@@ -147,9 +149,15 @@ impl RegionState {
         let status = region.status();
         let settings = region.settings();
         let since = status.since_last_good_trade();
+        let fresh = |age: Option<std::time::Duration>| {
+            age.is_some_and(|age| age <= settings.sync_interval * 2)
+        };
         let global = match since {
-            None => "other_gateway",
-            Some(since) if since <= settings.sync_interval * 2 => "healthy",
+            // Not the trader: because another gateway is, or because this one cannot reach
+            // its region's store.
+            None if fresh(status.since_last_sync()) => "other_gateway",
+            None => "region_store_unreachable",
+            Some(since) if fresh(Some(since)) => "healthy",
             Some(_) => "unreachable",
         };
         RegionState {

@@ -163,6 +163,12 @@ impl Config {
                     .chain(endpoints)
             })
             .chain(self.per_ip.iter().map(|limit| ("per_ip".to_owned(), limit)))
+            .chain(self.global.entries().flat_map(|(_, limits)| {
+                limits
+                    .limits
+                    .iter()
+                    .map(|limit| (format!("global rule {}", limits.rule), limit))
+            }))
             .filter(|(_, limit)| matches(limit))
             .map(|(path, limit)| {
                 format!("{path} `{}` ({})", limit.name(), limit.algorithm().as_str())

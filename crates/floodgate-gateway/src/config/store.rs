@@ -371,7 +371,14 @@ fn region(
             format!("`{}` is not a redis:// URL", redact_url(local)),
         );
     }
-    if local.as_deref() == Some(raw.global.as_str()) {
+    let own_urls: Vec<&str> = match backend {
+        Some(Backend::Redis { url, .. }) => vec![url.as_str()],
+        Some(Backend::RedisCluster { nodes, .. } | Backend::RedisSharded { nodes, .. }) => {
+            nodes.iter().map(String::as_str).collect()
+        }
+        _ => Vec::new(),
+    };
+    if local.as_deref() == Some(raw.global.as_str()) || own_urls.contains(&raw.global.as_str()) {
         fail(
             errors,
             "store.region.global",
@@ -814,6 +821,8 @@ plans:
       - { name: log, algorithm: sliding_window_log, limit: 10, window: 1s }
       - { name: month, algorithm: fixed_window, limit: 10000, period: month }
   anonymous: {}
+global:
+  "GET /search": [ { name: searches, algorithm: sliding_window_log, limit: 50, window: 1s } ]
 "#,
         )
         .unwrap();
@@ -832,6 +841,8 @@ plans:
                     && warning.contains("1/3")
                     && warning.contains("`log` (sliding_window_log)")
                     && warning.contains("`month` (fixed_window)")
+                    && warning.contains("global rule")
+                    && warning.contains("`searches` (sliding_window_log)")
                     && !warning.contains("`s`")),
             "{warnings:?}"
         );
@@ -912,6 +923,34 @@ plans:
                 format!("backend: redis_cluster, nodes: [\"redis://c:1\"], region: {{ {region}, local: \"redis://t:1\" }}"),
                 "",
                 "",
+            ),
+            (
+                "backend: redis, region: { name: eu, regions: [], global: \"redis://g\" }"
+                    .to_owned(),
+                "store.region.regions",
+                "needs at least one region",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, local: \"tcp://t:1\" }}"),
+                "store.region.local",
+                "not a redis:// URL",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, lease_lifetime: 11m }}"),
+                "store.region.lease_lifetime",
+                "at most 10m",
+            ),
+            (
+                format!("backend: redis, region: {{ {region}, timeout: 31s }}"),
+                "store.region.timeout",
+                "at most 30s",
+            ),
+            (
+                format!(
+                    "backend: redis_cluster, nodes: [\"redis://g:6379\"], region: {{ {region}, local: \"redis://t:1\" }}"
+                ),
+                "store.region.global",
+                "must not be the region's own store",
             ),
             (
                 format!("backend: redis, region: {{ {region}, every: 1s }}"),

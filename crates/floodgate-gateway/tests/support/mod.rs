@@ -80,12 +80,22 @@ pub fn config_text(listen: SocketAddr, admin: SocketAddr, upstream: &str, rest: 
 }
 
 /// Starts a gateway in front of `upstream` on a fresh config; returns it with its directory.
+/// A free port can be taken by another process between its choice and the gateway's bind
+/// (tests run in parallel): then the gateway is started again on new ports, up to five times.
 pub fn start_gateway(upstream: &str, rest: &str) -> (Gateway, TempDir) {
     let directory = TempDir::new("gw");
-    let (listen, admin) = addresses();
     let path = directory.file("floodgate.yaml");
-    std::fs::write(&path, config_text(listen, admin, upstream, rest)).unwrap();
-    (Gateway::start(&path, listen, admin), directory)
+    let mut attempts = 0;
+    loop {
+        let (listen, admin) = addresses();
+        std::fs::write(&path, config_text(listen, admin, upstream, rest)).unwrap();
+        let command = Command::new(env!("CARGO_BIN_EXE_floodgate"));
+        match Gateway::try_spawn(command, &path, listen, admin) {
+            Ok(gateway) => return (gateway, directory),
+            Err(log) if attempts < 4 && log.contains("Address already in use") => attempts += 1,
+            Err(log) => panic!("gateway did not start:\n{log}"),
+        }
+    }
 }
 
 /// A keep-alive HTTP/1.1 connection of the test's own to `addr` (the gateway), driven by a
@@ -143,12 +153,18 @@ impl Gateway {
         Gateway::spawn(command, config, listen, admin)
     }
 
-    fn spawn(
+    fn spawn(command: Command, config: &Path, listen: SocketAddr, admin: SocketAddr) -> Gateway {
+        Gateway::try_spawn(command, config, listen, admin)
+            .unwrap_or_else(|log| panic!("gateway did not start:\n{log}"))
+    }
+
+    /// Starts the gateway; its log when it does not say it serves within 20 s.
+    fn try_spawn(
         mut command: Command,
         config: &Path,
         listen: SocketAddr,
         admin: SocketAddr,
-    ) -> Gateway {
+    ) -> Result<Gateway, String> {
         // Many tests count in one-minute fixed windows, which are aligned to the epoch: a
         // gateway started in a minute's last seconds would see its counts restart mid-test.
         floodgate_test_support::clear_of_window_end(
@@ -177,14 +193,15 @@ impl Gateway {
         });
         if ready_rx.recv_timeout(Duration::from_secs(20)).is_err() {
             let _ = child.kill();
-            panic!("gateway did not start:\n{}", log.lock().unwrap().join("\n"));
+            let _ = child.wait();
+            return Err(log.lock().unwrap().join("\n"));
         }
-        Gateway {
+        Ok(Gateway {
             child,
             listen,
             admin,
             log,
-        }
+        })
     }
 
     pub fn url(&self, path: &str) -> String {

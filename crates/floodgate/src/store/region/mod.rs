@@ -8,8 +8,8 @@
 //! proportion, [`Limit::with_share`]). The algorithms that batch (token bucket, GCRA, fixed and
 //! sliding window counter, on a plain window) trade their shares; the others keep the fixed one.
 //!
-//! **Trades.** Once per `sync_interval` every gateway of a region syncs with the region's own
-//! Redis (`lua/region_local.lua`): it adds the demand it saw, puts the region's *table* of
+//! **Trades.** Four times per `sync_interval` every gateway of a region syncs with the region's
+//! own Redis (`lua/region_local.lua`): it adds the demand it saw, puts the region's *table* of
 //! shares in force, and acknowledges the table's version. The one gateway that holds the
 //! region's trader lock then trades every key whose share should move, in one call to the
 //! global store (`lua/region_global.lua`): so a region makes one cross-region call per
@@ -30,12 +30,13 @@
 //!
 //! **Partitions.** A region that cannot reach the global store keeps serving throughout: its
 //! raised shares end when their grants do, its promises to stay low are not renewed and end
-//! `timeout + lease_lifetime + sync_interval` after its last trade, and every share is then the
-//! fixed one. So the regions together never hold more than the limit, partition or not: the
+//! `timeout + lease_lifetime + sync_interval` after its last trade (a window more for a fixed
+//! window, two for a sliding window counter), and every share is then the fixed one. So the regions together never hold more than the limit, partition or not: the
 //! bound assumes clocks that advance at the same rate (no synchronised wall clocks: every
 //! deadline is a duration measured by the process that keeps it), and a trade the global store
 //! applies within `timeout` of its sending or not at all (a trade carries a deadline by the
-//! global store's clock, from the offset the last trade measured; the first trade has none).
+//! global store's clock, from the offset each gateway measures when it starts and every answer
+//! renews; a trade sent before any measurement renews no promise).
 //! A gateway whose syncs with its region's store fail for two intervals and a `timeout`
 //! decides every tradeable limit at one unit until one succeeds (its region may have lowered
 //! any share), and so does a gateway before its first sync.
@@ -173,6 +174,7 @@ pub struct RegionStatus {
     stale: AtomicU64,
     rows: AtomicU64,
     last_good: Mutex<Option<Instant>>,
+    last_sync: Mutex<Option<Instant>>,
     started: Instant,
 }
 
@@ -186,6 +188,7 @@ impl RegionStatus {
             stale: AtomicU64::new(0),
             rows: AtomicU64::new(0),
             last_good: Mutex::new(None),
+            last_sync: Mutex::new(None),
             started: Instant::now(),
         }
     }
@@ -253,10 +256,27 @@ impl RegionStatus {
         crate::telemetry::record_region_trade(result.as_str());
     }
 
+    /// The age gauge: 0 on a gateway that does not trade.
     fn publish_age(&self) {
-        if let Some(age) = self.since_last_good_trade() {
-            metrics::gauge!(crate::telemetry::REGION_LAST_TRADE_AGE_SECONDS).set(age.as_secs_f64());
-        }
+        let age = self
+            .since_last_good_trade()
+            .map_or(0.0, |age| age.as_secs_f64());
+        metrics::gauge!(crate::telemetry::REGION_LAST_TRADE_AGE_SECONDS).set(age);
+    }
+
+    /// Time since this gateway's last good sync with its region's table (`None`: none yet).
+    pub fn since_last_sync(&self) -> Option<Duration> {
+        self.last_sync
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .map(|at| at.elapsed())
+    }
+
+    fn synced(&self) {
+        *self
+            .last_sync
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
     }
 }
 
@@ -302,6 +322,15 @@ impl std::fmt::Debug for RegionalStore {
     }
 }
 
+/// Gives `region`'s trader lock up if `gateway` holds it, and its acknowledgements.
+async fn release(regional: &Link, region: &str, gateway: &str) -> Result<(), StoreError> {
+    let args = ["release".to_owned(), gateway.to_owned(), "0".to_owned()];
+    regional
+        .regional(&trader::regional_keys(region), &args)
+        .await
+        .map(drop)
+}
+
 impl Drop for Core {
     fn drop(&mut self) {
         self.rounds.abort();
@@ -311,10 +340,7 @@ impl Drop for Core {
             let (regional, gateway) = (self.regional.clone(), self.gateway.clone());
             let name = self.settings.name.clone();
             runtime.spawn(async move {
-                let args = ["release".to_owned(), gateway, "0".to_owned()];
-                let _ = regional
-                    .regional(&trader::regional_keys(&name), &args)
-                    .await;
+                let _ = release(&regional, &name, &gateway).await;
             });
         }
     }
@@ -514,8 +540,16 @@ impl Store for RegionalStore {
         })
     }
 
+    /// Flushes the region's store, then gives the trader's lock up (a gateway shutting down,
+    /// or a store a reload replaced): another gateway of the region trades at its next sync.
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.flush()
+        Box::pin(async move {
+            let flushed = self.inner.flush().await;
+            self.core.rounds.abort();
+            let core = &self.core;
+            let _ = release(&core.regional, &core.settings.name, &core.gateway).await;
+            flushed
+        })
     }
 
     fn persistence(&self) -> BoxFuture<'_, Option<bool>> {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::spec::LimitSpec;
 use crate::limit::Limit;
@@ -192,6 +192,26 @@ impl Shares {
             shares: self,
             version,
         }
+    }
+
+    /// How long a window algorithm's promise may outlast a bucket's, among the keys tracked
+    /// here: a window (two for a sliding window counter) of the longest.
+    pub(crate) fn longest_window_span(&self) -> Duration {
+        let mut longest = Duration::ZERO;
+        for shard in &self.shards {
+            let shard = shard
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for tracked in shard.values() {
+                let windows = match tracked.original.algorithm() {
+                    crate::limit::Algorithm::FixedWindow => 1,
+                    crate::limit::Algorithm::SlidingWindowCounter => 2,
+                    _ => 0,
+                };
+                longest = longest.max(tracked.original.window() * windows);
+            }
+        }
+        longest
     }
 
     /// The table version this gateway may acknowledge: the one in force, or the oldest a

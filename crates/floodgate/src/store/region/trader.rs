@@ -1,6 +1,6 @@
-//! A gateway's round, once per interval: sync with its region's table (its demand in, the table
-//! out), and, on the one gateway of the region that holds the trader's lock, trade every key
-//! whose share should move with the global store.
+//! A gateway's round, four times per interval: sync with its region's table (its demand in, the
+//! table out), and, once per interval on the one gateway of the region that holds the trader's
+//! lock, trade every key whose share should move with the global store.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -276,7 +276,8 @@ impl Trader {
             self.distrust_until = Some(
                 sent + self.settings.timeout
                     + self.settings.lease_lifetime
-                    + self.settings.sync_interval,
+                    + self.settings.sync_interval
+                    + self.shares.longest_window_span(),
             );
         }
         if self
@@ -289,6 +290,7 @@ impl Trader {
         self.loaded_version = version;
         self.shares.set_version(version);
         self.status.set_trader(trader);
+        self.status.synced();
         let mut view = View {
             regional_now,
             sent,
