@@ -143,9 +143,17 @@ async fn two_regions_share_one_limit_through_the_gateway() {
 
     // On SIGTERM the gateway gives its region's trader lock up, so that another gateway of
     // the region trades at its next sync.
+    // The reload's new store takes the lock its predecessor gave up at its first sync:
+    // polled every 20 ms, for up to 5 s.
     let lock = "floodgate:region:{eu}:trader";
-    let held: Option<String> = eu_store.command(&["GET", lock]);
-    assert!(held.is_some(), "eu's gateway holds its region's lock");
+    let polled = Instant::now();
+    while eu_store.command::<Option<String>>(&["GET", lock]).is_none() {
+        assert!(
+            polled.elapsed() < Duration::from_secs(5),
+            "eu's gateway holds its region's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut eu = eu;
     eu.signal("TERM");
     let status = tokio::task::spawn_blocking(move || eu.child.wait().unwrap())
