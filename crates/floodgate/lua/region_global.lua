@@ -49,7 +49,9 @@ local function fair_level(wants, limit)
 end
 
 -- Until when a region's units of a limit count, from when its share ends: windows keep their
--- count to the end of the window (and of the next for a sliding window counter).
+-- count to the end of the window (and of the next for a sliding window counter). Measured as
+-- durations (a window, two, and the margin) rather than from this server's idea of where the
+-- regions' windows end: their stores cut windows by their own clocks.
 local function counts_until(spec, ends, margin)
   local algorithm, window = string.match(spec, '^(%S+) %d+ (%d+) ')
   window = math.floor(tonumber(window or '0') / 1000)
@@ -57,9 +59,9 @@ local function counts_until(spec, ends, margin)
     return ends
   end
   if algorithm == 'fixed_window' then
-    return (math.floor(ends / window) + 1) * window + margin
+    return ends + window + margin
   elseif algorithm == 'sliding_window_counter' then
-    return (math.floor(ends / window) + 2) * window + margin
+    return ends + 2 * window + margin
   end
   return ends
 end
@@ -126,15 +128,19 @@ local function floodgate_region_trade(keys, args)
     else
       ends = now + lifetime
     end
+    local counts = ends
+    if grant > fixed then
+      counts = counts_until(spec, ends, margin)
+    end
     if grant == fixed and want <= fixed and not settling then
       redis.call('HDEL', key, me)
     else
-      local counts = ends
-      if grant > fixed then
-        counts = counts_until(spec, ends, margin)
-      end
       redis.call('HSET', key, me, grant .. ',' .. ends .. ',' .. want .. ',' .. counts)
-      redis.call('PEXPIRE', key, math.max(lifetime * 4, counts - now + lifetime))
+      -- Only ever later: another region's trade must not cut a long count short.
+      local ttl = math.max(lifetime * 4, counts - now + lifetime)
+      if redis.call('PTTL', key) < ttl then
+        redis.call('PEXPIRE', key, ttl)
+      end
     end
     if want > fixed or want > grant then
       redis.call('ZADD', pressure, now, args[at] .. '\n' .. spec)

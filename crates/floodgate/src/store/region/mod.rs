@@ -307,7 +307,9 @@ struct Core {
     shares: Arc<Shares>,
     status: Arc<RegionStatus>,
     settings: Arc<RegionSettings>,
-    rounds: tokio::task::JoinHandle<()>,
+    rounds: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Set when the store is retired: the rounds stop between two rounds.
+    stop: tokio::sync::watch::Sender<bool>,
     /// The region's own store, to give the trader's lock up on drop.
     regional: Arc<Link>,
     /// This gateway's id among its region's.
@@ -333,7 +335,14 @@ async fn release(regional: &Link, region: &str, gateway: &str) -> Result<(), Sto
 
 impl Drop for Core {
     fn drop(&mut self) {
-        self.rounds.abort();
+        if let Some(rounds) = self
+            .rounds
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            rounds.abort();
+        }
         // A gateway shutting down gives the trader's lock up, so that another trades at its
         // next sync rather than after the lock's lifetime (best effort: a crash cannot).
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -375,8 +384,10 @@ impl RegionalStore {
             status.clone(),
         );
         let interval = settings.sync_interval;
+        let stop = tokio::sync::watch::Sender::new(false);
         let rounds = tokio::spawn({
             let status = status.clone();
+            let mut stopped = stop.subscribe();
             async move {
                 // Gateways sync four times per interval (acknowledging lowerings quickly);
                 // the trader trades once per interval.
@@ -388,6 +399,7 @@ impl RegionalStore {
                 loop {
                     let trade = tokio::select! {
                         biased;
+                        _ = stopped.wait_for(|stop| *stop) => return,
                         _ = trades.tick() => true,
                         _ = syncs.tick() => false,
                     };
@@ -402,7 +414,8 @@ impl RegionalStore {
                 shares,
                 status,
                 settings,
-                rounds,
+                rounds: Mutex::new(Some(rounds)),
+                stop,
                 regional,
                 gateway,
             }),
@@ -454,10 +467,12 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<Decision, StoreError>> {
-        let (scaled, ticket) = self.core.shares.scale(checks);
+        let (scaled, ticket) = self.core.shares.scale(checks, self.core.settings.timeout);
         Box::pin(async move {
             let decided = self.inner.check_and_consume(&scaled, now).await;
-            drop(ticket);
+            if decided.is_ok() {
+                ticket.settled();
+            }
             decided
         })
     }
@@ -498,8 +513,17 @@ impl Store for RegionalStore {
         checks: &'a [Check],
         now: Option<Timestamp>,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let scaled = self.core.shares.scale_quietly(checks);
-        Box::pin(async move { self.inner.charge(&scaled, now).await })
+        let (scaled, ticket) = self
+            .core
+            .shares
+            .scale_counted_quietly(checks, self.core.settings.timeout);
+        Box::pin(async move {
+            let charged = self.inner.charge(&scaled, now).await;
+            if charged.is_ok() {
+                ticket.settled();
+            }
+            charged
+        })
     }
 
     fn refund<'a>(
@@ -542,11 +566,30 @@ impl Store for RegionalStore {
 
     /// Flushes the region's store, then gives the trader's lock up (a gateway shutting down,
     /// or a store a reload replaced): another gateway of the region trades at its next sync.
+    ///
+    /// From the flush on, this store decides tradeable limits at one unit (it is being
+    /// retired); its rounds stop between two rounds (a trade in flight lands first), and the
+    /// lock and its acknowledgement go once no decision it cut is still under way (up to the
+    /// region's `timeout`).
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let flushed = self.inner.flush().await;
-            self.core.rounds.abort();
             let core = &self.core;
+            core.shares.expire_current();
+            core.stop.send_replace(true);
+            let rounds = core
+                .rounds
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(rounds) = rounds {
+                let longest_round = core.settings.timeout * 3 + core.settings.sync_interval;
+                let _ = tokio::time::timeout(longest_round, rounds).await;
+            }
+            let waited = Instant::now();
+            while !core.shares.is_idle() && waited.elapsed() < core.settings.timeout {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             let _ = release(&core.regional, &core.settings.name, &core.gateway).await;
             flushed
         })

@@ -88,24 +88,50 @@ pub(crate) struct Shares {
     in_flight: Mutex<std::collections::BTreeMap<i64, usize>>,
 }
 
-/// A decision under way, cut under one version of the table; counted until dropped.
-pub(crate) struct Ticket<'a> {
-    shares: &'a Shares,
+/// A decision under way, cut under one version of the table; counted until dropped, and
+/// until `linger` after that unless it was [`Ticket::settled`]: a call that failed or was
+/// cancelled may still be applied by its store (a timeout does not take a sent command back).
+pub(crate) struct Ticket {
+    shares: Arc<Shares>,
     version: i64,
+    linger: Duration,
+    settled: bool,
 }
 
-impl Drop for Ticket<'_> {
-    fn drop(&mut self) {
+impl Ticket {
+    /// The store answered: nothing of the decision is still on its way.
+    pub(crate) fn settled(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Shares {
+    fn leave(&self, version: i64) {
         let mut in_flight = self
-            .shares
             .in_flight
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(count) = in_flight.get_mut(&self.version) {
+        if let Some(count) = in_flight.get_mut(&version) {
             *count -= 1;
             if *count == 0 {
-                in_flight.remove(&self.version);
+                in_flight.remove(&version);
             }
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let (shares, version) = (self.shares.clone(), self.version);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !self.settled => {
+                let linger = self.linger;
+                runtime.spawn(async move {
+                    tokio::time::sleep(linger).await;
+                    shares.leave(version);
+                });
+            }
+            _ => shares.leave(version),
         }
     }
 }
@@ -175,12 +201,26 @@ impl Shares {
 
     /// `checks` with each limit cut to this region's share of it, counting their demand, and
     /// the ticket that counts the decision as under way until it is dropped.
-    pub(crate) fn scale(&self, checks: &[Check]) -> (Vec<Check>, Ticket<'_>) {
-        let ticket = self.enter();
+    pub(crate) fn scale(
+        self: &Arc<Self>,
+        checks: &[Check],
+        linger: Duration,
+    ) -> (Vec<Check>, Ticket) {
+        let ticket = self.enter(linger);
         (self.cut(checks, true), ticket)
     }
 
-    fn enter(&self) -> Ticket<'_> {
+    /// `checks` cut without counting demand (a post-charge), with their ticket.
+    pub(crate) fn scale_counted_quietly(
+        self: &Arc<Self>,
+        checks: &[Check],
+        linger: Duration,
+    ) -> (Vec<Check>, Ticket) {
+        let ticket = self.enter(linger);
+        (self.cut(checks, false), ticket)
+    }
+
+    fn enter(self: &Arc<Self>, linger: Duration) -> Ticket {
         let mut in_flight = self
             .in_flight
             .lock()
@@ -189,9 +229,28 @@ impl Shares {
         let version = self.version.load(Ordering::Acquire);
         *in_flight.entry(version).or_default() += 1;
         Ticket {
-            shares: self,
+            shares: self.clone(),
             version,
+            linger,
+            settled: false,
         }
+    }
+
+    /// Decisions from now on are at one unit until a sync puts a table in force again (the
+    /// region's table was lost, or the store is being retired).
+    pub(crate) fn expire_current(&self) {
+        *self
+            .current_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// Whether no decision is under way.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
     }
 
     /// How long a window algorithm's promise may outlast a bucket's, among the keys tracked
@@ -222,6 +281,15 @@ impl Shares {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let current = self.version.load(Ordering::Acquire);
+        // A decision cut under a version beyond the table's (cut before the table was lost)
+        // says nothing of this table's versions: nothing is acknowledged until it is done.
+        if in_flight
+            .keys()
+            .next_back()
+            .is_some_and(|&newest| newest > current)
+        {
+            return 0;
+        }
         in_flight
             .keys()
             .next()
@@ -409,20 +477,40 @@ mod tests {
 
     #[test]
     fn a_version_is_acknowledged_once_no_decision_cut_under_an_older_one_is_under_way() {
-        let shares = Shares::new(3, 10);
+        let shares = Arc::new(Shares::new(3, 10));
         shares.set_version(1);
-        let ticket = shares.enter();
+        let ticket = shares.enter(Duration::ZERO);
         shares.set_version(2);
         assert_eq!(
             shares.acknowledgeable(),
             1,
             "a decision of version 1 is under way"
         );
-        let newer = shares.enter();
-        drop(ticket);
+        let newer = shares.enter(Duration::ZERO);
+        ticket.settled();
         assert_eq!(shares.acknowledgeable(), 2);
-        drop(newer);
+        newer.settled();
         shares.set_version(3);
         assert_eq!(shares.acknowledgeable(), 3);
+        // The table lost: a decision of version 3 still under way holds every acknowledgement.
+        let lost = shares.enter(Duration::ZERO);
+        shares.set_version(1);
+        assert_eq!(shares.acknowledgeable(), 0);
+        lost.settled();
+        assert_eq!(shares.acknowledgeable(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_decision_that_failed_is_counted_until_its_store_could_have_applied_it() {
+        tokio::time::pause();
+        let shares = Arc::new(Shares::new(3, 10));
+        shares.set_version(1);
+        let failed = shares.enter(Duration::from_secs(1));
+        shares.set_version(2);
+        drop(failed);
+        tokio::task::yield_now().await;
+        assert_eq!(shares.acknowledgeable(), 1, "it may still land");
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(shares.acknowledgeable(), 2);
     }
 }

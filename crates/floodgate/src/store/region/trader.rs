@@ -238,7 +238,12 @@ impl Trader {
             "sync".to_owned(),
             self.gateway.clone(),
             self.live_ms().to_string(),
-            self.shares.acknowledgeable().to_string(),
+            // A gateway that distrusts its region's table acknowledges nothing of it.
+            if self.distrust_until.is_some() {
+                "0".to_owned()
+            } else {
+                self.shares.acknowledgeable().to_string()
+            },
             demand.len().to_string(),
         ];
         for (key, units, spec) in &demand {
@@ -279,6 +284,8 @@ impl Trader {
                     + self.settings.sync_interval
                     + self.shares.longest_window_span(),
             );
+            // At once: the shares in force came from a table that no longer exists.
+            self.shares.expire_current();
         }
         if self
             .distrust_until
@@ -341,19 +348,19 @@ impl Trader {
         self.shares.mark_current(sent + self.current_for());
     }
 
-    /// The units a request could still take from `key` under `units` (its window's count so
-    /// far, for the algorithms that count in windows; 0 for the others, whose stored credit
-    /// shrinks with their share by itself).
+    /// What `key`'s window has counted so far (`units` when the store cannot say), for the
+    /// algorithms that count in windows; 0 for the others, whose stored credit shrinks with
+    /// their share by itself.
     async fn used(&self, key: &Arc<str>, limit: &Arc<Limit>, units: u64) -> u64 {
         if !limit.algorithm().counts_in_windows() {
             return 0;
         }
-        let check = Check::new(key.clone(), Arc::new(limit.with_share(units)), 0);
+        // Read under the whole limit: a count above the share (a grant that lapsed) shows.
+        let check = Check::new(key.clone(), limit.clone(), 0);
         match self.inner.peek(&[check], None).await {
-            Ok(decision) => decision
-                .limits()
-                .first()
-                .map_or(units, |status| units.saturating_sub(status.remaining)),
+            Ok(decision) => decision.limits().first().map_or(units, |status| {
+                limit.limit().saturating_sub(status.remaining)
+            }),
             // Not knowing, lower nothing.
             Err(_) => units,
         }
@@ -528,7 +535,11 @@ impl Trader {
         for (key, limit, spec) in keys {
             let fixed = fixed_share(limit.limit(), regions);
             let units = view.units(&key, fixed);
-            let most = view.most_in_force(&key, fixed);
+            // A window's count outlives the share it was admitted under (a grant that lapsed
+            // while the region was cut off): the region holds at least what its window counts.
+            let most = view
+                .most_in_force(&key, fixed)
+                .max(self.used(&key, &limit, units).await.min(limit.limit()));
             // While the global store is unreachable, promises to stay low are not renewed: a
             // trade that arrives late says this region may hold its fixed share.
             let report = if self.failing { most.max(fixed) } else { most };
