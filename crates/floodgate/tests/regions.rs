@@ -41,23 +41,18 @@ fn oceans(regions: &Regions) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_concentrated_client_gets_most_of_the_limit_and_never_more() {
-    let regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
-    oceans(&regions);
-    let limit = bucket();
-    let run = Duration::from_secs(5);
-    let report = regions
-        .run(&limit, "concentrated", run, |region, _| {
-            if region == 0 { 600.0 } else { 0.0 }
-        })
-        .await;
-    let admitted = report.admitted();
+/// That `admitted` is within `allowance` and `over` (a fraction of it) beyond.
+fn assert_within(admitted: f64, allowance: f64, over: f64) {
     assert!(
-        admitted as f64 <= report.allowance,
-        "admitted {admitted} > allowance {:.0}",
-        report.allowance
+        admitted <= allowance * (1.0 + over),
+        "admitted {admitted} > allowance {allowance:.0} + {:.0} %",
+        over * 100.0
     );
+}
+
+/// That a concentrated client's region admitted at least 75 % of the limit over the run's last
+/// 2 s, without a store error.
+fn assert_concentrated_steady(report: &support::regions::Report, run: Duration) {
     let steady = report.regions[0].admitted_between(run - Duration::from_secs(2), run);
     assert!(
         steady as f64 >= 0.75 * 300.0 * 2.0,
@@ -65,6 +60,16 @@ async fn a_concentrated_client_gets_most_of_the_limit_and_never_more() {
         report.regions[0].share_per_bucket
     );
     assert_eq!(report.errors(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concentrated_client_gets_most_of_the_limit_and_never_more() {
+    let regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
+    oceans(&regions);
+    let run = Duration::from_secs(5);
+    let report = concentrated(&regions, "concentrated", run).await;
+    assert_within(report.admitted() as f64, report.allowance, 0.0);
+    assert_concentrated_steady(&report, run);
 }
 
 /// The most a run may admit beyond the limit's allowance, as a fraction of it.
@@ -78,11 +83,7 @@ async fn a_client_spread_over_every_region_gets_the_limit_and_no_more() {
         .run(&bucket(), "spread", Duration::from_secs(3), |_, _| 200.0)
         .await;
     let admitted = report.admitted() as f64;
-    assert!(
-        admitted <= report.allowance * (1.0 + OVER),
-        "admitted {admitted} > allowance {:.0} + 2 %",
-        report.allowance
-    );
+    assert_within(admitted, report.allowance, OVER);
     assert!(
         admitted >= report.allowance * 0.8,
         "admitted {admitted} of an allowance of {:.0}; shares {:?}; admitted {:?}",
@@ -117,11 +118,7 @@ async fn a_client_moving_between_regions_is_followed_and_bounded() {
         })
         .await;
     let admitted = report.admitted() as f64;
-    assert!(
-        admitted <= report.allowance * (1.0 + OVER),
-        "admitted {admitted} > allowance {:.0} + 2 %",
-        report.allowance
-    );
+    assert_within(admitted, report.allowance, OVER);
     // The region it moved to holds most of the limit by the end.
     let last = report.regions[1].admitted_between(run - Duration::from_secs(1), run);
     assert!(
@@ -168,11 +165,7 @@ async fn a_partitioned_region_keeps_serving_on_its_fixed_share_and_recovers() {
     let (report, ()) = tokio::join!(concentrated(&regions, "partitioned", run), cut);
     assert_eq!(report.errors(), 0);
     let admitted = report.admitted() as f64;
-    assert!(
-        admitted <= report.allowance,
-        "admitted {admitted} > allowance {:.0}",
-        report.allowance
-    );
+    assert_within(admitted, report.allowance, 0.0);
     let shares = &report.regions[0].share_per_bucket;
     let bucket_of = |at: Duration| (at.as_millis() / 100) as usize;
     assert!(
@@ -208,11 +201,7 @@ async fn a_restarted_region_keeps_its_share_and_the_bound() {
     let after = concentrated(&regions, "restarted", Duration::from_secs(2)).await;
     let elapsed = started.elapsed();
     let admitted = (before.admitted() + after.admitted()) as f64;
-    assert!(
-        admitted <= allowance(elapsed),
-        "admitted {admitted} > allowance {:.0}",
-        allowance(elapsed)
-    );
+    assert_within(admitted, allowance(elapsed), 0.0);
     // The new trader connects across the ocean (a few round trips of 100 ms) before its first
     // trade: grants with less than that left lapse meanwhile (a lifetime is 600 ms here).
     let shares = &after.regions[0].share_per_bucket;
@@ -236,11 +225,7 @@ async fn a_global_store_restarted_empty_is_rebuilt_by_the_next_trades() {
     let after = concentrated(&regions, "amnesia", Duration::from_secs(3)).await;
     let elapsed = started.elapsed();
     let admitted = (before.admitted() + after.admitted()) as f64;
-    assert!(
-        admitted <= allowance(elapsed),
-        "admitted {admitted} > allowance {:.0}",
-        allowance(elapsed)
-    );
+    assert_within(admitted, allowance(elapsed), 0.0);
     let last = after.regions[0].admitted_between(Duration::from_secs(2), Duration::from_secs(3));
     assert!(
         last as f64 >= 0.75 * 300.0,
@@ -370,17 +355,6 @@ async fn batched_gateways_within_a_region_trade_as_exact_ones_do() {
     oceans(&regions);
     let run = Duration::from_secs(5);
     let report = concentrated(&regions, "batched", run).await;
-    let admitted = report.admitted() as f64;
-    assert!(
-        admitted <= report.allowance,
-        "admitted {admitted} > allowance {:.0}",
-        report.allowance
-    );
-    let steady = report.regions[0].admitted_between(run - Duration::from_secs(2), run);
-    assert!(
-        steady as f64 >= 0.75 * 300.0 * 2.0,
-        "the last 2 s admitted {steady}, shares {:?}",
-        report.regions[0].share_per_bucket
-    );
-    assert_eq!(report.errors(), 0);
+    assert_within(report.admitted() as f64, report.allowance, 0.0);
+    assert_concentrated_steady(&report, run);
 }

@@ -790,20 +790,26 @@ plans:
                 "applies to exact mode",
             ),
         ] {
-            let errors = errors_of(&format!(
-                "store: {{ {store} }}\nplans: {{ free: {{}}, anonymous: {{}} }}\n"
-            ));
-            if path.is_empty() {
-                assert!(errors.is_empty(), "{store}: {errors:?}");
-                continue;
-            }
-            assert!(
-                errors
-                    .iter()
-                    .any(|error| error.starts_with(path) && error.contains(problem)),
-                "{store}: {errors:?}"
-            );
+            assert_store_problem(store.as_ref(), path, problem);
         }
+    }
+
+    /// That `store: { <store> }` is refused at `path` for `problem`, or accepted when `path`
+    /// is empty.
+    fn assert_store_problem(store: &str, path: &str, problem: &str) {
+        let errors = errors_of(&format!(
+            "store: {{ {store} }}\nplans: {{ free: {{}}, anonymous: {{}} }}\n"
+        ));
+        if path.is_empty() {
+            assert!(errors.is_empty(), "{store}: {errors:?}");
+            return;
+        }
+        assert!(
+            errors
+                .iter()
+                .any(|error| error.starts_with(path) && error.contains(problem)),
+            "{store}: {errors:?}"
+        );
     }
 
     #[test]
@@ -958,19 +964,7 @@ global:
                 "unknown field `every`",
             ),
         ] {
-            let errors = errors_of(&format!(
-                "store: {{ {store} }}\nplans: {{ free: {{}}, anonymous: {{}} }}\n"
-            ));
-            if path.is_empty() {
-                assert!(errors.is_empty(), "{store}: {errors:?}");
-                continue;
-            }
-            assert!(
-                errors
-                    .iter()
-                    .any(|error| error.starts_with(path) && error.contains(problem)),
-                "{store}: {errors:?}"
-            );
+            assert_store_problem(store.as_ref(), path, problem);
         }
     }
 
