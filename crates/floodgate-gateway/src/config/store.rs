@@ -790,7 +790,7 @@ plans:
                 "applies to exact mode",
             ),
         ] {
-            assert_store_problem(store.as_ref(), path, problem);
+            assert_store_problem(store, path, problem);
         }
     }
 
@@ -964,7 +964,7 @@ global:
                 "unknown field `every`",
             ),
         ] {
-            assert_store_problem(store.as_ref(), path, problem);
+            assert_store_problem(&store, path, problem);
         }
     }
 
