@@ -117,11 +117,15 @@ pub(crate) async fn serve_per_core(
     // then it keeps driving what its requests started (a store connection opened there, say).
     let (exit, _) = watch::channel(false);
     let mut drained = Vec::with_capacity(listeners.len());
+    // Each worker says when it holds its listener: "serving" is logged once all of them do
+    // (a thread named at spawn is not yet running, nor named, when `spawn` returns).
+    let mut serving = Vec::with_capacity(listeners.len());
     for (index, listener) in listeners.into_iter().enumerate() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         let (done, done_receiver) = oneshot::channel::<()>();
+        let (started, started_receiver) = oneshot::channel::<()>();
         let (gateway, limits, tls, permits) = (
             gateway.clone(),
             limits.clone(),
@@ -141,6 +145,7 @@ pub(crate) async fn serve_per_core(
                             return;
                         }
                     };
+                    let _ = started.send(());
                     let graceful = GracefulShutdown::new();
                     let stopped = async move {
                         let _ = stop.wait_for(|stop| *stop).await;
@@ -165,8 +170,14 @@ pub(crate) async fn serve_per_core(
                 runtime.shutdown_background();
             })?;
         drained.push(done_receiver);
+        serving.push(started_receiver);
     }
-    tracing::info!(workers = drained.len(), "per_core workers serving");
+    let mut workers = 0;
+    for started in serving {
+        // An error: the worker could not use its listener (it logged why).
+        workers += usize::from(started.await.is_ok());
+    }
+    tracing::info!(workers, "per_core workers serving");
     shutdown.await;
     tracing::info!("shutting down: no new connections; finishing in-flight requests");
     stop.send_replace(true);
