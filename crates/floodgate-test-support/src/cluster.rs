@@ -87,11 +87,7 @@ impl RedisCluster {
             (1..=usize::from(SLOTS)).contains(&masters),
             "a cluster has 1 to {SLOTS} masters"
         );
-        let config_dir = std::env::temp_dir().join(format!(
-            "floodgate-cluster-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let config_dir = crate::unique_temp_path("cluster");
         std::fs::create_dir_all(&config_dir).expect("cluster config dir");
         let start = || start_node(&config_dir, proxied);
         let masters: Vec<Started> = (0..masters).map(|_| start()).collect();

@@ -13,7 +13,9 @@ pub use cluster::{ClusterNode, RedisCluster};
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use floodgate::store::{BoxFuture, RedisStore, ShardedRedisStore};
@@ -348,11 +350,7 @@ impl SentinelGroup {
                 .try_command::<String>(&["INFO", "replication"])
                 .is_ok_and(|info| info.contains("master_link_status:up"))
         });
-        let config_dir = std::env::temp_dir().join(format!(
-            "floodgate-sentinel-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let config_dir = unique_temp_path("sentinel");
         std::fs::create_dir_all(&config_dir).expect("sentinel config dir");
         let sentinels: Vec<RedisServer> = (0..3)
             .map(|_| {
@@ -424,6 +422,19 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(working_dir(self.port));
     }
+}
+
+/// A path under the system's temporary directory that no other call gets, in this process or
+/// another: `floodgate-<what>-<pid>-<n>`. (A free port is no such name: the kernel hands the
+/// same port out again while the first directory named after it is still in use, and the
+/// first test to finish would delete the other's.)
+pub fn unique_temp_path(what: &str) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "floodgate-{what}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// The working directory of the server on `port` (kept across its restarts).

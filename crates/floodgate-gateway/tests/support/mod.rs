@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,11 +32,7 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(name: &str) -> TempDir {
-        let path = std::env::temp_dir().join(format!(
-            "floodgate-test-{name}-{}-{}",
-            std::process::id(),
-            free_port()
-        ));
+        let path = floodgate_test_support::unique_temp_path(&format!("test-{name}"));
         std::fs::create_dir_all(&path).unwrap();
         TempDir(path)
     }
@@ -53,7 +50,8 @@ impl Drop for TempDir {
 
 /// Writes `text` to `path` by atomic rename, as editors and ConfigMaps do.
 pub fn write_atomically(path: &Path, text: &str) {
-    let temporary = path.with_extension(format!("tmp{}", free_port()));
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let temporary = path.with_extension(format!("tmp{}", NEXT.fetch_add(1, Ordering::Relaxed)));
     std::fs::write(&temporary, text).unwrap();
     std::fs::rename(&temporary, path).unwrap();
 }
