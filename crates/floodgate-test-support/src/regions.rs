@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate::store::region::{RegionSettings, RegionalStore, TradeResult};
-use floodgate::store::{BatchedStore, RedisStore};
+use floodgate::store::{BatchedStore, RedisStore, ShardedRedisStore};
 use floodgate::{Limit, Store, store::Check};
 
 use crate::RedisServer;
+use crate::cluster::RedisCluster;
 use crate::faults::FaultProxy;
 
 /// How the regions share the limit.
@@ -27,6 +28,13 @@ pub enum Mode {
     /// Shares traded through the global store, every gateway batched in its region (leasing
     /// from its region's store on this interval).
     TradedBatched(Duration),
+    /// Shares traded through the global store, every gateway exact against two Redis servers
+    /// of its region sharded by key (`store.mode: sharded`); the table on the first.
+    TradedSharded,
+    /// Shares traded through the global store, every gateway exact against a Redis Cluster
+    /// of three masters in its region (`backend: redis_cluster`); the table on the region's
+    /// own server (`store.region.local`).
+    TradedCluster,
     /// Each region its fixed share, no global store.
     Fixed,
 }
@@ -130,6 +138,10 @@ pub struct Regions {
     pub names: Vec<String>,
     /// The rounds' interval.
     pub interval: Duration,
+    /// Each region's second server ([`Mode::TradedSharded`]), or none.
+    pub second_shards: Vec<RedisServer>,
+    /// Each region's cluster ([`Mode::TradedCluster`]), or none.
+    pub clusters: Vec<RedisCluster>,
     mode: Mode,
 }
 
@@ -147,6 +159,14 @@ impl Regions {
             .map(|_| FaultProxy::start(global.port()))
             .collect();
         let stores: Vec<RedisServer> = (0..regions).map(|_| RedisServer::start()).collect();
+        let second_shards = match mode {
+            Mode::TradedSharded => (0..regions).map(|_| RedisServer::start()).collect(),
+            _ => Vec::new(),
+        };
+        let clusters = match mode {
+            Mode::TradedCluster => (0..regions).map(|_| RedisCluster::start(3)).collect(),
+            _ => Vec::new(),
+        };
         let mut set = Regions {
             global,
             links,
@@ -154,6 +174,8 @@ impl Regions {
             gateways: Vec::new(),
             names: names(regions),
             interval,
+            second_shards,
+            clusters,
             mode,
         };
         // Fixed shares decide against each region's store directly: no gateway trades.
@@ -181,15 +203,30 @@ impl Regions {
 
     /// A new gateway of `region` (not added to the set).
     pub fn gateway(&self, region: usize, regions: &[String]) -> RegionalStore {
-        let store = RedisStore::builder(self.stores[region].url())
-            .timeout(Duration::from_secs(2))
-            .build()
-            .expect("a Redis store");
+        let store = |url: String| {
+            RedisStore::builder(url)
+                .timeout(Duration::from_secs(2))
+                .build()
+                .expect("a Redis store")
+        };
         let inner: Arc<dyn Store> = match self.mode {
-            Mode::TradedBatched(interval) => {
-                Arc::new(BatchedStore::builder(store).sync_interval(interval).build())
+            Mode::TradedBatched(interval) => Arc::new(
+                BatchedStore::builder(store(self.stores[region].url()))
+                    .sync_interval(interval)
+                    .build(),
+            ),
+            Mode::TradedSharded => {
+                let nodes = [&self.stores[region], &self.second_shards[region]]
+                    .map(|server| (server.url(), store(server.url())));
+                Arc::new(ShardedRedisStore::new(nodes.into()).expect("a sharded store"))
             }
-            Mode::Traded | Mode::Fixed => Arc::new(store),
+            Mode::TradedCluster => Arc::new(
+                RedisStore::cluster(self.clusters[region].urls())
+                    .timeout(Duration::from_secs(2))
+                    .build()
+                    .expect("a cluster store"),
+            ),
+            Mode::Traded | Mode::Fixed => Arc::new(store(self.stores[region].url())),
         };
         RegionalStore::new(inner, self.settings(region, regions)).expect("a region")
     }
@@ -221,6 +258,11 @@ impl Regions {
         let index = self.names.len();
         self.links.push(FaultProxy::start(self.global.port()));
         self.stores.push(RedisServer::start());
+        match self.mode {
+            Mode::TradedSharded => self.second_shards.push(RedisServer::start()),
+            Mode::TradedCluster => self.clusters.push(RedisCluster::start(3)),
+            _ => {}
+        }
         self.names.push(format!("r{index}"));
         let added = (0..gateways)
             .map(|_| Arc::new(self.gateway(index, regions)))
@@ -248,6 +290,11 @@ impl Regions {
             .sum()
     }
 
+    /// The storage key [`Regions::run`] decides `limit` of `client` on.
+    pub fn key(limit: &Limit, client: &str) -> Arc<str> {
+        format!("fgregion:{{user:{client}}}:plan:{}", limit.name()).into()
+    }
+
     /// Drives `rate(region, since_start)` requests a second into each region for `duration`
     /// against `limit` on one client's key, round-robin over the region's gateways (a test
     /// that cuts links or restarts things mid-run joins this with its own task).
@@ -258,7 +305,7 @@ impl Regions {
         duration: Duration,
         rate: impl Fn(usize, Duration) -> f64 + Send + Sync + 'static,
     ) -> Report {
-        let key: Arc<str> = format!("fgregion:{{user:{client}}}:plan:{}", limit.name()).into();
+        let key = Self::key(limit, client);
         // As a gateway does before it serves: every one's table in force.
         for gateway in self.gateways.iter().flatten() {
             gateway.probe().await.expect("the region's table loads");

@@ -68,6 +68,8 @@ fn print(shape: Shape, mode: Mode, report: &Report, run: Duration, interval: Dur
         match mode {
             Mode::Traded => "traded",
             Mode::TradedBatched(_) => "traded, batched in each region",
+            Mode::TradedSharded => "traded, sharded in each region",
+            Mode::TradedCluster => "traded, a cluster in each region",
             Mode::Fixed => "fixed",
         },
         report.admitted(),

@@ -358,3 +358,53 @@ async fn batched_gateways_within_a_region_trade_as_exact_ones_do() {
     assert_within(report.admitted() as f64, report.allowance, 0.0);
     assert_concentrated_steady(&report, run);
 }
+
+/// How many of `servers` hold `key` (a cluster node that does not own its slot answers
+/// `MOVED`: it does not hold it).
+fn holders<'s>(servers: impl IntoIterator<Item = &'s support::RedisServer>, key: &str) -> usize {
+    servers
+        .into_iter()
+        .filter(|server| server.try_command::<i64>(&["EXISTS", key]) == Ok(1))
+        .count()
+}
+
+/// A region whose gateways shard their keys over two Redis servers (`store.mode: sharded`):
+/// the region's share bounds the key on the node that owns it, as it bounds an exact
+/// gateway's; the client's state is on one of the two nodes, the region's table on the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_gateways_within_a_region_trade_as_exact_ones_do() {
+    let regions = Regions::start(Mode::TradedSharded, 3, 2, INTERVAL);
+    oceans(&regions);
+    let run = Duration::from_secs(5);
+    let report = concentrated(&regions, "sharded", run).await;
+    assert_eq!(
+        report.regions[0].share_per_bucket[0], 100,
+        "met at its fixed share"
+    );
+    assert_within(report.admitted() as f64, report.allowance, 0.0);
+    assert_concentrated_steady(&report, run);
+    let key = Regions::key(&bucket(), "sharded");
+    let nodes = [&regions.stores[0], &regions.second_shards[0]];
+    assert_eq!(holders(nodes, &key), 1, "the key lives on its node alone");
+}
+
+/// A region whose gateways decide against a Redis Cluster (the table on the region's own
+/// server, `store.region.local`): the same bounds; the client's state is in the cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_gateways_within_a_region_trade_as_exact_ones_do() {
+    let regions = Regions::start(Mode::TradedCluster, 2, 2, INTERVAL);
+    oceans(&regions);
+    let run = Duration::from_secs(5);
+    let report = concentrated(&regions, "cluster", run).await;
+    assert_eq!(
+        report.regions[0].share_per_bucket[0], 150,
+        "met at its fixed share"
+    );
+    assert_within(report.admitted() as f64, report.allowance, 0.0);
+    assert_concentrated_steady(&report, run);
+    let key = Regions::key(&bucket(), "cluster");
+    let cluster = &regions.clusters[0];
+    let masters = cluster.nodes().into_iter().map(|node| cluster.server(node));
+    assert_eq!(holders(masters, &key), 1, "the key lives on its master");
+    assert_eq!(holders([&regions.stores[0]], &key), 0, "not with the table");
+}
