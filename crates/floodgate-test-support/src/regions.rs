@@ -312,7 +312,10 @@ impl Regions {
         }
         let started = Instant::now();
         let rate = Arc::new(rate);
-        let buckets = (duration.as_millis() / BUCKET.as_millis()) as usize + 1;
+        // The buckets of the run and no more: a last round that ends past `duration` (it may or
+        // may not, by a few milliseconds) writes into no bucket, rather than into a bucket of
+        // its own left empty when it does not.
+        let buckets = duration.as_millis().div_ceil(BUCKET.as_millis()) as usize;
         let trades_before: Vec<u64> = (0..self.gateways.len()).map(|r| self.trades(r)).collect();
         let mut tasks = Vec::new();
         for (region, gateways) in self.gateways.iter().enumerate() {
