@@ -8,6 +8,11 @@
 //! request of each and the limiters' cost over plain axum: the layers' own CPU, without the
 //! network and the load generator that share the cores in the wrk runs.
 //!
+//! `overhead calls MODE [REQUESTS]` calls one app (`plain`, `limited` or `governor`) that
+//! many times in process and prints nothing else: for an instruction count under
+//! `valgrind --tool=callgrind`, which, unlike the clock, does not move with the machine's load
+//! (two counts, of N and 2N requests, give the instructions of N without the start-up's).
+//!
 //! Both limits are far above what the load reaches, so every request takes the full admitted
 //! path (identity, key, store decision, headers) and none is denied.
 
@@ -51,7 +56,7 @@ fn app(mode: &str) -> Result<Router, Error> {
         )),
         other => {
             return Err(format!(
-                "usage: overhead plain|limited|governor PORT, or overhead cpu [REQUESTS] (got `{other}`)"
+                "usage: overhead plain|limited|governor PORT, overhead cpu [REQUESTS], or overhead calls plain|limited|governor [REQUESTS] (got `{other}`)"
             )
             .into());
         }
@@ -112,6 +117,12 @@ async fn main() -> Result<(), Error> {
     if mode == "cpu" {
         let requests = args.next().and_then(|n| n.parse().ok()).unwrap_or(200_000);
         return cpu(requests).await;
+    }
+    if mode == "calls" {
+        let app = app(&args.next().unwrap_or_default())?;
+        let requests = args.next().and_then(|n| n.parse().ok()).unwrap_or(10_000);
+        time_per_request(&app, requests).await?;
+        return Ok(());
     }
     let port: u16 = args
         .next()

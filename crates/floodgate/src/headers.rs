@@ -162,12 +162,18 @@ impl RateLimitHeaders {
     /// layer's if it denied or has the smaller remaining share, else these; `RateLimit-Policy`
     /// lists the limits of both.
     pub fn apply_to_response<B>(self, response: &mut http::Response<B>) {
+        self.apply_within(response, true);
+    }
+
+    /// [`RateLimitHeaders::apply_to_response`], leaving out the [`BindingHeaders`] mark when
+    /// no rate limit layer is around this one (`outer_layer: false`): nobody would read it.
+    pub(crate) fn apply_within<B>(self, response: &mut http::Response<B>, outer_layer: bool) {
         let ours = BindingHeaders {
             remaining_share: self.remaining_share,
             denied: false,
         };
         let Some(inner) = response.extensions().get::<BindingHeaders>().copied() else {
-            if !self.values.is_empty() {
+            if outer_layer && !self.values.is_empty() {
                 response.extensions_mut().insert(ours);
             }
             self.apply(response.headers_mut());

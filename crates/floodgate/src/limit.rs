@@ -4,12 +4,13 @@
 use crate::calendar::CalendarPeriod;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::HeaderValue;
 
 use crate::key::KeyChars;
+use crate::telemetry::MetricKeys;
 use crate::time::duration_to_micros;
 
 /// The longest window a limit may have. Bounding it keeps every intermediate value of the
@@ -291,6 +292,27 @@ pub struct Limit {
     /// The calendar period whose days, weeks, months or years are the windows, if any
     /// (`fixed_window` only); `window` is then the period's nominal length.
     calendar: Option<CalendarPeriod>,
+    /// The metric keys of its decisions, once it has decided.
+    metric_keys: MetricKeysCell,
+}
+
+/// A limit's metric keys in the rule that first used it (see [`Limit::metric_keys`]): a
+/// cache, not part of what the limit is, so limits compare equal and print alike without it.
+#[derive(Clone, Default)]
+struct MetricKeysCell(OnceLock<Arc<MetricKeys>>);
+
+impl PartialEq for MetricKeysCell {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for MetricKeysCell {}
+
+impl fmt::Debug for MetricKeysCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("..")
+    }
 }
 
 impl Limit {
@@ -412,6 +434,17 @@ impl Limit {
         }
         let burst = (u128::from(self.burst) * u128::from(units) / u128::from(self.limit)) as u64;
         self.rescaled(units, burst.max(1))
+    }
+
+    /// The keys its decisions are counted under in `rule` (the limit named `name`), built at
+    /// the first call; `None` when a later call names another rule or name (a limit shared
+    /// by several rules: those build their keys at each count).
+    pub(crate) fn metric_keys(&self, rule: &Arc<str>, name: &Arc<str>) -> Option<&MetricKeys> {
+        let keys = self
+            .metric_keys
+            .0
+            .get_or_init(|| Arc::new(MetricKeys::new(rule, name)));
+        keys.are_for(rule, name).then_some(&**keys)
     }
 
     /// This limit with another `limit` and `burst` (no greater than its own), all else kept.
@@ -613,6 +646,7 @@ impl LimitBuilder {
             cost: self.cost,
             emission_micros,
             calendar: self.calendar,
+            metric_keys: MetricKeysCell::default(),
         })
     }
 }

@@ -56,7 +56,7 @@ impl Shared {
         };
         let denied = !decision.is_allowed();
         if !denied && binding.remaining * 5 < binding.capacity {
-            telemetry::record_near_limit(&binding.rule, &binding.name);
+            telemetry::record_binding_near_limit(binding);
         }
         if let Some(baseline) = &self.baseline {
             baseline.record(denied && !shadowed);
@@ -284,6 +284,7 @@ where
 {
     let admitted = Admitted {
         headers: None,
+        outer_layer: false,
         leases: None,
         charge_to: None,
         outcome: RequestOutcome::undecided(outcome),
@@ -313,15 +314,24 @@ where
     S::Error: 'static,
     ResBody: Body<Data = Bytes> + Send + 'static,
 {
-    let admitted = Admitted::new(&shared, &mut decision, checks, false);
+    let outer_layer = has_outer_layer(&request);
+    let admitted = Admitted::new(&shared, &mut decision, checks, false, outer_layer);
     request.extensions_mut().insert(decision);
     ResponseFuture::new(Box::pin(finish(shared, inner.call(request), admitted)))
+}
+
+/// Whether a rate limit layer around this one decided `request` (each layer puts its decision
+/// in the request's extensions before it calls the service it wraps).
+fn has_outer_layer<B>(request: &Request<B>) -> bool {
+    request.extensions().get::<Decision>().is_some()
 }
 
 /// What an admitted request's response gets once the inner service answers.
 struct Admitted {
     /// The rate limit headers.
     headers: Option<RateLimitHeaders>,
+    /// Whether a rate limit layer is around this one (it reads which headers bind).
+    outer_layer: bool,
     /// Held until the body ends: if the client goes away mid-request, dropping the future
     /// releases them.
     leases: Option<LeaseGuard>,
@@ -340,10 +350,12 @@ impl Admitted {
         decision: &mut Decision,
         checks: Vec<Check>,
         shadowed: bool,
+        outer_layer: bool,
     ) -> Admitted {
         let post_charged = decision.source() == DecisionSource::Store && decision.is_allowed();
         Admitted {
             headers: (!shadowed).then(|| RateLimitHeaders::new(decision, shared.responses.headers)),
+            outer_layer,
             leases: LeaseGuard::new(&shared.store, decision.take_leases()),
             charge_to: post_charged.then(|| Charged {
                 checks,
@@ -370,7 +382,7 @@ where
         .settle_cost(&mut response, admitted.charge_to.as_ref())
         .await;
     if let Some(headers) = admitted.headers {
-        headers.apply_to_response(&mut response);
+        headers.apply_within(&mut response, admitted.outer_layer);
     }
     // A nested rate limit layer's outcome stays when it binds (it refused the request, or
     // its limit has less room left than ours).
@@ -407,7 +419,8 @@ where
     };
     if shadowed {
         // Invisible to the client: no denial, no delay, no rate limit headers.
-        let admitted = Admitted::new(&shared, &mut decision, checks, true);
+        let outer_layer = has_outer_layer(&request);
+        let admitted = Admitted::new(&shared, &mut decision, checks, true, outer_layer);
         request.extensions_mut().insert(decision);
         request.extensions_mut().insert(crate::rollout::Shadowed);
         return finish(shared, inner.call(request), admitted).await;
@@ -419,7 +432,8 @@ where
         response.extensions_mut().insert(decision);
         return Ok(response);
     }
-    let admitted = Admitted::new(&shared, &mut decision, checks, false);
+    let outer_layer = has_outer_layer(&request);
+    let admitted = Admitted::new(&shared, &mut decision, checks, false, outer_layer);
     if !decision.delay().is_zero() {
         tokio::time::sleep(decision.delay()).await;
     }
@@ -495,7 +509,7 @@ impl Shared {
         };
         let outcome = Outcome::of_store_decision(decision.is_allowed(), shadowed);
         if let Some(label) = outcome.decision_label() {
-            telemetry::record_limit_decision(&binding.rule, &binding.name, label);
+            telemetry::record_binding_decision(binding, label);
         }
         self.observe(identity, decision, shadowed);
         if outcome == Outcome::ShadowLimited && self.planner.rollout.may_log_shadow() {

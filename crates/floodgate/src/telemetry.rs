@@ -7,8 +7,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-// The leaf of store types: it imports nothing of the crate, so the store's failure machinery
-// can record here without a module cycle.
+// Only plain data types of the crate (a limit's status, the store's errors), so that the
+// store's failure machinery can record here without a module cycle.
+use crate::decision::LimitStatus;
 use crate::store::error::{BreakerState, StoreError};
 
 /// `floodgate_decisions_total{rule,limit,decision}`.
@@ -188,21 +189,110 @@ pub fn record_denylisted() {
 }
 
 /// Counts one decision of a limit whose rule and name are shared strings: the labels share
-/// them instead of copying them (this runs on every request).
+/// them instead of copying them.
 pub fn record_limit_decision(rule: &Arc<str>, limit: &Arc<str>, decision: DecisionLabel) {
     DECISION_TOTALS[decision as usize].fetch_add(1, Relaxed);
-    metrics::counter!(
+    count(&decision_key(rule, limit, decision));
+}
+
+/// [`record_limit_decision`] for the limit of `binding`, with the metric keys its limit keeps
+/// (this runs on every request: no label allocated, none hashed).
+pub(crate) fn record_binding_decision(binding: &LimitStatus, decision: DecisionLabel) {
+    DECISION_TOTALS[decision as usize].fetch_add(1, Relaxed);
+    match binding
+        .definition()
+        .metric_keys(&binding.rule, &binding.name)
+    {
+        Some(keys) => count(&keys.decisions[decision as usize]),
+        None => count(&decision_key(&binding.rule, &binding.name, decision)),
+    }
+}
+
+/// What the `counter!` macro would register a counter of this module under.
+static METADATA: metrics::Metadata<'static> =
+    metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+/// Adds one to the counter of `key` in the recorder installed now (none: nothing).
+fn count(key: &metrics::Key) {
+    metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA)).increment(1);
+}
+
+fn decision_key(rule: &Arc<str>, limit: &Arc<str>, decision: DecisionLabel) -> metrics::Key {
+    metrics::Key::from_parts(
         DECISIONS_TOTAL,
-        "rule" => metrics::SharedString::from_shared(rule.clone()),
-        "limit" => metrics::SharedString::from_shared(limit.clone()),
-        "decision" => decision.as_str()
+        vec![
+            metrics::Label::new("rule", metrics::SharedString::from_shared(rule.clone())),
+            metrics::Label::new("limit", metrics::SharedString::from_shared(limit.clone())),
+            metrics::Label::from_static_parts("decision", decision.as_str()),
+        ],
     )
-    .increment(1);
+}
+
+fn near_limit_key(rule: &Arc<str>, limit: &Arc<str>) -> metrics::Key {
+    metrics::Key::from_parts(
+        NEAR_LIMIT_TOTAL,
+        vec![
+            metrics::Label::new("rule", metrics::SharedString::from_shared(rule.clone())),
+            metrics::Label::new("limit", metrics::SharedString::from_shared(limit.clone())),
+        ],
+    )
+}
+
+/// The per-request metric keys of one limit in one rule, built the first time the limit
+/// decides (a [`Limit`](crate::Limit) keeps them): counting then costs a registry lookup
+/// by a hash computed once, not labels allocated and hashed per request. A recorder
+/// installed later still gets every count: the keys are looked up in whichever recorder is
+/// installed at each count.
+#[derive(Debug)]
+pub(crate) struct MetricKeys {
+    rule: Arc<str>,
+    limit: Arc<str>,
+    /// `floodgate_decisions_total`, by [`DecisionLabel`] (`label as usize`).
+    decisions: [metrics::Key; 7],
+    /// `floodgate_near_limit_total`.
+    near_limit: metrics::Key,
+}
+
+impl MetricKeys {
+    pub(crate) fn new(rule: &Arc<str>, limit: &Arc<str>) -> MetricKeys {
+        MetricKeys {
+            rule: rule.clone(),
+            limit: limit.clone(),
+            decisions: DecisionLabel::ALL.map(|label| decision_key(rule, limit, label)),
+            near_limit: near_limit_key(rule, limit),
+        }
+    }
+
+    /// Whether these are the keys of `limit` in `rule`.
+    pub(crate) fn are_for(&self, rule: &Arc<str>, limit: &Arc<str>) -> bool {
+        (Arc::ptr_eq(&self.rule, rule) || self.rule == *rule)
+            && (Arc::ptr_eq(&self.limit, limit) || self.limit == *limit)
+    }
 }
 
 /// Records how long a store check took.
 pub fn record_check_duration(store: &'static str, elapsed: Duration) {
-    metrics::histogram!(CHECK_DURATION_SECONDS, "store" => store).record(elapsed.as_secs_f64());
+    thread_local! {
+        /// The key of the store this thread checked last (one store, almost always).
+        static LAST: std::cell::RefCell<Option<(&'static str, metrics::Key)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| {
+        let key = match last {
+            Some((name, key)) if *name == store => key,
+            _ => {
+                let label = metrics::Label::from_static_parts("store", store);
+                &last
+                    .insert((
+                        store,
+                        metrics::Key::from_parts(CHECK_DURATION_SECONDS, vec![label]),
+                    ))
+                    .1
+            }
+        };
+        metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
+            .record(elapsed.as_secs_f64());
+    });
 }
 
 /// Counts a store error by kind.
@@ -257,6 +347,17 @@ pub const NEAR_LIMIT_TOTAL: &str = "floodgate_near_limit_total";
 pub fn record_near_limit(rule: &str, limit: &str) {
     metrics::counter!(NEAR_LIMIT_TOTAL, "rule" => rule.to_owned(), "limit" => limit.to_owned())
         .increment(1);
+}
+
+/// [`record_near_limit`] for the limit of `binding`, with the metric keys its limit keeps.
+pub(crate) fn record_binding_near_limit(binding: &LimitStatus) {
+    match binding
+        .definition()
+        .metric_keys(&binding.rule, &binding.name)
+    {
+        Some(keys) => count(&keys.near_limit),
+        None => count(&near_limit_key(&binding.rule, &binding.name)),
+    }
 }
 
 /// `floodgate_limited_ratio`: share of decisions denied in the last baseline interval.

@@ -82,3 +82,51 @@ async fn a_custom_observer_does_not_drop_the_store_error_metric() {
         "{text}"
     );
 }
+
+/// A limit keeps the metric keys of the rule it first decided under; the same limit under
+/// another rule is still counted under that rule, and each count goes to its own series.
+#[tokio::test]
+async fn one_limit_under_two_rules_counts_each_rules_decisions_apart() {
+    use floodgate::plan::StaticPlan;
+    use std::sync::Arc;
+
+    let handle = handle();
+    let shared = Arc::new(Limit::token_bucket("shared", 100, Duration::from_secs(1)).unwrap());
+    let layer = |rule: &str| {
+        RateLimitLayer::builder()
+            .plan(StaticPlan::new(
+                "fgtest",
+                rule.to_owned(),
+                vec![shared.clone()],
+            ))
+            .build()
+            .unwrap()
+            .layer(service_fn(|_: Request<()>| async {
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            }))
+    };
+    let (first, second) = (layer("first-rule"), layer("second-rule"));
+    let request = || {
+        Request::builder()
+            .extension(PeerAddr("198.51.100.7:1".parse().unwrap()))
+            .body(())
+            .unwrap()
+    };
+    for service in [&first, &first, &second, &first] {
+        service.clone().oneshot(request()).await.unwrap();
+    }
+    let text = handle.render();
+    let series = |rule: &str| {
+        format!(
+            "floodgate_decisions_total{{rule=\"{rule}\",limit=\"shared\",decision=\"allowed\"}}"
+        )
+    };
+    assert!(
+        text.contains(&format!("{} 3\n", series("first-rule"))),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("{} 1\n", series("second-rule"))),
+        "{text}"
+    );
+}
