@@ -1130,3 +1130,66 @@ async fn a_bucket_refunded_after_it_refilled_admits_its_capacity_and_no_more() {
         assert_eq!(1 + more, 100, "{algorithm}: the bucket's capacity");
     }
 }
+
+/// A calendar period in batched mode: two nodes share a daily quota of 3 (their leases are
+/// counted in the period's window at Redis), and a denial waits until the period's real end,
+/// midnight in the limit's time zone. The zone is a fixed offset chosen so that its local
+/// time is near noon whenever the test runs: no midnight falls inside it. (Between 12:00 and
+/// 13:00 UTC that zone is UTC itself, whose midnight is also a nominal day's end; at any other
+/// hour a period counted as a nominal day would end hours away from the one asserted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_nodes_share_a_calendar_quota_until_the_periods_end() {
+    use floodgate::calendar::{CalendarPeriod, Period};
+    let server = RedisServer::start();
+    let nodes: Vec<BatchedStore<RedisStore>> = (0..2)
+        .map(|_| {
+            BatchedStore::builder(redis(&server))
+                .sync_interval(ms(50))
+                .build()
+        })
+        .collect();
+    let now_secs = || Timestamp::now().as_micros() / 1_000_000;
+    let utc_hour = (now_secs() / 3600 % 24) as i64;
+    // East of UTC by `offset` hours: "Etc/GMT-<offset>" (the IANA sign is inverted).
+    let offset = 12 - utc_hour;
+    let zone = match offset {
+        0 => "Etc/GMT".to_owned(),
+        east if east > 0 => format!("Etc/GMT-{east}"),
+        west => format!("Etc/GMT+{}", -west),
+    };
+    let day = CalendarPeriod::new(Period::Day, &zone).expect("a fixed-offset zone");
+    let limit = Arc::new(
+        Limit::builder("daily")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(3)
+            .calendar(day)
+            .build()
+            .expect("a calendar limit"),
+    );
+    let checks = check(&limit, "quota");
+    let mut admitted = 0;
+    let mut denial = None;
+    for _ in 0..4 {
+        for node in &nodes {
+            let decision = node.check_and_consume(&checks, None).await.unwrap();
+            if decision.is_allowed() {
+                admitted += 1;
+            } else {
+                denial = Some(decision);
+            }
+        }
+    }
+    assert_eq!(admitted, 3, "one quota of 3 over both nodes");
+    let now = now_secs() as i64;
+    let local_midnight = ((now + offset * 3600) / 86_400 + 1) * 86_400 - offset * 3600;
+    let until_midnight = (local_midnight - now) as u64;
+    let wait = denial
+        .expect("a denial")
+        .retry_after()
+        .expect("a wait")
+        .as_secs();
+    assert!(
+        (until_midnight.saturating_sub(5)..=until_midnight + 1).contains(&wait),
+        "waits {wait} s; midnight in {zone} is {until_midnight} s away"
+    );
+}
