@@ -368,21 +368,31 @@ fn holders<'s>(servers: impl IntoIterator<Item = &'s support::RedisServer>, key:
         .count()
 }
 
+/// `regions` regions of two gateways each in `mode`, the oceans between them, and a client
+/// concentrated in the first for 5 s: the region meets it at its fixed share (`limit /
+/// regions`), never admits more than the allowance, and reaches most of the limit. The
+/// regions stay up for the caller's own checks.
+async fn concentrated_in(mode: Mode, regions: usize, client: &str) -> Regions {
+    let set = Regions::start(mode, regions, 2, INTERVAL);
+    oceans(&set);
+    let run = Duration::from_secs(5);
+    let report = concentrated(&set, client, run).await;
+    assert_eq!(
+        report.regions[0].share_per_bucket[0],
+        300 / regions as u64,
+        "met at its fixed share"
+    );
+    assert_within(report.admitted() as f64, report.allowance, 0.0);
+    assert_concentrated_steady(&report, run);
+    set
+}
+
 /// A region whose gateways shard their keys over two Redis servers (`store.mode: sharded`):
 /// the region's share bounds the key on the node that owns it, as it bounds an exact
 /// gateway's; the client's state is on one of the two nodes, the region's table on the first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sharded_gateways_within_a_region_trade_as_exact_ones_do() {
-    let regions = Regions::start(Mode::TradedSharded, 3, 2, INTERVAL);
-    oceans(&regions);
-    let run = Duration::from_secs(5);
-    let report = concentrated(&regions, "sharded", run).await;
-    assert_eq!(
-        report.regions[0].share_per_bucket[0], 100,
-        "met at its fixed share"
-    );
-    assert_within(report.admitted() as f64, report.allowance, 0.0);
-    assert_concentrated_steady(&report, run);
+    let regions = concentrated_in(Mode::TradedSharded, 3, "sharded").await;
     let key = Regions::key(&bucket(), "sharded");
     let nodes = [&regions.stores[0], &regions.second_shards[0]];
     assert_eq!(holders(nodes, &key), 1, "the key lives on its node alone");
@@ -392,16 +402,7 @@ async fn sharded_gateways_within_a_region_trade_as_exact_ones_do() {
 /// server, `store.region.local`): the same bounds; the client's state is in the cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_gateways_within_a_region_trade_as_exact_ones_do() {
-    let regions = Regions::start(Mode::TradedCluster, 2, 2, INTERVAL);
-    oceans(&regions);
-    let run = Duration::from_secs(5);
-    let report = concentrated(&regions, "cluster", run).await;
-    assert_eq!(
-        report.regions[0].share_per_bucket[0], 150,
-        "met at its fixed share"
-    );
-    assert_within(report.admitted() as f64, report.allowance, 0.0);
-    assert_concentrated_steady(&report, run);
+    let regions = concentrated_in(Mode::TradedCluster, 2, "cluster").await;
     let key = Regions::key(&bucket(), "cluster");
     let cluster = &regions.clusters[0];
     let masters = cluster.nodes().into_iter().map(|node| cluster.server(node));
