@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# What a fixed window's decision costs Redis, before and after a change of the Lua library, in
+# one Redis and run (issue 35): both libraries are loaded side by side (each under its own
+# name) and called by redis-benchmark -c 50 -P 16 on one key and on three, every call admitted
+# (10^9 per hour, the window begun before the count); then the reference of issue 35,
+# redis-benchmark -c 50 -P 2 of INCRBY and of EXPIRE (envoyproxy/ratelimit's two commands per
+# descriptor, their usec per call summed). usec per call from INFO commandstats, reset before
+# each; commands run inside a function have lines of their own and are not added.
+#
+#   bash bench/fixed_window_cost.sh [BEFORE (a git revision, default HEAD)] [rounds] [requests]
+#
+# "after" is the working tree. The library is assembled as script.rs assembles it: the files
+# its include_str! lines name, in their order, under a library header.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:-HEAD}
+rounds=${2:-3}
+requests=${3:-300000}
+for tool in redis-server redis-cli redis-benchmark; do
+    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install redis-server redis-tools)" >&2; exit 1; }
+done
+source bench/common.sh
+
+# library REVISION NAME: the function library of REVISION ("work": the working tree) as NAME,
+# with its check function registered as NAME_check.
+library() {
+    local revision=$1 name=$2 file
+    show() { if [ "$revision" = work ]; then cat "$1"; else git show "$revision:$1"; fi; }
+    echo "#!lua name=$name"
+    for file in $(show crates/floodgate/src/store/redis/script.rs | sed -n '/^fn library_body/,/^}/p' |
+        grep -oE 'lua/[a-z_]+\.lua'); do
+        show "crates/floodgate/$file"
+        echo
+    done
+    echo "redis.register_function('${name}_check', floodgate_check)"
+}
+
+redis_port=$(free_port)
+redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null &
+pids+=($!)
+for _ in $(seq 50); do redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+rcli() { redis-cli -p "$redis_port" "$@"; }
+library "$before" before | rcli -x function load replace >/dev/null
+library work after | rcli -x function load replace >/dev/null
+echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), redis $(redis-server --version | awk '{print $3}'); before: $(git rev-parse --short "$before"), after: the working tree; $requests calls per point"
+
+usec_per_call() { # command
+    rcli info commandstats | tr -d '\r' | awk -F'[:,=]' -v name="cmdstat_$1" '$1 == name {printf "%.2f", $5 / $3}'
+}
+measure() { # command-stat pipeline args...
+    local command=$1 pipeline=$2; shift 2
+    rcli config resetstat >/dev/null
+    redis-benchmark -p "$redis_port" -c 50 -P "$pipeline" -n "$requests" -q "$@" >/dev/null 2>&1
+    usec_per_call "$command"
+}
+spec="fixed_window 1000000000 3600000000"
+echo "| round | before, 1 key | after, 1 key | before, 3 keys | after, 3 keys | INCRBY + EXPIRE | after per descriptor (x reference), 1 key / 3 keys |"
+echo "|---|---|---|---|---|---|---|"
+for round in $(seq "$rounds"); do
+    declare -A usec=()
+    for lib in before after; do
+        # The first call of each key begins its window (the full path); the counts follow.
+        rcli fcall "${lib}_check" 1 "fgbench:{a}:$lib:one" check "" "$spec" 1 >/dev/null
+        rcli fcall "${lib}_check" 3 "fgbench:{a}:$lib:x" "fgbench:{a}:$lib:y" "fgbench:{a}:$lib:z" check "" "$spec" 1 "$spec" 1 "$spec" 1 >/dev/null
+        usec[$lib-1]=$(measure fcall 16 FCALL "${lib}_check" 1 "fgbench:{a}:$lib:one" check "" "$spec" 1)
+        usec[$lib-3]=$(measure fcall 16 FCALL "${lib}_check" 3 "fgbench:{a}:$lib:x" "fgbench:{a}:$lib:y" "fgbench:{a}:$lib:z" check "" "$spec" 1 "$spec" 1 "$spec" 1)
+    done
+    incrby=$(measure incrby 2 INCRBY fgbench:reference 1)
+    expire=$(measure expire 2 EXPIRE fgbench:reference 100)
+    reference=$(echo "$incrby + $expire" | bc -l)
+    ratios=$(echo "${usec[after-1]} ${usec[after-3]} $reference" | awk '{printf "%.2f (%.1fx) / %.2f (%.1fx)", $1, $1 / $3, $2 / 3, $2 / 3 / $3}')
+    printf '| %d | %s | %s | %s | %s | %s + %s = %.2f | %s |\n' "$round" "${usec[before-1]}" "${usec[after-1]}" \
+        "${usec[before-3]}" "${usec[after-3]}" "$incrby" "$expire" "$reference" "$ratios"
+    rcli flushall >/dev/null
+done
