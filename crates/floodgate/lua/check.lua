@@ -337,12 +337,13 @@ end
 -- clock (set when the window begins; writes decided at a caller's `now` cap it by the server's
 -- clock too, see fixed_window.lua), so a hash that is there is the current window's. Within
 -- FAST_MARGIN of a window's start an old hash may still be there (expiry is to the millisecond,
--- and Redis judges it by the time the call started), so those decisions go the full way. So does
+-- and Redis judges it by the time the call started, which a server short of CPU may have left
+-- some milliseconds before this call's `TIME`), so those decisions go the full way. So does
 -- every decision where any limit would deny (its state goes back for the deny cache), starts a
 -- window (a count equal to the cost: the window's start and expiry must be written), or finds
 -- a key of another type or of corrupted data. Each count is incremented, so what a limit that
 -- does not admit undoes is exactly what it added, or the field it created.
-local FAST_MARGIN = 2000
+local FAST_MARGIN = 10000
 
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
   local at = arg_at

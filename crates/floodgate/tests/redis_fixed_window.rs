@@ -320,3 +320,55 @@ async fn a_write_at_a_lagging_callers_time_expires_at_the_windows_end_by_the_ser
         );
     }
 }
+
+/// Window boundaries by the server's clock: one caller deciding back to back on windows of
+/// 50 ms, never near its limit, for a second (about 20 windows' starts, each met by a decision
+/// within its first milliseconds). Each decision's remaining says which window it was
+/// counted in: the first of a window (by the server's time it was decided at) starts from the
+/// limit, the others go down by one. A hash still there in a window's first millisecond (its
+/// expiry is to the millisecond) counted by the fast path would continue the old window's count.
+#[tokio::test]
+async fn every_window_starts_fresh_at_its_start_by_the_servers_clock() {
+    let server = RedisServer::start();
+    let store = store(&server);
+    let window = Duration::from_millis(50);
+    let limit = Arc::new(
+        Limit::builder("edge")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(1_000_000)
+            .window(window)
+            .build()
+            .unwrap(),
+    );
+    let checks = [Check::new("fgtest:{g}:r:edge", limit, 1)];
+    let window_micros = window.as_micros() as u64;
+    let mut previous: Option<(u64, u64)> = None;
+    let (mut windows, mut decisions) = (0, 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < deadline {
+        let decision = store.check_and_consume(&checks, None).await.unwrap();
+        assert!(decision.is_allowed());
+        let at = decision.decided_at().as_micros() / window_micros;
+        let remaining = decision.limits()[0].remaining;
+        match previous {
+            Some((window, before)) if window == at => assert_eq!(
+                remaining,
+                before - 1,
+                "decision {decisions} at {} µs continues its window",
+                decision.decided_at().as_micros()
+            ),
+            _ => {
+                assert_eq!(
+                    remaining,
+                    999_999,
+                    "decision {decisions} at {} µs starts its window",
+                    decision.decided_at().as_micros()
+                );
+                windows += 1;
+            }
+        }
+        previous = Some((at, remaining));
+        decisions += 1;
+    }
+    assert!(windows >= 10, "{decisions} decisions met {windows} windows");
+}
