@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a fixed window's decision costs Redis, before and after a change of the Lua library, in
 # one Redis and run (issue 35): both libraries are loaded side by side (each under its own
-# name) and called by redis-benchmark -c 50 -P 16 on one key and on three, every call admitted
-# (10^9 per hour, the window begun before the count); then the reference of issue 35,
+# name) and called by redis-benchmark -c 50 -P 16 on one key, on three, and as a batch of 12
+# one-key decisions (what coalescing sends under load), every call admitted (10^9 per hour, the
+# window begun before the count); then the reference of issue 35,
 # redis-benchmark -c 50 -P 2 of INCRBY and of EXPIRE (envoyproxy/ratelimit's two commands per
 # descriptor, their usec per call summed). usec per call from INFO commandstats, reset before
 # each; commands run inside a function have lines of their own and are not added.
@@ -54,8 +55,16 @@ measure() { # command-stat pipeline args...
     usec_per_call "$command"
 }
 spec="fixed_window 1000000000 3600000000"
-echo "| round | before, 1 key | after, 1 key | before, 3 keys | after, 3 keys | INCRBY + EXPIRE | after per descriptor (x reference), 1 key / 3 keys |"
-echo "|---|---|---|---|---|---|---|"
+# batch LIB: the arguments of a 'batch' call of 12 one-key decisions.
+batch() {
+    local lib=$1 i
+    batch_args=(FCALL "${lib}_check" 12)
+    for i in $(seq 12); do batch_args+=("fgbench:{b}:$lib:$i"); done
+    batch_args+=(batch "" 12)
+    for i in $(seq 12); do batch_args+=(1 2 "$spec" 1); done
+}
+echo "| round | before, 1 key | after, 1 key | before, 3 keys | after, 3 keys | before, batch of 12 | after, batch of 12 | INCRBY + EXPIRE | after per descriptor (x reference): 1 key / 3 keys / in a batch |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for round in $(seq "$rounds"); do
     declare -A usec=()
     for lib in before after; do
@@ -64,12 +73,16 @@ for round in $(seq "$rounds"); do
         rcli fcall "${lib}_check" 3 "fgbench:{a}:$lib:x" "fgbench:{a}:$lib:y" "fgbench:{a}:$lib:z" check "" "$spec" 1 "$spec" 1 "$spec" 1 >/dev/null
         usec[$lib-1]=$(measure fcall 16 FCALL "${lib}_check" 1 "fgbench:{a}:$lib:one" check "" "$spec" 1)
         usec[$lib-3]=$(measure fcall 16 FCALL "${lib}_check" 3 "fgbench:{a}:$lib:x" "fgbench:{a}:$lib:y" "fgbench:{a}:$lib:z" check "" "$spec" 1 "$spec" 1 "$spec" 1)
+        batch "$lib"
+        rcli "${batch_args[@]}" >/dev/null
+        usec[$lib-batch]=$(requests=$((requests / 4)) measure fcall 16 "${batch_args[@]}")
     done
     incrby=$(measure incrby 2 INCRBY fgbench:reference 1)
     expire=$(measure expire 2 EXPIRE fgbench:reference 100)
     reference=$(echo "$incrby + $expire" | bc -l)
-    ratios=$(echo "${usec[after-1]} ${usec[after-3]} $reference" | awk '{printf "%.2f (%.1fx) / %.2f (%.1fx)", $1, $1 / $3, $2 / 3, $2 / 3 / $3}')
-    printf '| %d | %s | %s | %s | %s | %s + %s = %.2f | %s |\n' "$round" "${usec[before-1]}" "${usec[after-1]}" \
-        "${usec[before-3]}" "${usec[after-3]}" "$incrby" "$expire" "$reference" "$ratios"
+    ratios=$(echo "${usec[after-1]} ${usec[after-3]} ${usec[after-batch]} $reference" |
+        awk '{printf "%.2f (%.1fx) / %.2f (%.1fx) / %.2f (%.1fx)", $1, $1 / $4, $2 / 3, $2 / 3 / $4, $3 / 12, $3 / 12 / $4}')
+    printf '| %d | %s | %s | %s | %s | %s | %s | %s + %s = %.2f | %s |\n' "$round" "${usec[before-1]}" "${usec[after-1]}" \
+        "${usec[before-3]}" "${usec[after-3]}" "${usec[before-batch]}" "${usec[after-batch]}" "$incrby" "$expire" "$reference" "$ratios"
     rcli flushall >/dev/null
 done
