@@ -328,23 +328,12 @@ local function lease(keys, args, n, now, reply, r)
   return r
 end
 
--- A decision of fixed windows only, at one command per limit (`HINCRBY` of its count) where
--- the stored state allows it; nil when it does not, having changed nothing, and `decide` then
--- decides it in full. Returns what `decide` would: the reply's new length and the argument
--- position after the decision.
---
--- Why a count alone will do: a fixed window's hash expires when its window ends by the server's
--- clock (set when the window begins; writes decided at a caller's `now` cap it by the server's
--- clock too, see fixed_window.lua), so a hash that is there is the current window's. Within
--- FAST_MARGIN of a window's start an old hash may still be there (expiry is to the millisecond,
--- and Redis judges it by the time the call started, which a server short of CPU may have left
--- some milliseconds before this call's `TIME`), so those decisions go the full way. So does
--- every decision where any limit would deny (its state goes back for the deny cache), starts a
--- window (a count equal to the cost: the window's start and expiry must be written), or finds
--- a key of another type or of corrupted data. Each count is incremented, so what a limit that
--- does not admit undoes is exactly what it added, or the field it created.
-local FAST_MARGIN = 10000
-
+-- A decision of fixed windows only, decided without the general machinery of `decide` where
+-- every limit admits: each hash is read (`HMGET w c p`: its window, its count, and whether it
+-- is another algorithm's), and if all are in the current window and all admit, each count is
+-- incremented. nil, having changed nothing, where a window begins, a limit would deny, a key
+-- holds anything else, or a key comes twice (each limit is read before any is counted):
+-- `decide` then decides it in full (and replies with the states the deny cache needs).
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
   local at = arg_at
   for i = 1, n do
@@ -353,44 +342,36 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
     if not spec or spec[1] ~= ALGORITHMS.fixed_window then
       return nil
     end
+    local key = keys[key_at + i]
+    for j = 1, i - 1 do
+      if keys[key_at + j] == key then
+        return nil
+      end
+    end
+    local cost = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
     local window_start, window_end = window_bounds(spec[3], now)
-    if now - window_start < FAST_MARGIN then
+    local values = redis.pcall('HMGET', key, 'w', 'c', 'p')
+    if type(values) ~= 'table' or values.err or values[3] then
       return nil
     end
-    S_A[i], S_RESET[i] = spec[2], window_end - now
-    S_COST[i] = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    local count = tonumber(values[2])
+    if tonumber(values[1]) ~= window_start or not count or count + cost > spec[2] then
+      return nil
+    end
+    S_A[i], S_COST[i], S_RESET[i] = spec[2], cost, window_end - now
     at = at + 2
-  end
-  for i = 1, n do
-    local key, cost, limit = keys[key_at + i], S_COST[i], S_A[i]
-    local count = redis.pcall('HINCRBY', key, 'c', cost)
-    local counted = type(count) == 'number'
-    if not counted or count == cost or count > limit then
-      if counted then
-        if count == cost then
-          redis.call('HDEL', key, 'c')
-        else
-          redis.call('HINCRBY', key, 'c', -cost)
-        end
-      end
-      for j = 1, i - 1 do
-        redis.call('HINCRBY', keys[key_at + j], 'c', -S_COST[j])
-      end
-      return nil
-    end
-    S_REMAINING[i] = limit - count
   end
   reply[r + 1] = 1
   r = r + 1
   for i = 1, n do
-    reply[r + 1], reply[r + 2], reply[r + 3] = S_REMAINING[i], S_RESET[i], -1
+    local count = redis.call('HINCRBY', keys[key_at + i], 'c', S_COST[i])
+    reply[r + 1], reply[r + 2], reply[r + 3] = S_A[i] - count, S_RESET[i], -1
     r = r + 3
   end
   return r, at
 end
 
--- A 'check' of one decision: at one command per limit where fixed_windows_at_once can, else
--- in full.
+-- A 'check' of one decision: by fixed_windows_at_once where it can, else in full.
 local function check_one(keys, args, key_at, arg_at, n, now, reply, r)
   if SERVER_CLOCK then
     local fast_r, fast_at = fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
@@ -408,7 +389,6 @@ local function floodgate_check(keys, args)
   local mode = args[1]
   local now
   SERVER_CLOCK = args[2] == ''
-  SERVER_NOW = nil
   if SERVER_CLOCK then
     local time = redis.call('TIME')
     now = time[1] * 1000000 + time[2]

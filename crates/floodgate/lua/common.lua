@@ -64,18 +64,6 @@ end
 -- that depend only on a window's start are then set once per window, not on every write.
 local SERVER_CLOCK = true
 
--- The server's clock in a call decided at a caller's `now` (read at most once per call: nil
--- until then; floodgate_check clears it).
-local SERVER_NOW = nil
-
-local function server_now()
-  if not SERVER_NOW then
-    local time = redis.call('TIME')
-    SERVER_NOW = time[1] * 1000000 + time[2]
-  end
-  return SERVER_NOW
-end
-
 -- Outcomes: allowed (0/1), remaining, reset_after, retry_after (-1: none), delay.
 -- Denied for good (the cost exceeds what the limit can ever hold) is denied with no retry.
 

@@ -20,22 +20,6 @@ local function fixed_window_current(state_start, count, window, now)
   return window_start, count, window_end
 end
 
--- How long a hash written at `now` lives: until its window's end. A write decided at a
--- caller's `now` that is a little behind the server's (a later slot of a decision on a cluster
--- goes at the first slot's time) ends by the server's clock: a hash that outlived its window
--- would be counted as the current one's by check.lua's fixed_windows_at_once. A `now` further
--- off (a test's clock) keeps its own.
-local function until_window_end(window_start, window_end, now)
-  local until_end = window_end - now
-  if not SERVER_CLOCK then
-    local by_server = window_end - server_now()
-    if by_server < until_end and by_server > window_start - window_end then
-      until_end = max(1, by_server)
-    end
-  end
-  return until_end
-end
-
 ALGORITHMS.fixed_window = {
   load = fixed_window_load,
 
@@ -68,7 +52,7 @@ ALGORITHMS.fixed_window = {
     end
     -- The key expires with its window: by the server's clock, set when the window begins.
     if state_start ~= window_start or not SERVER_CLOCK then
-      expire_after(key, until_window_end(window_start, window_end, now))
+      expire_after(key, window_end - now)
     end
   end,
 

@@ -317,9 +317,7 @@ async fn a_failing_decision_fails_alone_in_its_batch() {
         "fgtest:{batch}:corrupted",
         "fgtest:{batch}:after",
     );
-    // Its count is no number (a decision of fixed windows counts by `HINCRBY` of the count
-    // alone where it can, so a corrupted count is what every decision finds).
-    let _: () = server.command(&["HSET", corrupted, "w", "0", "c", "notanumber"]);
+    let _: () = server.command(&["HSET", corrupted, "w", "notanumber", "c", "1"]);
     assert!(
         node.check_and_consume(&checks("fgtest:{batch}:warm"), None)
             .await

@@ -1,12 +1,13 @@
-//! Fixed windows at one command per limit (issue 35): a decision of fixed windows decided by
-//! the server's clock increments each count (`HINCRBY`) and reads nothing where the stored
-//! state allows it, and goes the full way (read, decide, write) where it does not: a window
-//! that starts, a limit that would deny, a key of another type or of corrupted data. These
+//! Fixed windows decided without the general machinery (issue 35): a decision of fixed windows
+//! by the server's clock reads each hash once (`HMGET w c p`) and, where every limit is in its
+//! current window and admits, increments each count (`HINCRBY`); anything else (a window that
+//! begins, a limit that would deny, a key of another shape) goes to the full decision. These
 //! tests hold that path to what the full one decides, against a real redis-server.
 //!
 //! Timing: the tests decide by the server's clock on windows of an hour, placed clear of a
-//! window's end first (`clear_of_window_end`), so that no window ends while a test counts; the
-//! lagging caller's test places itself in a one-second window by the server's clock.
+//! window's end first (`clear_of_window_end`), so that no window ends while a test counts;
+//! those about windows' starts use windows of 50 ms and one second, placed by the server's
+//! clock.
 
 use floodgate_test_support as support;
 
@@ -69,12 +70,11 @@ fn calls(server: &RedisServer, commands: &[&str]) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// The cost that makes the difference: after the first decision of a window, an admitted
-/// decision of one limit runs `HINCRBY` alone (with `TIME`), and one of three limits three
-/// `HINCRBY`s; no read of the hash and no other write. On the full path each limit was an
-/// `HMGET` and an `HSET`.
+/// What an admission costs: after the first decision of a window, an admitted decision of one
+/// limit runs `TIME`, one `HMGET` and one `HINCRBY`, and one of three limits three of each; no
+/// `HSET` (the full decision writes the count with one) and nothing else.
 #[tokio::test]
-async fn an_admitted_decision_of_fixed_windows_costs_one_command_per_limit() {
+async fn an_admitted_decision_of_fixed_windows_reads_and_counts_each_limit_once() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
     let server = RedisServer::start();
     let store = store(&server);
@@ -104,7 +104,7 @@ async fn an_admitted_decision_of_fixed_windows_costs_one_command_per_limit() {
     );
     let expected: Vec<(String, u64)> = [
         ("hincrby", 20 + 60),
-        ("hmget", 0),
+        ("hmget", 20 + 60),
         ("hset", 0),
         ("hdel", 0),
         ("pexpire", 0),
@@ -151,8 +151,8 @@ async fn fixed_windows_at_once_report_what_the_full_path_reports() {
     assert_eq!(count_of(&server, "fgtest:{b}:r:w"), Some(5));
 }
 
-/// All or nothing across limits: where a later limit denies, what the fast path added to the
-/// earlier ones is taken back before the full path decides, so the counts are as before.
+/// All or nothing across limits: where a later limit would deny, nothing is counted (the full
+/// decision denies), so the counts are as before.
 #[tokio::test]
 async fn a_limit_that_denies_leaves_the_other_counts_as_they_were() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -179,7 +179,7 @@ async fn a_limit_that_denies_leaves_the_other_counts_as_they_were() {
     assert_eq!(count_of(&server, "fgtest:{c}:r:wide"), Some(2));
     assert_eq!(count_of(&server, "fgtest:{c}:r:narrow"), Some(2));
     // A cost the limit can never hold, on a key never used: denied, and no count is left
-    // behind (the field the increment created is removed).
+    // behind.
     let huge = [Check::new("fgtest:{c}:r:huge", fixed_window("huge", 3), 4)];
     let denied = store.check_and_consume(&huge, None).await.unwrap();
     assert!(denied.is_never_admissible());
@@ -189,9 +189,9 @@ async fn a_limit_that_denies_leaves_the_other_counts_as_they_were() {
     assert_eq!(decision.limits()[0].remaining, 97);
 }
 
-/// Keys the fast path cannot count: another algorithm's string (a GCRA's), a hash without
-/// the window (another algorithm's), and a count that is no number. The first two are fresh
-/// keys (SPEC §3), the last fails as corrupted data, and none is changed by the attempt.
+/// Keys that are no fixed window's current state: another algorithm's string (a GCRA's), a
+/// hash without the window (a token bucket's), and a count that is no number. The first two
+/// are fresh keys (SPEC §3), the last fails as corrupted data and is left as it was.
 #[tokio::test]
 async fn keys_of_other_shapes_go_the_full_way() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -231,9 +231,8 @@ async fn keys_of_other_shapes_go_the_full_way() {
     );
 }
 
-/// Many callers on one key through two stores, coalesced: exactly the limit admitted, with the
-/// fast path taking every admission after the window's first and the reverts of the denials
-/// keeping the count at the limit.
+/// Many callers on one key through two stores, coalesced: exactly the limit admitted, every
+/// admission after the window's first counted by an increment.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_decisions_admit_exactly_the_limit() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -273,52 +272,11 @@ async fn concurrent_decisions_admit_exactly_the_limit() {
     }
     assert_eq!(admitted, 300, "64 callers × 20 decisions on a limit of 300");
     assert_eq!(count_of(&server, "fgtest:{hot}:r:hot"), Some(300));
-    assert!(server.command_calls("hincrby") > 0, "the fast path ran");
-}
-
-/// A write decided at a caller's time a little behind the server's (a later slot of a
-/// decision on a cluster goes at the first slot's time) expires by the server's clock at the
-/// window's end, not later: the fast path counts any hash that is there as the current
-/// window's. Fails without the cap (the hash outlived its window by the caller's lag).
-#[tokio::test]
-async fn a_write_at_a_lagging_callers_time_expires_at_the_windows_end_by_the_servers_clock() {
-    let server = RedisServer::start();
-    let store = store(&server);
-    let second = Duration::from_secs(1);
-    let limit = Arc::new(
-        Limit::builder("lag")
-            .algorithm(Algorithm::FixedWindow)
-            .limit(10)
-            .window(second)
-            .build()
-            .unwrap(),
+    assert_eq!(
+        server.command_calls("hincrby"),
+        299,
+        "every admission but the window's first"
     );
-    let checks = [Check::new("fgtest:{e}:r:lag", limit, 1)];
-    // Behind by 300 ms, in the server's window: at least 400 ms into it (the clock is the only
-    // signal of where a window is).
-    let into_second = server_now(&server) % 1_000_000;
-    if into_second < 400_000 {
-        std::thread::sleep(Duration::from_micros(400_000 - into_second));
-    }
-    let lagging = server_now(&server) - 300_000;
-    let window_end = (lagging / 1_000_000 + 1) * 1_000_000;
-    assert!(
-        store
-            .check_and_consume(&checks, Some(Timestamp::from_micros(lagging)))
-            .await
-            .unwrap()
-            .is_allowed()
-    );
-    let pttl: i64 = server.command(&["PTTL", "fgtest:{e}:r:lag"]);
-    let now = server_now(&server);
-    if pttl >= 0 {
-        let expires_at = now / 1000 + pttl as u64;
-        assert!(
-            expires_at <= window_end / 1000 + 1,
-            "the hash expires at {expires_at} ms, its window ends at {} ms",
-            window_end / 1000
-        );
-    }
 }
 
 /// Window boundaries by the server's clock: one caller deciding back to back on windows of
@@ -326,7 +284,7 @@ async fn a_write_at_a_lagging_callers_time_expires_at_the_windows_end_by_the_ser
 /// within its first milliseconds). Each decision's remaining says which window it was
 /// counted in: the first of a window (by the server's time it was decided at) starts from the
 /// limit, the others go down by one. A hash still there in a window's first millisecond (its
-/// expiry is to the millisecond) counted by the fast path would continue the old window's count.
+/// expiry is to the millisecond) must not be counted as the new window's.
 #[tokio::test]
 async fn every_window_starts_fresh_at_its_start_by_the_servers_clock() {
     let server = RedisServer::start();
@@ -371,4 +329,60 @@ async fn every_window_starts_fresh_at_its_start_by_the_servers_clock() {
         decisions += 1;
     }
     assert!(windows >= 10, "{decisions} decisions met {windows} windows");
+}
+
+/// A limit whose window length changes under the same key (an override, a reload) starts
+/// fresh: the hash of a one-second window is not the current window of a minute's, although it
+/// is there, and neither is a sliding window counter's hash (SPEC §3).
+#[tokio::test]
+async fn a_hash_of_another_window_length_or_algorithm_is_not_counted_on() {
+    clear_of_window_end(Duration::from_secs(60), Duration::from_secs(5));
+    let server = RedisServer::start();
+    // Not in a minute's first second, where a second's window starts with the minute's.
+    let into_minute = server_now(&server) % 60_000_000;
+    if into_minute < 2_000_000 {
+        std::thread::sleep(Duration::from_micros(2_000_000 - into_minute));
+    }
+    let store = store(&server);
+    let per_second = Arc::new(
+        Limit::builder("changed")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(10)
+            .window(Duration::from_secs(1))
+            .build()
+            .unwrap(),
+    );
+    let per_minute = Arc::new(
+        Limit::builder("changed")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(100)
+            .window(Duration::from_secs(60))
+            .build()
+            .unwrap(),
+    );
+    let key = "fgtest:{h}:r:changed";
+    for _ in 0..8 {
+        assert!(admitted(&store, &[Check::new(key, per_second.clone(), 1)]).await);
+    }
+    let minute = [Check::new(key, per_minute.clone(), 1)];
+    let decision = store.check_and_consume(&minute, None).await.unwrap();
+    assert_eq!(decision.limits()[0].remaining, 99, "a fresh minute");
+    let decision = store.check_and_consume(&minute, None).await.unwrap();
+    assert_eq!(decision.limits()[0].remaining, 98);
+
+    let sliding = Arc::new(
+        Limit::builder("slides")
+            .algorithm(Algorithm::SlidingWindowCounter)
+            .limit(100)
+            .window(Duration::from_secs(60))
+            .build()
+            .unwrap(),
+    );
+    let key = "fgtest:{h}:r:slides";
+    for _ in 0..5 {
+        assert!(admitted(&store, &[Check::new(key, sliding.clone(), 1)]).await);
+    }
+    let fixed = [Check::new(key, per_minute, 1)];
+    let decision = store.check_and_consume(&fixed, None).await.unwrap();
+    assert_eq!(decision.limits()[0].remaining, 99, "a fresh fixed window");
 }
