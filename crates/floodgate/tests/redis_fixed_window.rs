@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::store::{Check, RedisStore};
-use floodgate::time::Timestamp;
 use floodgate::{Algorithm, Limit, Store};
 use support::{RedisServer, clear_of_window_end};
 
