@@ -330,11 +330,13 @@ end
 
 -- A decision of fixed windows only, decided without the general machinery of `decide` where
 -- every limit admits: each hash is read (`HMGET w c p`: its window, its count, and whether it
--- is another algorithm's), and if all are in the current window and all admit, each count is
--- incremented. nil, having changed nothing, where a window begins, a limit would deny, a key
--- holds anything else, or a key comes twice (each limit is read before any is counted):
--- `decide` then decides it in full (and replies with the states the deny cache needs).
+-- is another algorithm's), and if all are in the current window, all counts are integers as
+-- this library writes them and all admit, each count is incremented. nil, having changed
+-- nothing, where a window begins, a limit would deny, a key holds anything else, or a key comes
+-- twice (each limit is read before any is counted): `decide` then decides it in full (and
+-- replies with the states the deny cache needs), reading each hash again.
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
+  -- Every spec first: a decision that is not all fixed windows reads nothing here.
   local at = arg_at
   for i = 1, n do
     local text = args[at + 1]
@@ -348,18 +350,26 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
         return nil
       end
     end
-    local cost = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
-    local window_start, window_end = window_bounds(spec[3], now)
-    local values = redis.pcall('HMGET', key, 'w', 'c', 'p')
+    S_A[i], S_B[i] = spec[2], spec[3]
+    S_COST[i] = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    at = at + 2
+  end
+  for i = 1, n do
+    local values = redis.pcall('HMGET', keys[key_at + i], 'w', 'c', 'p')
     if type(values) ~= 'table' or values.err or values[3] then
       return nil
     end
-    local count = tonumber(values[2])
-    if tonumber(values[1]) ~= window_start or not count or count + cost > spec[2] then
+    -- A count `HINCRBY` takes as this library wrote it: digits, no leading zero, exact in a
+    -- Lua number. Anything else (corrupted data) is the general decision's to judge.
+    local stored = values[2]
+    if not stored or #stored > 15 or not (stored == '0' or match(stored, '^[1-9]%d*$')) then
       return nil
     end
-    S_A[i], S_COST[i], S_RESET[i] = spec[2], cost, window_end - now
-    at = at + 2
+    local window_start, window_end = window_bounds(S_B[i], now)
+    if tonumber(values[1]) ~= window_start or tonumber(stored) + S_COST[i] > S_A[i] then
+      return nil
+    end
+    S_RESET[i] = window_end - now
   end
   reply[r + 1] = 1
   r = r + 1
