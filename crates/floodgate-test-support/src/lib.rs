@@ -297,6 +297,23 @@ pub fn wait_until(within: Duration, what: &str, mut condition: impl FnMut() -> b
     }
 }
 
+/// A fixed-offset IANA zone where the local time is now between 12:00 and 13:00, so that a
+/// calendar day counted there is hours from either of its ends, and its offset east of UTC in
+/// hours: "Etc/GMT-<hours east>" (the IANA sign is inverted), or "Etc/GMT" itself.
+pub fn zone_near_noon() -> (String, i64) {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is after 1970");
+    let utc_hour = (since_epoch.as_secs() / 3600 % 24) as i64;
+    let offset = 12 - utc_hour;
+    let zone = match offset {
+        0 => "Etc/GMT".to_owned(),
+        east if east > 0 => format!("Etc/GMT-{east}"),
+        west => format!("Etc/GMT+{}", -west),
+    };
+    (zone, offset)
+}
+
 /// Returns once the current fixed window of length `window` has at least `needed` left,
 /// waiting for the next window to begin if it has not. Fixed windows are aligned to multiples
 /// of their length since the epoch (by the same clock on loopback as Redis's), so a test that

@@ -1149,14 +1149,7 @@ async fn batched_nodes_share_a_calendar_quota_until_the_periods_end() {
         })
         .collect();
     let now_secs = || Timestamp::now().as_micros() / 1_000_000;
-    let utc_hour = (now_secs() / 3600 % 24) as i64;
-    // East of UTC by `offset` hours: "Etc/GMT-<offset>" (the IANA sign is inverted).
-    let offset = 12 - utc_hour;
-    let zone = match offset {
-        0 => "Etc/GMT".to_owned(),
-        east if east > 0 => format!("Etc/GMT-{east}"),
-        west => format!("Etc/GMT+{}", -west),
-    };
+    let (zone, offset) = support::zone_near_noon();
     let day = CalendarPeriod::new(Period::Day, &zone).expect("a fixed-offset zone");
     let limit = Arc::new(
         Limit::builder("daily")

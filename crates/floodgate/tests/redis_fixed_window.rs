@@ -417,3 +417,85 @@ async fn a_count_in_another_form_is_decided_in_full_before_anything_is_counted()
     assert_eq!(count_of(&server, first), Some(2));
     assert_eq!(count_of(&server, second), Some(6));
 }
+
+/// A calendar period is a fixed window too: a day's quota in a zone where it is about noon (far
+/// from the day's ends) is counted by an increment after its first decision, and reports the
+/// same remaining as the general decision.
+#[tokio::test]
+async fn a_calendar_quota_is_counted_by_an_increment() {
+    use floodgate::calendar::{CalendarPeriod, Period};
+    let server = RedisServer::start();
+    let store = store(&server);
+    let (zone, _) = support::zone_near_noon();
+    let day = CalendarPeriod::new(Period::Day, &zone).expect("a fixed-offset zone");
+    let limit = Arc::new(
+        Limit::builder("daily")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(5)
+            .calendar(day)
+            .build()
+            .unwrap(),
+    );
+    let checks = [Check::new("fgtest:{j}:r:daily", limit, 1)];
+    assert!(admitted(&store, &checks).await);
+    let _: () = server.command(&["CONFIG", "RESETSTAT"]);
+    for expected in (0..4).rev() {
+        let decision = store.check_and_consume(&checks, None).await.unwrap();
+        assert_eq!(decision.limits()[0].remaining, expected);
+    }
+    assert_eq!(server.command_calls("hincrby"), 4);
+    assert_eq!(server.command_calls("hset"), 0);
+    assert!(!admitted(&store, &checks).await);
+    assert_eq!(count_of(&server, "fgtest:{j}:r:daily"), Some(5));
+}
+
+/// A decision that is not all fixed windows (one limit is a GCRA) is the general decision's,
+/// and reads no key before it: every limit is counted once, by `HSET`.
+#[tokio::test]
+async fn a_decision_with_another_algorithm_is_decided_in_full() {
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let store = store(&server);
+    let gcra = Arc::new(Limit::gcra("smooth", 100, HOUR).unwrap());
+    let mixed = [
+        Check::new("fgtest:{k}:r:window", fixed_window("window", 10), 1),
+        Check::new("fgtest:{k}:r:smooth", gcra, 1),
+    ];
+    assert!(admitted(&store, &mixed).await);
+    let _: () = server.command(&["CONFIG", "RESETSTAT"]);
+    let decision = store.check_and_consume(&mixed, None).await.unwrap();
+    assert!(decision.is_allowed());
+    assert_eq!(decision.limits()[0].remaining, 8);
+    assert_eq!(server.command_calls("hincrby"), 0);
+    assert_eq!(
+        server.command_calls("hmget"),
+        1,
+        "the window's hash, read once"
+    );
+    assert_eq!(count_of(&server, "fgtest:{k}:r:window"), Some(2));
+}
+
+/// A count beyond the limit (a post-charge left debt) is the general decision's: a request of
+/// cost 0 is admitted with nothing remaining and one of cost 1 is denied, as on a fresh store.
+#[tokio::test]
+async fn a_count_beyond_the_limit_is_decided_in_full() {
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let store = store(&server);
+    let limit = fixed_window("debt", 5);
+    let key = "fgtest:{l}:r:debt";
+    assert!(admitted(&store, &[Check::new(key, limit.clone(), 1)]).await);
+    store
+        .charge(&[Check::new(key, limit.clone(), 6)], None)
+        .await
+        .unwrap();
+    assert_eq!(count_of(&server, key), Some(7));
+    let free = store
+        .check_and_consume(&[Check::new(key, limit.clone(), 0)], None)
+        .await
+        .unwrap();
+    assert!(free.is_allowed());
+    assert_eq!(free.limits()[0].remaining, 0);
+    assert!(!admitted(&store, &[Check::new(key, limit, 1)]).await);
+    assert_eq!(count_of(&server, key), Some(7));
+}
