@@ -409,13 +409,12 @@ local function floodgate_check(keys, args)
   local reply = { now, 0, 0, 0, 0 }
   local r, failure = 1, nil
   local n = #keys
-  if mode == 'check' then
-    r, failure = check_one(keys, args, 0, 2, n, now, reply, r)
-    if r then
-      failure = nil
+  if mode == 'check' or mode == 'peek' then
+    if mode == 'check' then
+      r, failure = check_one(keys, args, 0, 2, n, now, reply, r)
+    else
+      r, failure = decide(keys, args, 0, 2, n, now, false, reply, r)
     end
-  elseif mode == 'peek' then
-    r, failure = decide(keys, args, 0, 2, n, now, false, reply, r)
     if r then
       failure = nil
     end

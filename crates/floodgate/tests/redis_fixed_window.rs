@@ -20,12 +20,18 @@ use support::{RedisServer, clear_of_window_end};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
+/// A fixed window of `limit` per hour.
 fn fixed_window(name: &str, limit: u64) -> Arc<Limit> {
+    fixed_window_of(name, limit, HOUR)
+}
+
+/// A fixed window of `limit` per `window`.
+fn fixed_window_of(name: &str, limit: u64, window: Duration) -> Arc<Limit> {
     Arc::new(
         Limit::builder(name)
             .algorithm(Algorithm::FixedWindow)
             .limit(limit)
-            .window(HOUR)
+            .window(window)
             .build()
             .unwrap(),
     )
@@ -297,14 +303,7 @@ async fn every_window_starts_fresh_at_its_start_by_the_servers_clock() {
     let server = RedisServer::start();
     let store = store(&server);
     let window = Duration::from_millis(50);
-    let limit = Arc::new(
-        Limit::builder("edge")
-            .algorithm(Algorithm::FixedWindow)
-            .limit(1_000_000)
-            .window(window)
-            .build()
-            .unwrap(),
-    );
+    let limit = fixed_window_of("edge", 1_000_000, window);
     let checks = [Check::new("fgtest:{g}:r:edge", limit, 1)];
     let window_micros = window.as_micros() as u64;
     let mut previous: Option<(u64, u64)> = None;
@@ -351,22 +350,8 @@ async fn a_hash_of_another_window_length_or_algorithm_is_not_counted_on() {
         std::thread::sleep(Duration::from_micros(2_000_000 - into_minute));
     }
     let store = store(&server);
-    let per_second = Arc::new(
-        Limit::builder("changed")
-            .algorithm(Algorithm::FixedWindow)
-            .limit(10)
-            .window(Duration::from_secs(1))
-            .build()
-            .unwrap(),
-    );
-    let per_minute = Arc::new(
-        Limit::builder("changed")
-            .algorithm(Algorithm::FixedWindow)
-            .limit(100)
-            .window(Duration::from_secs(60))
-            .build()
-            .unwrap(),
-    );
+    let per_second = fixed_window_of("changed", 10, Duration::from_secs(1));
+    let per_minute = fixed_window_of("changed", 100, Duration::from_secs(60));
     let key = "fgtest:{h}:r:changed";
     for _ in 0..8 {
         assert!(admitted(&store, &[Check::new(key, per_second.clone(), 1)]).await);
