@@ -17,19 +17,45 @@ use crate::tls::ReloadingCertificate;
 /// How often the listener's certificate files are checked for a change.
 const CERTIFICATE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
-async fn shutdown_signal() {
-    let mut terminate =
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(signal) => signal,
+/// SIGTERM and SIGINT, listened for from the moment this is made: made before "floodgate
+/// serving" is logged, so that a signal arriving before the serving loop awaits it is kept and
+/// ends the gateway gracefully, rather than taking its default action (ending the process
+/// mid-request; per_core workers take a moment to start).
+struct ShutdownSignals {
+    terminate: Option<tokio::signal::unix::Signal>,
+    interrupt: Option<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignals {
+    fn install() -> ShutdownSignals {
+        use tokio::signal::unix::{SignalKind, signal};
+        let listen = |kind: SignalKind, name: &str| match signal(kind) {
+            Ok(signal) => Some(signal),
             Err(error) => {
-                tracing::error!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-                return;
+                tracing::error!(%error, "cannot listen for {name}");
+                None
             }
         };
-    tokio::select! {
-        _ = terminate.recv() => tracing::info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        ShutdownSignals {
+            terminate: listen(SignalKind::terminate(), "SIGTERM"),
+            interrupt: listen(SignalKind::interrupt(), "SIGINT"),
+        }
+    }
+
+    /// Resolves at the first SIGTERM or SIGINT (never, for one that could not be listened for).
+    async fn received(mut self) {
+        async fn next(signal: &mut Option<tokio::signal::unix::Signal>) {
+            match signal {
+                Some(signal) => {
+                    signal.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+        tokio::select! {
+            () = next(&mut self.terminate) => tracing::info!("SIGTERM received"),
+            () = next(&mut self.interrupt) => tracing::info!("SIGINT received"),
+        }
     }
 }
 
@@ -190,6 +216,7 @@ pub async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     let catch_up = gateway.clone();
     let _ = tokio::task::spawn_blocking(move || catch_up.reload(true)).await;
     gateway.check_store_at_start().await;
+    let shutdown = ShutdownSignals::install();
     if config.serves_proxy {
         tracing::info!(listen = %config.listen, admin = %config.admin_listen, tls = tls.is_some(), "floodgate serving");
     } else {
@@ -211,16 +238,16 @@ pub async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     });
     let served = match listener {
         Listener::Shared(listener) => {
-            serve::serve(listener, gateway, tls, shutdown_signal()).await;
+            serve::serve(listener, gateway, tls, shutdown.received()).await;
             Ok(())
         }
         Listener::PerCore(listeners) => {
-            serve::serve_per_core(listeners, gateway, tls, shutdown_signal())
+            serve::serve_per_core(listeners, gateway, tls, shutdown.received())
                 .await
                 .map_err(GatewayError::Workers)
         }
         Listener::None => {
-            shutdown_signal().await;
+            shutdown.received().await;
             serve::flush_store(&gateway).await;
             Ok(())
         }

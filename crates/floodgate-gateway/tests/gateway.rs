@@ -435,6 +435,20 @@ async fn sigterm_finishes_in_flight_requests_then_exits_zero() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// SIGTERM the moment the gateway logs "floodgate serving" still ends it cleanly (exit 0): its
+/// handler is in place before that line, not only once the workers are running (a signal in
+/// between took the default action and killed the process mid-request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_as_soon_as_serving_is_logged_exits_zero() {
+    let upstream = Upstream::start().await;
+    let (mut gateway, _directory) = gateway(&upstream, "");
+    gateway.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || gateway.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_ip_endpoint_global_limits_and_route_costs_apply_in_order() {
     let upstream = Upstream::start().await;
