@@ -104,6 +104,8 @@ end
 local S_ALGORITHM, S_A, S_B, S_COST, S_TOKEN = {}, {}, {}, {}, {}
 local S1, S2, S3 = {}, {}, {}
 local S_OK, S_REMAINING, S_RESET, S_RETRY, S_DELAY = {}, {}, {}, {}, {}
+-- fixed_windows_at_once's: each cost as its argument's text.
+local S_COST_TEXT = {}
 
 -- One decision of n limits (keys after `key_at`, arguments after `arg_at`): evaluates every
 -- limit, consumes from all if all admit and `consume` is set, and appends the reply. Returns
@@ -328,20 +330,31 @@ local function lease(keys, args, n, now, reply, r)
   return r
 end
 
+-- Takes back a cost fixed_windows_at_once counted. A cost of 0 changed nothing (and -0, as
+-- Redis formats it, is no integer to HINCRBY).
+local function uncount(key, cost)
+  if cost > 0 then
+    redis.call('HINCRBY', key, 'c', -cost)
+  end
+end
+
 -- A decision of fixed windows only, decided without the general machinery of `decide` where
--- every limit admits: each hash is read (`HMGET w c p`: its window, its count, and whether it
--- is another algorithm's), and if all are in the current window, all counts are integers as
--- this library writes them and all admit, each count is incremented. nil, having changed
--- nothing, where a window begins, a limit would deny, a key holds anything else, or a key comes
--- twice (each limit is read before any is counted): `decide` then decides it in full (and
--- replies with the states the deny cache needs), reading each hash again.
+-- every limit admits. Each hash's window is read (`HGET f`: only a fixed window's hash has
+-- it); if all are the current window's, each count is incremented (`HINCRBY`, which replies
+-- the count: it is never read or parsed before). If a count then exceeds its limit, or
+-- `HINCRBY` refuses one (a count this library did not write), every count this call
+-- incremented is decremented again, back to the digits it had (Redis takes an integer only in
+-- its own digits). nil, with nothing changed, where a window begins, a limit would deny, a key
+-- holds anything else, or a key comes twice: `decide` then decides it in full (and replies
+-- with the states the deny cache needs), reading each hash again.
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
   -- Every spec first: a decision that is not all fixed windows reads nothing here.
   local at = arg_at
+  local fixed_window = ALGORITHMS.fixed_window
   for i = 1, n do
     local text = args[at + 1]
     local spec = SPECS[text] or parse_spec(text)
-    if not spec or spec[1] ~= ALGORITHMS.fixed_window then
+    if not spec or spec[1] ~= fixed_window then
       return nil
     end
     local key = keys[key_at + i]
@@ -350,32 +363,40 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
         return nil
       end
     end
-    S_A[i], S_B[i] = spec[2], spec[3]
-    S_COST[i] = NUMBERS[args[at + 2]] or parse_number(args[at + 2])
+    -- The cost as the caller wrote it, for HINCRBY: Redis formats a Lua number argument with
+    -- printf, a text it takes as it is (and refuses one that is no integer: then `decide`).
+    S_A[i], S_B[i], S_COST[i], S_COST_TEXT[i] =
+      spec[2], spec[3], NUMBERS[args[at + 2]] or parse_number(args[at + 2]), args[at + 2]
     at = at + 2
   end
   for i = 1, n do
-    local values = redis.pcall('HMGET', keys[key_at + i], 'w', 'c', 'p')
-    if type(values) ~= 'table' or values.err or values[3] then
-      return nil
-    end
-    -- A count `HINCRBY` takes as this library wrote it: digits, no leading zero, exact in a
-    -- Lua number. Anything else (corrupted data) is the general decision's to judge.
-    local stored = values[2]
-    if not stored or #stored > 15 or not (stored == '0' or match(stored, '^[1-9]%d*$')) then
-      return nil
-    end
+    -- `f`: the window a fixed window's hash counts (see fixed_window.lua). A key of another type
+    -- replies an error (a table), a hash without it false: neither is a number.
     local window_start, window_end = window_bounds(S_B[i], now)
-    if tonumber(values[1]) ~= window_start or tonumber(stored) + S_COST[i] > S_A[i] then
+    if tonumber(redis.pcall('HGET', keys[key_at + i], 'f')) ~= window_start then
       return nil
     end
     S_RESET[i] = window_end - now
   end
+  for i = 1, n do
+    local key = keys[key_at + i]
+    local count = redis.pcall('HINCRBY', key, 'c', S_COST_TEXT[i])
+    local counted = type(count) == 'number'
+    if not counted or count > S_A[i] then
+      if counted then
+        uncount(key, S_COST[i])
+      end
+      for j = 1, i - 1 do
+        uncount(keys[key_at + j], S_COST[j])
+      end
+      return nil
+    end
+    S_REMAINING[i] = S_A[i] - count
+  end
   reply[r + 1] = 1
   r = r + 1
   for i = 1, n do
-    local count = redis.call('HINCRBY', keys[key_at + i], 'c', S_COST[i])
-    reply[r + 1], reply[r + 2], reply[r + 3] = S_A[i] - count, S_RESET[i], -1
+    reply[r + 1], reply[r + 2], reply[r + 3] = S_REMAINING[i], S_RESET[i], -1
     r = r + 3
   end
   return r, at
@@ -392,6 +413,10 @@ local function check_one(keys, args, key_at, arg_at, n, now, reply, r)
   return decide(keys, args, key_at, arg_at, n, now, true, reply, r)
 end
 
+-- The server clock's last whole second, as TIME gave it and in microseconds: most calls fall in
+-- the second of the call before, and the text compares for less than it parses.
+local clock_seconds_text, clock_seconds
+
 local function floodgate_check(keys, args)
   if not floor then
     bind_globals()
@@ -401,7 +426,11 @@ local function floodgate_check(keys, args)
   SERVER_CLOCK = args[2] == ''
   if SERVER_CLOCK then
     local time = redis.call('TIME')
-    now = time[1] * 1000000 + time[2]
+    local seconds = time[1]
+    if seconds ~= clock_seconds_text then
+      clock_seconds_text, clock_seconds = seconds, tonumber(seconds) * 1000000
+    end
+    now = clock_seconds + tonumber(time[2])
   else
     now = tonumber(args[2])
   end

@@ -1,14 +1,20 @@
 -- fixed_window: at most `limit` per window, windows aligned to multiples of `window` since the
 -- epoch, or the periods of a calendar (`calendar_window`: `window` is then a table of
--- boundaries; see window_bounds). Hash: w (window start), c (count).
+-- boundaries; see window_bounds). Hash: w (window start), c (count), and f (the window start
+-- again, under a name no other algorithm writes: check.lua's fixed_windows_at_once reads it
+-- alone to know a hash as the current window's, where `w` would need `p` read too). Where f is
+-- not w (a hash of a version before f, or whose window such a version began), the next write
+-- here sets it: until then every node counts on `w` and `c` alike.
 
 local function fixed_window_load(key)
   -- A sliding window counter's hash has 'p' as well: not this algorithm's state.
-  local values = read_own('HMGET', key, 'w', 'c', 'p')
+  local values = read_own('HMGET', key, 'w', 'c', 'p', 'f')
   if not values or not values[1] or not values[2] or values[3] then
     return nil
   end
-  return stored_number(values[1]), stored_number(values[2])
+  -- The third value: whether `f` holds the window `w` does (both are written from one number,
+  -- in the same digits), to be kept as it is; the state exported is w and c alone.
+  return stored_number(values[1]), stored_number(values[2]), values[4] == values[1]
 end
 
 -- The current window's start and end, and its count so far.
@@ -37,18 +43,18 @@ ALGORITHMS.fixed_window = {
     return 0, remaining, until_next_window, until_next_window, 0
   end,
 
-  consume = function(key, state_start, count, _, _, window, now, cost)
+  consume = function(key, state_start, count, f_is_w, _, window, now, cost)
     if not state_start then
       clear_foreign(key)
     end
     local window_start, window_end
     window_start, count, window_end = fixed_window_current(state_start, count, window, now)
-    if state_start == window_start then
-      -- Within the stored window, 'w' already holds its start: the count alone changes (one
-      -- field and one number less to format, on every admitted request).
+    if state_start == window_start and f_is_w then
+      -- Within the stored window, 'w' and 'f' already hold its start: the count alone changes
+      -- (two fields and two numbers less to format).
       redis.call('HSET', key, 'c', count + cost)
     else
-      redis.call('HSET', key, 'w', window_start, 'c', count + cost)
+      redis.call('HSET', key, 'w', window_start, 'f', window_start, 'c', count + cost)
     end
     -- The key expires with its window: by the server's clock, set when the window begins.
     if state_start ~= window_start or not SERVER_CLOCK then

@@ -76,8 +76,9 @@ fn calls(server: &RedisServer, commands: &[&str]) -> Vec<(String, u64)> {
 }
 
 /// What an admission costs: after the first decision of a window, an admitted decision of one
-/// limit runs `TIME`, one `HMGET` and one `HINCRBY`, and one of three limits three of each; no
-/// `HSET` (the full decision writes the count with one) and nothing else.
+/// limit runs `TIME`, one `HGET` (of the window alone) and one `HINCRBY`, and one of three
+/// limits three of each; no `HMGET` and no `HSET` (the full decision reads and writes with
+/// them) and nothing else.
 #[tokio::test]
 async fn an_admitted_decision_of_fixed_windows_reads_and_counts_each_limit_once() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -105,11 +106,14 @@ async fn an_admitted_decision_of_fixed_windows_reads_and_counts_each_limit_once(
     }
     let counted = calls(
         &server,
-        &["hincrby", "hmget", "hset", "hdel", "pexpire", "time"],
+        &[
+            "hincrby", "hget", "hmget", "hset", "hdel", "pexpire", "time",
+        ],
     );
     let expected: Vec<(String, u64)> = [
         ("hincrby", 20 + 60),
-        ("hmget", 20 + 60),
+        ("hget", 20 + 60),
+        ("hmget", 0),
         ("hset", 0),
         ("hdel", 0),
         ("pexpire", 0),
@@ -189,7 +193,11 @@ async fn a_limit_that_denies_leaves_the_other_counts_as_they_were() {
             "the wide limit is not charged"
         );
     }
-    assert_eq!(count_of(&server, "fgtest:{c}:r:wide"), Some(2));
+    // Counted and taken back three times: the same digits as before.
+    assert_eq!(
+        server.command::<String>(&["HGET", "fgtest:{c}:r:wide", "c"]),
+        "2"
+    );
     assert_eq!(count_of(&server, "fgtest:{c}:r:narrow"), Some(2));
     // A cost the limit can never hold, on a key never used: denied, and no count is left
     // behind.
@@ -245,7 +253,8 @@ async fn keys_of_other_shapes_go_the_full_way() {
 }
 
 /// Many callers on one key through two stores, coalesced: exactly the limit admitted, every
-/// admission after the window's first counted by an increment.
+/// admission after the window's first counted by an increment, and every denial's increment
+/// taken back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_decisions_admit_exactly_the_limit() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -285,10 +294,12 @@ async fn concurrent_decisions_admit_exactly_the_limit() {
     }
     assert_eq!(admitted, 300, "64 callers × 20 decisions on a limit of 300");
     assert_eq!(count_of(&server, "fgtest:{hot}:r:hot"), Some(300));
+    // Each denial is counted, found over the limit and taken back, then decided in full.
+    let denied = 64 * 20 - 300;
     assert_eq!(
         server.command_calls("hincrby"),
-        299,
-        "every admission but the window's first"
+        299 + 2 * denied,
+        "every admission but the window's first, and each denial twice"
     );
 }
 
@@ -380,10 +391,11 @@ async fn a_hash_of_another_window_length_or_algorithm_is_not_counted_on() {
 }
 
 /// A count stored in a form `HINCRBY` refuses though it reads as a number ("05", written by
-/// hand): the decision goes the full way before anything is counted, so a decision of two
-/// limits whose second holds it counts each limit once, as the general decision does.
+/// hand): the decision goes the full way, with the first limit's increment taken back, so a
+/// decision of two limits whose second holds it counts each limit once, as the general
+/// decision does.
 #[tokio::test]
-async fn a_count_in_another_form_is_decided_in_full_before_anything_is_counted() {
+async fn a_count_in_another_form_is_decided_in_full_and_counted_once() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
     let server = RedisServer::start();
     let store = store(&server);
@@ -483,4 +495,55 @@ async fn a_count_beyond_the_limit_is_decided_in_full() {
     assert_eq!(free.limits()[0].remaining, 0);
     assert!(!admitted(&store, &[Check::new(key, limit, 1)]).await);
     assert_eq!(count_of(&server, key), Some(7));
+}
+
+/// A rolling upgrade: hashes written by a version before the `f` field, which every node of both
+/// versions counts on alike. A hash of the current window with `w` and `c` only is decided in
+/// full once, counting on from its count, and gets `f`: the next decision is an increment. A
+/// hash whose `f` is an earlier window's while `w` is the current one (an earlier version began
+/// this window) is decided in full too, from its count.
+#[tokio::test]
+async fn hashes_of_an_earlier_version_are_counted_on_and_given_the_window() {
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let store = store(&server);
+    let limit = fixed_window("upgrade", 100);
+    let window_start = server_now(&server) / 3_600_000_000 * 3_600_000_000;
+    let (before_f, stale_f) = ("fgtest:{m}:r:before", "fgtest:{m}:r:stale");
+    let start = window_start.to_string();
+    let earlier = (window_start - 3_600_000_000).to_string();
+    let _: () = server.command(&["HSET", before_f, "w", &start, "c", "7"]);
+    let _: () = server.command(&["HSET", stale_f, "w", &start, "f", &earlier, "c", "9"]);
+
+    let _: () = server.command(&["CONFIG", "RESETSTAT"]);
+    let decision = store
+        .check_and_consume(&[Check::new(before_f, limit.clone(), 1)], None)
+        .await
+        .unwrap();
+    assert_eq!(decision.limits()[0].remaining, 92);
+    assert_eq!(
+        server.command::<String>(&["HGET", before_f, "f"]),
+        start,
+        "given the window"
+    );
+    let decision = store
+        .check_and_consume(&[Check::new(stale_f, limit.clone(), 1)], None)
+        .await
+        .unwrap();
+    assert_eq!(decision.limits()[0].remaining, 90);
+    assert_eq!(server.command::<String>(&["HGET", stale_f, "f"]), start);
+    assert_eq!(server.command_calls("hincrby"), 0, "both decided in full");
+
+    for (key, remaining) in [(before_f, 91), (stale_f, 89)] {
+        let decision = store
+            .check_and_consume(&[Check::new(key, limit.clone(), 1)], None)
+            .await
+            .unwrap();
+        assert_eq!(decision.limits()[0].remaining, remaining);
+    }
+    assert_eq!(
+        server.command_calls("hincrby"),
+        2,
+        "then counted by an increment"
+    );
 }
