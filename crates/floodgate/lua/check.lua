@@ -55,7 +55,9 @@ local function parse_spec(text)
   if specs_kept >= 4096 then
     SPECS, specs_kept = {}, 0
   end
-  local spec = { algorithm, tonumber(a), b, name }
+  -- [5] and [6]: fixed_windows_at_once's note of the window it last met, its start and the
+  -- start's text.
+  local spec = { algorithm, tonumber(a), b, name, false, false }
   SPECS[text] = spec
   specs_kept = specs_kept + 1
   return spec
@@ -104,8 +106,8 @@ end
 local S_ALGORITHM, S_A, S_B, S_COST, S_TOKEN = {}, {}, {}, {}, {}
 local S1, S2, S3 = {}, {}, {}
 local S_OK, S_REMAINING, S_RESET, S_RETRY, S_DELAY = {}, {}, {}, {}, {}
--- fixed_windows_at_once's: each cost as its argument's text.
-local S_COST_TEXT = {}
+-- fixed_windows_at_once's: each limit's spec, and its cost as its argument's text.
+local S_SPEC, S_COST_TEXT = {}, {}
 
 -- One decision of n limits (keys after `key_at`, arguments after `arg_at`): evaluates every
 -- limit, consumes from all if all admit and `consume` is set, and appends the reply. Returns
@@ -330,9 +332,10 @@ local function lease(keys, args, n, now, reply, r)
   return r
 end
 
--- Takes back a cost fixed_windows_at_once counted. A cost of 0 changed nothing (and -0, as
--- Redis formats it, is no integer to HINCRBY).
-local function uncount(key, cost)
+-- Takes back a cost fixed_windows_at_once counted (`text`, its argument). A cost of 0 changed
+-- nothing (and -0, as Redis formats it, is no integer to HINCRBY).
+local function uncount(key, text)
+  local cost = NUMBERS[text] or parse_number(text)
   if cost > 0 then
     redis.call('HINCRBY', key, 'c', -cost)
   end
@@ -363,17 +366,22 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
         return nil
       end
     end
-    -- The cost as the caller wrote it, for HINCRBY: Redis formats a Lua number argument with
-    -- printf, a text it takes as it is (and refuses one that is no integer: then `decide`).
-    S_A[i], S_B[i], S_COST[i], S_COST_TEXT[i] =
-      spec[2], spec[3], NUMBERS[args[at + 2]] or parse_number(args[at + 2]), args[at + 2]
+    -- The cost as the caller wrote it goes to HINCRBY: Redis formats a Lua number argument with
+    -- printf, and takes a text as it is (refusing one that is no integer: then `decide`).
+    S_SPEC[i], S_COST_TEXT[i] = spec, args[at + 2]
     at = at + 2
   end
   for i = 1, n do
-    -- `f`: the window a fixed window's hash counts (see fixed_window.lua). A key of another type
-    -- replies an error (a table), a hash without it false: neither is a number.
-    local window_start, window_end = window_bounds(S_B[i], now)
-    if tonumber(redis.pcall('HGET', keys[key_at + i], 'f')) ~= window_start then
+    local spec = S_SPEC[i]
+    local window_start, window_end = window_bounds(spec[3], now)
+    if spec[5] ~= window_start then
+      spec[5], spec[6] = window_start, format_int(window_start)
+    end
+    -- `f`: the window a fixed window's hash counts, in the digits of format_int (see
+    -- fixed_window.lua). A key of another type replies an error (a table), a hash without it
+    -- false: neither is the window's text, nor a number.
+    local stored = redis.pcall('HGET', keys[key_at + i], 'f')
+    if stored ~= spec[6] and tonumber(stored) ~= window_start then
       return nil
     end
     S_RESET[i] = window_end - now
@@ -382,16 +390,16 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
     local key = keys[key_at + i]
     local count = redis.pcall('HINCRBY', key, 'c', S_COST_TEXT[i])
     local counted = type(count) == 'number'
-    if not counted or count > S_A[i] then
+    if not counted or count > S_SPEC[i][2] then
       if counted then
-        uncount(key, S_COST[i])
+        uncount(key, S_COST_TEXT[i])
       end
       for j = 1, i - 1 do
-        uncount(keys[key_at + j], S_COST[j])
+        uncount(keys[key_at + j], S_COST_TEXT[j])
       end
       return nil
     end
-    S_REMAINING[i] = S_A[i] - count
+    S_REMAINING[i] = S_SPEC[i][2] - count
   end
   reply[r + 1] = 1
   r = r + 1

@@ -12,8 +12,8 @@ local function fixed_window_load(key)
   if not values or not values[1] or not values[2] or values[3] then
     return nil
   end
-  -- The third value: whether `f` holds the window `w` does (both are written from one number,
-  -- in the same digits), to be kept as it is; the state exported is w and c alone.
+  -- The third value: whether `f` holds the window `w` does (both are written as one text), to
+  -- be kept as it is; the state exported is w and c alone.
   return stored_number(values[1]), stored_number(values[2]), values[4] == values[1]
 end
 
@@ -51,10 +51,11 @@ ALGORITHMS.fixed_window = {
     window_start, count, window_end = fixed_window_current(state_start, count, window, now)
     if state_start == window_start and f_is_w then
       -- Within the stored window, 'w' and 'f' already hold its start: the count alone changes
-      -- (two fields and two numbers less to format).
+      -- (two fields less, and no window start to format).
       redis.call('HSET', key, 'c', count + cost)
     else
-      redis.call('HSET', key, 'w', window_start, 'f', window_start, 'c', count + cost)
+      local start_text = format_int(window_start)
+      redis.call('HSET', key, 'w', start_text, 'f', start_text, 'c', count + cost)
     end
     -- The key expires with its window: by the server's clock, set when the window begins.
     if state_start ~= window_start or not SERVER_CLOCK then
