@@ -332,12 +332,12 @@ local function lease(keys, args, n, now, reply, r)
   return r
 end
 
--- Takes back a cost fixed_windows_at_once counted (`text`, its argument). A cost of 0 changed
--- nothing (and -0, as Redis formats it, is no integer to HINCRBY).
+-- Takes back a cost fixed_windows_at_once counted, by the text HINCRBY took (an integer's own
+-- digits, so its opposite is '-' and them: exact at any size, where a Lua number is exact
+-- below 2^53 only). A cost of 0 changed nothing, and '-0' is no integer to HINCRBY.
 local function uncount(key, text)
-  local cost = NUMBERS[text] or parse_number(text)
-  if cost > 0 then
-    redis.call('HINCRBY', key, 'c', -cost)
+  if text ~= '0' then
+    redis.call('HINCRBY', key, 'c', '-' .. text)
   end
 end
 
@@ -368,7 +368,14 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
     end
     -- The cost as the caller wrote it goes to HINCRBY: Redis formats a Lua number argument with
     -- printf, and takes a text as it is (refusing one that is no integer: then `decide`).
-    S_SPEC[i], S_COST_TEXT[i] = spec, args[at + 2]
+    -- A cost above the limit is denied for good whatever the count: the general decision's
+    -- (it also keeps every cost counted here below 2^53, as the limits are).
+    local cost_text = args[at + 2]
+    local cost = NUMBERS[cost_text] or parse_number(cost_text)
+    if not cost or cost > spec[2] then
+      return nil
+    end
+    S_SPEC[i], S_COST_TEXT[i] = spec, cost_text
     at = at + 2
   end
   for i = 1, n do

@@ -3,8 +3,9 @@
 -- boundaries; see window_bounds). Hash: w (window start), c (count), and f (the window start
 -- again, under a name no other algorithm writes: check.lua's fixed_windows_at_once reads it
 -- alone to know a hash as the current window's, where `w` would need `p` read too). Where f is
--- not w (a hash of a version before f, or whose window such a version began), the next write
--- here sets it: until then every node counts on `w` and `c` alike.
+-- not w (a hash of a version before f, or whose window such a version began), the next count
+-- written by a decision here sets it (a refund writes `c` alone): until then every node counts
+-- on `w` and `c` alike.
 
 local function fixed_window_load(key)
   -- A sliding window counter's hash has 'p' as well: not this algorithm's state.

@@ -1,8 +1,9 @@
 //! Fixed windows decided without the general machinery (issue 35): a decision of fixed windows
-//! by the server's clock reads each hash once (`HMGET w c p`) and, where every limit is in its
-//! current window and admits, increments each count (`HINCRBY`); anything else (a window that
-//! begins, a limit that would deny, a key of another shape) goes to the full decision. These
-//! tests hold that path to what the full one decides, against a real redis-server.
+//! by the server's clock reads each hash's window alone (`HGET f`) and, where every limit is in
+//! its current window, increments each count (`HINCRBY`), taking every increment back where a
+//! limit would deny; anything else (a window that begins, a cost above a limit, a key of another
+//! shape) goes to the full decision. These tests hold that path to what the full one decides,
+//! against a real redis-server.
 //!
 //! Timing: the tests decide by the server's clock on windows of an hour, placed clear of a
 //! window's end first (`clear_of_window_end`), so that no window ends while a test counts;
@@ -168,8 +169,8 @@ async fn fixed_windows_at_once_report_what_the_full_path_reports() {
     assert_eq!(count_of(&server, "fgtest:{b}:r:w"), Some(5));
 }
 
-/// All or nothing across limits: where a later limit would deny, nothing is counted (the full
-/// decision denies), so the counts are as before.
+/// All or nothing across limits: where a later limit would deny, the earlier limits' increments
+/// are taken back and the full decision denies, so the counts are as before.
 #[tokio::test]
 async fn a_limit_that_denies_leaves_the_other_counts_as_they_were() {
     clear_of_window_end(HOUR, Duration::from_secs(60));
@@ -546,4 +547,45 @@ async fn hashes_of_an_earlier_version_are_counted_on_and_given_the_window() {
         2,
         "then counted by an increment"
     );
+}
+
+/// A cost above the limit, on a key in its current window, is denied for good and leaves the
+/// count as it was: one of 11 on a limit of 10, one beyond what a Lua number holds exactly
+/// (2^53 + 3, which would be taken back as 2^53 + 4), and 2^62 (whose opposite, as Redis
+/// formats a Lua number, is no integer to `HINCRBY`). One of 12 on a count of -5 (written by
+/// hand), which an increment would bring to 7, within the limit, is not admitted either.
+#[tokio::test]
+async fn a_cost_above_the_limit_is_denied_for_good_and_counts_nothing() {
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let store = store(&server);
+    let limit = fixed_window("costly", 10);
+    let key = "fgtest:{n}:r:costly";
+    assert!(admitted(&store, &[Check::new(key, limit.clone(), 1)]).await);
+    for cost in [11, (1 << 53) + 3, 1 << 62] {
+        let decision = store
+            .check_and_consume(&[Check::new(key, limit.clone(), cost)], None)
+            .await
+            .unwrap();
+        assert!(decision.is_never_admissible(), "cost {cost}");
+        assert_eq!(
+            server.command::<String>(&["HGET", key, "c"]),
+            "1",
+            "cost {cost}"
+        );
+    }
+    let decision = store
+        .check_and_consume(&[Check::new(key, limit.clone(), 1)], None)
+        .await
+        .unwrap();
+    assert_eq!(decision.limits()[0].remaining, 8);
+
+    // The full decision reports a negative count as corrupted data (its state cannot be
+    // exported): what matters here is that nothing admits it, and nothing is counted.
+    let _: () = server.command(&["HSET", key, "c", "-5"]);
+    let result = store
+        .check_and_consume(&[Check::new(key, limit, 12)], None)
+        .await;
+    assert!(!result.is_ok_and(|decision| decision.is_allowed()));
+    assert_eq!(server.command::<String>(&["HGET", key, "c"]), "-5");
 }
