@@ -5,8 +5,10 @@
 # one-key decisions (what coalescing sends under load), every call admitted (10^9 per hour, the
 # window begun before the count); then the reference of issue 35,
 # redis-benchmark -c 50 -P 2 of INCRBY and of EXPIRE (envoyproxy/ratelimit's two commands per
-# descriptor, their usec per call summed). usec per call from INFO commandstats, reset before
-# each; commands run inside a function have lines of their own and are not added.
+# descriptor, their usec per call summed); and the floor: a function that only runs TIME and,
+# per key, HGET and HINCRBY, as the lean path does, and replies alike. usec per call from INFO
+# commandstats, reset before each; commands run inside a function have lines of their own and
+# are not added.
 #
 #   bash bench/fixed_window_cost.sh [BEFORE (a git revision, default HEAD)] [rounds] [requests]
 #
@@ -43,6 +45,22 @@ for _ in $(seq 50); do redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break;
 rcli() { redis-cli -p "$redis_port" "$@"; }
 library "$before" before | rcli -x function load replace >/dev/null
 library work after | rcli -x function load replace >/dev/null
+# The floor of any script that decides as the lean path does: TIME, then per key one HGET and
+# one HINCRBY, and the same reply, with no logic at all (what is left above it is the library's
+# own work).
+rcli -x function load replace >/dev/null <<'LUA'
+#!lua name=floor
+redis.register_function('floor_check', function(keys, args)
+  local time = redis.call('TIME')
+  local reply = { time[1] * 1000000 + time[2], 1 }
+  for i = 1, #keys do
+    redis.call('HGET', keys[i], 'f')
+    local count = redis.call('HINCRBY', keys[i], 'c', args[2 + 2 * i])
+    reply[#reply + 1], reply[#reply + 2], reply[#reply + 3] = 1000000000 - count, 1, -1
+  end
+  return reply
+end)
+LUA
 echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), redis $(redis-server --version | awk '{print $3}'); before: $(git rev-parse --short "$before"), after: the working tree; $requests calls per point"
 
 usec_per_call() { # command
@@ -63,8 +81,8 @@ batch() {
     batch_args+=(batch "" 12)
     for i in $(seq 12); do batch_args+=(1 2 "$spec" 1); done
 }
-echo "| round | before, 1 key | after, 1 key | before, 3 keys | after, 3 keys | before, batch of 12 | after, batch of 12 | INCRBY + EXPIRE | after per descriptor (x reference): 1 key / 3 keys / in a batch |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| round | before, 1 key | after, 1 key | before, 3 keys | after, 3 keys | before, batch of 12 | after, batch of 12 | floor: 1 key / 3 keys | INCRBY + EXPIRE | after per descriptor (x reference): 1 key / 3 keys / in a batch |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for round in $(seq "$rounds"); do
     declare -A usec=()
     for lib in before after; do
@@ -77,12 +95,14 @@ for round in $(seq "$rounds"); do
         rcli "${batch_args[@]}" >/dev/null
         usec[$lib-batch]=$(requests=$((requests / 4)) measure fcall 16 "${batch_args[@]}")
     done
+    floor1=$(measure fcall 16 FCALL floor_check 1 "fgbench:{a}:floor:one" check "" "$spec" 1)
+    floor3=$(measure fcall 16 FCALL floor_check 3 "fgbench:{a}:floor:x" "fgbench:{a}:floor:y" "fgbench:{a}:floor:z" check "" "$spec" 1 "$spec" 1 "$spec" 1)
     incrby=$(measure incrby 2 INCRBY fgbench:reference 1)
     expire=$(measure expire 2 EXPIRE fgbench:reference 100)
     reference=$(echo "$incrby + $expire" | bc -l)
     ratios=$(echo "${usec[after-1]} ${usec[after-3]} ${usec[after-batch]} $reference" |
         awk '{printf "%.2f (%.1fx) / %.2f (%.1fx) / %.2f (%.1fx)", $1, $1 / $4, $2 / 3, $2 / 3 / $4, $3 / 12, $3 / 12 / $4}')
-    printf '| %d | %s | %s | %s | %s | %s | %s | %s + %s = %.2f | %s |\n' "$round" "${usec[before-1]}" "${usec[after-1]}" \
-        "${usec[before-3]}" "${usec[after-3]}" "${usec[before-batch]}" "${usec[after-batch]}" "$incrby" "$expire" "$reference" "$ratios"
+    printf '| %d | %s | %s | %s | %s | %s | %s | %s / %s | %s + %s = %.2f | %s |\n' "$round" "${usec[before-1]}" "${usec[after-1]}" \
+        "${usec[before-3]}" "${usec[after-3]}" "${usec[before-batch]}" "${usec[after-batch]}" "$floor1" "$floor3" "$incrby" "$expire" "$reference" "$ratios"
     rcli flushall >/dev/null
 done
