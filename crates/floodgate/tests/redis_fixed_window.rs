@@ -589,3 +589,88 @@ async fn a_cost_above_the_limit_is_denied_for_good_and_counts_nothing() {
     assert!(!result.is_ok_and(|decision| decision.is_allowed()));
     assert_eq!(server.command::<String>(&["HGET", key, "c"]), "-5");
 }
+
+/// The lean path against the memory store's fixed windows, on random decisions by the server's
+/// clock within one window of an hour: one to three limits over four keys (a key may come twice
+/// in a decision), costs of 0 to a few and above every limit, and post-charges that leave debt.
+/// Each decision must agree with the memory store's, limit by limit, on whether it admits, what
+/// remains, and whether it waits or can never be admitted (the waits themselves depend on the
+/// instant, which is Redis's here and fixed there). The store folds a repeated key into one
+/// check before the script; the script's own refusal of repeated keys is not what this holds.
+#[test]
+fn fixed_windows_at_once_decide_as_the_memory_store_does() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = store(&server);
+    let at = Some(floodgate::time::Timestamp::from_micros(server_now(&server)));
+    let step = (
+        prop::collection::vec(0usize..4, 1..4),
+        prop_oneof![4 => Just(1u64), 2 => 0u64..5, 1 => 15u64..30],
+        prop::bool::weighted(0.1),
+    );
+    let cases = (
+        prop::collection::vec(1u64..20, 4),
+        prop::collection::vec(step, 1..40),
+    );
+    let case_number = std::sync::atomic::AtomicU64::new(0);
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&cases, |(sizes, steps)| {
+            let case = case_number.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let memory = floodgate::MemoryStore::builder().build();
+            let limits: Vec<Arc<Limit>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(index, &size)| fixed_window(&format!("l{index}"), size))
+                .collect();
+            for (index, (keys, cost, charge)) in steps.iter().enumerate() {
+                let checks: Vec<Check> = keys
+                    .iter()
+                    .map(|&key| {
+                        let name = format!("fgprop:{{{case}}}:r:l{key}");
+                        Check::new(name, limits[key].clone(), *cost)
+                    })
+                    .collect();
+                let context = format!("step {index}: keys {keys:?}, cost {cost}");
+                if *charge {
+                    runtime.block_on(memory.charge(&checks, at)).unwrap();
+                    runtime.block_on(redis.charge(&checks, None)).unwrap();
+                    continue;
+                }
+                let expected = memory.check_and_consume_now(&checks, at);
+                let got = runtime
+                    .block_on(redis.check_and_consume(&checks, None))
+                    .unwrap();
+                prop_assert_eq!(got.is_allowed(), expected.is_allowed(), "{}", context);
+                prop_assert_eq!(
+                    got.is_never_admissible(),
+                    expected.is_never_admissible(),
+                    "{}",
+                    context
+                );
+                for (got, expected) in got.limits().iter().zip(expected.limits()) {
+                    prop_assert_eq!(got.allowed, expected.allowed, "{}", context);
+                    prop_assert_eq!(got.remaining, expected.remaining, "{}", context);
+                    prop_assert_eq!(
+                        got.retry_after.is_some(),
+                        expected.retry_after.is_some(),
+                        "{}",
+                        context
+                    );
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
