@@ -55,9 +55,9 @@ local function parse_spec(text)
   if specs_kept >= 4096 then
     SPECS, specs_kept = {}, 0
   end
-  -- [5] and [6]: fixed_windows_at_once's note of the window it last met, its start and the
-  -- start's text.
-  local spec = { algorithm, tonumber(a), b, name, false, false }
+  -- [5] to [7]: fixed_windows_at_once's note of the window it last met: its start, the start's
+  -- text and its end (none yet: every instant is outside [0, 0)).
+  local spec = { algorithm, tonumber(a), b, name, 0, false, 0 }
   SPECS[text] = spec
   specs_kept = specs_kept + 1
   return spec
@@ -380,18 +380,19 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
   end
   for i = 1, n do
     local spec = S_SPEC[i]
-    local window_start, window_end = window_bounds(spec[3], now)
-    if spec[5] ~= window_start then
-      spec[5], spec[6] = window_start, format_int(window_start)
+    if now < spec[5] or now >= spec[7] then
+      -- Not in the window this spec last met: the window `now` is in, and its start's text.
+      local window_start, window_end = window_bounds(spec[3], now)
+      spec[5], spec[6], spec[7] = window_start, format_int(window_start), window_end
     end
     -- `f`: the window a fixed window's hash counts, in the digits of format_int (see
     -- fixed_window.lua). A key of another type replies an error (a table), a hash without it
     -- false: neither is the window's text, nor a number.
     local stored = redis.pcall('HGET', keys[key_at + i], 'f')
-    if stored ~= spec[6] and tonumber(stored) ~= window_start then
+    if stored ~= spec[6] and tonumber(stored) ~= spec[5] then
       return nil
     end
-    S_RESET[i] = window_end - now
+    S_RESET[i] = spec[7] - now
   end
   for i = 1, n do
     local key = keys[key_at + i]
