@@ -347,9 +347,9 @@ end
 -- the count: it is never read or parsed before). If a count then exceeds its limit, or
 -- `HINCRBY` refuses one (a count this library did not write), every count this call
 -- incremented is decremented again, back to the digits it had (Redis takes an integer only in
--- its own digits). nil, with nothing changed, where a window begins, a limit would deny, a key
--- holds anything else, or a key comes twice: `decide` then decides it in full (and replies
--- with the states the deny cache needs), reading each hash again.
+-- its own digits). nil, with nothing changed, where a window begins, a cost exceeds a limit, a
+-- limit would deny, a key holds anything else, or a key comes twice: `decide` then decides it
+-- in full (and replies with the states the deny cache needs), reading each hash again.
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
   -- Every spec first: a decision that is not all fixed windows reads nothing here.
   local at = arg_at
@@ -366,15 +366,15 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
         return nil
       end
     end
-    -- The cost as the caller wrote it goes to HINCRBY: Redis formats a Lua number argument with
-    -- printf, and takes a text as it is (refusing one that is no integer: then `decide`).
     -- A cost above the limit is denied for good whatever the count: the general decision's
-    -- (it also keeps every cost counted here below 2^53, as the limits are).
+    -- (this also keeps every cost counted here below 2^53, as the limits are).
     local cost_text = args[at + 2]
     local cost = NUMBERS[cost_text] or parse_number(cost_text)
     if not cost or cost > spec[2] then
       return nil
     end
+    -- The cost goes to HINCRBY as the caller wrote it: Redis formats a Lua number argument with
+    -- printf, and takes a text as it is (refusing one that is no integer: then `decide`).
     S_SPEC[i], S_COST_TEXT[i] = spec, cost_text
     at = at + 2
   end

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::store::{Check, RedisStore};
-use floodgate::{Algorithm, Limit, Store};
+use floodgate::{Algorithm, Decision, Limit, Store};
 use support::{RedisServer, clear_of_window_end};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -56,6 +56,14 @@ async fn admitted(store: &RedisStore, checks: &[Check]) -> bool {
         .await
         .unwrap()
         .is_allowed()
+}
+
+/// The decision on one limit of `limit` on `key`, at `cost`, by the server's clock.
+async fn decide_one(store: &RedisStore, key: &str, limit: &Arc<Limit>, cost: u64) -> Decision {
+    store
+        .check_and_consume(&[Check::new(key, limit.clone(), cost)], None)
+        .await
+        .unwrap()
 }
 
 /// The server's clock, in microseconds since the epoch.
@@ -488,10 +496,7 @@ async fn a_count_beyond_the_limit_is_decided_in_full() {
         .await
         .unwrap();
     assert_eq!(count_of(&server, key), Some(7));
-    let free = store
-        .check_and_consume(&[Check::new(key, limit.clone(), 0)], None)
-        .await
-        .unwrap();
+    let free = decide_one(&store, key, &limit, 0).await;
     assert!(free.is_allowed());
     assert_eq!(free.limits()[0].remaining, 0);
     assert!(!admitted(&store, &[Check::new(key, limit, 1)]).await);
@@ -517,29 +522,20 @@ async fn hashes_of_an_earlier_version_are_counted_on_and_given_the_window() {
     let _: () = server.command(&["HSET", stale_f, "w", &start, "f", &earlier, "c", "9"]);
 
     let _: () = server.command(&["CONFIG", "RESETSTAT"]);
-    let decision = store
-        .check_and_consume(&[Check::new(before_f, limit.clone(), 1)], None)
-        .await
-        .unwrap();
+    let decision = decide_one(&store, before_f, &limit, 1).await;
     assert_eq!(decision.limits()[0].remaining, 92);
     assert_eq!(
         server.command::<String>(&["HGET", before_f, "f"]),
         start,
         "given the window"
     );
-    let decision = store
-        .check_and_consume(&[Check::new(stale_f, limit.clone(), 1)], None)
-        .await
-        .unwrap();
+    let decision = decide_one(&store, stale_f, &limit, 1).await;
     assert_eq!(decision.limits()[0].remaining, 90);
     assert_eq!(server.command::<String>(&["HGET", stale_f, "f"]), start);
     assert_eq!(server.command_calls("hincrby"), 0, "both decided in full");
 
     for (key, remaining) in [(before_f, 91), (stale_f, 89)] {
-        let decision = store
-            .check_and_consume(&[Check::new(key, limit.clone(), 1)], None)
-            .await
-            .unwrap();
+        let decision = decide_one(&store, key, &limit, 1).await;
         assert_eq!(decision.limits()[0].remaining, remaining);
     }
     assert_eq!(
@@ -563,10 +559,7 @@ async fn a_cost_above_the_limit_is_denied_for_good_and_counts_nothing() {
     let key = "fgtest:{n}:r:costly";
     assert!(admitted(&store, &[Check::new(key, limit.clone(), 1)]).await);
     for cost in [11, (1 << 53) + 3, 1 << 62] {
-        let decision = store
-            .check_and_consume(&[Check::new(key, limit.clone(), cost)], None)
-            .await
-            .unwrap();
+        let decision = decide_one(&store, key, &limit, cost).await;
         assert!(decision.is_never_admissible(), "cost {cost}");
         assert_eq!(
             server.command::<String>(&["HGET", key, "c"]),
@@ -574,10 +567,7 @@ async fn a_cost_above_the_limit_is_denied_for_good_and_counts_nothing() {
             "cost {cost}"
         );
     }
-    let decision = store
-        .check_and_consume(&[Check::new(key, limit.clone(), 1)], None)
-        .await
-        .unwrap();
+    let decision = decide_one(&store, key, &limit, 1).await;
     assert_eq!(decision.limits()[0].remaining, 8);
 
     // The full decision reports a negative count as corrupted data (its state cannot be
