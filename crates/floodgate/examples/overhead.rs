@@ -33,9 +33,11 @@ type Error = Box<dyn std::error::Error>;
 
 const MODES: [&str; 3] = ["plain", "limited", "governor"];
 
+/// The app of `mode`, its routes finished as `axum::serve` finishes them (`with_state`), so
+/// that the in-process calls do not build each route and its layers anew per request.
 fn app(mode: &str) -> Result<Router, Error> {
     let app = Router::new().route("/", get(|| async { "hello" }));
-    Ok(match mode {
+    let app = match mode {
         "plain" => app,
         "limited" => app.layer(
             RateLimitLayer::builder()
@@ -60,7 +62,8 @@ fn app(mode: &str) -> Result<Router, Error> {
             )
             .into());
         }
-    })
+    };
+    Ok(app.with_state(()))
 }
 
 /// Nanoseconds per request of `app`, over `requests` requests from one peer, each answered and
