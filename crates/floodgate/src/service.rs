@@ -75,6 +75,14 @@ impl Shared {
         }
     }
 
+    /// Whether `response` may report what its request cost, for [`Shared::settle_cost`] to
+    /// read: the inner service said so in its extensions, or the layer reads a cost header.
+    pub(crate) fn may_report_cost<B>(&self, response: &Response<B>) -> bool {
+        self.response_cost.is_some()
+            || response.extensions().get::<ReportedCost>().is_some()
+            || response.extensions().get::<CostInTrailers>().is_some()
+    }
+
     /// Reads what the response says the request cost (reported by the inner service in the
     /// response's extensions, or read, and removed, by the layer's [`ResponseCost`]) and, with
     /// `charge_to` (what admitted it), settles it: charges what it cost beyond the up-front
@@ -198,7 +206,7 @@ where
 {
     type Response = Response<RateLimitBody<ResBody>>;
     type Error = S::Error;
-    type Future = ResponseFuture<ResBody, S::Error>;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
 
     /// Only the inner service's readiness: limiting happens in `call`, so an over-limit
     /// client gets a 429 instead of being queued.
@@ -229,7 +237,7 @@ where
                     _ => (unidentified_response(), Outcome::Unidentified),
                 };
                 let answer = with_outcome(answer, outcome).map(RateLimitBody::full);
-                return ResponseFuture::new(Box::pin(async move { Ok(answer) }));
+                return ResponseFuture::boxed(Box::pin(async move { Ok(answer) }));
             }
         };
         // A store that decides without waiting (the memory store): an admitted request goes
@@ -245,7 +253,7 @@ where
         // The ready service goes into the future; a fresh clone waits for the next poll_ready.
         let fresh = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, fresh);
-        ResponseFuture::new(Box::pin(decide_then_call(
+        ResponseFuture::boxed(Box::pin(decide_then_call(
             shared,
             inner,
             request,
@@ -276,12 +284,7 @@ fn pass_through<F, ResBody, E>(
     shared: Arc<Shared>,
     response: F,
     outcome: Outcome,
-) -> ResponseFuture<ResBody, E>
-where
-    F: Future<Output = Result<Response<ResBody>, E>> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    E: 'static,
-{
+) -> ResponseFuture<F, ResBody, E> {
     let admitted = Admitted {
         headers: None,
         outer_layer: false,
@@ -289,7 +292,7 @@ where
         charge_to: None,
         outcome: RequestOutcome::undecided(outcome),
     };
-    ResponseFuture::new(Box::pin(finish(shared, response, admitted)))
+    ResponseFuture::admitted(response, shared, admitted)
 }
 
 /// One of the layer's own answers, with its `outcome` for whoever reports on it.
@@ -307,17 +310,14 @@ fn admit<S, ReqBody, ResBody>(
     mut request: Request<ReqBody>,
     checks: Vec<Check>,
     mut decision: Decision,
-) -> ResponseFuture<ResBody, S::Error>
+) -> ResponseFuture<S::Future, ResBody, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
-    S::Future: Send + 'static,
-    S::Error: 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
 {
     let outer_layer = has_outer_layer(&request);
     let admitted = Admitted::new(&shared, &mut decision, checks, false, outer_layer);
     request.extensions_mut().insert(decision);
-    ResponseFuture::new(Box::pin(finish(shared, inner.call(request), admitted)))
+    ResponseFuture::admitted(inner.call(request), shared, admitted)
 }
 
 /// Whether a rate limit layer around this one decided `request` (each layer puts its decision
@@ -327,7 +327,7 @@ fn has_outer_layer<B>(request: &Request<B>) -> bool {
 }
 
 /// What an admitted request's response gets once the inner service answers.
-struct Admitted {
+pub(crate) struct Admitted {
     /// The rate limit headers.
     headers: Option<RateLimitHeaders>,
     /// Whether a rate limit layer is around this one (it reads which headers bind).
@@ -376,11 +376,44 @@ where
     F: Future<Output = Result<Response<ResBody>, E>>,
     ResBody: Body,
 {
-    let mut response = response.await?;
+    let response = response.await?;
+    Ok(settle_and_complete(shared, response, admitted).await)
+}
+
+/// [`finish`] for a response that has come and may report its cost (which the store may wait
+/// to settle), boxed for [`ResponseFuture`].
+pub(crate) fn finish_boxed<ResBody, E>(
+    shared: Arc<Shared>,
+    response: Response<ResBody>,
+    admitted: Admitted,
+) -> crate::future::Boxed<ResBody, E>
+where
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    E: 'static,
+{
+    Box::pin(async move { Ok(settle_and_complete(shared, response, admitted).await) })
+}
+
+/// Settles the reported cost of an admitted request's `response`, then [`complete`]s it.
+async fn settle_and_complete<ResBody: Body>(
+    shared: Arc<Shared>,
+    mut response: Response<ResBody>,
+    admitted: Admitted,
+) -> Response<RateLimitBody<ResBody>> {
     // Before the head goes out, so that the client's next request sees the charge.
     let settlement = shared
         .settle_cost(&mut response, admitted.charge_to.as_ref())
         .await;
+    complete(response, admitted, settlement)
+}
+
+/// Sets the rate limit headers and the outcome on the inner service's answer to an admitted
+/// request, and wraps its body around the leases and the cost `settlement` it carries.
+pub(crate) fn complete<ResBody>(
+    mut response: Response<ResBody>,
+    admitted: Admitted,
+    settlement: Option<PendingSettlement>,
+) -> Response<RateLimitBody<ResBody>> {
     if let Some(headers) = admitted.headers {
         headers.apply_within(&mut response, admitted.outer_layer);
     }
@@ -390,7 +423,7 @@ where
     if inner.is_none_or(|inner| admitted.outcome.supersedes(inner)) {
         response.extensions_mut().insert(admitted.outcome);
     }
-    Ok(response.map(|body| RateLimitBody::inner(body, admitted.leases, settlement)))
+    response.map(|body| RateLimitBody::inner(body, admitted.leases, settlement))
 }
 
 async fn decide_then_call<S, ReqBody, ResBody>(

@@ -10,10 +10,11 @@
 //! are `A-Z a-z 0-9 - _ .` only (`limit::is_valid_name`), so the first `{` of a key opens its
 //! tag and the tag's last `:` ends the scope (the hash is 32 hex digits).
 
-use std::collections::HashMap;
 use std::fmt::{self, Write as _};
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, PoisonError};
+
+use hashbrown::{DefaultHashBuilder, HashTable};
 
 use super::{Identity, IdentityHash, StackText};
 
@@ -58,13 +59,16 @@ pub fn storage_key(
 /// time per request on the memory store (`bench/layer_overhead.sh`). Bounded: a shard that
 /// holds [`RecentKeys::SHARD_CAPACITY`] identities is emptied before it takes another, so that
 /// a flood of one-off clients costs what it did without the cache, and no more memory.
+///
+/// An identity is hashed once (with the memory store's seeded hasher, as cheap), and that hash
+/// both picks the shard and finds the entry in it.
 pub(crate) struct RecentKeys {
-    hasher: RandomState,
+    hasher: DefaultHashBuilder,
     shards: Box<[Mutex<KeysOf>]>,
 }
 
-/// One shard of [`RecentKeys`]: each identity's keys, one per limit of the plan.
-type KeysOf = HashMap<Identity, Arc<[Arc<str>]>>;
+/// One shard of [`RecentKeys`]: each identity, its hash and its keys, one per limit of the plan.
+type KeysOf = HashTable<(Identity, u64, Arc<[Arc<str>]>)>;
 
 impl RecentKeys {
     const SHARDS: usize = 16;
@@ -72,7 +76,7 @@ impl RecentKeys {
 
     pub(crate) fn new() -> RecentKeys {
         RecentKeys {
-            hasher: RandomState::new(),
+            hasher: DefaultHashBuilder::default(),
             shards: (0..Self::SHARDS).map(|_| Mutex::default()).collect(),
         }
     }
@@ -99,11 +103,16 @@ impl RecentKeys {
         identity: &Identity,
         make: impl FnOnce() -> Arc<[Arc<str>]>,
     ) -> Arc<[Arc<str>]> {
-        let shard = &self.shards[self.hasher.hash_one(identity) as usize % Self::SHARDS];
-        if let Some(keys) = shard
+        let hash = self.hasher.hash_one(identity);
+        // The table places entries by the hash's low bits and tells them apart by its top
+        // seven: the shard is chosen by bits that neither uses.
+        let shard = &self.shards[(hash >> 32) as usize % Self::SHARDS];
+        let same =
+            |(known, known_hash, _): &(Identity, u64, _)| *known_hash == hash && known == identity;
+        if let Some((_, _, keys)) = shard
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(identity)
+            .find(hash, same)
         {
             return keys.clone();
         }
@@ -115,7 +124,12 @@ impl RecentKeys {
         if shard.len() >= Self::SHARD_CAPACITY {
             shard.clear();
         }
-        shard.insert(identity.clone(), keys.clone());
+        // Another request of the same client may have made its keys meanwhile: keep one entry.
+        if shard.find(hash, same).is_none() {
+            shard.insert_unique(hash, (identity.clone(), hash, keys.clone()), |entry| {
+                entry.1
+            });
+        }
         keys
     }
 }

@@ -359,32 +359,51 @@ impl Inner {
             }
         }
         let mut shard = lock(shard);
-        let outcome = match shard.entries.find(hash, |entry| *entry.key == *check.key) {
+        // A key that exists is found once, decided and charged in place.
+        let (outcome, lease) = match shard
+            .entries
+            .find_mut(hash, |entry| *entry.key == *check.key)
+        {
             Some(entry) => {
-                entry.read(|state| algorithm::evaluate(&check.limit, state, now, check.cost))
+                let outcome =
+                    entry.read(|state| algorithm::evaluate(&check.limit, state, now, check.cost));
+                let lease = outcome
+                    .allowed
+                    .then(|| self.consume_entry(entry, check, now))
+                    .flatten();
+                (outcome, lease)
             }
-            None => algorithm::evaluate(&check.limit, None, now, check.cost),
+            None => {
+                let outcome = algorithm::evaluate(&check.limit, None, now, check.cost);
+                let lease = outcome
+                    .allowed
+                    .then(|| self.consume(&mut shard, check, hash, now))
+                    .flatten();
+                (outcome, lease)
+            }
         };
-        let lease = outcome
-            .allowed
-            .then(|| self.consume(&mut shard, check, hash, now))
-            .flatten();
         self.sweep_if_due(&mut shard, now);
         (outcome, lease)
     }
 
-    /// Applies an admission to `check`'s entry; returns the lease id if it took one.
+    /// Applies an admission to `check`'s entry, made if it is new; returns the lease id if it
+    /// took one.
     fn consume(&self, shard: &mut Shard, check: &Check, hash: u64, now: u64) -> Option<u64> {
+        let entry = shard
+            .entries
+            .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
+            .or_insert_with(|| Entry::new(check.key.clone(), hash))
+            .into_mut();
+        self.consume_entry(entry, check, now)
+    }
+
+    /// Applies an admission to `entry`, `check`'s; returns the lease id if it took one.
+    fn consume_entry(&self, entry: &mut Entry, check: &Check, now: u64) -> Option<u64> {
         let lease_id = match check.limit.algorithm() {
             crate::Algorithm::Concurrency => self.next_lease_id.fetch_add(1, Ordering::Relaxed),
             _ => 0,
         };
-        shard
-            .entries
-            .entry(hash, |entry| *entry.key == *check.key, |entry| entry.hash)
-            .or_insert_with(|| Entry::new(check.key.clone(), hash))
-            .into_mut()
-            .consume(&check.limit, now, check.cost, lease_id);
+        entry.consume(&check.limit, now, check.cost, lease_id);
         (lease_id != 0).then_some(lease_id)
     }
 
