@@ -2,12 +2,12 @@
 //! `RateLimit-Policy` fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields).
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
-use smallvec::SmallVec;
 
 use crate::decision::Decision;
 
@@ -43,6 +43,11 @@ impl HeaderStyle {
 
     fn ietf(self) -> bool {
         matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+
+    /// How many headers a response gets in this style.
+    fn count(self) -> usize {
+        usize::from(self.legacy()) * 3 + usize::from(self.ietf()) * 2
     }
 }
 
@@ -85,11 +90,65 @@ pub fn retry_after_secs(wait: Duration, jitter: f64, unit: f64) -> u64 {
 
 /// The rate limit headers of one decision, computed before the decision moves into the
 /// request's extensions and added to the response once the service has answered.
+///
+/// It keeps the binding limit's figures, not the header values: they are written when the
+/// headers are set, straight into the response's map.
 #[derive(Debug, Default)]
 pub struct RateLimitHeaders {
-    values: SmallVec<[(&'static HeaderName, HeaderValue); 5]>,
+    /// `None` when no limit applied, or the style sets no header.
+    binding: Option<BindingFigures>,
     /// The binding limit's remaining share (0 to 1), to rank against a nested layer's.
     remaining_share: f64,
+}
+
+/// What the headers of a decision's binding limit say.
+#[derive(Debug)]
+struct BindingFigures {
+    style: HeaderStyle,
+    /// `X-RateLimit-Limit`.
+    limit: HeaderValue,
+    /// `RateLimit-Policy`: every limit that applied.
+    policy: HeaderValue,
+    name: Arc<str>,
+    remaining: u64,
+    /// `X-RateLimit-Reset`: Unix seconds.
+    reset_at_secs: u64,
+    /// `RateLimit`'s `t`: seconds from now.
+    reset_after_secs: u64,
+}
+
+impl BindingFigures {
+    /// Hands each header, name and value, to `set`, in the order of the style.
+    fn each(self, mut set: impl FnMut(&'static HeaderName, HeaderValue)) {
+        // The computed values are written into one buffer and shared out of it: one
+        // allocation for all of them, not one each.
+        let mut text = BytesMut::with_capacity(64 + self.name.len());
+        let mut digits = itoa::Buffer::new();
+        if self.style.legacy() {
+            set(&X_RATELIMIT_LIMIT, self.limit);
+            text.extend_from_slice(digits.format(self.remaining).as_bytes());
+            if let Some(value) = value_of(&mut text) {
+                set(&X_RATELIMIT_REMAINING, value);
+            }
+            text.extend_from_slice(digits.format(self.reset_at_secs).as_bytes());
+            if let Some(value) = value_of(&mut text) {
+                set(&X_RATELIMIT_RESET, value);
+            }
+        }
+        if self.style.ietf() {
+            set(&RATELIMIT_POLICY, self.policy);
+            // "<name>";r=<remaining>;t=<seconds>
+            text.extend_from_slice(b"\"");
+            text.extend_from_slice(self.name.as_bytes());
+            text.extend_from_slice(b"\";r=");
+            text.extend_from_slice(digits.format(self.remaining).as_bytes());
+            text.extend_from_slice(b";t=");
+            text.extend_from_slice(digits.format(self.reset_after_secs).as_bytes());
+            if let Some(value) = value_of(&mut text) {
+                set(&RATELIMIT, value);
+            }
+        }
+    }
 }
 
 /// A response extension saying whose rate limit headers a response carries, so that nested
@@ -106,55 +165,40 @@ pub struct BindingHeaders {
 impl RateLimitHeaders {
     /// The headers for `decision` in `style` (none when no limit applied).
     pub fn new(decision: &Decision, style: HeaderStyle) -> Self {
-        let mut values = SmallVec::new();
         let Some(binding) = decision.binding_limit() else {
             return RateLimitHeaders {
-                values,
+                binding: None,
                 remaining_share: 1.0,
             };
         };
         let remaining_share = binding.remaining as f64 / binding.capacity.max(1) as f64;
-        // The computed values are written into one buffer and shared out of it: one
-        // allocation for all of them, not one each.
-        let mut text = match style {
-            HeaderStyle::None => BytesMut::new(),
-            _ => BytesMut::with_capacity(96),
-        };
-        let mut digits = itoa::Buffer::new();
-        if style.legacy() {
-            let reset_at = decision.decided_at().saturating_add(binding.reset_after);
-            values.push((
-                &X_RATELIMIT_LIMIT,
-                binding.definition().limit_header().clone(),
-            ));
-            text.extend_from_slice(digits.format(binding.remaining).as_bytes());
-            values.extend(value_of(&mut text).map(|value| (&X_RATELIMIT_REMAINING, value)));
-            text.extend_from_slice(digits.format(reset_at.as_secs_ceil()).as_bytes());
-            values.extend(value_of(&mut text).map(|value| (&X_RATELIMIT_RESET, value)));
-        }
-        if style.ietf() {
-            values.push((&RATELIMIT_POLICY, policy(decision)));
-            // "<name>";r=<remaining>;t=<seconds>
-            text.extend_from_slice(b"\"");
-            text.extend_from_slice(binding.name.as_bytes());
-            text.extend_from_slice(b"\";r=");
-            text.extend_from_slice(digits.format(binding.remaining).as_bytes());
-            text.extend_from_slice(b";t=");
-            text.extend_from_slice(digits.format(ceil_secs(binding.reset_after)).as_bytes());
-            values.extend(value_of(&mut text).map(|value| (&RATELIMIT, value)));
-        }
+        let figures = (style != HeaderStyle::None).then(|| BindingFigures {
+            style,
+            limit: binding.definition().limit_header().clone(),
+            policy: policy(decision),
+            name: binding.name.clone(),
+            remaining: binding.remaining,
+            reset_at_secs: decision
+                .decided_at()
+                .saturating_add(binding.reset_after)
+                .as_secs_ceil(),
+            reset_after_secs: ceil_secs(binding.reset_after),
+        });
         RateLimitHeaders {
-            values,
+            binding: figures,
             remaining_share,
         }
     }
 
     /// Sets the headers on `headers`, replacing any of the same name.
     pub fn apply(self, headers: &mut HeaderMap) {
-        headers.reserve(self.values.len());
-        for (name, value) in self.values {
+        let Some(figures) = self.binding else {
+            return;
+        };
+        headers.reserve(figures.style.count());
+        figures.each(|name, value| {
             headers.insert(name, value);
-        }
+        });
     }
 
     /// Sets the headers on a response an inner service produced. When a nested rate limit
@@ -173,7 +217,7 @@ impl RateLimitHeaders {
             denied: false,
         };
         let Some(inner) = response.extensions().get::<BindingHeaders>().copied() else {
-            if outer_layer && !self.values.is_empty() {
+            if outer_layer && self.binding.is_some() {
                 response.extensions_mut().insert(ours);
             }
             self.apply(response.headers_mut());
@@ -181,21 +225,23 @@ impl RateLimitHeaders {
         };
         let inner_binds = inner.denied || inner.remaining_share <= ours.remaining_share;
         let headers = response.headers_mut();
-        for (name, value) in self.values {
-            if name == RATELIMIT_POLICY {
-                let merged = match headers.get(name) {
-                    Some(existing) => {
-                        let mut joined = existing.as_bytes().to_vec();
-                        joined.extend_from_slice(b", ");
-                        joined.extend_from_slice(value.as_bytes());
-                        HeaderValue::from_bytes(&joined).unwrap_or(value)
-                    }
-                    None => value,
-                };
-                headers.insert(name, merged);
-            } else if !inner_binds {
-                headers.insert(name, value);
-            }
+        if let Some(figures) = self.binding {
+            figures.each(|name, value| {
+                if name == RATELIMIT_POLICY {
+                    let merged = match headers.get(name) {
+                        Some(existing) => {
+                            let mut joined = existing.as_bytes().to_vec();
+                            joined.extend_from_slice(b", ");
+                            joined.extend_from_slice(value.as_bytes());
+                            HeaderValue::from_bytes(&joined).unwrap_or(value)
+                        }
+                        None => value,
+                    };
+                    headers.insert(name, merged);
+                } else if !inner_binds {
+                    headers.insert(name, value);
+                }
+            });
         }
         if !inner_binds {
             response.extensions_mut().insert(ours);
