@@ -2,7 +2,10 @@
 # Layer overhead: the same axum hello-world plain, behind floodgate's RateLimitLayer (memory
 # store, peer IP) and behind its peer tower_governor 0.8 (headers on, peer IP), under the same
 # loopback wrk load, rotating through the three in each round of one session. Prints
-# requests/s and latency per run, then each round's ratios and their medians.
+# requests/s and latency per run, then each round's ratios and their medians. Also the
+# server's own CPU time (user + system, from /proc) per request: wrk shares the two cores, so
+# requests/s mixes the server's cost with the load generator's; the CPU per request does not,
+# and its excess over plain axum is what each layer costs under load.
 #
 #   bash bench/layer_overhead.sh [duration-seconds] [connections] [rounds]
 set -euo pipefail
@@ -22,14 +25,25 @@ run() { # round mode
     local port; port=$(free_port)
     "$server" "$2" "$port" & local pid=$!
     for _ in $(seq 50); do curl -fs "http://127.0.0.1:$port/" >/dev/null 2>&1 && break; sleep 0.1; done
+    local ticks_before ticks_after
+    ticks_before=$(cpu_ticks "$pid")
     wrk -t1 -c"$connections" -d"${duration}s" --latency "http://127.0.0.1:$port/" > "/tmp/overhead-$2.txt"
+    ticks_after=$(cpu_ticks "$pid")
     kill "$pid"; wait "$pid" 2>/dev/null || true
-    local rps p50 p99
+    local rps p50 p99 requests cpu_us
     rps=$(awk '/Requests\/sec/ {print $2}' "/tmp/overhead-$2.txt")
     p50=$(awk '$1=="50%" {print $2}' "/tmp/overhead-$2.txt")
     p99=$(awk '$1=="99%" {print $2}' "/tmp/overhead-$2.txt")
-    printf 'round %s %-9s %12s req/s   p50 %8s   p99 %8s\n' "$1" "$2" "$rps" "$p50" "$p99"
-    echo "$1 $2 $rps" >> "$results"
+    requests=$(awk '/requests in/ {print $1}' "/tmp/overhead-$2.txt")
+    cpu_us=$(python3 -c "print(f'{($ticks_after - $ticks_before) * 1e6 / $ticks_per_second / $requests:.2f}')")
+    printf 'round %s %-9s %12s req/s   p50 %8s   p99 %8s   server CPU %s us/request\n' \
+        "$1" "$2" "$rps" "$p50" "$p99" "$cpu_us"
+    echo "$1 $2 $rps $cpu_us" >> "$results"
+}
+
+ticks_per_second=$(getconf CLK_TCK)
+cpu_ticks() { # pid -> user + system clock ticks the process has used
+    awk '{print $14 + $15}' "/proc/$1/stat"
 }
 
 echo "wrk -t1 -c$connections -d${duration}s, $rounds rounds, server: tokio multi-thread on $(nproc) cores, loopback"
@@ -43,16 +57,21 @@ done
 
 python3 - "$results" <<'PY'
 import statistics, sys
-rates = {}
+rates, cpu = {}, {}
 for line in open(sys.argv[1]):
-    round_, mode, rps = line.split()
+    round_, mode, rps, us = line.split()
     rates.setdefault(int(round_), {})[mode] = float(rps)
-vs_governor, vs_plain, governor_vs_plain = [], [], []
-print("round  floodgate/tower_governor  floodgate/plain  tower_governor/plain")
+    cpu.setdefault(int(round_), {})[mode] = float(us)
+vs_governor, vs_plain, governor_vs_plain, ours, theirs = [], [], [], [], []
+print("round  floodgate/tower_governor  floodgate/plain  tower_governor/plain   CPU over plain (us): floodgate  tower_governor")
 for round_, r in sorted(rates.items()):
     vs_governor.append(r["limited"] / r["governor"])
     vs_plain.append(r["limited"] / r["plain"])
     governor_vs_plain.append(r["governor"] / r["plain"])
-    print(f"{round_:>5}  {vs_governor[-1]:>24.2f}  {vs_plain[-1]:>15.2f}  {governor_vs_plain[-1]:>20.2f}")
-print(f"median {statistics.median(vs_governor):>23.2f}  {statistics.median(vs_plain):>15.2f}  {statistics.median(governor_vs_plain):>20.2f}")
+    c = cpu[round_]
+    ours.append(c["limited"] - c["plain"])
+    theirs.append(c["governor"] - c["plain"])
+    print(f"{round_:>5}  {vs_governor[-1]:>24.2f}  {vs_plain[-1]:>15.2f}  {governor_vs_plain[-1]:>20.2f}   {ours[-1]:>30.2f}  {theirs[-1]:>14.2f}")
+median = statistics.median
+print(f"median {median(vs_governor):>23.2f}  {median(vs_plain):>15.2f}  {median(governor_vs_plain):>20.2f}   {median(ours):>30.2f}  {median(theirs):>14.2f}")
 PY
