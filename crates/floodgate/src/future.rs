@@ -86,11 +86,17 @@ where
                 shared,
                 admitted,
             } => {
-                let response = ready!(response.poll(cx))?;
-                let Some(admitted) = admitted.take() else {
+                // Taken when the response came: the inner future is done, and is not polled
+                // again.
+                if admitted.is_none() {
                     panic!("ResponseFuture polled after it completed");
+                }
+                let polled = ready!(response.poll(cx));
+                // Out of the future now, so that an error releases the leases at once.
+                let Some(admitted) = admitted.take() else {
+                    unreachable!("checked above");
                 };
-                (response, shared.clone(), admitted)
+                (polled?, shared.clone(), admitted)
             }
         };
         if !shared.may_report_cost(&response) {

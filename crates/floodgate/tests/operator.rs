@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{remaining, send};
+use floodgate::store::{BoxFuture, Check, Lease};
 use floodgate::{
-    Limit, MemoryStore, PeerAddr, RateLimitLayer, post_charge::CostHeader,
-    post_charge::ReportedCost, time::FakeClock, time::Timestamp,
+    Decision, Limit, MemoryStore, PeerAddr, RateLimitLayer, Store, StoreError,
+    post_charge::CostHeader, post_charge::ReportedCost, time::FakeClock, time::Timestamp,
 };
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::Full;
@@ -125,6 +126,79 @@ async fn an_inner_service_can_report_the_cost_in_the_response_extensions() {
     }));
     assert_eq!(remaining(&send(&service, client("k1")).await), 99);
     assert_eq!(remaining(&send(&service, client("k1")).await), 49);
+}
+
+/// A memory store that decides at once but, like a networked store, lets its post-charges
+/// wait: each yields once to the runtime before it charges.
+struct ChargesAfterAYield(MemoryStore);
+
+impl Store for ChargesAfterAYield {
+    fn check_and_consume<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<Decision, StoreError>> {
+        self.0.check_and_consume(checks, now)
+    }
+
+    fn check_and_consume_ready(
+        &self,
+        checks: &[Check],
+        now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        self.0.check_and_consume_ready(checks, now)
+    }
+
+    fn release<'a>(&'a self, leases: Vec<Lease>) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.0.release(leases)
+    }
+
+    fn backend(&self) -> &'static str {
+        "memory"
+    }
+
+    fn charge<'a>(
+        &'a self,
+        checks: &'a [Check],
+        now: Option<Timestamp>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            self.0.charge(checks, now).await
+        })
+    }
+}
+
+/// A request admitted at once whose response reports a cost that the store settles only after
+/// a wait: the answer comes once the charge is made (the layer's future wakes for it), with
+/// the headers of the decision, and the next request sees the charge.
+#[tokio::test]
+async fn a_post_charge_that_waits_is_made_before_the_answer() {
+    let clock = FakeClock::new(START);
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::token_bucket("tokens", 100, Duration::from_secs(100)).unwrap())
+        .store(ChargesAfterAYield(
+            MemoryStore::builder().clock(clock.clone()).build(),
+        ))
+        .charge_from_response(CostHeader::new(TOKENS_USED))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(reporting("40")));
+    // Generous: a future that lost its waker would never answer.
+    let within = Duration::from_secs(10);
+    let first = tokio::time::timeout(within, send(&service, client("k1")))
+        .await
+        .expect("answered");
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(remaining(&first), 99);
+    let second = tokio::time::timeout(within, send(&service, client("k1")))
+        .await
+        .expect("answered");
+    assert_eq!(
+        remaining(&second),
+        59,
+        "99 - 39 charged after the first answer - 1"
+    );
 }
 
 #[tokio::test]

@@ -60,8 +60,11 @@ pub fn storage_key(
 /// holds [`RecentKeys::SHARD_CAPACITY`] identities is emptied before it takes another, so that
 /// a flood of one-off clients costs what it did without the cache, and no more memory.
 ///
-/// An identity is hashed once (with the memory store's seeded hasher, as cheap), and that hash
-/// both picks the shard and finds the entry in it.
+/// An identity is hashed once, with the hasher the memory store uses (foldhash, seeded per
+/// instance), and that hash both picks the shard and finds the entry in it. foldhash resists
+/// deliberate collisions less than SipHash; identities are the client's to choose, but a
+/// shard never holds more than [`RecentKeys::SHARD_CAPACITY`] of them, which bounds what a
+/// collision flood can cost.
 pub(crate) struct RecentKeys {
     hasher: DefaultHashBuilder,
     shards: Box<[Mutex<KeysOf>]>,

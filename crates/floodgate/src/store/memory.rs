@@ -377,7 +377,14 @@ impl Inner {
                 let outcome = algorithm::evaluate(&check.limit, None, now, check.cost);
                 let lease = outcome
                     .allowed
-                    .then(|| self.consume(&mut shard, check, hash, now))
+                    .then(|| {
+                        let entry = shard.entries.insert_unique(
+                            hash,
+                            Entry::new(check.key.clone(), hash),
+                            |entry| entry.hash,
+                        );
+                        self.consume_entry(entry.into_mut(), check, now)
+                    })
                     .flatten();
                 (outcome, lease)
             }
