@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Layer overhead in instructions: the same in-process apps as `overhead cpu` (plain axum,
-# floodgate's layer on a memory store, tower_governor 0.8), each called N times under
+# floodgate's layer on a memory store with its default headers and with the IETF set alone,
+# tower_governor 0.8), each called N times under
 # valgrind's callgrind. Only the request loop is counted (`--toggle-collect` on
 # `time_per_request`: no start-up, no other thread), less quanta's one-time clock calibration,
 # whose instruction count moves by millions between runs; what is left, over N, is the
@@ -35,10 +36,11 @@ print(round((total - once) / int(sys.argv[1])))' "$requests"
 }
 
 declare -A count
-for mode in plain limited governor; do
+for mode in plain limited ietf governor; do
     count[$mode]=$(per_request "$mode")
     printf '%-9s %7d instructions per request\n' "$mode" "${count[$mode]}"
 done
 ours=$(( count[limited] - count[plain] ))
+ietf=$(( count[ietf] - count[plain] ))
 theirs=$(( count[governor] - count[plain] ))
-echo "over plain axum: floodgate $ours, tower_governor $theirs (tower_governor / floodgate $(python3 -c "print(round($theirs / $ours, 2))"))"
+echo "over plain axum: floodgate $ours, with the IETF headers alone $ietf, tower_governor $theirs (tower_governor / floodgate $(python3 -c "print(round($theirs / $ours, 2))"), with the IETF headers alone $(python3 -c "print(round($theirs / $ietf, 2))"))"

@@ -7,12 +7,15 @@
 # requests/s mixes the server's cost with the load generator's; the CPU per request does not,
 # and its excess over plain axum is what each layer costs under load.
 #
-#   bash bench/layer_overhead.sh [duration-seconds] [connections] [rounds]
+#   bash bench/layer_overhead.sh [duration-seconds] [connections] [rounds] [ietf]
+# With `ietf`, each round also runs floodgate's layer sending the IETF set alone (two headers,
+# as many as tower_governor sends).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 duration=${1:-8}
 connections=${2:-64}
 rounds=${3:-7}
+with_ietf=${4:-}
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk" >&2; exit 1; }
 cargo build --release -p floodgate --example overhead >/dev/null 2>&1
 server=target/release/examples/overhead
@@ -48,10 +51,11 @@ cpu_ticks() { # pid -> user + system clock ticks the process has used
 
 echo "wrk -t1 -c$connections -d${duration}s, $rounds rounds, server: tokio multi-thread on $(nproc) cores, loopback"
 modes=(plain limited governor)
+[ "$with_ietf" = ietf ] && modes+=(ietf)
 for round in $(seq "$rounds"); do
     # Rotate the order so that no mode always runs first (or last) in a round.
-    for offset in 0 1 2; do
-        run "$round" "${modes[$(( (round + offset) % 3 ))]}"
+    for offset in $(seq 0 $(( ${#modes[@]} - 1 ))); do
+        run "$round" "${modes[$(( (round + offset) % ${#modes[@]} ))]}"
     done
 done
 
@@ -74,4 +78,10 @@ for round_, r in sorted(rates.items()):
     print(f"{round_:>5}  {vs_governor[-1]:>24.2f}  {vs_plain[-1]:>15.2f}  {governor_vs_plain[-1]:>20.2f}   {ours[-1]:>30.2f}  {theirs[-1]:>14.2f}")
 median = statistics.median
 print(f"median {median(vs_governor):>23.2f}  {median(vs_plain):>15.2f}  {median(governor_vs_plain):>20.2f}   {median(ours):>30.2f}  {median(theirs):>14.2f}")
+if all("ietf" in r for r in rates.values()):
+    ietf_vs_governor = [r["ietf"] / r["governor"] for r in rates.values()]
+    ietf_cpu = [cpu[round_]["ietf"] - cpu[round_]["plain"] for round_ in rates]
+    print(f"the IETF headers alone: floodgate/tower_governor median {median(ietf_vs_governor):.2f} "
+          f"({min(ietf_vs_governor):.2f}-{max(ietf_vs_governor):.2f}), "
+          f"CPU over plain {median(ietf_cpu):.2f} us")
 PY

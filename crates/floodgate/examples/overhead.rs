@@ -1,14 +1,16 @@
 //! The hello-world server of the layer-overhead benchmark (`bench/layer_overhead.sh`):
 //! `overhead plain PORT` serves without a limiter, `overhead limited PORT` with floodgate's
-//! layer, `overhead governor PORT` with its peer, tower_governor 0.8 (headers on, keyed by the
-//! peer IP, as floodgate's default identity is).
+//! layer (default headers: both sets, five), `overhead ietf PORT` with the layer sending the
+//! IETF set alone (two headers, as many as its peer sends), `overhead governor PORT` with its
+//! peer, tower_governor 0.8 (headers on, keyed by the peer IP, as floodgate's default identity
+//! is).
 //!
 //! `overhead cpu [REQUESTS]` serves no socket: it calls each of the three apps in process,
 //! one request after another on one thread, in alternating rounds, and prints the time per
 //! request of each and the limiters' cost over plain axum: the layers' own CPU, without the
 //! network and the load generator that share the cores in the wrk runs.
 //!
-//! `overhead calls MODE [REQUESTS]` calls one app (`plain`, `limited` or `governor`) that
+//! `overhead calls MODE [REQUESTS]` calls one app (`plain`, `limited`, `ietf` or `governor`) that
 //! many times in process and prints nothing else: for an instruction count under
 //! `valgrind --tool=callgrind`, which, unlike the clock, does not move with the machine's load
 //! (two counts, of N and 2N requests, give the instructions of N without the start-up's).
@@ -23,7 +25,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::routing::get;
-use floodgate::{Limit, RateLimitLayer};
+use floodgate::{HeaderStyle, Limit, RateLimitLayer};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_governor::GovernorLayer;
@@ -48,6 +50,17 @@ fn app(mode: &str) -> Result<Router, Error> {
                 )?)
                 .build()?,
         ),
+        // The IETF set alone: two headers, as many as tower_governor sets.
+        "ietf" => app.layer(
+            RateLimitLayer::builder()
+                .limit(Limit::token_bucket(
+                    "per-second",
+                    1_000_000_000,
+                    Duration::from_secs(1),
+                )?)
+                .headers(HeaderStyle::Ietf)
+                .build()?,
+        ),
         "governor" => app.layer(GovernorLayer::new(
             GovernorConfigBuilder::default()
                 .per_nanosecond(1)
@@ -58,7 +71,7 @@ fn app(mode: &str) -> Result<Router, Error> {
         )),
         other => {
             return Err(format!(
-                "usage: overhead plain|limited|governor PORT, overhead cpu [REQUESTS], or overhead calls plain|limited|governor [REQUESTS] (got `{other}`)"
+                "usage: overhead plain|limited|ietf|governor PORT, overhead cpu [REQUESTS], or overhead calls plain|limited|ietf|governor [REQUESTS] (got `{other}`)"
             )
             .into());
         }
