@@ -5,17 +5,18 @@
 //! peer, tower_governor 0.8 (headers on, keyed by the peer IP, as floodgate's default identity
 //! is).
 //!
-//! `overhead cpu [REQUESTS]` serves no socket: it calls each of the three apps in process,
-//! one request after another on one thread, in alternating rounds, and prints the time per
-//! request of each and the limiters' cost over plain axum: the layers' own CPU, without the
-//! network and the load generator that share the cores in the wrk runs.
+//! `overhead cpu [REQUESTS]` serves no socket: it calls three of the apps (`plain`, `limited`,
+//! `governor`) in process, one request after another on one thread, in alternating rounds,
+//! and prints the time per request of each and the limiters' cost over plain axum: the
+//! layers' own CPU, without the network and the load generator that share the cores in the
+//! wrk runs.
 //!
-//! `overhead calls MODE [REQUESTS]` calls one app (`plain`, `limited`, `ietf` or `governor`) that
-//! many times in process and prints nothing else: for an instruction count under
+//! `overhead calls MODE [REQUESTS]` calls one app (`plain`, `limited`, `ietf` or `governor`)
+//! that many times in process and prints nothing else: for an instruction count under
 //! `valgrind --tool=callgrind`, which, unlike the clock, does not move with the machine's load
-//! (two counts, of N and 2N requests, give the instructions of N without the start-up's).
+//! (`bench/layer_instructions.sh` counts only the calls, in `time_per_request`).
 //!
-//! Both limits are far above what the load reaches, so every request takes the full admitted
+//! Every limit is far above what the load reaches, so every request takes the full admitted
 //! path (identity, key, store decision, headers) and none is denied.
 
 use std::net::SocketAddr;
