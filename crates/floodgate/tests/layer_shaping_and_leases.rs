@@ -12,7 +12,7 @@ use floodgate::{Algorithm, Limit, MemoryStore, RateLimitLayer, time::Timestamp};
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Either, Full};
-use tower::{Layer, ServiceExt, service_fn};
+use tower::{Layer, Service, ServiceExt, service_fn};
 
 #[tokio::test(start_paused = true)]
 async fn leaky_bucket_delays_requests_instead_of_rejecting() {
@@ -179,4 +179,64 @@ async fn concurrency_denials_can_promise_a_short_retry() {
         assert_eq!(second.headers()["retry-after"], expected, "hint {hint:?}");
         drop(first);
     }
+}
+
+/// The inner service fails: the request's lease goes back when the error is returned, not when
+/// the caller gets round to dropping the future that returned it.
+#[tokio::test]
+async fn an_inner_error_releases_the_lease_as_it_is_returned() {
+    let limit = Limit::builder("in-flight")
+        .algorithm(Algorithm::Concurrency)
+        .limit(1)
+        .build()
+        .unwrap();
+    let store = MemoryStore::new();
+    let layer = RateLimitLayer::builder()
+        .limit(limit)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let mut failing = layer.layer(service_fn(|_request: Request<()>| async {
+        Err::<Response<Full<Bytes>>, _>("upstream failed")
+    }));
+    let request = from_peer("203.0.113.1:1").body(()).unwrap();
+    let mut future = std::pin::pin!(failing.ready().await.unwrap().call(request));
+    assert_eq!(future.as_mut().await.unwrap_err(), "upstream failed");
+    // The future that returned the error is still held here.
+    assert!(store.is_empty(), "the lease is released with the error");
+}
+
+/// A future polled again after it answered panics, as an `async` block does, without polling
+/// the inner service's finished future (which could answer `Pending` for ever).
+#[tokio::test]
+async fn polling_the_answered_future_again_panics() {
+    use std::future::Future;
+    use std::task::{Context, Poll};
+
+    let layer = RateLimitLayer::builder()
+        .limit(Limit::token_bucket("per-second", 100, Duration::from_secs(1)).unwrap())
+        .build()
+        .unwrap();
+    let mut service = layer.layer(service_fn(|_request: Request<()>| {
+        // Answers once, then `Pending` for ever: a finished future that does not panic.
+        let mut answered = false;
+        std::future::poll_fn(move |_| {
+            if std::mem::replace(&mut answered, true) {
+                Poll::Pending
+            } else {
+                Poll::Ready(Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))))
+            }
+        })
+    }));
+    let request = from_peer("203.0.113.1:1").body(()).unwrap();
+    let mut future = Box::pin(service.ready().await.unwrap().call(request));
+    let mut context = Context::from_waker(std::task::Waker::noop());
+    assert!(matches!(
+        future.as_mut().poll(&mut context),
+        Poll::Ready(Ok(_))
+    ));
+    let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        future.as_mut().poll(&mut context).is_pending()
+    }));
+    assert!(again.is_err(), "a second poll panics");
 }
