@@ -42,26 +42,9 @@ fn app(mode: &str) -> Result<Router, Error> {
     let app = Router::new().route("/", get(|| async { "hello" }));
     let app = match mode {
         "plain" => app,
-        "limited" => app.layer(
-            RateLimitLayer::builder()
-                .limit(Limit::token_bucket(
-                    "per-second",
-                    1_000_000_000,
-                    Duration::from_secs(1),
-                )?)
-                .build()?,
-        ),
+        "limited" => app.layer(floodgate_layer(HeaderStyle::Both)?),
         // The IETF set alone: two headers, as many as tower_governor sets.
-        "ietf" => app.layer(
-            RateLimitLayer::builder()
-                .limit(Limit::token_bucket(
-                    "per-second",
-                    1_000_000_000,
-                    Duration::from_secs(1),
-                )?)
-                .headers(HeaderStyle::Ietf)
-                .build()?,
-        ),
+        "ietf" => app.layer(floodgate_layer(HeaderStyle::Ietf)?),
         "governor" => app.layer(GovernorLayer::new(
             GovernorConfigBuilder::default()
                 .per_nanosecond(1)
@@ -78,6 +61,18 @@ fn app(mode: &str) -> Result<Router, Error> {
         }
     };
     Ok(app.with_state(()))
+}
+
+/// floodgate's layer on a memory store, with a limit far above the load, sending `headers`.
+fn floodgate_layer(headers: HeaderStyle) -> Result<RateLimitLayer, Error> {
+    Ok(RateLimitLayer::builder()
+        .limit(Limit::token_bucket(
+            "per-second",
+            1_000_000_000,
+            Duration::from_secs(1),
+        )?)
+        .headers(headers)
+        .build()?)
 }
 
 /// Nanoseconds per request of `app`, over `requests` requests from one peer, each answered and
