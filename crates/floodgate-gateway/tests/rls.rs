@@ -389,6 +389,116 @@ async fn hits_addend_counts_at_the_request_and_descriptor_levels() {
     );
 }
 
+/// A descriptor's own `hits_addend: 0` (set, unlike the request's 0, which means unset) checks
+/// the descriptor without counting it, as envoyproxy/ratelimit reads it
+/// (`utils.GetHitsAddends`).
+/// On Redis, exact and batched, and on the memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptors_own_hits_addend_of_0_checks_without_counting() {
+    let redis = redis_support::RedisServer::start();
+    let on_redis = |sync_interval: &str| {
+        format!(
+            "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n{sync_interval}on_store_error: closed\n",
+            redis.url()
+        )
+    };
+    let stores = [
+        ("redis", on_redis("")),
+        ("batched", on_redis("  sync_interval: 100ms\n")),
+        ("memory", String::new()),
+    ];
+    for (store, rest) in stores {
+        // Each store on its own counters: Redis's are cleared between the two modes.
+        redis.command::<String>(&["FLUSHALL"]);
+        let rls = Rls::start(&[("api.yaml", TWO_LIMITS)], &rest, false);
+        let mut client = rls.client().await;
+        checks_take_nothing(&mut client, store).await;
+    }
+}
+
+/// `duration_until_reset` in whole seconds, as envoyproxy/ratelimit answers it: for a window
+/// aligned to the epoch, the unit's seconds less the current second's place in it
+/// (`utils.CalculateReset`), the true time left rounded up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_time_until_reset_is_whole_seconds_as_envoyproxy_ratelimit_answers_it() {
+    let (_redis, _rls, mut client) = on_redis(&[("api.yaml", TWO_LIMITS)]).await;
+    let unix_secs = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let day = 86_400;
+    for _ in 0..3 {
+        let before = unix_secs();
+        let answer = ask(&mut client, "api", &[&[("big", "b")]]).await;
+        let after = unix_secs();
+        let reset = answer.statuses[0].duration_until_reset.unwrap();
+        assert_eq!(reset.nanos, 0, "{reset:?}");
+        // The call may run across a second's end: either second's answer is the peer's.
+        let peers: Vec<i64> = (before..=after)
+            .map(|now| (day - now % day) as i64)
+            .collect();
+        assert!(
+            peers.contains(&reset.seconds),
+            "{reset:?}, the peer's {peers:?}"
+        );
+    }
+}
+
+async fn checks_take_nothing(client: &mut RateLimitServiceClient<Channel>, store: &str) {
+    let mut call = async |descriptors: Vec<(&str, Option<u64>)>| {
+        let descriptors = descriptors
+            .into_iter()
+            .map(|(key, hits)| {
+                let mut counted = descriptor(&[(key, "b")]);
+                counted.hits_addend = hits.map(|value| UInt64Value { value });
+                counted
+            })
+            .collect();
+        client
+            .should_rate_limit(request("api", descriptors, 1))
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let checked = call(vec![("big", Some(0))]).await;
+    assert_eq!(checked.overall_code, Code::Ok as i32, "{store}");
+    assert_eq!(
+        checked.statuses[0].limit_remaining, 10,
+        "{store}: a check alone takes nothing"
+    );
+    assert_eq!(
+        call(vec![("big", None)]).await.statuses[0].limit_remaining,
+        9,
+        "{store}"
+    );
+    let mixed = call(vec![("tenant", None), ("big", Some(0))]).await;
+    assert_eq!(mixed.overall_code, Code::Ok as i32, "{store}");
+    assert_eq!(
+        mixed.statuses[0].limit_remaining, 4,
+        "{store}: the tenant is counted"
+    );
+    assert_eq!(
+        mixed.statuses[1].limit_remaining, 9,
+        "{store}: the checked descriptor is not"
+    );
+    assert_eq!(
+        call(vec![("big", Some(9))]).await.statuses[0].limit_remaining,
+        0,
+        "{store}"
+    );
+    // At its limit, as envoyproxy/ratelimit answers a check on a count equal to the limit.
+    let spent = call(vec![("big", Some(0))]).await;
+    assert_eq!(spent.overall_code, Code::Ok as i32, "{store}");
+    assert_eq!(spent.statuses[0].limit_remaining, 0, "{store}");
+    assert_eq!(
+        call(vec![("big", None)]).await.overall_code,
+        Code::OverLimit as i32,
+        "{store}: the checks took nothing, and the 10 counted hits are all there are"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_carry_the_rate_limit_headers() {
     let rls = Rls::start(

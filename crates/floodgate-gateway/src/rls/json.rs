@@ -471,6 +471,12 @@ mod tests {
         assert!(second.entries.is_empty());
         assert_eq!(second.hits_addend, None);
         assert_eq!(second.limit.unwrap().unit, RateLimitUnit::Day as i32);
+        // A descriptor's 0 is set (a check that counts nothing), not left out.
+        let checked = parse_request(br#"{"descriptors":[{"hitsAddend":0}]}"#).unwrap();
+        assert_eq!(
+            checked.descriptors[0].hits_addend,
+            Some(UInt64Value { value: 0 })
+        );
         // Everything may be left out.
         assert_eq!(parse_request(b"{}").unwrap(), RateLimitRequest::default());
     }

@@ -120,10 +120,14 @@ enum Enforced {
     FailedOpen,
 }
 
+/// A `duration_until_reset` in whole seconds, rounded up (never early), as envoyproxy/ratelimit
+/// answers it: clients that read the seconds alone, or parse the JSON form's `"49s"` as a
+/// whole number, read what they read from the peer.
 fn proto_duration(duration: Duration) -> ProtoDuration {
+    let seconds = duration.as_secs() + u64::from(duration.subsec_nanos() > 0);
     ProtoDuration {
-        seconds: i64::try_from(duration.as_secs()).unwrap_or(i64::MAX),
-        nanos: i32::try_from(duration.subsec_nanos()).unwrap_or(0),
+        seconds: i64::try_from(seconds).unwrap_or(i64::MAX),
+        nanos: 0,
     }
 }
 
@@ -413,11 +417,13 @@ fn plan<'r>(
             planned.slots.push(Slot::Fixed(limit));
             continue;
         };
-        // hits_addend 0 (unset) means 1, at both levels.
+        // The request's hits_addend 0 (unset) means 1. A descriptor's own, when set, wins,
+        // and its 0 checks the descriptor without counting it, as envoyproxy/ratelimit reads
+        // it (`utils.GetHitsAddends`).
         let hits = descriptor
             .hits_addend
             .as_ref()
-            .map_or(request_hits, |hits| hits.value.max(1));
+            .map_or(request_hits, |hits| hits.value);
         let key = storage_key(
             prefix,
             SCOPE,
