@@ -389,12 +389,13 @@ async fn hits_addend_counts_at_the_request_and_descriptor_levels() {
     );
 }
 
-/// A descriptor's own `hits_addend: 0` (set, unlike the request's 0, which means unset) checks
-/// the descriptor without counting it, as envoyproxy/ratelimit reads it
-/// (`utils.GetHitsAddends`).
-/// On Redis, exact and batched, and on the memory store.
+/// A descriptor's own `hits_addend: 0` counts one hit, as the request's 0 does. (envoyproxy/
+/// ratelimit reads the descriptor's 0 as a check that counts nothing; it counts refused hits, so
+/// its checks get refused once a client is over. floodgate counts none: a check that counted
+/// nothing could never be refused.) So a client that only checks is held to the limit, on
+/// Redis, exact and batched, and on the memory store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_descriptors_own_hits_addend_of_0_checks_without_counting() {
+async fn a_descriptors_own_hits_addend_of_0_counts_one_hit() {
     let redis = redis_support::RedisServer::start();
     let on_redis = |sync_interval: &str| {
         format!(
@@ -412,8 +413,33 @@ async fn a_descriptors_own_hits_addend_of_0_checks_without_counting() {
         redis.command::<String>(&["FLUSHALL"]);
         let rls = Rls::start(&[("api.yaml", TWO_LIMITS)], &rest, false);
         let mut client = rls.client().await;
-        checks_take_nothing(&mut client, store).await;
+        checks_count_one_hit(&mut client, store).await;
     }
+}
+
+async fn checks_count_one_hit(client: &mut RateLimitServiceClient<Channel>, store: &str) {
+    let mut check = async || {
+        let mut big = descriptor(&[("big", "b")]);
+        big.hits_addend = Some(UInt64Value { value: 0 });
+        client
+            .should_rate_limit(request("api", vec![big], 5))
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    for left in (0..10).rev() {
+        let answer = check().await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "{store}");
+        assert_eq!(
+            answer.statuses[0].limit_remaining, left,
+            "{store}: one hit each, not the request's 5 and not none"
+        );
+    }
+    assert_eq!(
+        check().await.overall_code,
+        Code::OverLimit as i32,
+        "{store}: ten checks are the limit's ten hits"
+    );
 }
 
 /// `duration_until_reset` in whole seconds, as envoyproxy/ratelimit answers it: for a window
@@ -444,59 +470,6 @@ async fn the_time_until_reset_is_whole_seconds_as_envoyproxy_ratelimit_answers_i
             "{reset:?}, the peer's {peers:?}"
         );
     }
-}
-
-async fn checks_take_nothing(client: &mut RateLimitServiceClient<Channel>, store: &str) {
-    let mut call = async |descriptors: Vec<(&str, Option<u64>)>| {
-        let descriptors = descriptors
-            .into_iter()
-            .map(|(key, hits)| {
-                let mut counted = descriptor(&[(key, "b")]);
-                counted.hits_addend = hits.map(|value| UInt64Value { value });
-                counted
-            })
-            .collect();
-        client
-            .should_rate_limit(request("api", descriptors, 1))
-            .await
-            .unwrap()
-            .into_inner()
-    };
-    let checked = call(vec![("big", Some(0))]).await;
-    assert_eq!(checked.overall_code, Code::Ok as i32, "{store}");
-    assert_eq!(
-        checked.statuses[0].limit_remaining, 10,
-        "{store}: a check alone takes nothing"
-    );
-    assert_eq!(
-        call(vec![("big", None)]).await.statuses[0].limit_remaining,
-        9,
-        "{store}"
-    );
-    let mixed = call(vec![("tenant", None), ("big", Some(0))]).await;
-    assert_eq!(mixed.overall_code, Code::Ok as i32, "{store}");
-    assert_eq!(
-        mixed.statuses[0].limit_remaining, 4,
-        "{store}: the tenant is counted"
-    );
-    assert_eq!(
-        mixed.statuses[1].limit_remaining, 9,
-        "{store}: the checked descriptor is not"
-    );
-    assert_eq!(
-        call(vec![("big", Some(9))]).await.statuses[0].limit_remaining,
-        0,
-        "{store}"
-    );
-    // At its limit, as envoyproxy/ratelimit answers a check on a count equal to the limit.
-    let spent = call(vec![("big", Some(0))]).await;
-    assert_eq!(spent.overall_code, Code::Ok as i32, "{store}");
-    assert_eq!(spent.statuses[0].limit_remaining, 0, "{store}");
-    assert_eq!(
-        call(vec![("big", None)]).await.overall_code,
-        Code::OverLimit as i32,
-        "{store}: the checks took nothing, and the 10 counted hits are all there are"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

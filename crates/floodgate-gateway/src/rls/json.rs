@@ -471,7 +471,7 @@ mod tests {
         assert!(second.entries.is_empty());
         assert_eq!(second.hits_addend, None);
         assert_eq!(second.limit.unwrap().unit, RateLimitUnit::Day as i32);
-        // A descriptor's 0 is set (a check that counts nothing), not left out.
+        // A descriptor's 0 is set, not left out (the service decides what it counts).
         let checked = parse_request(br#"{"descriptors":[{"hitsAddend":0}]}"#).unwrap();
         assert_eq!(
             checked.descriptors[0].hits_addend,

@@ -417,13 +417,15 @@ fn plan<'r>(
             planned.slots.push(Slot::Fixed(limit));
             continue;
         };
-        // The request's hits_addend 0 (unset) means 1. A descriptor's own, when set, wins,
-        // and its 0 checks the descriptor without counting it, as envoyproxy/ratelimit reads
-        // it (`utils.GetHitsAddends`).
+        // hits_addend 0 means 1 at both levels. envoyproxy/ratelimit reads a descriptor's own
+        // 0 as a check that counts nothing (`utils.GetHitsAddends`), which only works where
+        // refused hits are counted, as there: floodgate counts none, so such a check could
+        // never be refused (a client that checks with 0 and charges later would never be
+        // stopped), and each check would still add an entry to a sliding log.
         let hits = descriptor
             .hits_addend
             .as_ref()
-            .map_or(request_hits, |hits| hits.value);
+            .map_or(request_hits, |hits| hits.value.max(1));
         let key = storage_key(
             prefix,
             SCOPE,
