@@ -389,25 +389,32 @@ async fn hits_addend_counts_at_the_request_and_descriptor_levels() {
     );
 }
 
-/// A descriptor's own `hits_addend: 0` counts one hit, as the request's 0 does. (envoyproxy/
-/// ratelimit reads the descriptor's 0 as a check that counts nothing; it counts refused hits, so
-/// its checks get refused once a client is over. floodgate counts none: a check that counted
-/// nothing could never be refused.) So a client that only checks is held to the limit, on
-/// Redis, exact and batched, and on the memory store.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_descriptors_own_hits_addend_of_0_counts_one_hit() {
-    let redis = redis_support::RedisServer::start();
+/// The stores a rate limit service counts on, as configuration text: Redis (`redis`), exact and
+/// batched, and the memory store.
+fn every_store(redis: &redis_support::RedisServer) -> [(&'static str, String); 3] {
     let on_redis = |sync_interval: &str| {
         format!(
             "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n{sync_interval}on_store_error: closed\n",
             redis.url()
         )
     };
-    let stores = [
+    [
         ("redis", on_redis("")),
         ("batched", on_redis("  sync_interval: 100ms\n")),
         ("memory", String::new()),
-    ];
+    ]
+}
+
+/// A descriptor's own `hits_addend: 0` counts one hit, as the request's 0 does, unless the
+/// descriptor says `count_every_hit` (below). (envoyproxy/ratelimit reads the descriptor's 0 as
+/// a check that counts nothing; it counts refused hits, so its checks get refused once a client
+/// is over. floodgate counts none by default: a check that counted nothing could never be
+/// refused.) So a client that only checks is held to the limit, on Redis, exact and batched,
+/// and on the memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptors_own_hits_addend_of_0_counts_one_hit() {
+    let redis = redis_support::RedisServer::start();
+    let stores = every_store(&redis);
     for (store, rest) in stores {
         // Each store on its own counters: Redis's are cleared between the two modes.
         redis.command::<String>(&["FLUSHALL"]);
@@ -439,6 +446,99 @@ async fn checks_count_one_hit(client: &mut RateLimitServiceClient<Channel>, stor
         check().await.overall_code,
         Code::OverLimit as i32,
         "{store}: ten checks are the limit's ten hits"
+    );
+}
+
+const USAGE: &str = r#"
+domain: ai
+descriptors:
+  - key: tokens
+    count_every_hit: true
+    rate_limit: { unit: day, requests_per_unit: 100 }
+  - key: user
+    rate_limit: { unit: day, requests_per_unit: 5 }
+"#;
+
+/// `count_every_hit: true` holds Envoy's usage-based limiting (`apply_on_stream_done`): the
+/// request is checked with the descriptor's own `hits_addend: 0`, which counts nothing, and
+/// the usage is reported when the stream ends, counted even past the limit (as
+/// envoyproxy/ratelimit counts every hit), so that the next checks are refused. On Redis,
+/// exact and batched, and on the memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn count_every_hit_counts_usage_past_the_limit_and_its_checks_count_nothing() {
+    let redis = redis_support::RedisServer::start();
+    let stores = every_store(&redis);
+    for (store, rest) in stores {
+        redis.command::<String>(&["FLUSHALL"]);
+        let rls = Rls::start(&[("ai.yaml", USAGE)], &rest, false);
+        let mut client = rls.client().await;
+        usage_is_counted_past_the_limit(&mut client, store).await;
+    }
+}
+
+async fn usage_is_counted_past_the_limit(
+    client: &mut RateLimitServiceClient<Channel>,
+    store: &str,
+) {
+    let mut call = async |descriptors: Vec<(&str, u64)>| {
+        let descriptors = descriptors
+            .into_iter()
+            .map(|(key, hits)| {
+                let mut counted = descriptor(&[(key, "alice")]);
+                counted.hits_addend = Some(UInt64Value { value: hits });
+                counted
+            })
+            .collect();
+        client
+            .should_rate_limit(request("ai", descriptors, 1))
+            .await
+            .unwrap()
+            .into_inner()
+    };
+    let codes = |answer: &RateLimitResponse| {
+        let statuses: Vec<(i32, u32)> = answer
+            .statuses
+            .iter()
+            .map(|status| (status.code, status.limit_remaining))
+            .collect();
+        (answer.overall_code, statuses)
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+
+    assert_eq!(
+        codes(&call(vec![("tokens", 0)]).await),
+        (ok, vec![(ok, 100)]),
+        "{store}: a check counts nothing"
+    );
+    assert_eq!(
+        codes(&call(vec![("tokens", 60)]).await),
+        (ok, vec![(ok, 40)]),
+        "{store}: usage that fits"
+    );
+    assert_eq!(
+        codes(&call(vec![("tokens", 0)]).await),
+        (ok, vec![(ok, 40)]),
+        "{store}"
+    );
+    assert_eq!(
+        codes(&call(vec![("tokens", 60)]).await),
+        (over, vec![(over, 0)]),
+        "{store}: usage past the limit is answered over it"
+    );
+    // ... and counted all the same: 120 of 100, so a check finds no room, and a request that
+    // also counts a user is refused without taking the user's hit.
+    assert_eq!(
+        codes(&call(vec![("tokens", 0)]).await),
+        (over, vec![(over, 0)]),
+        "{store}: the usage past the limit was counted"
+    );
+    let refused = call(vec![("user", 1), ("tokens", 0)]).await;
+    assert_eq!(refused.overall_code, over, "{store}");
+    assert_eq!(refused.statuses[1].code, over, "{store}");
+    assert_eq!(
+        codes(&call(vec![("user", 1)]).await),
+        (ok, vec![(ok, 4)]),
+        "{store}: the refused request took nothing from the user's limit"
     );
 }
 

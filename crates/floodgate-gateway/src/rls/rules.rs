@@ -73,6 +73,10 @@ struct RawDescriptor {
     /// spans (a month of 30 days).
     #[serde(default)]
     calendar: Option<RawCalendar>,
+    /// floodgate's addition: count every hit, past the limit too, as envoyproxy/ratelimit
+    /// counts (for usage reported after the fact).
+    #[serde(default)]
+    count_every_hit: bool,
 }
 
 /// A descriptor's `calendar`: the unit's period in a time zone, with its anchor.
@@ -223,6 +227,9 @@ pub(crate) struct DescriptorLimit {
     pub action: Action,
     /// Counted, but always answered `OK`.
     pub shadow_mode: bool,
+    /// `count_every_hit: true`: decided on its own, every hit counted even past the limit, and
+    /// a descriptor's own `hits_addend: 0` a check that counts nothing.
+    pub count_every_hit: bool,
     /// `rate_limit.replaces`: the names of limits this one sets aside when both match one
     /// request (those descriptors are answered `OK` and not counted).
     pub replaces: Vec<Arc<str>>,
@@ -416,6 +423,7 @@ impl DescriptorLimit {
             unit,
             action,
             shadow_mode: false,
+            count_every_hit: false,
             replaces: Vec::new(),
         })
     }
@@ -482,11 +490,12 @@ fn descriptor(
     );
     if let Some(rate_limit) = &raw.rate_limit {
         node.limit = descriptor_limit(at, errors, raw, rate_limit, &key_path);
-    } else if raw.burst.is_some() || raw.algorithm.is_some() {
+    } else if raw.burst.is_some() || raw.algorithm.is_some() || raw.count_every_hit {
         at.push(
             errors,
             "",
-            "`algorithm` and `burst` need a `rate_limit` on the same descriptor".to_owned(),
+            "`algorithm`, `burst` and `count_every_hit` need a `rate_limit` on the same descriptor"
+                .to_owned(),
         );
     }
     (child_key(&raw.key, raw.value.as_deref()), node)
@@ -546,6 +555,9 @@ fn descriptor_limit(
     let counter_name = limit_name(rate_limit.name.as_deref().unwrap_or(key_path));
     let algorithm = descriptor_algorithm(at, errors, raw);
     let (unit, requests, algorithm) = (unit?, requests?, algorithm?);
+    if raw.count_every_hit {
+        count_every_hit_fits(at, errors, rate_limit, algorithm)?;
+    }
     let action = if rate_limit.unlimited {
         Action::Unlimited
     } else if requests == 0 {
@@ -583,12 +595,39 @@ fn descriptor_limit(
         unit,
         action,
         shadow_mode: raw.shadow_mode,
+        count_every_hit: raw.count_every_hit,
         replaces: rate_limit
             .replaces
             .iter()
             .map(|replaced| Arc::from(replaced.name.as_str()))
             .collect(),
     })
+}
+
+/// Whether `count_every_hit` can hold on this limit; `None` where it cannot (pushed).
+fn count_every_hit_fits(
+    at: At<'_>,
+    errors: &mut Vec<ConfigError>,
+    rate_limit: &RawRateLimit,
+    algorithm: Algorithm,
+) -> Option<()> {
+    let problem = if rate_limit.unlimited {
+        "has nothing to count on an unlimited descriptor"
+    } else {
+        match algorithm {
+            // Every hit past the limit would be one more entry in the log, without bound.
+            Algorithm::SlidingWindowLog => {
+                "cannot count past the limit of a sliding_window_log (an entry per hit, without bound); use sliding_window_counter"
+            }
+            // A queue of requests that wait their turn: hits past it wait for nothing.
+            Algorithm::LeakyBucket => {
+                "cannot count past the limit of a leaky_bucket (it queues requests); use token_bucket"
+            }
+            _ => return Some(()),
+        }
+    };
+    at.push(errors, ".count_every_hit", problem.to_owned());
+    None
 }
 
 /// A descriptor's `calendar`: its unit (`day`, `week`, `month`, `year`) as a calendar period.
@@ -1157,6 +1196,37 @@ descriptors:
                 "t.yaml: descriptors[0].share_threshold: share_threshold can only be used with wildcard values (containing '*'), but found key 'k_plain'"
             ]
         );
+    }
+
+    #[test]
+    fn count_every_hit_is_refused_where_it_cannot_hold() {
+        let cases = [
+            (
+                "domain: d\ndescriptors:\n  - { key: k, count_every_hit: true, algorithm: sliding_window_log, rate_limit: { unit: second, requests_per_unit: 1 } }\n",
+                "t.yaml: descriptors[0].count_every_hit: cannot count past the limit of a sliding_window_log (an entry per hit, without bound); use sliding_window_counter",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, count_every_hit: true, algorithm: leaky_bucket, rate_limit: { unit: second, requests_per_unit: 1 } }\n",
+                "t.yaml: descriptors[0].count_every_hit: cannot count past the limit of a leaky_bucket (it queues requests); use token_bucket",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, count_every_hit: true, rate_limit: { unlimited: true } }\n",
+                "t.yaml: descriptors[0].count_every_hit: has nothing to count on an unlimited descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - { key: k, count_every_hit: true }\n",
+                "t.yaml: descriptors[0]: `algorithm`, `burst` and `count_every_hit` need a `rate_limit` on the same descriptor",
+            ),
+        ];
+        for (text, expected) in cases {
+            assert_eq!(errors_of(text), [expected], "{text:?}");
+        }
+        let (_, root) = parse_domain(
+            "ok.yaml",
+            "domain: d\ndescriptors:\n  - { key: k, count_every_hit: true, algorithm: token_bucket, rate_limit: { unit: second, requests_per_unit: 1 } }\n",
+        )
+        .unwrap();
+        assert!(find(&root, &[("k", "v")]).unwrap().count_every_hit);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! `ShouldRateLimit`: a request's descriptors matched against its domain's rules, and every
-//! counted one decided in one `check_and_consume` call, all or nothing.
+//! counted one decided in one `check_and_consume` call, all or nothing; those in shadow mode
+//! or with `count_every_hit` are decided each on its own, first.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -17,7 +18,7 @@ use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry::{self, DecisionLabel};
 use floodgate::{
     DecidedBy, Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decide_or_fall_back,
-    decision::DecisionSource, store::Check,
+    decision::DecisionSource, settle_or_fall_back, store::Check,
 };
 use sha2::{Digest, Sha256};
 
@@ -106,7 +107,8 @@ enum Slot<'r> {
     NoLimit,
     /// Matched an `unlimited` one, or a counted one of `requests_per_unit: 0`.
     Fixed(&'r DescriptorLimit),
-    /// Counted: index into the enforced (or shadow) checks.
+    /// Counted: index into the enforced checks, or into those decided apart (shadow mode,
+    /// `count_every_hit`).
     Counted {
         limit: &'r DescriptorLimit,
         index: usize,
@@ -147,22 +149,32 @@ fn ok_status() -> DescriptorStatus {
 }
 
 impl RlsService {
-    /// Decides `checks` on the store, under the failure policy.
-    async fn decide(&self, checks: &[Check]) -> Result<Enforced, tonic::Status> {
+    /// Decides `checks` on the store, under the failure policy; with `peek`, says what the
+    /// store would decide and counts nothing.
+    async fn decide(&self, checks: &[Check], peek: bool) -> Result<Enforced, tonic::Status> {
         // Descriptors may name any algorithm: in batched mode, those that cannot run batched
         // are decided exactly (timed under the batched store's label, as the proxy's are).
         let current = self.gateway.current();
         let store = &current.store;
         let config = &current.config;
+        let policy = || self.on_store_error_for(config.on_store_error, config.store.fallback_share);
         // A failed call is not counted here: the store's guard (the library's
         // `store::resilience`) counted it in `floodgate_store_errors_total`, as for the layer.
-        let decided = decide_or_fall_back(
-            &*store.for_any_algorithm,
-            store.store.backend(),
-            checks,
-            || self.on_store_error_for(config.on_store_error, config.store.fallback_share),
-        )
-        .await;
+        let decided = if peek {
+            // Under `local`, the node's limiter decides a failed peek as it decides any check
+            // (it counts one hit there): it has no other way to answer.
+            let started = Instant::now();
+            let peeked = store.for_any_algorithm.peek(checks, None).await;
+            settle_or_fall_back(peeked, started, store.store.backend(), checks, policy)
+        } else {
+            decide_or_fall_back(
+                &*store.for_any_algorithm,
+                store.store.backend(),
+                checks,
+                policy,
+            )
+            .await
+        };
         match decided {
             DecidedBy::Store(decision) => Ok(Enforced::Decided(decision)),
             DecidedBy::Fallback { decision: None, .. } => Err(tonic::Status::unavailable(
@@ -262,32 +274,65 @@ impl RlsService {
         })
     }
 
-    /// Decides a plan: the enforced checks in one call, all or nothing; each shadow check on
-    /// its own.
+    /// Decides a plan: each descriptor decided apart (shadow mode, `count_every_hit`) on its
+    /// own, then the enforced checks in one call, all or nothing.
     async fn decide_planned(&self, planned: &Planned<'_>) -> Result<Decided, tonic::Status> {
-        // All or nothing: a request that a `requests_per_unit: 0` descriptor refuses consumes
-        // from none of the others, so the store is not asked.
-        let enforced = if planned.enforced.is_empty() || planned.deny_all {
+        // Shadow descriptors count on their own (as envoyproxy/ratelimit counts every
+        // descriptor), so that one over its limit never blocks the request nor the others;
+        // so do `count_every_hit` ones, whose hits count whatever the others decide.
+        let mut apart = Vec::with_capacity(planned.apart.len());
+        for descriptor in &planned.apart {
+            apart.push(self.decide_apart(descriptor).await?);
+        }
+        let refused_apart = planned
+            .apart
+            .iter()
+            .zip(&apart)
+            .any(|(descriptor, decided)| {
+                !descriptor.shadow
+                    && matches!(decided, Enforced::Decided(decision) if !decision.is_allowed())
+            });
+        // All or nothing: a request that a `requests_per_unit: 0` descriptor or a
+        // `count_every_hit` one refuses consumes from none of the others, so the store is not
+        // asked.
+        let enforced = if planned.enforced.is_empty() || planned.deny_all || refused_apart {
             None
         } else {
-            Some(self.decide(&planned.enforced).await?)
+            Some(self.decide(&planned.enforced, false).await?)
         };
-        // Shadow descriptors count on their own (as envoyproxy/ratelimit counts every
-        // descriptor), so that one over its limit never blocks the request nor the others.
-        let mut shadow = Vec::with_capacity(planned.shadow.len());
-        for check in &planned.shadow {
-            shadow.push(self.decide(std::slice::from_ref(check)).await?);
-        }
         let admitted = !planned.deny_all
+            && !refused_apart
             && match &enforced {
                 Some(Enforced::Decided(decision)) => decision.is_allowed(),
                 _ => true,
             };
         Ok(Decided {
             enforced,
-            shadow,
+            apart,
             admitted,
         })
+    }
+
+    /// Decides a descriptor on its own. A `count_every_hit` one's check (its own
+    /// `hits_addend: 0`) is a peek; its hits are counted even where they do not fit, as
+    /// envoyproxy/ratelimit counts every hit, and that call is answered over the limit.
+    async fn decide_apart(&self, descriptor: &Apart) -> Result<Enforced, tonic::Status> {
+        let checks = std::slice::from_ref(&descriptor.check);
+        let decided = self.decide(checks, descriptor.check_only).await?;
+        if let Enforced::Decided(decision) = &decided
+            && descriptor.counts_every_hit
+            && !descriptor.check_only
+            && !decision.is_allowed()
+            && decision.source() == DecisionSource::Store
+        {
+            // Usage reported after the fact happened: it is counted past the limit, so that
+            // the next checks are refused until the window (or the bucket) has room again.
+            let current = self.gateway.current();
+            if let Err(error) = current.store.for_any_algorithm.charge(checks, None).await {
+                tracing::warn!(%error, "rls: hits past the limit could not be counted");
+            }
+        }
+        Ok(decided)
     }
 
     /// The rate limit headers of the binding limit, when the answer carries them.
@@ -353,8 +398,8 @@ struct Planned<'r> {
     slots: Vec<Slot<'r>>,
     /// Decided together, all or nothing.
     enforced: Vec<Check>,
-    /// Decided one by one, never enforced.
-    shadow: Vec<Check>,
+    /// Decided one by one: shadow mode (never enforced) and `count_every_hit`.
+    apart: Vec<Apart>,
     /// A `requests_per_unit: 0` descriptor (not shadowed) refuses the request.
     deny_all: bool,
 }
@@ -362,8 +407,20 @@ struct Planned<'r> {
 /// The decisions of a plan.
 struct Decided {
     enforced: Option<Enforced>,
-    shadow: Vec<Enforced>,
+    apart: Vec<Enforced>,
     admitted: bool,
+}
+
+/// A descriptor decided on its own.
+struct Apart {
+    check: Check,
+    /// Shadow mode: counted, never enforced.
+    shadow: bool,
+    /// `count_every_hit`: hits past the limit are counted too.
+    counts_every_hit: bool,
+    /// A `count_every_hit` descriptor's own `hits_addend: 0`: what one hit would get, nothing
+    /// counted.
+    check_only: bool,
 }
 
 /// Plans the checks of `matched` (the request's descriptors as they matched), keys under
@@ -379,7 +436,7 @@ fn plan<'r>(
     let mut planned = Planned {
         slots: Vec::with_capacity(request.descriptors.len()),
         enforced: Vec::new(),
-        shadow: Vec::new(),
+        apart: Vec::new(),
         deny_all: false,
     };
     // `replaces`: a matched limit sets aside the limits it names.
@@ -417,11 +474,16 @@ fn plan<'r>(
             planned.slots.push(Slot::Fixed(limit));
             continue;
         };
-        // hits_addend 0 means 1 at both levels. envoyproxy/ratelimit reads a descriptor's own
-        // 0 as a check that counts nothing (`utils.GetHitsAddends`), which only works where
-        // refused hits are counted, as there: floodgate counts none, so such a check could
-        // never be refused (a client that checks with 0 and charges later would never be
-        // stopped), and each check would still add an entry to a sliding log.
+        // hits_addend 0 means 1 at both levels, except a `count_every_hit` descriptor's own 0:
+        // a check that counts nothing, as envoyproxy/ratelimit reads it
+        // (`utils.GetHitsAddends`). That only holds where refused hits are counted, as there:
+        // elsewhere floodgate counts none, so such a check could never be refused (a client
+        // that checks with 0 and reports its usage later would never be stopped).
+        let check_only = limit.count_every_hit
+            && descriptor
+                .hits_addend
+                .as_ref()
+                .is_some_and(|hits| hits.value == 0);
         let hits = descriptor
             .hits_addend
             .as_ref()
@@ -434,16 +496,24 @@ fn plan<'r>(
             counted.name(),
         );
         let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
-        let list = if limit.shadow_mode {
-            &mut planned.shadow
+        if limit.shadow_mode || limit.count_every_hit {
+            planned.slots.push(Slot::Counted {
+                limit,
+                index: planned.apart.len(),
+            });
+            planned.apart.push(Apart {
+                check,
+                shadow: limit.shadow_mode,
+                counts_every_hit: limit.count_every_hit,
+                check_only,
+            });
         } else {
-            &mut planned.enforced
-        };
-        planned.slots.push(Slot::Counted {
-            limit,
-            index: list.len(),
-        });
-        list.push(check);
+            planned.slots.push(Slot::Counted {
+                limit,
+                index: planned.enforced.len(),
+            });
+            planned.enforced.push(check);
+        }
     }
 
     Ok(planned)
@@ -475,8 +545,9 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                 }
             }
             Slot::Counted { limit, index } => {
-                let outcome = if limit.shadow_mode {
-                    decided.shadow.get(index)
+                let apart = limit.shadow_mode || limit.count_every_hit;
+                let outcome = if apart {
+                    decided.apart.get(index)
                 } else {
                     decided.enforced.as_ref()
                 };
@@ -484,7 +555,7 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                     Some(Enforced::Decided(decision)) => Some(decision),
                     _ => None,
                 };
-                let position = if limit.shadow_mode { 0 } else { index };
+                let position = if apart { 0 } else { index };
                 let state = decision.and_then(|decision| {
                     decision
                         .limits()
@@ -492,13 +563,14 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                         .map(|state| (decision, state))
                 });
                 let label = match state {
-                    // Not asked: a `requests_per_unit: 0` descriptor refused the request.
-                    None if !decided.admitted => DecisionLabel::Limited,
+                    // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor
+                    // refused the request (those decided apart are always asked).
+                    None if !apart && !decided.admitted => DecisionLabel::Limited,
                     // The store failed and `open` admitted.
                     None => DecisionLabel::FallbackAllowed,
                     Some((decision, state)) => {
                         let fallback = decision.source() == DecisionSource::LocalFallback;
-                        let allowed = if limit.shadow_mode {
+                        let allowed = if apart {
                             state.allowed
                         } else {
                             decided.admitted
@@ -514,8 +586,15 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                 };
                 telemetry::record_decision(rule, &limit.key_path, label);
                 // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
-                // proxy's limits follow: admitted with under 20% of the limit left.
+                // proxy's limits follow: admitted with under 20% of the limit left. A check
+                // adds no hit, so none near the limit (as the peer counts it).
+                let check_only = apart
+                    && planned
+                        .apart
+                        .get(index)
+                        .is_some_and(|apart| apart.check_only);
                 if let Some((_, state)) = state
+                    && !check_only
                     && matches!(
                         label,
                         DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
@@ -537,7 +616,13 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                             Code::OverLimit as i32
                         },
                         current_limit: Some(proto_limit(limit)),
-                        limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
+                        // What a refused `count_every_hit` call brought was counted after the
+                        // decision, past the limit: nothing is left.
+                        limit_remaining: if limit.count_every_hit && !state.allowed {
+                            0
+                        } else {
+                            u32::try_from(state.remaining).unwrap_or(u32::MAX)
+                        },
                         duration_until_reset: Some(proto_duration(state.reset_after)),
                         ..DescriptorStatus::default()
                     },
