@@ -455,6 +455,10 @@ descriptors:
   - key: tokens
     count_every_hit: true
     rate_limit: { unit: day, requests_per_unit: 100 }
+  - key: bucket
+    count_every_hit: true
+    algorithm: token_bucket
+    rate_limit: { unit: day, requests_per_unit: 100 }
   - key: user
     rate_limit: { unit: day, requests_per_unit: 5 }
 "#;
@@ -472,19 +476,24 @@ async fn count_every_hit_counts_usage_past_the_limit_and_its_checks_count_nothin
         redis.command::<String>(&["FLUSHALL"]);
         let rls = Rls::start(&[("ai.yaml", USAGE)], &rest, false);
         let mut client = rls.client().await;
-        usage_is_counted_past_the_limit(&mut client, store).await;
+        // A fixed window, and a token bucket (counted past its limit as a debt).
+        usage_is_counted_past_the_limit(&mut client, store, "tokens", "alice").await;
+        usage_is_counted_past_the_limit(&mut client, store, "bucket", "bob").await;
     }
 }
 
 async fn usage_is_counted_past_the_limit(
     client: &mut RateLimitServiceClient<Channel>,
     store: &str,
+    usage: &str,
+    user: &str,
 ) {
+    let store = format!("{store}, {usage}");
     let mut call = async |descriptors: Vec<(&str, u64)>| {
         let descriptors = descriptors
             .into_iter()
             .map(|(key, hits)| {
-                let mut counted = descriptor(&[(key, "alice")]);
+                let mut counted = descriptor(&[(key, user)]);
                 counted.hits_addend = Some(UInt64Value { value: hits });
                 counted
             })
@@ -506,33 +515,33 @@ async fn usage_is_counted_past_the_limit(
     let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
 
     assert_eq!(
-        codes(&call(vec![("tokens", 0)]).await),
+        codes(&call(vec![(usage, 0)]).await),
         (ok, vec![(ok, 100)]),
         "{store}: a check counts nothing"
     );
     assert_eq!(
-        codes(&call(vec![("tokens", 60)]).await),
+        codes(&call(vec![(usage, 60)]).await),
         (ok, vec![(ok, 40)]),
         "{store}: usage that fits"
     );
     assert_eq!(
-        codes(&call(vec![("tokens", 0)]).await),
+        codes(&call(vec![(usage, 0)]).await),
         (ok, vec![(ok, 40)]),
         "{store}"
     );
     assert_eq!(
-        codes(&call(vec![("tokens", 60)]).await),
+        codes(&call(vec![(usage, 60)]).await),
         (over, vec![(over, 0)]),
         "{store}: usage past the limit is answered over it"
     );
     // ... and counted all the same: 120 of 100, so a check finds no room, and a request that
     // also counts a user is refused without taking the user's hit.
     assert_eq!(
-        codes(&call(vec![("tokens", 0)]).await),
+        codes(&call(vec![(usage, 0)]).await),
         (over, vec![(over, 0)]),
         "{store}: the usage past the limit was counted"
     );
-    let refused = call(vec![("user", 1), ("tokens", 0)]).await;
+    let refused = call(vec![("user", 1), (usage, 0)]).await;
     assert_eq!(refused.overall_code, over, "{store}");
     assert_eq!(refused.statuses[1].code, over, "{store}");
     assert_eq!(

@@ -315,7 +315,8 @@ impl RlsService {
 
     /// Decides a descriptor on its own. A `count_every_hit` one's check (its own
     /// `hits_addend: 0`) is a peek; its hits are counted even where they do not fit, as
-    /// envoyproxy/ratelimit counts every hit, and that call is answered over the limit.
+    /// envoyproxy/ratelimit counts every hit, and that call is answered over the limit with
+    /// the state they left.
     async fn decide_apart(&self, descriptor: &Apart) -> Result<Enforced, tonic::Status> {
         let checks = std::slice::from_ref(&descriptor.check);
         let decided = self.decide(checks, descriptor.check_only).await?;
@@ -327,9 +328,18 @@ impl RlsService {
         {
             // Usage reported after the fact happened: it is counted past the limit, so that
             // the next checks are refused until the window (or the bucket) has room again.
-            let current = self.gateway.current();
-            if let Err(error) = current.store.for_any_algorithm.charge(checks, None).await {
-                tracing::warn!(%error, "rls: hits past the limit could not be counted");
+            let store = &self.gateway.current().store.for_any_algorithm;
+            match store.charge(checks, None).await {
+                // The answer says what is left now, and when there is room again.
+                Ok(()) => match store.peek(checks, None).await {
+                    Ok(after) => return Ok(Enforced::Decided(after)),
+                    Err(error) => {
+                        tracing::debug!(%error, "rls: the state after counting hits past the limit could not be read");
+                    }
+                },
+                Err(error) => {
+                    tracing::warn!(%error, "rls: hits past the limit could not be counted");
+                }
             }
         }
         Ok(decided)
@@ -616,13 +626,7 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                             Code::OverLimit as i32
                         },
                         current_limit: Some(proto_limit(limit)),
-                        // What a refused `count_every_hit` call brought was counted after the
-                        // decision, past the limit: nothing is left.
-                        limit_remaining: if limit.count_every_hit && !state.allowed {
-                            0
-                        } else {
-                            u32::try_from(state.remaining).unwrap_or(u32::MAX)
-                        },
+                        limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
                         duration_until_reset: Some(proto_duration(state.reset_after)),
                         ..DescriptorStatus::default()
                     },
