@@ -551,18 +551,20 @@ async fn usage_is_counted_past_the_limit(
     );
 }
 
+/// Seconds since the Unix epoch, by this machine's clock (the gateway's).
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
 /// `duration_until_reset` in whole seconds, as envoyproxy/ratelimit answers it: for a window
 /// aligned to the epoch, the unit's seconds less the current second's place in it
 /// (`utils.CalculateReset`), the true time left rounded up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_time_until_reset_is_whole_seconds_as_envoyproxy_ratelimit_answers_it() {
     let (_redis, _rls, mut client) = on_redis(&[("api.yaml", TWO_LIMITS)]).await;
-    let unix_secs = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs()
-    };
     let day = 86_400;
     for _ in 0..3 {
         let before = unix_secs();
@@ -1031,15 +1033,25 @@ async fn requests_per_unit_zero_refuses_and_the_others_consume_nothing() {
     let domain = "domain: api\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: day, requests_per_unit: 5 }\n  - key: blocked\n    rate_limit: { unit: day, requests_per_unit: 0 }\n";
     let rls = Rls::start(&[("api.yaml", domain)], "", false);
     let mut client = rls.client().await;
+    let before = unix_secs();
     let answer = ask(
         &mut client,
         "api",
         &[&[("tenant", "t")], &[("blocked", "b")]],
     )
     .await;
+    let after = unix_secs();
     assert_eq!(answer.overall_code, Code::OverLimit as i32);
     assert_eq!(answer.statuses[0].code, Code::Ok as i32);
     assert_eq!(answer.statuses[1].code, Code::OverLimit as i32);
+    // The end of the unit's window, as envoyproxy/ratelimit answers every refusal.
+    let reset = answer.statuses[1].duration_until_reset.unwrap();
+    assert_eq!(reset.nanos, 0);
+    let day = 86_400;
+    assert!(
+        (before..=after).any(|now| (day - now % day) as i64 == reset.seconds),
+        "{reset:?}"
+    );
     let tenant = ask(&mut client, "api", &[&[("tenant", "t")]]).await;
     assert_eq!(
         tenant.statuses[0].limit_remaining, 4,

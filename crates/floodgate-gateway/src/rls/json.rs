@@ -3,8 +3,8 @@
 //!
 //! This module owns that format. Requests are read as `protojson.Unmarshal` reads them:
 //! lowerCamelCase or proto field names (`hitsAddend`, `hits_addend`), `null` for a default,
-//! integers as JSON numbers or decimal strings, enums by name or number, unknown fields
-//! refused. Responses are written as `protojson.Marshal` writes them: lowerCamelCase names,
+//! integers as JSON numbers or strings holding one (`"1e2"`, not `"+5"`), enums by name or
+//! number, unknown fields refused. Responses are written as `protojson.Marshal` writes them: lowerCamelCase names,
 //! enums by name, durations as `"3600s"`, default values left out (an `OK` status with nothing
 //! left is `{"code":"OK"}`).
 
@@ -248,10 +248,21 @@ impl<'de> Visitor<'de> for UnsignedVisitor {
         }
     }
 
+    /// A string holds a JSON number, as `protojson` reads it: `"1e2"` and `"5.0"` are 100 and
+    /// 5; `"+5"`, `"007"` and `" 5"` are not numbers.
     fn visit_str<E: de::Error>(self, text: &str) -> Result<Self::Value, E> {
-        match text.parse::<u64>() {
-            Ok(value) => self.visit_u64(value),
-            Err(_) => Err(E::invalid_value(de::Unexpected::Str(text), &self)),
+        let refused = || E::invalid_value(de::Unexpected::Str(text), &self);
+        if text.trim() != text {
+            return Err(refused());
+        }
+        let number: serde_json::Number = serde_json::from_str(text).map_err(|_| refused())?;
+        if let Some(value) = number.as_u64() {
+            self.visit_u64(value)
+        } else if let Some(value) = number.as_i64() {
+            self.visit_i64(value)
+        } else {
+            let value = number.as_f64().ok_or_else(refused)?;
+            self.visit_f64(value)
         }
     }
 }
@@ -506,6 +517,28 @@ mod tests {
         assert!(error(r#"{"hitsAddend":-1}"#).contains("hitsAddend"));
         assert!(error(r#"{"hitsAddend":4294967296}"#).contains("hitsAddend"));
         assert!(error(r#"{"hitsAddend":1.5}"#).contains("hitsAddend"));
+        // A string holds a JSON number, as protojson reads it: no sign, no leading zero, no
+        // space.
+        for text in [
+            r#""+5""#,
+            r#""007""#,
+            r#"" 5""#,
+            r#""5 ""#,
+            r#""""#,
+            r#""0x10""#,
+        ] {
+            let refused = error(&format!(r#"{{"hitsAddend":{text}}}"#));
+            assert!(refused.contains("hitsAddend"), "{text}: {refused}");
+        }
+        for (text, hits) in [
+            (r#""1e2""#, 100),
+            (r#""5.0""#, 5),
+            (r#""0""#, 0),
+            (r#""7""#, 7),
+        ] {
+            let request = parse_request(format!(r#"{{"hitsAddend":{text}}}"#).as_bytes()).unwrap();
+            assert_eq!(request.hits_addend, hits, "{text}");
+        }
         assert!(error(r#"{"hitsAddend":1,"hits_addend":1}"#).contains("duplicate field"));
         let unit = error(r#"{"descriptors":[{"limit":{"unit":"FORTNIGHT"}}]}"#);
         assert!(

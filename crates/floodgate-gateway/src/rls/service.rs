@@ -133,6 +133,19 @@ fn proto_duration(duration: Duration) -> ProtoDuration {
     }
 }
 
+/// The time until the current window of `window`, aligned to the epoch, ends: what
+/// envoyproxy/ratelimit answers for a limit that counts nothing (`requests_per_unit: 0`).
+fn window_end(window: Duration) -> ProtoDuration {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let window = window.as_micros().max(1);
+    let left = window - now.as_micros() % window;
+    proto_duration(Duration::from_micros(
+        u64::try_from(left).unwrap_or(u64::MAX),
+    ))
+}
+
 fn proto_limit(limit: &DescriptorLimit) -> ProtoLimit {
     ProtoLimit {
         name: limit.name.as_deref().unwrap_or_default().to_owned(),
@@ -551,6 +564,7 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                     },
                     current_limit: over.then(|| proto_limit(limit)),
                     limit_remaining: if over { 0 } else { u32::MAX },
+                    duration_until_reset: over.then(|| window_end(limit.unit.window())),
                     ..DescriptorStatus::default()
                 }
             }
