@@ -836,6 +836,20 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
         .await;
         assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE, "{text}");
         assert_eq!(text, "rate limit service unavailable\n");
+        // Under `open`, 200 `OK`: the descriptor's limit, nothing counted, so no
+        // `limitRemaining` (envoyproxy/ratelimit answers 400 for every store error).
+        let (status, _, text) = post_json(
+            &open,
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"path","value":"p"}]}]}"#,
+        )
+        .await;
+        assert_eq!(status, http::StatusCode::OK, "{text}");
+        let answer: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(answer["overallCode"], "OK", "{text}");
+        let described = &answer["statuses"][0];
+        assert_eq!(described["code"], "OK", "{text}");
+        assert_eq!(described["currentLimit"]["requestsPerUnit"], 1, "{text}");
+        assert!(described.get("limitRemaining").is_none(), "{text}");
     }
 }
 
