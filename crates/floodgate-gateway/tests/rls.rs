@@ -459,6 +459,14 @@ descriptors:
     count_every_hit: true
     algorithm: token_bucket
     rate_limit: { unit: day, requests_per_unit: 100 }
+  - key: gcra
+    count_every_hit: true
+    algorithm: gcra
+    rate_limit: { unit: day, requests_per_unit: 100 }
+  - key: sliding
+    count_every_hit: true
+    algorithm: sliding_window_counter
+    rate_limit: { unit: day, requests_per_unit: 100 }
   - key: user
     rate_limit: { unit: day, requests_per_unit: 5 }
 "#;
@@ -476,9 +484,16 @@ async fn count_every_hit_counts_usage_past_the_limit_and_its_checks_count_nothin
         redis.command::<String>(&["FLUSHALL"]);
         let rls = Rls::start(&[("ai.yaml", USAGE)], &rest, false);
         let mut client = rls.client().await;
-        // A fixed window, and a token bucket (counted past its limit as a debt).
-        usage_is_counted_past_the_limit(&mut client, store, "tokens", "alice").await;
-        usage_is_counted_past_the_limit(&mut client, store, "bucket", "bob").await;
+        // A fixed window, a token bucket and GCRA (counted past their limit as a debt), a
+        // sliding window counter.
+        for (usage, user) in [
+            ("tokens", "alice"),
+            ("bucket", "bob"),
+            ("gcra", "carol"),
+            ("sliding", "dave"),
+        ] {
+            usage_is_counted_past_the_limit(&mut client, store, usage, user).await;
+        }
     }
 }
 
