@@ -4,9 +4,9 @@
 //! This module owns that format. Requests are read as `protojson.Unmarshal` reads them:
 //! lowerCamelCase or proto field names (`hitsAddend`, `hits_addend`), `null` for a default,
 //! integers as JSON numbers or strings holding one (`"1e2"`, not `"+5"`), enums by name or
-//! number, unknown fields refused. Responses are written as `protojson.Marshal` writes them: lowerCamelCase names,
-//! enums by name, durations as `"3600s"`, default values left out (an `OK` status with nothing
-//! left is `{"code":"OK"}`).
+//! number, unknown fields refused. Responses are written as `protojson.Marshal` writes them:
+//! lowerCamelCase names, enums by name, durations as `"3600s"`, default values left out (an
+//! `OK` status with nothing left is `{"code":"OK"}`).
 
 use std::fmt;
 

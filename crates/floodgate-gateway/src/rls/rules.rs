@@ -236,6 +236,13 @@ pub(crate) struct DescriptorLimit {
 }
 
 impl DescriptorLimit {
+    /// Whether it is decided on its own rather than in the request's all-or-nothing decision:
+    /// in shadow mode (never enforced) or with `count_every_hit` (its hits count whatever the
+    /// others decide).
+    pub(crate) fn decided_apart(&self) -> bool {
+        self.shadow_mode || self.count_every_hit
+    }
+
     /// The counter's name in storage keys and `RateLimit` headers (`name`, else the key path;
     /// an override's own): the name of the limit it applies, if it applies one.
     #[cfg(test)]

@@ -302,7 +302,7 @@ impl RlsService {
             .iter()
             .zip(&apart)
             .any(|(descriptor, decided)| {
-                !descriptor.shadow
+                !descriptor.limit.shadow_mode
                     && matches!(decided, Enforced::Decided(decision) if !decision.is_allowed())
             });
         // All or nothing: a request that a `requests_per_unit: 0` descriptor or a
@@ -330,11 +330,11 @@ impl RlsService {
     /// `hits_addend: 0`) is a peek; its hits are counted even where they do not fit, as
     /// envoyproxy/ratelimit counts every hit, and that call is answered over the limit with
     /// the state they left.
-    async fn decide_apart(&self, descriptor: &Apart) -> Result<Enforced, tonic::Status> {
+    async fn decide_apart(&self, descriptor: &Apart<'_>) -> Result<Enforced, tonic::Status> {
         let checks = std::slice::from_ref(&descriptor.check);
         let decided = self.decide(checks, descriptor.check_only).await?;
         if let Enforced::Decided(decision) = &decided
-            && descriptor.counts_every_hit
+            && descriptor.limit.count_every_hit
             && !descriptor.check_only
             && !decision.is_allowed()
             && decision.source() == DecisionSource::Store
@@ -422,7 +422,7 @@ struct Planned<'r> {
     /// Decided together, all or nothing.
     enforced: Vec<Check>,
     /// Decided one by one: shadow mode (never enforced) and `count_every_hit`.
-    apart: Vec<Apart>,
+    apart: Vec<Apart<'r>>,
     /// A `requests_per_unit: 0` descriptor (not shadowed) refuses the request.
     deny_all: bool,
 }
@@ -434,13 +434,10 @@ struct Decided {
     admitted: bool,
 }
 
-/// A descriptor decided on its own.
-struct Apart {
+/// A descriptor decided on its own ([`DescriptorLimit::decided_apart`]).
+struct Apart<'r> {
+    limit: &'r DescriptorLimit,
     check: Check,
-    /// Shadow mode: counted, never enforced.
-    shadow: bool,
-    /// `count_every_hit`: hits past the limit are counted too.
-    counts_every_hit: bool,
     /// A `count_every_hit` descriptor's own `hits_addend: 0`: what one hit would get, nothing
     /// counted.
     check_only: bool,
@@ -519,24 +516,18 @@ fn plan<'r>(
             counted.name(),
         );
         let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
-        if limit.shadow_mode || limit.count_every_hit {
-            planned.slots.push(Slot::Counted {
-                limit,
-                index: planned.apart.len(),
-            });
+        let index = if limit.decided_apart() {
             planned.apart.push(Apart {
+                limit,
                 check,
-                shadow: limit.shadow_mode,
-                counts_every_hit: limit.count_every_hit,
                 check_only,
             });
+            planned.apart.len() - 1
         } else {
-            planned.slots.push(Slot::Counted {
-                limit,
-                index: planned.enforced.len(),
-            });
             planned.enforced.push(check);
-        }
+            planned.enforced.len() - 1
+        };
+        planned.slots.push(Slot::Counted { limit, index });
     }
 
     Ok(planned)
@@ -569,7 +560,7 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
                 }
             }
             Slot::Counted { limit, index } => {
-                let apart = limit.shadow_mode || limit.count_every_hit;
+                let apart = limit.decided_apart();
                 let outcome = if apart {
                     decided.apart.get(index)
                 } else {
