@@ -74,17 +74,29 @@ impl FromStr for HeaderStyle {
 pub(crate) fn ceil_secs(duration: Duration) -> u64 {
     let whole = duration.as_secs();
     if duration.subsec_nanos() > 0 {
-        whole + 1
+        whole.saturating_add(1)
     } else {
         whole
     }
 }
 
+/// The most that jitter ever adds to `Retry-After`, whatever the wait (SPEC §2): a client is
+/// never told to come back more than this after the instant it would be admitted again. A
+/// share of the wait alone would send a monthly quota's clients back days after its end.
+pub const MAX_RETRY_AFTER_JITTER: Duration = Duration::from_secs(60);
+
 /// The `Retry-After` seconds for a true wait of `wait`: at least 1, never below the wait
-/// rounded up, plus a uniform extra of up to `jitter × wait` (`unit` is uniform in [0, 1)) so
-/// that denied clients do not return in one herd.
+/// rounded up, plus a uniform extra (`unit` is uniform in [0, 1)) of up to
+/// `min(jitter × wait, MAX_RETRY_AFTER_JITTER)`, so that denied clients do not return in one
+/// herd, and never more than a minute after the reset.
 pub fn retry_after_secs(wait: Duration, jitter: f64, unit: f64) -> u64 {
-    let extra = wait.mul_f64((jitter * unit).clamp(0.0, 1e6));
+    // `Duration::mul_f64` panics on NaN and overflow: the share is computed in `f64` and
+    // anything that is not a finite, positive figure adds nothing.
+    let positive = |figure: f64| if figure > 0.0 { figure } else { 0.0 };
+    let bound = Duration::try_from_secs_f64(wait.as_secs_f64() * positive(jitter))
+        .unwrap_or(MAX_RETRY_AFTER_JITTER)
+        .min(MAX_RETRY_AFTER_JITTER);
+    let extra = bound.mul_f64(positive(unit).min(1.0));
     ceil_secs(wait.saturating_add(extra)).max(1)
 }
 
@@ -304,6 +316,27 @@ mod tests {
             assert!((10..=12).contains(&secs), "{secs}");
         }
         assert_eq!(retry_after_secs(wait, 0.2, 0.999_999), 12);
+    }
+
+    #[test]
+    fn jitter_is_bounded_by_a_minute_whatever_the_wait() {
+        let month = Duration::from_secs(30 * 86_400);
+        for step in 0..=100 {
+            let unit = f64::from(step) / 100.0;
+            let secs = retry_after_secs(month, 10.0, unit);
+            assert!(
+                (month.as_secs()..=month.as_secs() + 60).contains(&secs),
+                "{secs}"
+            );
+        }
+        assert_eq!(
+            retry_after_secs(month, 0.2, 0.999_999),
+            month.as_secs() + 60
+        );
+        // Values no caller should pass change nothing for the worse.
+        assert_eq!(retry_after_secs(month, f64::NAN, 0.5), month.as_secs());
+        assert_eq!(retry_after_secs(month, 0.2, 7.0), month.as_secs() + 60);
+        assert_eq!(retry_after_secs(Duration::MAX, 0.2, 0.5), u64::MAX);
     }
 
     #[test]

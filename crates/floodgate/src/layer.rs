@@ -298,7 +298,9 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// The largest random extra added to `Retry-After`, as a fraction of the wait (default 0.2).
+    /// The largest random extra added to `Retry-After`, as a fraction of the wait (default
+    /// 0.2); whatever the fraction, the extra is at most
+    /// [`MAX_RETRY_AFTER_JITTER`](crate::headers::MAX_RETRY_AFTER_JITTER) (60 s).
     pub fn retry_after_jitter(mut self, jitter: f64) -> Self {
         self.responses.retry_after_jitter = jitter;
         self

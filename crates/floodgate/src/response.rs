@@ -85,8 +85,10 @@ impl LimitedResponseHook {
 pub struct ResponseSettings {
     /// Which rate limit headers are sent (default both styles).
     pub headers: HeaderStyle,
-    /// `Retry-After` is the exact wait times a random factor in `[1, 1 + jitter]` (0 to 10,
-    /// default 0.2), so that denied clients do not all come back at once.
+    /// `Retry-After` is the exact wait plus a random extra of up to `jitter × wait` (0 to 10,
+    /// default 0.2), and never more than
+    /// [`MAX_RETRY_AFTER_JITTER`](crate::headers::MAX_RETRY_AFTER_JITTER) (60 s), so that
+    /// denied clients do not all come back at once, nor long after the reset.
     pub retry_after_jitter: f64,
     /// A link to the API's rate limit documentation, in 429 bodies.
     pub docs_url: Option<Arc<str>>,

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use floodgate::{Denial, HeaderStyle, Limit, RateLimitLayer, RequestInfo, time::FakeClock};
+use floodgate::time::{FakeClock, Timestamp};
+use floodgate::{Denial, HeaderStyle, Limit, RateLimitLayer, RequestInfo};
 use http::{Response, StatusCode};
 use tower::{Layer, service_fn};
 
@@ -150,6 +151,88 @@ async fn retry_after_is_never_below_the_wait_and_jitter_is_bounded() {
         send(&service, from_peer("203.0.113.1:1")).await.status(),
         StatusCode::OK
     );
+}
+
+/// The denials of a fresh client under `limit` (one request allowed) at `now`, whose true
+/// wait is `wait`: every `Retry-After` sent over 200 denials, and each checked against SPEC
+/// §2's bound: never below the wait rounded up, never past the instant the client is admitted
+/// again by more than `min(jitter × wait, 60 s)` (rounded up as the header is).
+async fn retry_afters(
+    limit: Limit,
+    now: Timestamp,
+    wait: Duration,
+) -> std::collections::BTreeSet<u64> {
+    let clock = FakeClock::new(now);
+    let layer = RateLimitLayer::builder()
+        .limit(limit)
+        .store(memory(&clock))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    assert_eq!(
+        send(&service, from_peer("203.0.113.1:1")).await.status(),
+        StatusCode::OK
+    );
+    let bound = wait.mul_f64(0.2).min(Duration::from_secs(60));
+    let earliest = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let latest = {
+        let late = wait + bound;
+        late.as_secs() + u64::from(late.subsec_nanos() > 0)
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        let denied = send(&service, from_peer("203.0.113.1:1")).await;
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        let secs: u64 = header(&denied, "retry-after").parse().unwrap();
+        assert!(
+            (earliest..=latest).contains(&secs),
+            "Retry-After {secs} for a wait of {wait:?}: outside {earliest}..={latest}"
+        );
+        assert_eq!(json(&denied)["retry_after"], secs, "body equals header");
+        seen.insert(secs);
+    }
+    seen
+}
+
+/// Regression (issue 45): a monthly quota 12.5 days from its end answered `Retry-After` up to
+/// 20 % of the wait late (53.7 h); a yearly one ~43 days. The jitter is bounded by 60 s, still
+/// spread; a second-long window keeps its 20 % (of a wait of at most a second).
+#[tokio::test]
+async fn retry_after_is_never_more_than_the_jitter_bound_past_the_reset() {
+    use floodgate::Algorithm;
+    use floodgate::calendar::{CalendarPeriod, Period};
+    let calendar = |period: Period, name: &str| {
+        Limit::builder(name)
+            .algorithm(Algorithm::FixedWindow)
+            .limit(1)
+            .calendar(CalendarPeriod::new(period, "UTC").unwrap())
+            .build()
+            .unwrap()
+    };
+    // 2026-01-19T12:00:00Z, 12.5 days before February.
+    let month = retry_afters(
+        calendar(Period::Month, "monthly"),
+        Timestamp::from_secs(1_768_824_000),
+        Duration::from_secs(1_769_904_000 - 1_768_824_000),
+    )
+    .await;
+    assert!(month.len() >= 10, "still jittered: {month:?}");
+    // 2026-06-01T00:00:00Z, 214 days before 2027.
+    let year = retry_afters(
+        calendar(Period::Year, "yearly"),
+        Timestamp::from_secs(1_780_272_000),
+        Duration::from_secs(1_798_761_600 - 1_780_272_000),
+    )
+    .await;
+    assert!(year.len() >= 10, "still jittered: {year:?}");
+    // A one-second window, denied a quarter of a second into it.
+    let second = retry_afters(
+        Limit::fixed_window("per-second", 1, Duration::from_secs(1)).unwrap(),
+        Timestamp::from_micros(START.as_micros() + 250_000),
+        Duration::from_millis(750),
+    )
+    .await;
+    assert_eq!(second, [1].into(), "0.75 s and at most 0.15 s more: 1 s");
 }
 
 #[tokio::test]
