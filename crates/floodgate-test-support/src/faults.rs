@@ -50,6 +50,12 @@ pub enum Fault {
     /// What the client sends is forwarded; once the server answers, the answer is discarded and
     /// the connection closed on both sides: applied, but never seen by the client.
     DropAfterForward,
+    /// [`Fault::DropAfterForward`] once, for a script call: the next `FCALL`, `EVALSHA` or
+    /// `EVAL` forwarded on any connection is applied, its answer discarded and that connection
+    /// closed, and the proxy is back to [`Fault::None`] (what a client library sees when a
+    /// connection breaks after Redis ran its call; whatever it sends next, a re-send included,
+    /// goes through). Other commands (a pool's `PING`, a slot map) pass meanwhile.
+    DropNextCall,
     /// A node gone silent: connections are accepted and read, nothing is forwarded either way
     /// and nothing answered (replies already held back are lost too). A connection that
     /// swallowed anything is closed when the fault changes, since the client and the server can
@@ -75,7 +81,7 @@ struct Counters {
 pub struct FaultProxy {
     addr: SocketAddr,
     upstream: SocketAddr,
-    fault: watch::Sender<Fault>,
+    fault: Arc<watch::Sender<Fault>>,
     counters: Arc<Counters>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -111,6 +117,8 @@ impl FaultProxy {
             .expect("a non-blocking listener");
         let addr = listener.local_addr().expect("the listener's address");
         let (fault, watching) = watch::channel(Fault::None);
+        let fault = Arc::new(fault);
+        let control = fault.clone();
         let counters = Arc::new(Counters::default());
         let (stop, stopped) = oneshot::channel();
         let thread_counters = counters.clone();
@@ -124,7 +132,7 @@ impl FaultProxy {
                 runtime.block_on(async move {
                     let listener = TcpListener::from_std(listener).expect("a tokio listener");
                     tokio::select! {
-                        () = accept_loop(listener, upstream, watching, thread_counters) => {}
+                        () = accept_loop(listener, upstream, (watching, control), thread_counters) => {}
                         _ = stopped => {}
                     }
                 });
@@ -205,10 +213,23 @@ impl Drop for FaultProxy {
     }
 }
 
+/// The fault as every connection reads it, and the handle a one-shot fault
+/// ([`Fault::DropNextCall`]) uses to end itself.
+type FaultWatch = (watch::Receiver<Fault>, Arc<watch::Sender<Fault>>);
+
+/// Whether `bytes` (as a client sent them) hold a script call.
+fn is_script_call(bytes: &[u8]) -> bool {
+    [&b"FCALL"[..], b"EVALSHA", b"EVAL"].iter().any(|name| {
+        bytes
+            .windows(name.len())
+            .any(|window| window.eq_ignore_ascii_case(name))
+    })
+}
+
 async fn accept_loop(
     listener: TcpListener,
     upstream: SocketAddr,
-    fault: watch::Receiver<Fault>,
+    (fault, control): FaultWatch,
     counters: Arc<Counters>,
 ) {
     loop {
@@ -220,10 +241,10 @@ async fn accept_loop(
             drop(client);
             continue;
         }
-        let (fault, counters) = (fault.clone(), counters.clone());
+        let (watch, counters) = ((fault.clone(), control.clone()), counters.clone());
         tokio::spawn(async move {
             let _ = client.set_nodelay(true);
-            Connection::new(client, upstream, fault, counters)
+            Connection::new(client, upstream, watch, counters)
                 .serve()
                 .await;
         });
@@ -238,14 +259,16 @@ struct Connection {
     /// the node is a black hole does not reach the server at all.
     upstream: Option<TcpStream>,
     fault: watch::Receiver<Fault>,
+    /// Ends a one-shot fault once a connection has taken it.
+    control: Arc<watch::Sender<Fault>>,
     counters: Arc<Counters>,
     /// Replies held back by [`Fault::DelayReplies`] and [`Fault::Latency`], with when each
     /// may go, in order.
     held: VecDeque<(Instant, Vec<u8>)>,
     /// Commands held back by [`Fault::Latency`], with when each may go, in order.
     outbound: VecDeque<(Instant, Vec<u8>)>,
-    /// [`Fault::DropAfterForward`] forwarded something: the next reply is discarded and the
-    /// connection closed.
+    /// [`Fault::DropAfterForward`] (or [`Fault::DropNextCall`]) forwarded something: the next
+    /// reply is discarded and the connection closed.
     dropping: bool,
     /// [`Fault::BlackHole`] threw bytes away on this connection.
     swallowed: bool,
@@ -261,7 +284,7 @@ impl Connection {
     fn new(
         client: TcpStream,
         upstream_addr: SocketAddr,
-        fault: watch::Receiver<Fault>,
+        (fault, control): FaultWatch,
         counters: Arc<Counters>,
     ) -> Connection {
         Connection {
@@ -269,6 +292,7 @@ impl Connection {
             upstream_addr,
             upstream: None,
             fault,
+            control,
             counters,
             held: VecDeque::new(),
             outbound: VecDeque::new(),
@@ -392,10 +416,27 @@ impl Connection {
         self.counters
             .forwarded
             .fetch_add(bytes.len() as u64, Ordering::SeqCst);
-        if fault == Fault::DropAfterForward {
+        if fault == Fault::DropAfterForward
+            || (fault == Fault::DropNextCall && is_script_call(bytes) && self.take_once())
+        {
             self.dropping = true;
         }
         Next::Continue
+    }
+
+    /// Takes [`Fault::DropNextCall`] for this connection, if no other connection took it
+    /// first, and puts the proxy back to [`Fault::None`].
+    fn take_once(&mut self) -> bool {
+        let taken = self.control.send_if_modified(|fault| {
+            let this_one = *fault == Fault::DropNextCall;
+            if this_one {
+                *fault = Fault::None;
+            }
+            this_one
+        });
+        // The change is this connection's own doing: not one to wake its loop for.
+        self.fault.borrow_and_update();
+        taken
     }
 
     async fn on_upstream_bytes(&mut self, bytes: &[u8]) -> Next {
@@ -417,12 +458,12 @@ impl Connection {
                     .push_back((Instant::now() + delay, bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None if !self.held.is_empty() => {
+            Fault::None | Fault::DropNextCall if !self.held.is_empty() => {
                 // Behind the replies still held, so that replies keep their order.
                 self.held.push_back((Instant::now(), bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None => self.deliver(bytes).await,
+            Fault::None | Fault::DropNextCall => self.deliver(bytes).await,
         }
     }
 

@@ -2,6 +2,7 @@
 //! sentinel; multiplexed or pooled), running commands and scripts on it, and sorting Redis's
 //! errors into the store's failure classes.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use deadpool_redis::redis::aio::{
@@ -47,6 +48,7 @@ pub(super) fn connect(
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(guard.timeout.max(Duration::from_millis(100))))
                 .set_response_timeout(None)
+                // Reconnection attempts: the manager never sends a call again itself.
                 .set_number_of_retries(1)
                 .set_max_delay(Duration::from_millis(200));
             Connection::Multiplexed(Box::new(LazyManager {
@@ -58,22 +60,27 @@ pub(super) fn connect(
         (Deployment::Single(url), ConnectionMode::Pool(_)) => Connection::Pool(tuned!(
             deadpool_redis::Config::from_url(url.as_str()).builder()
         )),
-        (Deployment::Cluster(nodes), mode) => match mode {
-            ConnectionMode::Multiplexed => {
-                let client = ClusterClient::builder(nodes.clone())
-                    .connection_timeout(guard.timeout.max(Duration::from_millis(100)))
-                    .retries(1)
-                    .build()
-                    .map_err(invalid_url)?;
-                Connection::Cluster(Box::new(LazyCluster {
-                    client,
-                    connection: tokio::sync::OnceCell::new(),
-                }))
-            }
-            ConnectionMode::Pool(_) => Connection::ClusterPool(tuned!(
-                deadpool_redis::cluster::Config::from_urls(nodes.clone()).builder()
-            )),
-        },
+        (Deployment::Cluster(nodes), mode) => {
+            // No retries: redis-rs would send a call again after a connection broke, without
+            // knowing whether Redis ran it (a decision counted twice). Calls refused unrun are
+            // sent again by `Connection::run_again`.
+            let client = ClusterClient::builder(nodes.clone())
+                .connection_timeout(guard.timeout.max(Duration::from_millis(100)))
+                .retries(0)
+                .build()
+                .map_err(invalid_url)?;
+            let connections = match mode {
+                ConnectionMode::Multiplexed => 1,
+                ConnectionMode::Pool(size) => size.max(1),
+            };
+            Connection::Cluster(Box::new(LazyCluster {
+                client,
+                connections: (0..connections)
+                    .map(|_| tokio::sync::OnceCell::new())
+                    .collect(),
+                next: AtomicUsize::new(0),
+            }))
+        }
         (Deployment::Sentinel { master, sentinels }, mode) => match mode {
             ConnectionMode::Multiplexed => Connection::Sentinel(Box::new(SentinelMaster {
                 client: tokio::sync::Mutex::new(
@@ -120,27 +127,33 @@ fn invalid_url(error: RedisError) -> StoreError {
 pub(super) enum Connection {
     Multiplexed(Box<LazyManager>),
     Pool(deadpool_redis::Pool),
-    /// One multiplexed cluster connection: routes each call by its first key's slot, follows
-    /// MOVED / ASK redirections and refreshes the slot map when nodes change.
+    /// Multiplexed cluster connections (one, or a pool's size taken in turn): each routes a
+    /// call by its first key's slot and refreshes the slot map when nodes change; redirections
+    /// are followed by [`Connection::run`].
     Cluster(Box<LazyCluster>),
-    /// deadpool-redis's cluster pool: the same, n connections.
-    ClusterPool(deadpool_redis::cluster::Pool),
     /// The master the sentinels name, re-asked after any connection failure.
     Sentinel(Box<SentinelMaster>),
     /// deadpool-redis's sentinel pool: new connections ask the sentinels for the master.
     SentinelPool(deadpool_redis::sentinel::Pool),
 }
 
-/// A cluster connection created on first use.
+/// Cluster connections, each created on first use, taken in turn. Not deadpool-redis's cluster
+/// pool: it builds its client with redis-rs's default of 16 retries, which re-send a call
+/// whose connection broke after Redis may have run it.
 pub(super) struct LazyCluster {
     client: ClusterClient,
-    connection: tokio::sync::OnceCell<ClusterConnection>,
+    connections: Vec<tokio::sync::OnceCell<ClusterConnection>>,
+    next: AtomicUsize,
 }
 
 impl LazyCluster {
-    /// A handle on the shared cluster connection (multiplexed: clones share it).
+    /// A handle on the next cluster connection (multiplexed: clones share it).
     async fn connection(&self) -> Result<ClusterConnection, StoreError> {
-        self.connection
+        let turn = match self.connections.len() {
+            1 => 0,
+            count => self.next.fetch_add(1, Ordering::Relaxed) % count,
+        };
+        self.connections[turn]
             .get_or_try_init(|| self.client.get_async_connection())
             .await
             .cloned()
@@ -244,10 +257,6 @@ impl Connection {
                         .query_async::<Value>(&mut lazy.connection().await?)
                         .await
                 }
-                Connection::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(pool_store_error)?;
-                    command.query_async::<Value>(&mut *connection).await
-                }
                 Connection::Sentinel(master) => {
                     let mut connection = master.connection().await?;
                     command.query_async::<Value>(&mut connection).await
@@ -273,20 +282,63 @@ impl Connection {
     /// in place, the others behind a box, so that the decision's future is sized for the
     /// multiplexed call alone (the largest arm sized all of them: ~10 KB, moved several times
     /// per decision, a tenth of the gateway's CPU on the Redis path).
+    ///
+    /// At most once: no client library here sends a call again (their retries are off), and
+    /// this sends it again only when Redis's answer proves that it did not run it
+    /// ([`not_run`]): a redirection, a cluster or server not ready, a connection refused.
     pub(super) async fn run(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
-        match self {
+        let result = match self {
             Connection::Multiplexed(lazy) => {
                 let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
                 run_on(&mut connection, command).await
             }
             other => Box::pin(other.run_elsewhere(command)).await,
+        };
+        match result {
+            Err(ConnectionError::Redis(error)) if not_run(&error) => {
+                // Boxed: rare, and its future would size every decision's.
+                Box::pin(self.run_again(command, error)).await
+            }
+            other => other,
         }
     }
 
-    /// [`Connection::run`] on any connection but the multiplexed one.
+    /// Sends `command` again after Redis refused it unrun with `error`, up to
+    /// [`NOT_RUN_RETRIES`] times: to the node a redirection names (with `ASKING` for an
+    /// `ASK`), else as before once a short pause has let the slot map, a failover or a load
+    /// progress. The caller's deadline bounds the whole.
+    async fn run_again(
+        &self,
+        command: &redis::Cmd,
+        mut error: RedisError,
+    ) -> Result<Value, ConnectionError> {
+        for attempt in 1..=NOT_RUN_RETRIES {
+            let redirected = match (self, Redirection::of(&error)) {
+                (Connection::Cluster(lazy), Some(redirection)) => {
+                    let connection = lazy.connection().await.map_err(ConnectionError::Store)?;
+                    Some(redirection.follow(connection, command).await)
+                }
+                _ => None,
+            };
+            let result = match redirected {
+                Some(result) => result,
+                None => {
+                    tokio::time::sleep(NOT_RUN_PAUSE * attempt).await;
+                    Box::pin(self.run_elsewhere(command)).await
+                }
+            };
+            match result {
+                Err(ConnectionError::Redis(again)) if not_run(&again) => error = again,
+                other => return other,
+            }
+        }
+        Err(ConnectionError::Redis(error))
+    }
+
+    /// [`Connection::run`]'s one sending of `command`, on any connection (the multiplexed one
+    /// is served in place by `run`).
     async fn run_elsewhere(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         match self {
-            // Not called for it; served all the same.
             Connection::Multiplexed(lazy) => {
                 let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
                 run_on(&mut connection, command).await
@@ -298,10 +350,6 @@ impl Connection {
             Connection::Cluster(lazy) => {
                 let mut connection = lazy.connection().await.map_err(ConnectionError::Store)?;
                 run_on(&mut connection, command).await
-            }
-            Connection::ClusterPool(pool) => {
-                let mut connection = pool.get().await.map_err(pool_error)?;
-                run_on(&mut *connection, command).await
             }
             Connection::Sentinel(master) => {
                 let mut connection = master.connection().await.map_err(ConnectionError::Store)?;
@@ -345,6 +393,84 @@ impl ConnectionError {
             ConnectionError::Redis(error) => Some(error),
             ConnectionError::Store(_) => None,
         }
+    }
+}
+
+/// How many times [`Connection::run`] sends a call again that Redis refused without running it.
+const NOT_RUN_RETRIES: u32 = 3;
+
+/// The pause before sending such a call again, times the attempt: a slot map being refreshed,
+/// a replica being promoted, a server loading its data.
+const NOT_RUN_PAUSE: Duration = Duration::from_millis(10);
+
+/// Whether `error` proves that the call did not run, so that sending it again cannot apply it
+/// twice: a redirection (`MOVED`, `ASK`), a cluster or server not ready (`TRYAGAIN`,
+/// `CLUSTERDOWN`, `MASTERDOWN`, `LOADING`, `READONLY`: refused before the script starts), no
+/// connection for the call's node, or a connect refused (nothing was written). A connection
+/// that broke after the call was written proves nothing, and is never a reason to send again.
+/// (`NOSCRIPT` and a missing function are answered where the library is loaded.)
+fn not_run(error: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::ReadOnly
+        ),
+        ErrorKind::ClusterConnectionNotFound => true,
+        _ => error.is_connection_refusal(),
+    }
+}
+
+/// A cluster node's redirection of a call: where to send it, and whether as an `ASK` (the
+/// slot is migrating: `ASKING` first, on the same connection) or a `MOVED`.
+struct Redirection {
+    host: String,
+    port: u16,
+    asking: bool,
+}
+
+impl Redirection {
+    fn of(error: &RedisError) -> Option<Redirection> {
+        let (node, _slot) = error.redirect_node()?;
+        let (host, port) = node.rsplit_once(':')?;
+        Some(Redirection {
+            host: host.to_owned(),
+            port: port.parse().ok()?,
+            asking: error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::Ask),
+        })
+    }
+
+    /// Sends `command` to the node named, on `connection`.
+    async fn follow(
+        self,
+        mut connection: ClusterConnection,
+        command: &redis::Cmd,
+    ) -> Result<Value, ConnectionError> {
+        use deadpool_redis::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let node = SingleNodeRoutingInfo::ByAddress {
+            host: self.host,
+            port: self.port,
+        };
+        let answer = if self.asking {
+            let mut pipeline = redis::pipe();
+            pipeline.cmd("ASKING").add_command(command.clone());
+            connection
+                .route_pipeline(pipeline, 1, 1, node)
+                .await
+                .and_then(|mut values| values.pop().unwrap_or(Value::Nil).extract_error())
+        } else {
+            connection
+                .route_command(command.clone(), RoutingInfo::SingleNode(node))
+                .await
+                .and_then(Value::extract_error)
+        };
+        answer.map_err(ConnectionError::Redis)
     }
 }
 

@@ -62,7 +62,10 @@ pub enum ConnectionMode {
     /// One multiplexed connection shared by all callers (pipelined, reconnects by itself).
     /// The default: it measured faster (see BENCHMARKS.md).
     Multiplexed,
-    /// A deadpool-redis pool of this many connections, one call per connection at a time.
+    /// This many connections: on a single server or behind sentinels a deadpool-redis pool,
+    /// one call per connection at a time; on a cluster, this many multiplexed cluster
+    /// connections taken in turn. In every mode no call is sent twice by the client library
+    /// (SPEC §1, at most once).
     Pool(usize),
 }
 
@@ -93,9 +96,8 @@ pub struct RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
-    /// Multiplexed connection or pool (default multiplexed). Cluster and Sentinel stores always
-    /// use a pool, of one connection unless a pool size is given (their connections are
-    /// multiplexed too).
+    /// Multiplexed connection or pool (default multiplexed). A cluster store's connections are
+    /// multiplexed either way: one, or a pool's size of them taken in turn.
     pub fn connection_mode(mut self, mode: ConnectionMode) -> Self {
         self.mode = mode;
         self
