@@ -6,6 +6,7 @@ use std::sync::Arc;
 use floodgate::{Identity, RequestInfo};
 
 use crate::config::{Config, RouteTable, RouteTarget, UnknownKeys, key_digest};
+use crate::credentials::Ambiguity;
 use crate::token::{InvalidToken, Token};
 
 /// The resolved client, carried as a request extension to the limit plan.
@@ -22,11 +23,18 @@ pub(crate) struct ResolvedClient {
     /// The request's route in its configuration's `routes` ([`RouteTable::find_index`]),
     /// found once for the limiter's cost and the proxy's upstream.
     pub route: Option<usize>,
+    /// Limited as anonymous because its token was refused (`invalid_token: anonymous`): its
+    /// credentials are taken off before it is forwarded, so that the upstream does not trust
+    /// what the gateway did not.
+    pub anonymized: bool,
 }
 
 /// What to do with a request.
 #[derive(Debug)]
 pub(crate) enum Resolution {
+    /// Credentials the upstream could read otherwise than the gateway (two of them, or a
+    /// token in the query): 400 `invalid_request`.
+    InvalidRequest(Ambiguity),
     /// Denylisted: 403.
     Denied,
     /// An API key not in `clients.api_keys`, under `clients.unknown_keys: reject`: 401.
@@ -148,6 +156,9 @@ pub(crate) fn resolve_parts(config: &Config, parts: ClientParts<'_>) -> Option<R
 
 /// Resolves the client of `request` under `config`.
 pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution {
+    if let Err(ambiguity) = config.identity.credentials.check(request) {
+        return Resolution::InvalidRequest(ambiguity);
+    }
     let identifier = &config.identity.identifier;
     let exact_ip = identifier.exact_client_ip(request);
     let token = match &config.identity.jwt {
@@ -214,6 +225,7 @@ pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution 
         client_ip: resolved.client_ip,
         bypass: resolved.listed == Some(Listed::Allowlist),
         route: config.routes.find_index(request.method, request.uri.path()),
+        anonymized: matches!(token, Token::Refused(_)),
     })
 }
 
@@ -262,6 +274,7 @@ mod tests {
             client_ip: None,
             bypass: false,
             route: chat,
+            anonymized: false,
         });
         let resolved = ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x");
         assert_eq!(resolved.and_then(|route| route.cost), Some(5));
@@ -271,6 +284,7 @@ mod tests {
             client_ip: None,
             bypass: false,
             route: None,
+            anonymized: false,
         });
         assert!(
             ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x").is_none()

@@ -19,6 +19,7 @@ mod admin;
 mod check;
 mod client;
 mod config;
+mod credentials;
 mod error;
 mod gateway;
 mod head;

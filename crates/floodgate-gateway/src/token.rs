@@ -310,19 +310,21 @@ impl TokenVerifier {
         let Some(value) = headers.get(&self.header) else {
             return Token::Absent;
         };
-        let Ok(text) = value.to_str() else {
-            return Token::Refused(TokenProblem::Malformed);
-        };
         let token = if self.bearer {
-            match bearer_token(text) {
+            // Any spelling an upstream reads as a bearer token (`Bearer<TAB>`, `BEARER`,
+            // several spaces) is one here too: verified, never passed on unread.
+            match floodgate::key::bearer_credential(value.as_bytes()) {
                 Some(token) => token,
                 // Another scheme (Basic, ...) is not a token of ours.
                 None => return Token::Absent,
             }
         } else {
-            text.trim()
+            value.as_bytes().trim_ascii()
         };
-        self.verify(token)
+        match std::str::from_utf8(token) {
+            Ok(token) => self.verify(token),
+            Err(_) => Token::Refused(TokenProblem::Malformed),
+        }
     }
 
     /// Checks one token.
@@ -477,15 +479,6 @@ fn public_keys(text: &str) -> Result<Vec<PublicKey>, KeyError> {
         return Err(KeyError::Empty);
     }
     Ok(keys)
-}
-
-/// The token of an `Authorization: Bearer <token>` value (the scheme's case is free).
-fn bearer_token(value: &str) -> Option<&str> {
-    let (scheme, token) = value.trim().split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
-        .filter(|token| !token.is_empty())
 }
 
 /// Whether a token's header names an `alg` the JWS algorithms do not hold (`none`): told
@@ -722,10 +715,21 @@ mod tests {
             );
             headers
         };
-        assert!(matches!(
-            verifier.check(&headers(&format!("bearer  {token}"))),
-            Token::Verified { .. }
-        ));
+        for spelling in [
+            format!("bearer  {token}"),
+            format!("Bearer\t{token}"),
+            format!("BEARER {token} "),
+        ] {
+            assert!(
+                matches!(verifier.check(&headers(&spelling)), Token::Verified { .. }),
+                "{spelling:?}"
+            );
+        }
+        assert_eq!(
+            verifier.check(&headers("Bearer")),
+            Token::Refused(TokenProblem::Malformed),
+            "the scheme alone"
+        );
         assert_eq!(
             verifier.check(&headers("Basic dXNlcjpwYXNz")),
             Token::Absent

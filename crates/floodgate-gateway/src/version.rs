@@ -208,6 +208,18 @@ impl ConfigVersion {
         }
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
         let client = match resolution {
+            Resolution::InvalidRequest(ambiguity) => {
+                facts.early = Some(GatewayOutcome::Rejected);
+                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => ambiguity.reason())
+                    .increment(1);
+                let mut answer = json_error(http::StatusCode::BAD_REQUEST, "invalid_request");
+                // RFC 6750 §3.1: more than one way of including a credential.
+                answer.headers_mut().insert(
+                    http::header::WWW_AUTHENTICATE,
+                    http::HeaderValue::from_static("Bearer error=\"invalid_request\""),
+                );
+                return answer;
+            }
             Resolution::Denied => {
                 facts.early = Some(GatewayOutcome::Limiter(Outcome::Denylisted));
                 floodgate::telemetry::record_denylisted();
@@ -251,6 +263,12 @@ impl ConfigVersion {
             .get(&*client.plan)
             .unwrap_or(&self.fallback_service)
             .clone();
+        if client.anonymized {
+            self.config
+                .identity
+                .credentials
+                .strip(request.headers_mut());
+        }
         request.extensions_mut().insert(client);
         let grpc = is_grpc(request.headers());
         let response = match service.oneshot(request).await {

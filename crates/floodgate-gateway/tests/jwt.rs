@@ -281,3 +281,253 @@ async fn a_jwks_file_written_beside_the_configuration_is_reloaded_by_the_watcher
         "the old key is gone"
     );
 }
+
+/// The ways a lenient upstream reads a bearer credential (RFC 7235 puts one space; upstreams
+/// split on any whitespace and take any case): `Bearer<TAB>`, `bearer`, `BEARER`, spaces.
+fn lenient_bearers(token: &str) -> [(&'static str, String); 4] {
+    [
+        ("Bearer<TAB>", format!("Bearer\t{token}")),
+        ("bearer", format!("bearer {token}")),
+        ("BEARER", format!("BEARER {token}")),
+        ("extra spaces", format!("Bearer   {token}")),
+    ]
+}
+
+/// The upstream's echo of the headers it received (`authorization`, `x-api-key`, ...).
+fn forwarded_headers(answer: &http::Response<bytes::Bytes>) -> serde_json::Map<String, Value> {
+    let echo: Value = serde_json::from_slice(answer.body()).expect("the upstream's echo");
+    echo["headers"].as_object().cloned().unwrap_or_default()
+}
+
+/// Sends a GET to `url` with `headers` (a name may repeat: each is its own field line).
+async fn get_with(
+    client: &support::TestClient,
+    url: &str,
+    headers: &[(&str, String)],
+) -> http::Response<bytes::Bytes> {
+    let pairs: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(name, value)| (*name, value.as_str()))
+        .collect();
+    get(client, url, &pairs).await
+}
+
+fn assert_invalid_request(answer: &http::Response<bytes::Bytes>, what: &str) {
+    assert_eq!(answer.status(), 400, "{what}");
+    assert_eq!(
+        answer.body().as_ref(),
+        br#"{"error":"invalid_request"}"#,
+        "{what}"
+    );
+    assert_eq!(
+        answer.headers()["www-authenticate"],
+        "Bearer error=\"invalid_request\"",
+        "{what}"
+    );
+}
+
+/// Regression (issue 45, items 3 and 4): only the first `Authorization` header was verified
+/// and all were forwarded (`Basic …` then `Bearer <valid>` was served as anonymous, the
+/// tenant's counter untouched); `Bearer<TAB><token>` was not read as a token but forwarded as
+/// it was (an expired one got 200 under `reject`); `?access_token=` was ignored and forwarded.
+/// Now a bearer credential in any spelling is verified, and a request carrying two (two
+/// `Authorization` headers, or one and `access_token`) is refused with 400.
+#[tokio::test]
+async fn a_bearer_token_in_any_spelling_is_verified_and_two_credentials_are_refused() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let (gateway, _directory) = gateway_with_keys(&upstream, &[&jwk], "reject");
+    let client = client();
+    let url = gateway.url("/v1/x");
+
+    for (index, (what, _)) in lenient_bearers("").iter().enumerate() {
+        // One tenant per spelling: each spends one of gold's 3.
+        let valid = token(&key, "k1", &format!("tenant-{index}"), "gold", 3600);
+        let header = lenient_bearers(&valid)[index].1.clone();
+        let answer = get_with(&client, &url, &[("authorization", header)]).await;
+        assert_eq!(answer.status(), 200, "{what}");
+        assert_eq!(
+            answer.headers()["x-ratelimit-limit"],
+            "3",
+            "{what}: the token's plan"
+        );
+        assert_eq!(answer.headers()["x-ratelimit-remaining"], "2", "{what}");
+        let expired = token(&key, "k1", &format!("tenant-{index}"), "gold", -120);
+        let header = lenient_bearers(&expired)[index].1.clone();
+        let answer = get_with(&client, &url, &[("authorization", header)]).await;
+        assert_eq!(answer.status(), 401, "{what}: an expired token");
+        assert_eq!(
+            answer.headers()["www-authenticate"],
+            "Bearer error=\"invalid_token\"",
+            "{what}"
+        );
+    }
+
+    let valid = token(&key, "k1", "tenant-a", "gold", 3600);
+    let expired = token(&key, "k1", "tenant-a", "gold", -120);
+    let basic = "Basic dXNlcjpwYXNz".to_owned();
+    for (what, headers) in [
+        (
+            "Basic, then a valid bearer",
+            vec![
+                ("authorization", basic.clone()),
+                ("authorization", bearer(&valid)),
+            ],
+        ),
+        (
+            "a valid bearer, then Basic",
+            vec![
+                ("authorization", bearer(&valid)),
+                ("authorization", basic.clone()),
+            ],
+        ),
+        (
+            "Basic, then an expired bearer",
+            vec![
+                ("authorization", basic.clone()),
+                ("authorization", bearer(&expired)),
+            ],
+        ),
+        (
+            "an expired bearer, then a valid one",
+            vec![
+                ("authorization", bearer(&expired)),
+                ("authorization", bearer(&valid)),
+            ],
+        ),
+    ] {
+        let answer = get_with(&client, &url, &headers).await;
+        assert_invalid_request(&answer, what);
+    }
+    for (what, query, headers) in [
+        (
+            "a valid access_token",
+            format!("access_token={valid}"),
+            vec![],
+        ),
+        (
+            "an expired access_token",
+            format!("access_token={expired}"),
+            vec![],
+        ),
+        (
+            "a percent-encoded name",
+            format!("a=1&access%5Ftoken={valid}"),
+            vec![],
+        ),
+        (
+            "Authorization and access_token",
+            format!("access_token={expired}"),
+            vec![("authorization", bearer(&valid))],
+        ),
+    ] {
+        let answer = get_with(&client, &gateway.url(&format!("/v1/x?{query}")), &headers).await;
+        assert_invalid_request(&answer, what);
+    }
+    // tenant-a's budget was never spent by the refused requests.
+    let answer = get(&client, &url, &[("authorization", &bearer(&valid))]).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["x-ratelimit-remaining"], "2");
+}
+
+/// Regression (issue 45): under `invalid_token: anonymous`, a refused token (an expired one,
+/// in every spelling) is limited as the client's IP and is not forwarded: the upstream sees
+/// the anonymous request the gateway counted, without the token nor the API key beside it.
+/// Two credentials are refused as under `reject`.
+#[tokio::test]
+async fn an_expired_token_limited_as_anonymous_is_not_forwarded() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let (gateway, _directory) = gateway_with_keys(&upstream, &[&jwk], "anonymous");
+    let client = client();
+    let url = gateway.url("/v1/x");
+    let expired = token(&key, "k1", "tenant-a", "gold", -120);
+    let mut spellings = lenient_bearers(&expired).to_vec();
+    spellings.push(("Bearer", bearer(&expired)));
+    for (what, header) in spellings {
+        let answer = get_with(
+            &client,
+            &url,
+            &[("authorization", header), ("x-api-key", "k".to_owned())],
+        )
+        .await;
+        assert_eq!(answer.status(), 200, "{what}");
+        assert_eq!(
+            answer.headers()["x-ratelimit-limit"],
+            "100",
+            "{what}: the anonymous plan"
+        );
+        let forwarded = forwarded_headers(&answer);
+        assert!(
+            !forwarded.contains_key("authorization") && !forwarded.contains_key("x-api-key"),
+            "{what}: the upstream received {forwarded:?}"
+        );
+    }
+    // A valid token is forwarded as it came.
+    let valid = token(&key, "k1", "tenant-a", "gold", 3600);
+    let answer = get(&client, &url, &[("authorization", &bearer(&valid))]).await;
+    assert_eq!(answer.headers()["x-ratelimit-limit"], "3");
+    assert_eq!(forwarded_headers(&answer)["authorization"], bearer(&valid));
+
+    let basic = "Basic dXNlcjpwYXNz".to_owned();
+    let answer = get_with(
+        &client,
+        &url,
+        &[
+            ("authorization", basic),
+            ("authorization", bearer(&expired)),
+        ],
+    )
+    .await;
+    assert_invalid_request(&answer, "Basic, then an expired bearer");
+    let answer = get(
+        &client,
+        &gateway.url(&format!("/v1/x?access_token={expired}")),
+        &[],
+    )
+    .await;
+    assert_invalid_request(&answer, "an expired access_token");
+}
+
+/// Regression (issue 45, item 3): with `unknown_keys: default_plan`, a tenant at 429 that
+/// hid its token behind a `Basic` header and added a random `x-api-key` was served 20 of 20
+/// on a fresh budget. A verified token wins over any API key; hiding it is refused.
+#[tokio::test]
+async fn a_tenant_at_its_limit_gets_nothing_from_an_invented_api_key() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let (gateway, _directory) = gateway_with_keys(&upstream, &[&jwk], "reject");
+    let client = client();
+    let url = gateway.url("/v1/x");
+    let valid = token(&key, "k1", "tenant-z", "gold", 3600);
+    for _ in 0..3 {
+        let answer = get(&client, &url, &[("authorization", &bearer(&valid))]).await;
+        assert_eq!(answer.status(), 200);
+    }
+    let mut statuses = Vec::new();
+    for attempt in 0..20 {
+        let invented = format!("invented-{attempt}");
+        let alone = get(
+            &client,
+            &url,
+            &[("authorization", &bearer(&valid)), ("x-api-key", &invented)],
+        )
+        .await;
+        statuses.push(alone.status().as_u16());
+        let hidden = get_with(
+            &client,
+            &url,
+            &[
+                ("authorization", "Basic dXNlcjpwYXNz".to_owned()),
+                ("authorization", bearer(&valid)),
+                ("x-api-key", invented),
+            ],
+        )
+        .await;
+        statuses.push(hidden.status().as_u16());
+    }
+    assert!(
+        statuses.chunks(2).all(|pair| pair == [429, 400]),
+        "{statuses:?}"
+    );
+}

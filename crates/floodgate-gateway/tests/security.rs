@@ -935,3 +935,153 @@ async fn admin_top_counts_each_denial_once_under_a_key_flood() {
         assert_eq!(entry["denials"], 1, "{entry}");
     }
 }
+
+/// Regression (issue 45, items 3 and 4) without `identity.jwt`: a bearer API key spelled as a
+/// lenient upstream reads it (`Bearer<TAB>`, any case, several spaces) was not read as the
+/// key, so the client was counted as its IP while the upstream served the key's tenant. It is
+/// now the key; and a request whose credentials disagree (two `Authorization` headers in
+/// either order, an API key header beside another bearer key, an `access_token` in the
+/// query) is refused with 400 rather than counted as one and forwarded with both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_api_keys_are_read_in_any_spelling_and_two_credentials_are_refused() {
+    let upstream = Upstream::start().await;
+    let (gateway, _directory) = start(
+        &upstream,
+        r#"
+identity:
+  trusted_proxies: ["127.0.0.1/32"]
+plans:
+  anonymous: { limits: [ { name: m, algorithm: fixed_window, limit: 100, window: 60s } ] }
+  free: { limits: [ { name: m, algorithm: fixed_window, limit: 5, window: 60s } ] }
+  gold: { limits: [ { name: m, algorithm: fixed_window, limit: 7, window: 60s } ] }
+clients:
+  unknown_keys: reject
+  api_keys: { "partner-key": gold }
+"#,
+    );
+    let client = client();
+    let url = gateway.url("/v1/x");
+    for (what, value) in [
+        ("Bearer<TAB>", "Bearer\tpartner-key"),
+        ("bearer", "bearer partner-key"),
+        ("BEARER", "BEARER partner-key"),
+        ("extra spaces", "Bearer   partner-key"),
+    ] {
+        let answer = get(&client, &url, &[("authorization", value)]).await;
+        assert_eq!(answer.status(), 200, "{what}");
+        assert_eq!(
+            answer.headers()["x-ratelimit-limit"],
+            "7",
+            "{what}: counted as partner-key, as the upstream reads it"
+        );
+        let invented = value.replace("partner-key", "invented");
+        let answer = get(&client, &url, &[("authorization", &invented)]).await;
+        assert_eq!(answer.status(), 401, "{what}: an unknown key, under reject");
+    }
+    for (what, headers, query) in [
+        (
+            "Basic, then Bearer",
+            vec![
+                ("authorization", "Basic dXNlcjpwYXNz"),
+                ("authorization", "Bearer partner-key"),
+            ],
+            "",
+        ),
+        (
+            "Bearer, then Basic",
+            vec![
+                ("authorization", "Bearer partner-key"),
+                ("authorization", "Basic dXNlcjpwYXNz"),
+            ],
+            "",
+        ),
+        (
+            "two API key headers",
+            vec![("x-api-key", "invented"), ("x-api-key", "partner-key")],
+            "",
+        ),
+        (
+            "an API key header and another bearer key",
+            vec![
+                ("x-api-key", "invented"),
+                ("authorization", "Bearer partner-key"),
+            ],
+            "",
+        ),
+        (
+            "access_token in the query",
+            vec![],
+            "?access_token=partner-key",
+        ),
+        (
+            "a bearer key and access_token",
+            vec![("authorization", "Bearer partner-key")],
+            "?x=1&access_token=invented",
+        ),
+    ] {
+        let answer = get(&client, &gateway.url(&format!("/v1/x{query}")), &headers).await;
+        assert_eq!(answer.status(), 400, "{what}");
+        assert_eq!(
+            answer.body().as_ref(),
+            br#"{"error":"invalid_request"}"#,
+            "{what}"
+        );
+    }
+    // The same key twice is one credential.
+    let answer = get(
+        &client,
+        &url,
+        &[
+            ("x-api-key", "partner-key"),
+            ("authorization", "Bearer partner-key"),
+        ],
+    )
+    .await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers()["x-ratelimit-limit"], "7");
+}
+
+/// Regression (issue 45, item 3): beside `identity.jwt`'s tenants, `unknown_keys:
+/// default_plan` gives any invented `x-api-key` a fresh budget of the default plan, even with a
+/// `per_ip` limit; `check` said nothing of it.
+#[test]
+fn check_warns_when_invented_api_keys_get_a_budget_beside_jwt_tenants() {
+    let directory = TempDir::new("check-jwt-keys");
+    std::fs::write(
+        directory.file("secret"),
+        "a shared secret of at least thirty-two bytes\n",
+    )
+    .unwrap();
+    let path = directory.file("floodgate.yaml");
+    let check = |unknown_keys: &str| {
+        std::fs::write(
+            &path,
+            format!(
+                "identity:\n  jwt: {{ secret_file: secret, issuer: \"https://auth.test\", audience: api }}\nper_ip:\n  - {{ name: ip, algorithm: fixed_window, limit: 100, window: 60s }}\nclients: {{ unknown_keys: {unknown_keys} }}\nplans:\n  anonymous: {{ limits: [ {{ name: m, algorithm: fixed_window, limit: 2, window: 60s }} ] }}\n  free: {{ limits: [ {{ name: m, algorithm: fixed_window, limit: 2, window: 60s }} ] }}\n"
+            ),
+        )
+        .unwrap();
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let warned = check("default_plan");
+    assert!(
+        warned
+            .lines()
+            .any(|line| line.contains("warning: clients.unknown_keys")
+                && line.contains("identity.jwt")),
+        "{warned}"
+    );
+    for closed in ["anonymous", "reject"] {
+        let quiet = check(closed);
+        assert!(
+            !quiet.contains("warning: clients.unknown_keys"),
+            "{closed}: {quiet}"
+        );
+    }
+}

@@ -103,12 +103,22 @@ async fn api_keys_and_bearer_tokens_identify_clients() {
             .status(),
         StatusCode::OK
     );
-    // Same key by bearer token: the same client.
-    let bearer = from_peer(peer).header("authorization", "Bearer key-a");
-    assert_eq!(
-        send(&service, bearer).await.status(),
-        StatusCode::TOO_MANY_REQUESTS
-    );
+    // Same key by bearer token: the same client, in every spelling an upstream reads as
+    // the key (regression, issue 45: `Bearer<TAB>key-a` was counted as the IP).
+    for spelling in [
+        "Bearer key-a",
+        "Bearer\tkey-a",
+        "bearer key-a",
+        "BEARER key-a",
+        "Bearer   key-a",
+    ] {
+        let bearer = from_peer(peer).header("authorization", spelling);
+        assert_eq!(
+            send(&service, bearer).await.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{spelling:?}"
+        );
+    }
     assert_eq!(
         send(&service, from_peer(peer).header("x-api-key", "key-b"))
             .await

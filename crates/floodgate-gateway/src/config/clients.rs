@@ -15,6 +15,7 @@ use super::errors::{Errors, Problem};
 use super::jwt::RawJwt;
 use super::key_digest;
 use super::limits::RawPlan;
+use crate::credentials::{AuthorizationUse, CredentialHeaders};
 use crate::token::TokenVerifier;
 
 /// `identity:` as written.
@@ -149,6 +150,9 @@ pub(crate) struct IdentitySettings {
     /// The file `identity.jwt` read its keys from (`jwks_file`, `secret_file`), if any: a
     /// change to it reloads the configuration as a change to the file itself does.
     pub key_file: Option<std::path::PathBuf>,
+    /// The headers credentials come in: a request carrying two is refused, and a request
+    /// limited as anonymous after a refused token is forwarded without them.
+    pub credentials: CredentialHeaders,
 }
 
 /// Parses `sha256:<64 hex>`, or hashes a raw key.
@@ -205,10 +209,16 @@ pub(super) fn identity(
 ) -> Option<IdentitySettings> {
     let jwt = super::jwt::verifier(errors, identity.jwt.as_ref(), base);
     // With tokens in `Authorization`, a bearer credential is a token, never an API key.
-    let bearer_is_token = jwt
+    let token_header = jwt
         .as_ref()
         .and_then(Option::as_ref)
-        .is_some_and(|verifier| verifier.header() == http::header::AUTHORIZATION);
+        .map(|verifier| verifier.header().clone());
+    let bearer_is_token = token_header.as_ref() == Some(&http::header::AUTHORIZATION);
+    let authorization = match (bearer_is_token, identity.api_key.bearer) {
+        (true, _) => AuthorizationUse::Token,
+        (false, true) => AuthorizationUse::ApiKey,
+        (false, false) => AuthorizationUse::Ignored,
+    };
     let identifier = match DefaultIdentifier::new()
         .bearer(identity.api_key.bearer && !bearer_is_token)
         .api_key_header(Some(&identity.api_key.header))
@@ -246,8 +256,15 @@ pub(super) fn identity(
         None => Some(None),
     };
 
+    // The identifier has checked the name (and said so under its field).
+    let api_key = HeaderName::try_from(identity.api_key.header.as_str()).ok();
     Some(IdentitySettings {
         identifier: Arc::new(identifier?),
+        credentials: CredentialHeaders {
+            api_key: api_key?,
+            authorization,
+            token: token_header.filter(|header| *header != http::header::AUTHORIZATION),
+        },
         plan_header: plan_header?,
         jwt: jwt?,
         key_file: identity

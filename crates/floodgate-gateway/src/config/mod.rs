@@ -185,7 +185,19 @@ impl Config {
                 .plans
                 .get(&self.default_plan)
                 .is_some_and(|plan| !plan.limits.is_empty());
-        if keyed_plans_limit && self.per_ip.is_empty() {
+        if keyed_plans_limit && self.identity.jwt.is_some() {
+            // A tenant at its limit sends a request without its token and with an invented
+            // key: counted on a fresh budget, per_ip or not.
+            warnings.push(format!(
+                "clients.unknown_keys: default_plan gives every invented API key a fresh `{}` budget beside identity.jwt's tenants (a tenant at its limit can leave its token out and send a new key){}; set unknown_keys to anonymous or reject, or list the keys in clients.api_keys",
+                self.default_plan,
+                if self.per_ip.is_empty() {
+                    ", and no per_ip limit caps it"
+                } else {
+                    ""
+                }
+            ));
+        } else if keyed_plans_limit && self.per_ip.is_empty() {
             warnings.push(format!(
                 "clients.unknown_keys: default_plan gives every invented API key a fresh `{}` budget and no per_ip limit caps it; add a per_ip limit or set unknown_keys to anonymous or reject",
                 self.default_plan

@@ -237,7 +237,9 @@ impl DefaultIdentifier {
         Ok(self)
     }
 
-    /// Whether `Authorization: Bearer <key>` carries an API key (default true).
+    /// Whether `Authorization: Bearer <key>` carries an API key (default true). The scheme is
+    /// read in any case and followed by any spaces or tabs ([`bearer_credential`](super::bearer_credential)),
+    /// as lenient upstreams read it.
     pub fn bearer(mut self, enabled: bool) -> Self {
         self.bearer = enabled;
         self
@@ -352,10 +354,8 @@ impl DefaultIdentifier {
         }
         if self.bearer {
             let value = request.headers.get(AUTHORIZATION)?.as_bytes();
-            let token = value
-                .get(..7)
-                .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
-                .map(|_| &value[7..])?;
+            // `Bearer<TAB>key` and `BEARER  key` too: the upstream reads them as the key.
+            let token = super::bearer_credential(value)?;
             match self.well_formed(token) {
                 Some(key) => return Some(key),
                 None => self.count_malformed(),

@@ -1,15 +1,17 @@
 //! Client identity: who a request counts against, and the storage keys it is counted under.
 //!
 //! The default identifier follows SPEC §3, in order: an API key (header, or
-//! `Authorization: Bearer`), then a user id (a [`UserId`] request extension set by the app's
+//! `Authorization: Bearer`, read as leniently as upstreams read it: [`bearer_credential`]), then a user id (a [`UserId`] request extension set by the app's
 //! auth layer, or a header honoured only from a trusted proxy), then the client IP.
 //! Identities are never stored raw: keys, logs and metrics carry an [`IdentityHash`].
 
+mod bearer;
 mod client_ip;
 mod identifier;
 mod identity;
 pub mod storage;
 
+pub use bearer::bearer_credential;
 pub use client_ip::{ClientIpResolver, ForwardedHeader};
 pub use identifier::{
     DefaultIdentifier, IdentifyClient, IdentityError, MAX_IDENTITY_LEN, PeerAddr, RequestInfo,
