@@ -124,6 +124,19 @@ impl Report {
     }
 }
 
+/// A snapshot of the global store ([`Regions::snapshot_global`]); its file is removed when
+/// this is dropped.
+pub struct GlobalSnapshot {
+    file: String,
+    path: std::path::PathBuf,
+}
+
+impl Drop for GlobalSnapshot {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// The regions, their stores and the links between them. See the [module docs](self).
 pub struct Regions {
     /// The global store (behind every region's link).
@@ -275,6 +288,34 @@ impl Regions {
         let port = self.global.port();
         self.global.kill();
         self.global = RedisServer::start_on(port).expect("the global store restarts");
+    }
+
+    /// Takes a snapshot of the global store now (Redis's own RDB, by `SAVE`), for
+    /// [`Regions::restart_global_from`].
+    pub fn snapshot_global(&self) -> GlobalSnapshot {
+        let file = crate::unique_temp_path("global-snapshot")
+            .file_name()
+            .and_then(|name| name.to_str())
+            .map(|name| format!("{name}.rdb"))
+            .expect("a file name");
+        let _: () = self.global.command(&["SAVE"]);
+        let dir: Vec<String> = self.global.command(&["CONFIG", "GET", "dir"]);
+        let dir = std::path::Path::new(&dir[1]);
+        // Moved aside (`dbfilename` cannot be set at run time): a later restart of a server on
+        // this port must not load it.
+        let path = dir.join(&file);
+        std::fs::rename(dir.join("dump.rdb"), &path).expect("the snapshot moved aside");
+        GlobalSnapshot { path, file }
+    }
+
+    /// Kills the global store and starts it again on its port from `snapshot`: what it held
+    /// then and nothing since, as after a restart from an older RDB, an append-only file that
+    /// lost its tail, or a failover to a replica that was behind.
+    pub fn restart_global_from(&mut self, snapshot: &GlobalSnapshot) {
+        let port = self.global.port();
+        self.global.kill();
+        let options = ["--dbfilename".to_owned(), snapshot.file.clone()];
+        self.global = RedisServer::spawn(port, &options).expect("the global store restarts");
     }
 
     fn trades(&self, region: usize) -> u64 {

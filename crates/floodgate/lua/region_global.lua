@@ -17,16 +17,25 @@
 -- at its next trade, promises included, before anything is granted again (one that cannot is
 -- counted at its fixed share, which it returns to on its own).
 --
+-- A store that lost only some of what it acknowledged keeps `born`: a restart from an older
+-- snapshot, an append-only file missing its last second, a failover to a replica behind, an
+-- evicted record. Every trade therefore advances a generation (a counter no other write
+-- touches) and replies with it; each region sends back the highest it has seen. A store whose
+-- generation is behind what a region saw has lost acknowledged writes, and settles for a
+-- lifetime as an empty one does (`born` set anew), its generation moved past the region's.
+--
 -- KEYS: the record of each item, then the pressure set (a sorted set of "<limit key>\n<spec>"
 -- for the keys some region wants more of than its fixed share or than it got, scored by
--- when), then the `born` key.
+-- when), then the `born` key, then the generation key.
 -- ARGV: this region, the regions (comma-separated), the lifetime of a record (ms), the
 -- trade's deadline by this server's clock (ms; 0: none; a trade that arrives later is stale
 -- and changes nothing), the margin for clocks (ms), the number of items; then per item its
 -- limit key, its spec ("<algorithm> <limit> <window us> <burst>"), the limit, the most this
--- region may have in force now (`report`) and the share it wants.
--- Reply: { now_ms, 'ok' | 'stale', per item: grant, ms until a grant above the fixed share
--- ends (0 if none), cap; then the pressured keys and their specs, in pairs }.
+-- region may have in force now (`report`) and the share it wants; then the highest generation
+-- this region has seen (0: none yet).
+-- Reply: { now_ms, 'ok' | 'stale', then for 'ok': the generation after this trade, per item:
+-- grant, ms until a grant above the fixed share ends (0 if none), cap; then the pressured keys
+-- and their specs, in pairs }.
 
 local function now_ms()
   local time = redis.call('TIME')
@@ -77,10 +86,20 @@ local function floodgate_region_trade(keys, args)
   if deadline > 0 and now > deadline then
     return { now, 'stale' }
   end
-  local pressure, born_key = keys[n + 1], keys[n + 2]
-  redis.call('SET', born_key, now, 'NX')
+  local pressure, born_key, generation_key = keys[n + 1], keys[n + 2], keys[n + 3]
+  local seen = tonumber(args[7 + n * 5]) or 0
+  local generation = tonumber(redis.call('GET', generation_key)) or 0
+  if generation < seen then
+    -- Behind what a region saw: this store lost writes it had acknowledged.
+    redis.call('SET', born_key, now)
+    generation = seen
+  else
+    redis.call('SET', born_key, now, 'NX')
+  end
+  generation = generation + 1
+  redis.call('SET', generation_key, generation)
   local settling = now - tonumber(redis.call('GET', born_key)) < lifetime
-  local reply = { now, 'ok' }
+  local reply = { now, 'ok', generation }
   for i = 1, n do
     local at = 7 + (i - 1) * 5
     local key, spec = keys[i], args[at + 1]

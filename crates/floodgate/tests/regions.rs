@@ -234,6 +234,125 @@ async fn a_global_store_restarted_empty_is_rebuilt_by_the_next_trades() {
     );
 }
 
+/// A global store restarted from a snapshot taken before the traffic keeps its `born` key but
+/// has lost every grant and promise made since: the regions must notice before it grants a
+/// share again. Two regions, a fixed window of 100 that outlasts the run, one client first in
+/// the first region (which borrows the second's share and spends the whole limit), then, after
+/// the restore, in both. Admitted in all: at most 100, exactly. Before the store's generation
+/// was checked, the second region was granted its fixed share again: 149 admitted of 100 (the
+/// report that filed this), 150 in this test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_store_restored_from_an_older_snapshot_grants_nothing_twice() {
+    const WINDOW: Duration = Duration::from_secs(600);
+    support::clear_of_window_end(WINDOW, Duration::from_secs(30));
+    let mut regions = Regions::start(Mode::Traded, 2, 1, INTERVAL);
+    let window = Arc::new(
+        Limit::builder("api")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(100)
+            .window(WINDOW)
+            .build()
+            .unwrap(),
+    );
+    // Trades made, `born` set: the snapshot is of a store that has been in use.
+    let warm = regions
+        .run(&window, "before", Duration::from_secs(1), |_, _| 5.0)
+        .await;
+    assert!(warm.regions.iter().all(|region| region.trades > 0));
+    let snapshot = regions.snapshot_global();
+
+    let first = regions
+        .run(&window, "restored", Duration::from_secs(2), |region, _| {
+            if region == 0 { 200.0 } else { 0.0 }
+        })
+        .await;
+    assert!(
+        first.admitted() > 60,
+        "the first region borrowed the second's share: {} admitted, shares {:?}",
+        first.admitted(),
+        first.regions[0].share_per_bucket
+    );
+    let generation_before: Option<i64> = regions
+        .global
+        .command(&["GET", "floodgate:regions:generation"]);
+    regions.restart_global_from(&snapshot);
+    let generation_restored: Option<i64> = regions
+        .global
+        .command(&["GET", "floodgate:regions:generation"]);
+    eprintln!(
+        "generation {generation_before:?} -> {generation_restored:?}; first r1 shares {:?}",
+        first.regions[1].share_per_bucket
+    );
+    let after = regions
+        .run(&window, "restored", Duration::from_secs(2), |_, _| 200.0)
+        .await;
+    let admitted = first.admitted() + after.admitted();
+    eprintln!(
+        "after: r0 {:?} r1 {:?} per bucket r1 {:?}",
+        after.regions[0].share_per_bucket,
+        after.regions[1].share_per_bucket,
+        after.regions[1].admitted_per_bucket
+    );
+    assert!(
+        admitted <= 100,
+        "{admitted} admitted of 100 ({} before the restore, {:?} by region after it)",
+        first.admitted(),
+        after
+            .regions
+            .iter()
+            .map(|region| region.admitted)
+            .collect::<Vec<_>>()
+    );
+}
+
+/// The global store's generation, at the script: a trade from a region that saw a later
+/// generation than the store holds finds the store behind (it lost acknowledged writes, its
+/// `born` key kept) and settles, granting what the region reports and no more, where a store
+/// that is current grants from its records. The generation moves past what the region saw.
+#[test]
+fn a_store_behind_a_region_s_generation_settles_before_it_grants() {
+    let global = support::RedisServer::start();
+    let script = include_str!("../lua/region_global.lua");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    // In use for an hour (no settling from `born`), at generation 10.
+    let _: () = global.command(&["SET", "born", &(now_ms - 3_600_000).to_string()]);
+    let _: () = global.command(&["SET", "generation", "10"]);
+    let trade = |key: &str, seen: u64| -> (u64, u64) {
+        let reply: Vec<String> = global.command(&[
+            "EVAL",
+            script,
+            "4",
+            key,
+            "pressure",
+            "born",
+            "generation", // keys
+            "r1",
+            "r0,r1",
+            "600",
+            "0",
+            "50",
+            "1", // the trade
+            key,
+            "fixed_window 100 600000000 100",
+            "100",
+            "0",
+            "100", // its item: report 0, want 100
+            &seen.to_string(),
+        ]);
+        assert_eq!(reply[1], "ok", "{reply:?}");
+        (reply[2].parse().unwrap(), reply[3].parse().unwrap())
+    };
+    // Current (it saw 10): the other region counted at its fixed share, 50 granted.
+    assert_eq!(trade("current", 10), (11, 50));
+    // Behind (a region saw 40): settling, the report granted, the generation past 40.
+    assert_eq!(trade("behind", 40), (41, 0));
+    // Settling lasts a lifetime from then, for every region.
+    assert_eq!(trade("after", 0).1, 0);
+}
+
 /// A reload that adds a fourth region: the new region decides on its fixed share (a quarter)
 /// at once, while grants made under three regions run out. The bound README documents for
 /// it: the allowance plus the new region's fixed share (its burst, and its refill over a lease

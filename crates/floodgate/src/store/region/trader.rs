@@ -106,6 +106,9 @@ pub(super) struct Trader {
     pressure: HashMap<Arc<str>, LimitSpec>,
     /// The global store's clock minus this process's (ms), from the last good trade.
     offset_ms: Option<i64>,
+    /// The highest generation the global store replied with: a store found behind it lost
+    /// writes it had acknowledged (`lua/region_global.lua`).
+    generation_seen: i64,
     /// The last trade failed: promises to stay low are not renewed until one succeeds.
     failing: bool,
     /// Trades since this gateway became its region's trader.
@@ -171,6 +174,7 @@ impl Trader {
             caps: HashMap::new(),
             pressure: HashMap::new(),
             offset_ms: None,
+            generation_seen: 0,
             failing: false,
             rounds_as_trader: 0,
             distrust_until: None,
@@ -532,6 +536,11 @@ impl Trader {
 
         // The trade: every key, one call.
         let mut items: Vec<Item> = Vec::new();
+        // The longest the global store may hold a record this trade leaves, from now: its
+        // deadline, a lifetime, and an interval of margin.
+        let record_ms =
+            (self.settings.timeout + self.settings.lease_lifetime + self.settings.sync_interval)
+                .as_millis() as i64;
         for (key, limit, spec) in keys {
             let fixed = fixed_share(limit.limit(), regions);
             let units = view.units(&key, fixed);
@@ -541,8 +550,18 @@ impl Trader {
                 .most_in_force(&key, fixed)
                 .max(self.used(&key, &limit, units).await.min(limit.limit()));
             // While the global store is unreachable, promises to stay low are not renewed: a
-            // trade that arrives late says this region may hold its fixed share.
-            let report = if self.failing { most.max(fixed) } else { most };
+            // trade that arrives late says this region may hold its fixed share, unless the
+            // promise in force outlasts any record this trade can leave (a window's promise
+            // lasts the window): claiming the fixed share then would be granted it, beside a
+            // borrower whose window still counts.
+            let promise_holds = view.table.get(&key).is_some_and(|row| {
+                row.units < fixed && row.ends_ms >= view.at_most(Instant::now()) + record_ms
+            });
+            let report = if self.failing && !promise_holds {
+                most.max(fixed)
+            } else {
+                most
+            };
             let want = self.want(&key, &limit, fixed, units);
             items.push(Item {
                 key,
@@ -558,6 +577,7 @@ impl Trader {
         for item in &items {
             let fixed = fixed_share(item.limit.limit(), regions);
             if item.report < fixed
+                && !self.failing
                 && let Some(row) = view.table.get(&item.key)
             {
                 let mut row = row.clone();
@@ -712,6 +732,7 @@ impl Trader {
             .collect();
         keys.push("floodgate:regions:pressure".to_owned());
         keys.push("floodgate:regions:born".to_owned());
+        keys.push("floodgate:regions:generation".to_owned());
         let mut args = vec![
             self.settings.name.clone(),
             self.settings.regions.join(","),
@@ -729,6 +750,7 @@ impl Trader {
                 item.want.to_string(),
             ]);
         }
+        args.push(self.generation_seen.to_string());
         let value = self.global.global(&keys, &args).await.map_err(|error| {
             tracing::warn!(%error, region = %self.settings.name, "region trade failed");
             TradeResult::Failed
@@ -743,9 +765,11 @@ impl Trader {
             if reply::text(parts.get(1).unwrap_or(&Value::Nil), "result")? != "ok" {
                 return Ok(None);
             }
+            let generation = reply::int(parts.get(2).unwrap_or(&Value::Nil), "generation")?;
+            self.generation_seen = self.generation_seen.max(generation);
             let mut grants = Vec::with_capacity(items.len());
             for index in 0..items.len() {
-                let at = 2 + index * 3;
+                let at = 3 + index * 3;
                 let field = |offset: usize| {
                     reply::int(parts.get(at + offset).unwrap_or(&Value::Nil), "grant")
                 };
@@ -756,7 +780,7 @@ impl Trader {
                 ));
             }
             self.pressure.clear();
-            for pair in parts[2 + items.len() * 3..].chunks(2) {
+            for pair in parts[3 + items.len() * 3..].chunks(2) {
                 let [key, spec] = pair else { continue };
                 self.pressure.insert(
                     reply::text(key, "pressured key")?.into(),
