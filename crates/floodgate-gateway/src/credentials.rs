@@ -91,6 +91,7 @@ impl CredentialHeaders {
             && let Some(bearer) = headers
                 .get(AUTHORIZATION)
                 .and_then(|value| floodgate::key::bearer_credential(value.as_bytes()))
+            && !bearer.is_empty()
             && bearer != key.as_bytes()
         {
             return Err(Ambiguity::TwoKeys);
@@ -241,6 +242,15 @@ mod tests {
             headers(
                 &config,
                 &[("x-api-key", b"a"), ("authorization", b"Basic b")],
+                "/"
+            ),
+            Ok(())
+        );
+        // `Bearer` with nothing after it names no key an upstream could read.
+        assert_eq!(
+            headers(
+                &config,
+                &[("x-api-key", b"a"), ("authorization", b"Bearer")],
                 "/"
             ),
             Ok(())

@@ -1027,6 +1027,15 @@ clients:
             "{what}"
         );
     }
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(metrics.body()).into_owned();
+    for line in [
+        "floodgate_rejected_requests_total{reason=\"repeated_credential\"} 3",
+        "floodgate_rejected_requests_total{reason=\"two_api_keys\"} 1",
+        "floodgate_rejected_requests_total{reason=\"access_token_in_query\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
     // The same key twice is one credential.
     let answer = get(
         &client,
