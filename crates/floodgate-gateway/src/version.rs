@@ -89,7 +89,7 @@ impl ConfigVersion {
                             request.method,
                             request.uri.path(),
                         )
-                        .map_or(1, |route| route.up_front_cost(request.headers))
+                        .map_or(1, |route| route.up_front_cost())
                     })
                     .on_store_error(policy)
                     // Each layer its own controls, as the file describes them (a shared handle would

@@ -490,9 +490,9 @@ async fn costs_known_after_the_response_on_redis() {
     costs_after_the_response(&support::redis_store(&redis.url())).await;
 }
 
-/// SPEC §9: a completion charged its `x-max-tokens` estimate up front (at most 400; 50
-/// without one), then settled against the tokens it reports using: the difference back when
-/// it used less, charged when more.
+/// SPEC §9: a completion reserves `estimate_max` (400) up front whatever its `x-max-tokens`
+/// says, then is settled against the tokens it reports using: the difference back when it
+/// used less, charged when more.
 const ESTIMATED: &str = r#"
 routes:
   - { match: "GET /tokens", cost_header: "x-tokens-used", estimate_header: "x-max-tokens", estimate_max: 400, cost: 50 }
@@ -509,12 +509,12 @@ async fn estimates_are_settled(store: &str) {
     let client = client();
     let completion = |used: &str| gateway.url(&format!("/tokens?used={used}"));
     let key = ("x-api-key", "k-one");
-    // 300 estimated and charged up front, 200 used: 100 back.
+    // 300 estimated, 400 reserved up front, 200 used: 200 back.
     let under = get(&client, &completion("200"), &[key, ("x-max-tokens", "300")]).await;
-    assert_eq!(remaining(&under), 700, "the estimate, up front");
+    assert_eq!(remaining(&under), 600, "estimate_max, up front");
     let after = get(&client, &gateway.url("/v1/other"), &[key]).await;
     assert_eq!(remaining(&after), 1000 - 200 - 1, "settled at what it used");
-    // An estimate above the bound is charged 400; 450 used: 50 more.
+    // 400 reserved again; 450 used: 50 more.
     let over = get(
         &client,
         &completion("450"),
@@ -522,15 +522,15 @@ async fn estimates_are_settled(store: &str) {
     )
     .await;
     assert_eq!(remaining(&over), 799 - 400);
-    // No estimate: the route's cost (50), which it used exactly.
+    // Without an estimate too, 400 is reserved: the 349 left are not room for it.
     let plain = get(&client, &completion("50"), &[key]).await;
-    assert_eq!(remaining(&plain), 1000 - 651 - 50);
+    assert_eq!(plain.status(), StatusCode::TOO_MANY_REQUESTS);
     let last = get(&client, &gateway.url("/v1/other"), &[key]).await;
-    assert_eq!(remaining(&last), 1000 - 651 - 50 - 1);
+    assert_eq!(remaining(&last), 1000 - 651 - 1);
     let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
     let text = String::from_utf8_lossy(metrics.body()).into_owned();
     assert!(
-        text.contains("floodgate_refunded_units_total 100"),
+        text.contains("floodgate_refunded_units_total 200"),
         "{text}"
     );
     assert!(
@@ -763,7 +763,7 @@ async fn h2c_streaming_upstream() -> std::net::SocketAddr {
 }
 
 /// SPEC §9 through the gateway: an h2c upstream streams a completion and reports its tokens in
-/// the trailers; the gateway settles the estimate from them when the stream ends.
+/// the trailers; the gateway settles the reservation from them when the stream ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_completion_is_settled_from_the_upstreams_trailers() {
     let upstream = h2c_streaming_upstream().await;
@@ -780,7 +780,7 @@ async fn a_streamed_completion_is_settled_from_the_upstreams_trailers() {
     )
     .await;
     assert_eq!(streamed.status(), StatusCode::OK);
-    assert_eq!(remaining(&streamed), 700, "the estimate, up front");
+    assert_eq!(remaining(&streamed), 600, "estimate_max, up front");
     assert_eq!(&streamed.body()[..], b"data: one\n\ndata: two\n\n");
     let next = get(&client, &gateway.url("/v1/other"), &[key]).await;
     assert_eq!(

@@ -116,10 +116,20 @@ impl ResponseCost for CostHeader {
     }
 }
 
-/// An up-front estimate read from a request header (a completion's `x-max-tokens: 512`),
-/// bounded: a value above `max` is charged as `max`, and a request without one (or with a
-/// value that is not a non-negative integer) is charged `default`. Settled against the
-/// response's reported cost with [`charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response).
+/// An estimated cost, read from a request header (a completion's `x-max-tokens: 512`), with
+/// `max`, the most one request may cost (its `estimate_max`).
+///
+/// A request is admitted only with room for `max`, which it *reserves* (is charged up front)
+/// whatever estimate it sends, and is then settled against the response's reported cost with
+/// [`charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response): given back
+/// what it used less, charged what it used more (SPEC §9). A client's estimate is its own word,
+/// and a low one must not buy room: charged up front, ten requests estimated at 1 that each
+/// cost 100 would be admitted with 10 units left. Reserved, a window serves one client at most
+/// its limit while every request costs at most `max`, and a request that is never settled (its
+/// client left before the trailers, its upstream reported nothing) stays charged `max`:
+/// leaving early never lowers the charge. An honest client's reservation is given back down to
+/// what it used. The estimate itself ([`EstimateHeader::estimate`]) is the client's statement,
+/// for whoever wants to read it; `default` is what it is without one.
 ///
 /// ```
 /// use std::time::Duration;
@@ -142,8 +152,8 @@ pub struct EstimateHeader {
 }
 
 impl EstimateHeader {
-    /// Reads `name`, charging at most `max` (at least 1) up front; a request without the
-    /// header is charged 1 unless [`default`](EstimateHeader::default) says otherwise.
+    /// Reads `name`, reserving `max` (at least 1) up front; a request without the header is
+    /// estimated at 1 unless [`default`](EstimateHeader::default) says otherwise.
     pub fn new(name: HeaderName, max: u64) -> EstimateHeader {
         EstimateHeader {
             name,
@@ -152,7 +162,7 @@ impl EstimateHeader {
         }
     }
 
-    /// What a request without a readable estimate is charged up front (bounded by `max`).
+    /// What a request without a readable estimate is estimated at (bounded by `max`).
     pub fn default(mut self, default: u64) -> EstimateHeader {
         self.default = default;
         self
@@ -166,11 +176,17 @@ impl EstimateHeader {
         };
         estimate.clamp(1, self.max)
     }
+
+    /// What every request reserves up front, whatever its estimate: `max`.
+    pub fn reserved(&self) -> u64 {
+        self.max
+    }
 }
 
+/// The up-front charge is the reservation, never the client's estimate.
 impl crate::planning::RequestCost for EstimateHeader {
-    fn cost(&self, request: &crate::RequestInfo<'_>) -> u64 {
-        self.estimate(request.headers)
+    fn cost(&self, _request: &crate::RequestInfo<'_>) -> u64 {
+        self.reserved()
     }
 }
 

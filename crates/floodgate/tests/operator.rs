@@ -344,9 +344,10 @@ async fn used(layer: &RateLimitLayer) -> u64 {
     1_000 - look.limits()[0].remaining
 }
 
-/// SPEC §9's settlement: a request charged its estimate up front (`x-max-tokens`, bounded) is
-/// settled against what the response reports: under the estimate gives the difference back,
-/// at it changes nothing, over it charges the rest, and no report leaves the estimate.
+/// SPEC §9's settlement: a request with an estimate (`x-max-tokens`) reserves `estimate_max`
+/// (400) up front, whatever it estimates, and is settled against what the response reports:
+/// under the reservation gives the difference back, over it charges the rest, and no report
+/// leaves the reservation charged.
 #[tokio::test]
 async fn an_estimate_is_settled_against_the_reported_cost_both_ways() {
     use floodgate::post_charge::EstimateHeader;
@@ -360,32 +361,31 @@ async fn an_estimate_is_settled_against_the_reported_cost_both_ways() {
         .build()
         .unwrap();
     let estimate = |max_tokens: &str| client("k1").header(&MAX_TOKENS, max_tokens);
-    // 300 estimated, 200 used: 100 back.
+    // 300 estimated, 400 reserved, 200 used: 200 back.
     let under = layer.layer(service_fn(reporting("200")));
     let answer = send(&under, estimate("300")).await;
-    assert_eq!(remaining(&answer), 700, "the estimate is charged up front");
+    assert_eq!(remaining(&answer), 600, "estimate_max is reserved up front");
     assert_eq!(used(&layer).await, 200);
-    // At the estimate: nothing more, nothing back.
+    // What it reported: 300.
     let at = layer.layer(service_fn(reporting("300")));
     send(&at, estimate("300")).await;
     assert_eq!(used(&layer).await, 500);
-    // An estimate above the bound is charged at the bound (400); 450 used: 50 more.
+    // 450 used, more than the 400 reserved: 50 more.
     let over = layer.layer(service_fn(reporting("450")));
     let answer = send(&over, estimate("9999")).await;
     assert_eq!(remaining(&answer), 1_000 - 500 - 400);
     assert_eq!(used(&layer).await, 950);
     clock.advance(Duration::from_secs(3_600));
-    // A response that reports nothing: the estimate (the default, 100) stands.
+    // A response that reports nothing: the reservation stands, whatever the estimate.
     let silent = layer.layer(service_fn(|_: Request<()>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
     }));
-    send(&silent, client("k1")).await;
-    assert_eq!(used(&layer).await, 100);
-    // A malformed estimate is the default too; and a refund never gives back more than was
-    // charged: 0 used of 100 estimated leaves the limit where it was.
+    send(&silent, estimate("1")).await;
+    assert_eq!(used(&layer).await, 400);
+    // A refund never gives back more than was charged: 0 used of 400 reserved gives back 400.
     let nothing = layer.layer(service_fn(reporting("0")));
     send(&nothing, estimate("lots")).await;
-    assert_eq!(used(&layer).await, 100);
+    assert_eq!(used(&layer).await, 400);
 }
 
 /// A streamed completion: two data frames, then (when `used` is given) the tokens it used in

@@ -60,11 +60,12 @@ pub(crate) struct RouteTarget {
 }
 
 impl RouteTarget {
-    /// What a request to this route is charged up front: its estimate, or `cost` (1 unless
-    /// set).
-    pub(crate) fn up_front_cost(&self, headers: &http::HeaderMap) -> u64 {
+    /// What a request to this route is charged up front: `cost` (1 unless set), or on a
+    /// route with an estimate, `estimate_max`, reserved whatever the client's estimate says
+    /// and settled against `cost_header` (SPEC §9: a low estimate buys no room).
+    pub(crate) fn up_front_cost(&self) -> u64 {
         match &self.estimate {
-            Some(estimate) => estimate.estimate(headers),
+            Some(estimate) => estimate.reserved(),
             None => self.cost.unwrap_or(1),
         }
     }
@@ -214,16 +215,18 @@ mod tests {
             .and_then(|index| config.routes.entry(index))
             .map(|(_, route)| route)
             .unwrap();
-        let mut headers = http::HeaderMap::new();
         assert_eq!(
-            route.up_front_cost(&headers),
-            50,
-            "cost, without an estimate"
+            route.up_front_cost(),
+            400,
+            "estimate_max is reserved, whatever the request estimates"
         );
+        let mut headers = http::HeaderMap::new();
+        let estimate = route.estimate.as_ref().unwrap();
+        assert_eq!(estimate.estimate(&headers), 50, "cost, without an estimate");
         headers.insert("x-max-tokens", http::HeaderValue::from_static("120"));
-        assert_eq!(route.up_front_cost(&headers), 120);
+        assert_eq!(estimate.estimate(&headers), 120);
         headers.insert("x-max-tokens", http::HeaderValue::from_static("100000"));
-        assert_eq!(route.up_front_cost(&headers), 400, "bounded");
+        assert_eq!(estimate.estimate(&headers), 400, "bounded");
 
         assert_eq!(
             errors_of(r#"{ match: "/x", estimate_header: x-max-tokens, estimate_max: 4 }"#),
