@@ -19,6 +19,19 @@ pub(crate) fn fixed_share(limit: u64, regions: usize) -> u64 {
     (limit / regions.max(1) as u64).max(1)
 }
 
+/// The part of its fixed share a region never lends, in tenths: a client whose traffic moves
+/// to a region that lent its share is served from its first second (at this floor) while the
+/// shares follow it. Every other region keeping its floor, a region whose client is
+/// concentrated there can still hold `limit - (regions - 1) × floor`: 93 % of the limit with
+/// three regions.
+const FLOOR_TENTHS: u64 = 1;
+
+/// The least of `fixed` (a region's fixed share) that a region keeps, lending or not: a tenth,
+/// at least 1.
+pub(crate) fn floor_share(fixed: u64) -> u64 {
+    (fixed * FLOOR_TENTHS / 10).max(1)
+}
+
 /// Whether a limit's share moves between regions: the algorithms that batch, on a plain window
 /// (a calendar period keeps its fixed share).
 pub(crate) fn tradeable(limit: &Limit) -> bool {

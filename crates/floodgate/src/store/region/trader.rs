@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use deadpool_redis::redis::Value;
 
 use super::link::{Link, reply};
-use super::shares::{Shares, TableEntry, fixed_share, tradeable};
+use super::shares::{Shares, TableEntry, fixed_share, floor_share, tradeable};
 use super::spec::LimitSpec;
 use super::{RegionSettings, RegionStatus, TradeResult};
 use crate::limit::{Algorithm, Limit};
@@ -413,7 +413,8 @@ impl Trader {
     }
 
     /// What the region wants of `key`, holding `units`: under pressure (some region wants
-    /// more than it has), what its last interval's demand calls for, down to 1; otherwise what
+    /// more than it has), what its last interval's demand calls for, down to its floor (a
+    /// tenth of its fixed share, [`floor_share`], which it never lends); otherwise what
     /// its running estimate calls for, and never less than its fixed share. Until the demand
     /// is known (a trader in its first two rounds, a demand first seen an interval ago: its
     /// first interval was partial), never less than it holds.
@@ -421,6 +422,7 @@ impl Trader {
         let estimate = self.estimates.get(key);
         let wanted = if self.pressure.contains_key(key) {
             self.target(limit, estimate.map_or(0, |e| e.last_round))
+                .max(floor_share(fixed))
         } else {
             self.target(limit, estimate.map_or(0, |e| e.per_interval))
                 .max(fixed)
@@ -497,7 +499,11 @@ impl Trader {
             let fixed = fixed_share(limit.limit(), regions);
             let units = view.units(key, fixed);
             let cap = self.caps.get(key).copied().unwrap_or(limit.limit());
-            let hold = self.want(key, limit, fixed, units).min(cap).max(1);
+            // Never below the floor: a client that moves here is served from its first second.
+            let hold = self
+                .want(key, limit, fixed, units)
+                .min(cap)
+                .max(floor_share(fixed));
             if hold >= units {
                 continue;
             }
