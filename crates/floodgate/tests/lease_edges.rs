@@ -895,3 +895,41 @@ async fn a_top_up_after_an_outage_drops_debts_older_than_their_window() {
         "and not replayed"
     );
 }
+
+/// Issue 44, item 3: a cold burst on one node whose requests trickle in (each one its own
+/// task, started 0 to 2 ms after the one before, so that requests arrive while a top-up is
+/// on its way) gets at least 90 % of the limit, in every one of 30 bursts (a fresh key each),
+/// and never more than the limit. Trades every 100 ms, as the default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_burst_trickling_into_a_lone_node_gets_the_limit() {
+    let server = RedisServer::start();
+    let node = Arc::new(
+        BatchedStore::builder(redis(&server))
+            .sync_interval(ms(100))
+            .build(),
+    );
+    let limit = per_hour(100);
+    support::clear_of_window_end(Duration::from_secs(3600), Duration::from_secs(120));
+    let mut takes = Vec::new();
+    for burst in 0..30 {
+        let checks = Arc::new(check(&limit, &format!("trickle-{burst}")));
+        let mut requests = Vec::new();
+        for _ in 0..150 {
+            let (node, checks) = (node.clone(), checks.clone());
+            requests.push(tokio::spawn(async move {
+                matches!(node.check_and_consume(&checks, None).await, Ok(decision) if decision.is_allowed())
+            }));
+            tokio::time::sleep(Duration::from_micros(fastrand::u64(0..2000))).await;
+        }
+        let mut admitted = 0;
+        for request in requests {
+            admitted += u64::from(request.await.unwrap());
+        }
+        takes.push(admitted);
+    }
+    eprintln!("admitted per burst: {takes:?}");
+    assert!(
+        takes.iter().all(|&admitted| (90..=100).contains(&admitted)),
+        "admitted per burst of 150 against 100: {takes:?}"
+    );
+}
