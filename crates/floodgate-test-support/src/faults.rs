@@ -56,6 +56,11 @@ pub enum Fault {
     /// connection breaks after Redis ran its call; whatever it sends next, a re-send included,
     /// goes through). Other commands (a pool's `PING`, a slot map) pass meanwhile.
     DropNextCall,
+    /// [`Fault::DropNextCall`] for every script call while it is set: each is applied and its
+    /// connection closed before the answer, while other commands (a new connection's
+    /// handshake, a pool's `PING`) pass, so a client that sends a call again on a new
+    /// connection has it applied again.
+    DropCalls,
     /// A node gone silent: connections are accepted and read, nothing is forwarded either way
     /// and nothing answered (replies already held back are lost too). A connection that
     /// swallowed anything is closed when the fault changes, since the client and the server can
@@ -417,6 +422,7 @@ impl Connection {
             .forwarded
             .fetch_add(bytes.len() as u64, Ordering::SeqCst);
         if fault == Fault::DropAfterForward
+            || (fault == Fault::DropCalls && is_script_call(bytes))
             || (fault == Fault::DropNextCall && is_script_call(bytes) && self.take_once())
         {
             self.dropping = true;
@@ -458,12 +464,12 @@ impl Connection {
                     .push_back((Instant::now() + delay, bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None | Fault::DropNextCall if !self.held.is_empty() => {
+            Fault::None | Fault::DropNextCall | Fault::DropCalls if !self.held.is_empty() => {
                 // Behind the replies still held, so that replies keep their order.
                 self.held.push_back((Instant::now(), bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None | Fault::DropNextCall => self.deliver(bytes).await,
+            Fault::None | Fault::DropNextCall | Fault::DropCalls => self.deliver(bytes).await,
         }
     }
 

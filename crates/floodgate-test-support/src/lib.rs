@@ -4,6 +4,7 @@
 //! ([`faults`]) to put between a store and a server.
 
 mod cluster;
+pub mod chaos;
 pub mod failover;
 pub mod faults;
 pub mod fleet;

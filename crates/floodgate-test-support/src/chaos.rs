@@ -1,0 +1,894 @@
+//! A fault-schedule checker: a fleet of store nodes against real `redis-server` processes, a
+//! [`FaultProxy`] in front of every Redis link, a mixed workload, and a random schedule of
+//! faults drawn from a seed; every decision is recorded and the history checked afterwards
+//! against the one promise that matters: never above the limit.
+//!
+//! ```text
+//! seed ─► Schedule { deployment, faults at times }      (fastrand, reproducible)
+//!            │
+//!            ▼
+//!  nodes (exact, batched, cluster, sharded, regions) ──proxies──► redis-server processes
+//!            │ decisions and refunds, with their send and answer times
+//!            ▼
+//!  check: per limit key and window (or interval, for buckets), admitted ≤ allowance
+//! ```
+//!
+//! **What is checked.** A decision counts where it certainly happened: between when it was
+//! sent and when it was answered. For a window (`fixed_window`, and `sliding_window_counter`,
+//! whose current window's count never exceeds its estimate), the cost of the decisions
+//! admitted certainly inside one window, less every refund of them, is at most the limit; for
+//! a bucket (`token_bucket`, `gcra`), over every interval between two decisions, at most its
+//! capacity and its refill over the interval, plus every refund that may have landed inside. A store that lost its
+//! data (a Redis restarted empty: the documented loss of a store without persistence) adds one
+//! limit to every window or interval it falls in or precedes by at most a lease's lifetime (a
+//! batched node spends what it was leased before); no other fault adds anything. Refunds whose
+//! answer was lost count as applied: the bound only grows, so a refund applied twice (a
+//! client library sending it again) shows as an admission above the limit. Once the faults
+//! heal, a fresh identity must be admitted up to 90 % of its limit.
+//!
+//! A violation names its seed; `FLOODGATE_CHAOS_SEEDS=<seed>` replays it (see
+//! `bench/chaos.sh`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use floodgate::store::batched::LEASE_LIFETIME;
+use floodgate::store::{BatchedStore, ConnectionMode, RedisStore, ShardedRedisStore};
+use floodgate::time::Timestamp;
+use floodgate::{Algorithm, Limit, Store, store::Check};
+
+use crate::RedisServer;
+use crate::cluster::RedisCluster;
+use crate::faults::{Fault, FaultProxy};
+use crate::regions::{GlobalSnapshot, Mode, Regions};
+
+/// How the fleet shares its limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Deployment {
+    /// Three exact nodes on one Redis, each through its own proxy.
+    Exact,
+    /// Three batched nodes (leases, 50 ms rounds) on one Redis, each through its own proxy.
+    Batched,
+    /// A Redis Cluster of three masters behind proxies: two exact nodes (a pool of four, and
+    /// one multiplexed connection) and one batched node.
+    Cluster,
+    /// Three exact nodes, each sharding keys over two Redis servers behind proxies.
+    Sharded,
+    /// Two regions trading shares through a global store (behind a proxy per region), one
+    /// gateway each.
+    Regions,
+}
+
+impl Deployment {
+    /// Every deployment, in the order seeds take them (`seed % 5`).
+    pub const ALL: [Deployment; 5] = [
+        Deployment::Exact,
+        Deployment::Batched,
+        Deployment::Cluster,
+        Deployment::Sharded,
+        Deployment::Regions,
+    ];
+}
+
+/// A fault the schedule injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FaultKind {
+    /// Replies held past the stores' deadline: calls applied, answers lost to the deadline.
+    LateReplies,
+    /// For a while, script calls applied and their answers dropped with their connection, one
+    /// at a time (what follows a dropped call, a re-send included, goes through).
+    DroppedAnswer,
+    /// For a while, every script call applied and its answer dropped with its connection
+    /// (and whatever a client library sends again on a new one, the same).
+    DroppedAnswers,
+    /// A link that swallows everything for a while.
+    BlackHole,
+    /// A Redis killed and restarted empty (exact, batched, sharded).
+    RestartedEmpty,
+    /// The global store killed and restarted from a snapshot taken earlier (regions).
+    RestoredFromSnapshot,
+    /// A region cut off from the global store for a while (regions).
+    Partition,
+}
+
+/// One fault of a schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct FaultEvent {
+    /// When, from the run's start.
+    pub at: Duration,
+    /// What.
+    pub kind: FaultKind,
+    /// Which link or server (an index, taken modulo what the deployment has).
+    pub target: usize,
+    /// How long it lasts (faults that last).
+    pub lasts: Duration,
+}
+
+/// A seed's schedule: the deployment and its faults, in time order.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    /// The seed it was drawn from.
+    pub seed: u64,
+    /// The deployment.
+    pub deployment: Deployment,
+    /// The faults, by time.
+    pub faults: Vec<FaultEvent>,
+    /// How long the load runs (faults all heal by then).
+    pub run: Duration,
+}
+
+impl Schedule {
+    /// The schedule of `seed`: its deployment is `Deployment::ALL[seed % 5]`, its faults drawn
+    /// by `fastrand` from the seed.
+    pub fn of(seed: u64) -> Schedule {
+        let deployment = Deployment::ALL[(seed % 5) as usize];
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let run = Duration::from_millis(2_500);
+        let kinds: &[FaultKind] = match deployment {
+            Deployment::Exact | Deployment::Batched | Deployment::Sharded => &[
+                FaultKind::LateReplies,
+                FaultKind::DroppedAnswer,
+                FaultKind::DroppedAnswers,
+                FaultKind::BlackHole,
+                FaultKind::RestartedEmpty,
+            ],
+            Deployment::Cluster => &[
+                FaultKind::LateReplies,
+                FaultKind::DroppedAnswer,
+                FaultKind::DroppedAnswers,
+                FaultKind::DroppedAnswers,
+                FaultKind::BlackHole,
+            ],
+            Deployment::Regions => &[
+                FaultKind::LateReplies,
+                FaultKind::Partition,
+                FaultKind::RestoredFromSnapshot,
+            ],
+        };
+        let count = rng.usize(4..=9);
+        let mut faults: Vec<FaultEvent> = (0..count)
+            .map(|_| FaultEvent {
+                at: Duration::from_millis(rng.u64(150..2_100)),
+                kind: kinds[rng.usize(..kinds.len())],
+                target: rng.usize(..6),
+                lasts: Duration::from_millis(rng.u64(80..400)),
+            })
+            .collect();
+        if deployment == Deployment::Regions {
+            // One restore in every regions schedule, of the snapshot taken at the start, after
+            // the first region borrowed the second's share and before the second region's
+            // clients arrive ([`REGION_ARRIVES`]).
+            faults.push(FaultEvent {
+                at: Duration::from_millis(rng.u64(1_000..1_400)),
+                kind: FaultKind::RestoredFromSnapshot,
+                target: 0,
+                lasts: Duration::ZERO,
+            });
+        }
+        faults.sort_by_key(|fault| fault.at);
+        Schedule {
+            seed,
+            deployment,
+            faults,
+            run,
+        }
+    }
+}
+
+/// When a regions schedule takes its snapshot of the global store.
+const SNAPSHOT_AT: Duration = Duration::from_millis(100);
+
+/// When the second region's clients start (until then the first region has the limit to
+/// itself, and borrows the second's share).
+const REGION_ARRIVES: Duration = Duration::from_millis(1_500);
+
+/// What a decision answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Admitted.
+    Admitted,
+    /// Denied.
+    Denied,
+    /// The store failed.
+    Failed,
+}
+
+/// One decision of the history.
+#[derive(Clone, Debug)]
+pub struct Decided {
+    /// The node that decided.
+    pub node: usize,
+    /// The identity.
+    pub identity: usize,
+    /// The keys of the limits checked, with their limits.
+    pub keys: Vec<(Arc<str>, Arc<Limit>)>,
+    /// Its cost.
+    pub cost: u64,
+    /// Sent and answered, µs since the epoch.
+    pub sent: u64,
+    /// Answered, µs since the epoch.
+    pub answered: u64,
+    /// What it answered.
+    pub answer: Answer,
+    /// Its settlement, if some of its cost was given back after it was admitted (answered or
+    /// not: counted as applied).
+    pub refund: Option<Refund>,
+}
+
+/// Units given back after a decision, and when the refund was sent and answered (µs since the
+/// epoch): it may have been applied at any moment between.
+#[derive(Clone, Copy, Debug)]
+pub struct Refund {
+    /// Units given back.
+    pub units: u64,
+    /// Sent.
+    pub sent: u64,
+    /// Answered (or failed).
+    pub answered: u64,
+}
+
+impl Decided {
+    /// Its cost less what was given back.
+    fn kept(&self) -> u64 {
+        self.cost - self.refund.map_or(0, |refund| refund.units)
+    }
+}
+
+/// A violation of the history.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// The seed whose schedule found it.
+    pub seed: u64,
+    /// What was exceeded, and by how much.
+    pub what: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "seed {}: {}\n  replay: FLOODGATE_CHAOS_SEEDS={} cargo test -p floodgate --test chaos -- --nocapture",
+            self.seed, self.what, self.seed
+        )
+    }
+}
+
+/// A schedule run and checked.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// Every decision, in no particular order.
+    pub history: Vec<Decided>,
+    /// The faults injected, by kind.
+    pub faults: BTreeMap<FaultKind, u64>,
+    /// When a store lost its data (µs since the epoch).
+    pub losses: Vec<u64>,
+    /// What the fresh identity after the heal got, and of how much.
+    pub fresh: (u64, u64),
+    /// What the check found.
+    pub violations: Vec<Violation>,
+}
+
+fn epoch_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros() as u64)
+}
+
+/// The limits every identity is checked against: its own, by algorithm, and a fleet-wide
+/// one that every decision names too.
+fn limits(deployment: Deployment) -> (Vec<Arc<Limit>>, Arc<Limit>) {
+    let second = Duration::from_secs(1);
+    let build = |name: &str, algorithm, limit, window, burst: Option<u64>| {
+        let mut builder = Limit::builder(name)
+            .algorithm(algorithm)
+            .limit(limit)
+            .window(window);
+        if let Some(burst) = burst {
+            builder = builder.burst(burst);
+        }
+        Arc::new(builder.build().expect("a valid limit"))
+    };
+    if deployment == Deployment::Regions {
+        // A window that outlasts the run: what a forgetful global store re-grants shows whole.
+        let long = Duration::from_secs(600);
+        return (
+            vec![
+                build("fw", Algorithm::FixedWindow, 60, long, None),
+                build("tb", Algorithm::TokenBucket, 40, second, Some(40)),
+            ],
+            build("all", Algorithm::FixedWindow, 400, long, None),
+        );
+    }
+    (
+        vec![
+            build("fw", Algorithm::FixedWindow, 30, second, None),
+            build("swc", Algorithm::SlidingWindowCounter, 30, second, None),
+            build("tb", Algorithm::TokenBucket, 30, second, Some(15)),
+            build("gcra", Algorithm::Gcra, 30, second, Some(10)),
+        ],
+        build("all", Algorithm::FixedWindow, 150, second, None),
+    )
+}
+
+/// The servers and proxies of a deployment, kept alive for the run, and the fault switches.
+struct Fleet {
+    nodes: Vec<Arc<dyn Store>>,
+    /// Links a fault can be set on.
+    proxies: Vec<Arc<FaultProxy>>,
+    /// Servers that can be restarted empty.
+    servers: Vec<RedisServer>,
+    regions: Option<Regions>,
+    _cluster: Option<RedisCluster>,
+}
+
+fn redis_store(url: String, mode: ConnectionMode) -> RedisStore {
+    RedisStore::builder(url)
+        .connection_mode(mode)
+        .timeout(Duration::from_millis(100))
+        .breaker(5, Duration::from_millis(200))
+        .build()
+        .expect("a Redis store")
+}
+
+fn batched(store: RedisStore) -> Arc<dyn Store> {
+    Arc::new(
+        BatchedStore::builder(store)
+            .sync_interval(Duration::from_millis(50))
+            .build(),
+    )
+}
+
+fn fleet(deployment: Deployment) -> Fleet {
+    let mut fleet = Fleet {
+        nodes: Vec::new(),
+        proxies: Vec::new(),
+        servers: Vec::new(),
+        regions: None,
+        _cluster: None,
+    };
+    match deployment {
+        Deployment::Exact | Deployment::Batched => {
+            let server = RedisServer::start();
+            for _ in 0..3 {
+                let proxy = Arc::new(FaultProxy::start(server.port()));
+                let store = redis_store(proxy.url(), ConnectionMode::Multiplexed);
+                fleet.nodes.push(if deployment == Deployment::Batched {
+                    batched(store)
+                } else {
+                    Arc::new(store)
+                });
+                fleet.proxies.push(proxy);
+            }
+            fleet.servers.push(server);
+        }
+        Deployment::Sharded => {
+            let servers = [RedisServer::start(), RedisServer::start()];
+            for _ in 0..3 {
+                let mut shards = Vec::new();
+                for (index, server) in servers.iter().enumerate() {
+                    let proxy = Arc::new(FaultProxy::start(server.port()));
+                    shards.push((
+                        format!("shard-{index}"),
+                        redis_store(proxy.url(), ConnectionMode::Multiplexed),
+                    ));
+                    fleet.proxies.push(proxy);
+                }
+                fleet
+                    .nodes
+                    .push(Arc::new(ShardedRedisStore::new(shards).expect("shards")));
+            }
+            fleet.servers.extend(servers);
+        }
+        Deployment::Cluster => {
+            let cluster = RedisCluster::start_proxied(3, 0);
+            let cluster_store = |mode| {
+                RedisStore::cluster(cluster.urls())
+                    .connection_mode(mode)
+                    .timeout(Duration::from_millis(100))
+                    .breaker(5, Duration::from_millis(200))
+                    .build()
+                    .expect("a cluster store")
+            };
+            fleet
+                .nodes
+                .push(Arc::new(cluster_store(ConnectionMode::Pool(4))));
+            fleet
+                .nodes
+                .push(Arc::new(cluster_store(ConnectionMode::Multiplexed)));
+            fleet
+                .nodes
+                .push(batched(cluster_store(ConnectionMode::Pool(4))));
+            fleet._cluster = Some(cluster);
+        }
+        Deployment::Regions => {
+            let regions = Regions::start(Mode::Traded, 2, 1, Duration::from_millis(100));
+            for gateway in regions.gateways.iter().flatten() {
+                fleet.nodes.push(gateway.clone());
+            }
+            fleet.regions = Some(regions);
+        }
+    }
+    fleet
+}
+
+impl Fleet {
+    /// The proxy fault `kind` targets, if this fleet has one.
+    fn proxy(&self, target: usize) -> Option<&FaultProxy> {
+        if let Some(regions) = &self.regions {
+            return Some(&regions.links[target % regions.links.len()]);
+        }
+        if let Some(cluster) = &self._cluster {
+            let nodes = cluster.nodes();
+            return Some(cluster.proxy(nodes[target % nodes.len()]));
+        }
+        (!self.proxies.is_empty()).then(|| &*self.proxies[target % self.proxies.len()])
+    }
+
+    fn heal(&self) {
+        for proxy in &self.proxies {
+            proxy.set(Fault::None);
+        }
+        if let Some(regions) = &self.regions {
+            for link in &regions.links {
+                link.set(Fault::None);
+            }
+        }
+        if let Some(cluster) = &self._cluster {
+            for node in cluster.nodes() {
+                cluster.proxy(node).set(Fault::None);
+            }
+        }
+    }
+}
+
+/// Drives the workload on `node` until `stop`: decisions as fast as the node answers (a
+/// pause of 2 ms between them), identities and costs drawn from `seed`, every few admitted
+/// decisions given a unit back.
+async fn drive(
+    node_index: usize,
+    node: Arc<dyn Store>,
+    identities: Arc<Vec<Arc<Limit>>>,
+    all: Arc<Limit>,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+    start_after: Duration,
+) -> Vec<Decided> {
+    tokio::time::sleep(start_after).await;
+    let mut rng = fastrand::Rng::with_seed(seed ^ ((node_index as u64 + 1) * 0x9E37_79B9));
+    let mut history: Vec<Decided> = Vec::new();
+    // Settlements to send: (when, the decision's index, its time, the units given back). As
+    // a response's real cost is known when it ends, a refund goes some milliseconds after
+    // its decision, so faults find refunds in flight as they find decisions.
+    let mut settlements: std::collections::VecDeque<(Instant, usize, Timestamp, u64)> =
+        std::collections::VecDeque::new();
+    while !stop.load(Ordering::Relaxed) {
+        while settlements
+            .front()
+            .is_some_and(|(due, ..)| *due <= Instant::now())
+        {
+            let Some((_, index, decided_at, units)) = settlements.pop_front() else {
+                break;
+            };
+            let refund: Vec<Check> = history[index]
+                .keys
+                .iter()
+                .map(|(key, limit)| Check::new(key.clone(), limit.clone(), units))
+                .collect();
+            // Counted as applied whatever it answers (see the module docs).
+            let sent = epoch_micros();
+            let _ = node.refund(&refund, decided_at, None).await;
+            history[index].refund = Some(Refund {
+                units,
+                sent,
+                answered: epoch_micros(),
+            });
+        }
+        let identity = rng.usize(..identities.len());
+        let limit = &identities[identity];
+        let cost = rng.u64(1..=3);
+        let keys: Vec<(Arc<str>, Arc<Limit>)> = vec![
+            (
+                format!("chaos:{{id{identity}}}:{}", limit.name()).into(),
+                limit.clone(),
+            ),
+            ("chaos:{all}:all".into(), all.clone()),
+        ];
+        let checks: Vec<Check> = keys
+            .iter()
+            .map(|(key, limit)| Check::new(key.clone(), limit.clone(), cost))
+            .collect();
+        let sent = epoch_micros();
+        let result = node.check_and_consume(&checks, None).await;
+        let answered = epoch_micros();
+        let answer = match &result {
+            Ok(decision) if decision.is_allowed() => {
+                if cost > 1 && rng.bool() {
+                    let due = Instant::now() + Duration::from_millis(rng.u64(5..60));
+                    let units = rng.u64(1..cost);
+                    settlements.push_back((due, history.len(), decision.decided_at(), units));
+                }
+                Answer::Admitted
+            }
+            Ok(_) => Answer::Denied,
+            Err(_) => Answer::Failed,
+        };
+        history.push(Decided {
+            node: node_index,
+            identity,
+            keys,
+            cost,
+            sent,
+            answered,
+            answer,
+            refund: None,
+        });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    history
+}
+
+/// Runs `schedule` against a fresh fleet and checks its history. Call inside a multi-thread
+/// Tokio runtime.
+pub async fn run(schedule: Schedule) -> Outcome {
+    let (identities, all) = limits(schedule.deployment);
+    let mut fleet = fleet(schedule.deployment);
+    if let Some(regions) = &fleet.regions {
+        for gateway in regions.gateways.iter().flatten() {
+            gateway.probe().await.expect("the region's table loads");
+        }
+    }
+    let identities = Arc::new(identities);
+    let stop = Arc::new(AtomicBool::new(false));
+    let drivers: Vec<_> = fleet
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(index, node)| {
+            let start_after = match schedule.deployment {
+                Deployment::Regions if index > 0 => REGION_ARRIVES,
+                _ => Duration::ZERO,
+            };
+            tokio::spawn(drive(
+                index,
+                node.clone(),
+                identities.clone(),
+                all.clone(),
+                schedule.seed,
+                stop.clone(),
+                start_after,
+            ))
+        })
+        .collect();
+
+    let started = Instant::now();
+    let mut faults = BTreeMap::new();
+    let mut losses = Vec::new();
+    let snapshot: Option<GlobalSnapshot> = match &fleet.regions {
+        Some(regions) => {
+            tokio::time::sleep(SNAPSHOT_AT).await;
+            Some(regions.snapshot_global())
+        }
+        None => None,
+    };
+    let mut healing: Vec<(Duration, usize)> = Vec::new();
+    for event in &schedule.faults {
+        // Heal what is due before the next fault.
+        while let Some(&(until, target)) = healing.iter().min_by_key(|(until, _)| *until) {
+            if until > event.at {
+                break;
+            }
+            tokio::time::sleep(until.saturating_sub(started.elapsed())).await;
+            if let Some(proxy) = fleet.proxy(target) {
+                proxy.set(Fault::None);
+            }
+            healing.retain(|&(at, t)| (at, t) != (until, target));
+        }
+        tokio::time::sleep(event.at.saturating_sub(started.elapsed())).await;
+        let injected = match event.kind {
+            FaultKind::LateReplies
+            | FaultKind::BlackHole
+            | FaultKind::Partition
+            | FaultKind::DroppedAnswers => {
+                let fault = match event.kind {
+                    FaultKind::LateReplies => Fault::DelayReplies(Duration::from_millis(300)),
+                    FaultKind::DroppedAnswers => Fault::DropCalls,
+                    _ => Fault::BlackHole,
+                };
+                fleet.proxy(event.target).map(|proxy| {
+                    proxy.set(fault);
+                    healing.push((event.at + event.lasts, event.target));
+                })
+            }
+            FaultKind::DroppedAnswer => match fleet.proxy(event.target) {
+                Some(proxy) => {
+                    // Armed again each time a call took it, for as long as it lasts: many
+                    // calls lose their answers one at a time, while a call sent again on a
+                    // new connection goes through (the proxy of the report that found a
+                    // client library's re-sends).
+                    let until = event.at + event.lasts;
+                    while started.elapsed() < until {
+                        if proxy.fault() == Fault::None {
+                            proxy.set(Fault::DropNextCall);
+                        }
+                        tokio::time::sleep(Duration::from_millis(3)).await;
+                    }
+                    proxy.set(Fault::None);
+                    Some(())
+                }
+                None => None,
+            },
+            FaultKind::RestartedEmpty => {
+                let count = fleet.servers.len();
+                fleet
+                    .servers
+                    .get_mut(event.target % count.max(1))
+                    .map(|server| {
+                        losses.push(epoch_micros());
+                        server.restart();
+                        losses.push(epoch_micros());
+                    })
+            }
+            FaultKind::RestoredFromSnapshot => match (fleet.regions.as_mut(), snapshot.as_ref()) {
+                (Some(regions), Some(snapshot)) => {
+                    regions.restart_global_from(snapshot);
+                    Some(())
+                }
+                _ => None,
+            },
+        };
+        if injected.is_some() {
+            *faults.entry(event.kind).or_insert(0) += 1;
+        }
+    }
+    tokio::time::sleep(schedule.run.saturating_sub(started.elapsed())).await;
+    fleet.heal();
+    stop.store(true, Ordering::Relaxed);
+    let mut history = Vec::new();
+    for driver in drivers {
+        history.extend(driver.await.expect("a driver"));
+    }
+    let fresh = fresh_identity(&fleet, schedule.deployment).await;
+    let violations = check(&schedule, &history, &losses, fresh);
+    Outcome {
+        schedule,
+        history,
+        faults,
+        losses,
+        fresh,
+        violations,
+    }
+}
+
+/// Once the faults heal (breakers given their time to close), a fresh identity asks for its
+/// whole limit, one unit at a time: what it got, of how much.
+async fn fresh_identity(fleet: &Fleet, deployment: Deployment) -> (u64, u64) {
+    let window = Duration::from_secs(600);
+    let limit = Arc::new(
+        Limit::builder("fresh")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(40)
+            .window(window)
+            .build()
+            .expect("a valid limit"),
+    );
+    let key: Arc<str> = format!("chaos:{{fresh-{deployment:?}}}:fresh").into();
+    let checks = [Check::new(key, limit.clone(), 1)];
+    let healed = Instant::now();
+    let mut admitted = 0;
+    let mut asked = 0;
+    while asked < limit.limit() && healed.elapsed() < Duration::from_secs(5) {
+        // Regions: spread, as shares start at the fixed ones; elsewhere one node, whose first
+        // sight of the identity is the only one (a batched node denies while it leases).
+        let node = match deployment {
+            Deployment::Regions => &fleet.nodes[asked as usize % fleet.nodes.len()],
+            _ => &fleet.nodes[0],
+        };
+        match node.check_and_consume(&checks, None).await {
+            Ok(decision) => {
+                asked += 1;
+                admitted += u64::from(decision.is_allowed());
+            }
+            // A breaker still open, a connection being made again: asked again shortly.
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+        if deployment == Deployment::Regions {
+            // Shares follow demand at the rounds' pace.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    (admitted, limit.limit())
+}
+
+/// Every window of `window_micros` that holds admitted cost: (window start, the decisions
+/// admitted certainly inside it).
+fn by_window(admitted: &[&Decided], window_micros: u64) -> BTreeMap<u64, Vec<usize>> {
+    let mut windows: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    for (index, decision) in admitted.iter().enumerate() {
+        let start = decision.sent / window_micros * window_micros;
+        if decision.answered < start + window_micros {
+            windows.entry(start).or_default().push(index);
+        }
+    }
+    windows
+}
+
+/// Checks a history against its limits (see the module docs).
+pub fn check(
+    schedule: &Schedule,
+    history: &[Decided],
+    losses: &[u64],
+    fresh: (u64, u64),
+) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    let mut per_key: BTreeMap<Arc<str>, (Arc<Limit>, Vec<&Decided>)> = BTreeMap::new();
+    for decision in history.iter().filter(|d| d.answer == Answer::Admitted) {
+        for (key, limit) in &decision.keys {
+            per_key
+                .entry(key.clone())
+                .or_insert_with(|| (limit.clone(), Vec::new()))
+                .1
+                .push(decision);
+        }
+    }
+    // A restart (killed, back) weighs on what overlaps it or follows it by a lease's
+    // lifetime: a batched node spends what it was leased before the store forgot granting it.
+    let lost_between = |from: u64, to: u64| {
+        let lifetime = LEASE_LIFETIME.as_micros() as u64;
+        losses
+            .chunks(2)
+            .filter(|pair| pair[0] <= to && pair[pair.len() - 1] + lifetime >= from)
+            .count() as u64
+    };
+    for (key, (limit, mut admitted)) in per_key {
+        admitted.sort_by_key(|decision| decision.sent);
+        let over = match limit.algorithm() {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                check_bucket(&limit, &admitted, lost_between)
+            }
+            _ => check_windows(&limit, &admitted, lost_between),
+        };
+        if let Some(what) = over {
+            violations.push(Violation {
+                seed: schedule.seed,
+                what: format!("{:?} {key}: {what}", schedule.deployment),
+            });
+        }
+    }
+    let (got, of) = fresh;
+    if got * 10 < of * 9 {
+        violations.push(Violation {
+            seed: schedule.seed,
+            what: format!(
+                "{:?}: after the faults healed, a fresh identity got {got} of {of}",
+                schedule.deployment
+            ),
+        });
+    }
+    violations
+}
+
+fn check_windows(
+    limit: &Limit,
+    admitted: &[&Decided],
+    lost_between: impl Fn(u64, u64) -> u64,
+) -> Option<String> {
+    let window = limit.window_micros();
+    for (start, members) in by_window(admitted, window) {
+        let spent: u64 = members.iter().map(|&index| admitted[index].kept()).sum();
+        let allowance = limit.limit() * (1 + lost_between(start, start + window));
+        if spent > allowance {
+            return Some(format!(
+                "{spent} admitted in the window starting at {start} µs, allowance {allowance}"
+            ));
+        }
+    }
+    None
+}
+
+/// A bucket: over every interval from a decision's sending to another's answer, what was
+/// admitted certainly inside (at full cost) is at most the capacity (again after each loss),
+/// the refill over the interval, and every refund that may have been applied inside it.
+fn check_bucket(
+    limit: &Limit,
+    admitted: &[&Decided],
+    lost_between: impl Fn(u64, u64) -> u64,
+) -> Option<String> {
+    let capacity = limit.capacity() as f64;
+    let per_micro = limit.limit() as f64 / limit.window_micros() as f64;
+    let refunds: Vec<Refund> = admitted.iter().filter_map(|d| d.refund).collect();
+    for (first, from) in admitted.iter().enumerate() {
+        // Sorted by sending: every later decision began inside; by its answer, the intervals'
+        // ends in order.
+        let mut ends: Vec<(u64, u64)> = admitted[first..]
+            .iter()
+            .map(|d| (d.answered, d.cost))
+            .collect();
+        ends.sort_unstable();
+        let mut inside = 0;
+        for (end, cost) in ends {
+            inside += cost;
+            let span = end.saturating_sub(from.sent) as f64;
+            let refunded: u64 = refunds
+                .iter()
+                .filter(|refund| refund.sent <= end && refund.answered >= from.sent)
+                .map(|refund| refund.units)
+                .sum();
+            let losses = lost_between(from.sent, end) as f64;
+            let allowance = capacity * (1.0 + losses) + per_micro * span + refunded as f64;
+            if inside as f64 > allowance + 1e-6 {
+                return Some(format!(
+                    "{inside} admitted within {:.0} ms, allowance {allowance:.1}",
+                    span / 1000.0
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// A schedule's summary line, and the totals of many.
+#[derive(Debug, Default)]
+pub struct Summary {
+    /// Schedules run.
+    pub schedules: u64,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<FaultKind, u64>,
+    /// Decisions checked.
+    pub decisions: u64,
+    /// Decisions admitted.
+    pub admitted: u64,
+    /// Decisions that failed (a store error).
+    pub failed: u64,
+    /// Violations found.
+    pub violations: Vec<Violation>,
+    /// Schedules by deployment.
+    pub deployments: BTreeMap<Deployment, u64>,
+}
+
+impl Summary {
+    /// Adds an outcome.
+    pub fn add(&mut self, outcome: &Outcome) {
+        self.schedules += 1;
+        *self
+            .deployments
+            .entry(outcome.schedule.deployment)
+            .or_insert(0) += 1;
+        for (kind, count) in &outcome.faults {
+            *self.faults.entry(*kind).or_insert(0) += count;
+        }
+        self.decisions += outcome.history.len() as u64;
+        self.admitted += outcome
+            .history
+            .iter()
+            .filter(|d| d.answer == Answer::Admitted)
+            .count() as u64;
+        self.failed += outcome
+            .history
+            .iter()
+            .filter(|d| d.answer == Answer::Failed)
+            .count() as u64;
+        self.violations.extend(outcome.violations.iter().cloned());
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "schedules: {} {:?}", self.schedules, self.deployments)?;
+        writeln!(f, "faults injected: {:?}", self.faults)?;
+        writeln!(
+            f,
+            "decisions checked: {} ({} admitted, {} failed)",
+            self.decisions, self.admitted, self.failed
+        )?;
+        write!(f, "violations: {}", self.violations.len())?;
+        for violation in &self.violations {
+            write!(f, "\n{violation}")?;
+        }
+        Ok(())
+    }
+}
