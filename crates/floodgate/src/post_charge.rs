@@ -10,8 +10,8 @@
 //!   capacity;
 //! - less: the difference is given back ([`Store::refund`]): never more than was charged, never
 //!   above the limit's capacity, and a window's units only to the window they were counted in;
-//! - a response that reports nothing (or nothing readable) settles nothing: the estimate
-//!   stands, and it is counted.
+//! - a response that reports nothing (or nothing readable) settles nothing: the up-front
+//!   charge stands (an [`EstimateHeader`]'s reservation, its `max`), and it is counted.
 //!
 //! The cost comes from a [`ResponseCost`] set with
 //! [`RateLimitLayerBuilder::charge_from_response`](crate::RateLimitLayerBuilder::charge_from_response)
@@ -203,7 +203,7 @@ fn max_post_charge(limit: &crate::Limit) -> u64 {
 /// at the end of its stream: the layer settles from the body's trailers, read by this
 /// reader (usually the same [`CostHeader`] the head was read with). A stream that ends without
 /// the cost in its trailers, or that the client leaves before its end, settles nothing: the
-/// up-front estimate stands.
+/// up-front charge stands (an [`EstimateHeader`]'s reservation: leaving early never pays less).
 #[derive(Clone)]
 pub struct CostInTrailers(pub Arc<dyn ResponseCost>);
 
