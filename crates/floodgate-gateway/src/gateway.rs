@@ -127,6 +127,7 @@ impl Gateway {
             Ok(()) => {
                 tracing::debug!(backend = store.backend(), "the store answers");
                 self.warn_of_quotas_lost_on_restart(&*store).await;
+                self.warn_of_an_evicting_global_store().await;
             }
             Err(error) => tracing::error!(
                 backend = store.backend(),
@@ -157,6 +158,25 @@ impl Gateway {
              (for Redis: appendonly yes, or save snapshots; see README \"Running Redis for \
              quotas\"): every client would get these again after a restart"
         );
+    }
+
+    /// Warns when the regions' global store may evict any key (`maxmemory-policy allkeys-*`):
+    /// an evicted record or generation is detected only by settling for a lifetime, during
+    /// which shares stop following demand (SPEC §5: `noeviction` or `volatile-*`).
+    async fn warn_of_an_evicting_global_store(&self) {
+        let Some(region) = self.current().region().cloned() else {
+            return;
+        };
+        if let Some(policy) = region.global_eviction_policy().await
+            && policy.starts_with("allkeys")
+        {
+            tracing::warn!(
+                global = %floodgate::store::redact_url(&region.settings().global_url),
+                policy = %policy,
+                "the regions' global store may evict floodgate's keys (maxmemory-policy \
+                 allkeys-*): set noeviction or a volatile-* policy (SPEC §5)"
+            );
+        }
     }
 
     /// The name of the key file the version in service reads (`identity.jwt`), when it is in

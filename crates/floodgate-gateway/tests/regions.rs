@@ -163,3 +163,35 @@ async fn two_regions_share_one_limit_through_the_gateway() {
     let held: Option<String> = eu_store.command(&["GET", lock]);
     assert_eq!(held, None, "given up on shutdown");
 }
+
+/// A global store that may evict any key (`maxmemory-policy allkeys-lru`) is named at start:
+/// its evicted records and generation would be detected only by settling for a lifetime
+/// (SPEC §5). One with the default policy (`noeviction`) is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_store_that_may_evict_any_key_is_warned_of_at_start() {
+    let evicting =
+        RedisServer::start_with(|_| vec!["--maxmemory-policy".into(), "allkeys-lru".into()]);
+    let keeping = RedisServer::start();
+    let (eu_store, us_store) = (RedisServer::start(), RedisServer::start());
+    let upstream = Upstream::start().await;
+    let (eu, _eu_dir) = start_gateway(&upstream.url(), &rest("eu", &eu_store, &evicting, "eu, us"));
+    let line = eu.wait_for_log(
+        |line| line.contains("may evict floodgate's keys"),
+        "warning of the evicting global store",
+    );
+    assert!(line.contains("allkeys-lru"), "{line}");
+    let (us, _us_dir) = start_gateway(&upstream.url(), &rest("us", &us_store, &keeping, "eu, us"));
+    // The start-up checks are awaited before "floodgate serving" is logged.
+    us.wait_for_log(
+        |line| line.contains("floodgate serving"),
+        "the gateway serving",
+    );
+    assert!(
+        !us.log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|line| line.contains("may evict")),
+        "no warning for noeviction"
+    );
+}

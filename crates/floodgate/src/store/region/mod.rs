@@ -432,6 +432,27 @@ impl RegionalStore {
         }
     }
 
+    /// The global store's eviction policy (`maxmemory-policy`), or `None` when it cannot be
+    /// read (unreachable, or `CONFIG` refused). An `allkeys-*` policy may evict the records,
+    /// `born` and the generation, which the regions detect only by settling (SPEC §5): a
+    /// gateway warns of it at start.
+    pub async fn global_eviction_policy(&self) -> Option<String> {
+        let read = async {
+            let client =
+                deadpool_redis::redis::Client::open(self.core.settings.global_url.as_str()).ok()?;
+            let mut connection = client.get_multiplexed_async_connection().await.ok()?;
+            let answer: Vec<String> = deadpool_redis::redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory-policy")
+                .query_async(&mut connection)
+                .await
+                .ok()?;
+            answer.into_iter().nth(1)
+        };
+        let deadline = self.core.settings.timeout.max(Duration::from_millis(100));
+        tokio::time::timeout(deadline, read).await.ok().flatten()
+    }
+
     /// The settings this store trades by.
     pub fn settings(&self) -> &RegionSettings {
         &self.core.settings
