@@ -199,9 +199,15 @@ async fn send_batch(store: &RedisStore, mut batch: Vec<Waiter>) {
         .collect();
     let deadline = store.inner.guard.config().timeout;
     let call = async {
+        let spec_time = store
+            .spec_time(script::has_calendar(&decisions), None)
+            .await;
         let value = store
-            .run_library(|dispatch| script::command(dispatch, Mode::Check, &decisions, None))
+            .run_library(|dispatch| {
+                script::command(dispatch, Mode::Check, &decisions, None, spec_time)
+            })
             .await?;
+        store.inner.server_clock.observe_reply(&value);
         script::decode_batch(value, &decisions)
     };
     let result = match tokio::time::timeout(deadline, call).await {

@@ -18,6 +18,7 @@ mod groups;
 mod overrides;
 mod resets;
 mod script;
+mod server_clock;
 mod sharded;
 mod slot;
 
@@ -93,6 +94,7 @@ pub struct RedisStoreBuilder {
     cluster_compatible: bool,
     deny_cache: bool,
     coalesce_in_flight: usize,
+    clock: Arc<dyn crate::time::Clock>,
 }
 
 impl RedisStoreBuilder {
@@ -146,6 +148,15 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// This node's clock (default the system's). Decisions are made by the server's clock;
+    /// this one only places the calendar boundaries a call carries around the server's time,
+    /// by the offset between the two that the last reply showed (SPEC §1). Tests use a
+    /// [`FakeClock`](crate::time::FakeClock) to put a node's clock off.
+    pub fn clock(mut self, clock: impl crate::time::Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
     /// Builds the store. Connects lazily: a Redis that is down at start-up is a store error on
     /// the first calls (handled by the failure policy), not a start-up failure.
     pub fn build(self) -> Result<RedisStore, StoreError> {
@@ -181,6 +192,7 @@ impl RedisStoreBuilder {
                 stop_listening,
                 coalescer: coalesce::Coalescer::default(),
                 coalesce_in_flight: self.coalesce_in_flight,
+                server_clock: server_clock::ServerClock::new(self.clock),
             }),
         })
     }
@@ -249,6 +261,8 @@ struct Inner {
     coalescer: coalesce::Coalescer,
     /// Most calls out at once per slot before decisions are coalesced (0: never).
     coalesce_in_flight: usize,
+    /// The server's time as replies show it: where calendar boundaries are computed.
+    server_clock: server_clock::ServerClock,
 }
 
 const DISPATCH_UNKNOWN: u8 = 0;
@@ -314,6 +328,7 @@ impl RedisStore {
             cluster_compatible: false,
             deny_cache: true,
             coalesce_in_flight: 2,
+            clock: Arc::new(crate::time::SystemClock),
         }
     }
 
@@ -579,9 +594,14 @@ impl RedisStore {
                 checks,
                 tokens: &[],
             };
+            let calendar = checks.iter().any(|check| check.limit.calendar().is_some());
+            let spec_time = self.spec_time(calendar, now).await;
             let value = self
-                .run_library(|dispatch| script::command(dispatch, Mode::Sync, &[decision], now))
+                .run_library(|dispatch| {
+                    script::command(dispatch, Mode::Sync, &[decision], now, spec_time)
+                })
                 .await?;
+            self.inner.server_clock.observe_reply(&value);
             script::decode_sync(value, checks)
         })
         .await
@@ -595,9 +615,14 @@ impl RedisStore {
     ) -> Result<Vec<Grant>, StoreError> {
         let key = requests.first().map_or("", |request| &*request.check.key);
         self.guarded(key, async {
+            let calendar = requests
+                .iter()
+                .any(|request| request.check.limit.calendar().is_some());
+            let spec_time = self.spec_time(calendar, now).await;
             let value = self
-                .run_library(|dispatch| script::lease_command(dispatch, requests, now))
+                .run_library(|dispatch| script::lease_command(dispatch, requests, now, spec_time))
                 .await?;
+            self.inner.server_clock.observe_reply(&value);
             script::decode_lease(value, requests)
         })
         .await
@@ -610,10 +635,28 @@ impl RedisStore {
         decisions: &[script::Decision<'_>],
         now: Option<Timestamp>,
     ) -> Result<Vec<Reply>, StoreError> {
+        let spec_time = self.spec_time(script::has_calendar(decisions), now).await;
         let value = self
-            .run_library(|dispatch| script::command(dispatch, mode, decisions, now))
+            .run_library(|dispatch| script::command(dispatch, mode, decisions, now, spec_time))
             .await?;
+        self.inner.server_clock.observe_reply(&value);
         script::decode(mode, value, decisions)
+    }
+
+    /// The time a call's calendar boundaries are computed around ([`server_clock`]): the
+    /// caller's `now`, else the server's time as the last reply showed it, asked of the
+    /// server (`TIME`) first when no reply has shown it yet and the call counts a
+    /// `calendar` period. A `TIME` that fails leaves the node's own time, as before.
+    pub(crate) async fn spec_time(&self, calendar: bool, now: Option<Timestamp>) -> Timestamp {
+        let clock = &self.inner.server_clock;
+        if now.is_none()
+            && calendar
+            && !clock.is_known()
+            && let Ok(reply) = self.command(&redis::cmd("TIME")).await
+        {
+            clock.observe_reply(&reply);
+        }
+        clock.spec_time(now)
     }
 
     /// Indices of `checks` grouped into script calls, in order of first appearance.

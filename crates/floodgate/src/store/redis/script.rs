@@ -203,6 +203,7 @@ pub(crate) fn command(
     mode: Mode,
     decisions: &[Decision<'_>],
     now: Option<Timestamp>,
+    spec_time: Timestamp,
 ) -> redis::Cmd {
     let library = &*LIBRARY;
     let mut command = invoking(dispatch, &library.check_function, &library.check_script.1);
@@ -215,8 +216,8 @@ pub(crate) fn command(
     }
     let batch = decisions.len() != 1;
     debug_assert!(!batch || mode == Mode::Check, "only checks are batched");
-    // A calendar period's boundaries are given around this time; the script picks its own.
-    let spec_time = now.unwrap_or_else(Timestamp::now);
+    // A calendar period's boundaries are given around `spec_time` (the server's time as this
+    // node reckons it); the script picks its own period among them.
     command.arg(if batch { "batch" } else { mode.as_str() });
     match now {
         Some(now) => command.arg(now.as_micros()),
@@ -248,6 +249,16 @@ pub(crate) fn command(
     command
 }
 
+/// Whether one of `decisions` counts a calendar period (its call carries boundaries).
+pub(crate) fn has_calendar(decisions: &[Decision<'_>]) -> bool {
+    decisions.iter().any(|decision| {
+        decision
+            .checks
+            .iter()
+            .any(|check| check.limit.calendar().is_some())
+    })
+}
+
 /// `FCALL function` or `EVALSHA script_hash`, the rest to follow.
 fn invoking(dispatch: Dispatch, function: &str, script_hash: &str) -> redis::Cmd {
     let (name, target) = match dispatch {
@@ -264,6 +275,7 @@ pub(crate) fn lease_command(
     dispatch: Dispatch,
     requests: &[&crate::store::batched::LeaseRequest],
     now: Option<Timestamp>,
+    spec_time: Timestamp,
 ) -> redis::Cmd {
     let library = &*LIBRARY;
     let mut command = invoking(dispatch, &library.check_function, &library.check_script.1);
@@ -276,7 +288,6 @@ pub(crate) fn lease_command(
         Some(now) => command.arg(now.as_micros()),
         None => command.arg(""),
     };
-    let spec_time = now.unwrap_or_else(Timestamp::now);
     for request in requests {
         command
             .arg(&*request.check.limit.script_spec(spec_time))
