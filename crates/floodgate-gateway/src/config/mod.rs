@@ -223,6 +223,23 @@ impl Config {
                 ));
             }
         }
+        for (pattern, route) in self.routes.entries() {
+            // SPEC §9: a route with an estimate reserves estimate_max on every request.
+            let Some(reserved) = route.estimate.as_ref().map(|estimate| estimate.reserved()) else {
+                continue;
+            };
+            let smaller = self.limits_where(|limit| {
+                limit.algorithm() != floodgate::Algorithm::Concurrency
+                    && limit.cost_override().is_none()
+                    && limit.capacity() < reserved
+            });
+            if !smaller.is_empty() {
+                warnings.push(format!(
+                    "routes `{pattern}`: every request reserves estimate_max ({reserved}) up front, and these limits hold less, so where they apply they deny every request of the route: {}",
+                    smaller.join(", ")
+                ));
+            }
+        }
         if !self.admin_listen.ip().is_loopback() && !admin_token_set {
             warnings.push(format!(
                 "admin.listen: {} is not a loopback address; `serve` refuses it unless FLOODGATE_ADMIN_TOKEN is set",

@@ -204,6 +204,26 @@ mod tests {
         }
     }
 
+    /// A limit smaller than the reservation would deny every request of the route: warned of.
+    #[test]
+    fn a_limit_smaller_than_estimate_max_is_warned_of() {
+        let config = parse(
+            "routes:\n  - { match: \"/v1/x\", cost_header: used, estimate_header: x-max-tokens, estimate_max: 400 }\n\
+             plans:\n  free:\n    limits: [ { name: small, algorithm: fixed_window, limit: 100, window: 1h }, { name: large, algorithm: token_bucket, limit: 1000, window: 1h } ]\n  anonymous: {}\n",
+        )
+        .unwrap();
+        let warnings = config.warnings(true);
+        let warning = warnings
+            .iter()
+            .find(|warning| warning.starts_with("routes `/v1/x`"))
+            .unwrap_or_else(|| panic!("{warnings:?}"));
+        assert!(warning.contains("estimate_max (400)"), "{warning}");
+        assert!(
+            warning.contains("`small`") && !warning.contains("`large`"),
+            "{warning}"
+        );
+    }
+
     #[test]
     fn an_estimate_is_bounded_and_always_settled() {
         let settled = r#"{ match: "/v1/x", cost_header: used, estimate_header: x-max-tokens, estimate_max: 400, cost: 50 }"#;
