@@ -184,13 +184,45 @@ async fn a_client_moving_between_regions_on_a_fixed_window_is_followed_and_bound
     assert_windows_within(&report, OVER);
 }
 
-/// A client concentrated in the first region (600/s), whose shares have moved, for `for`.
+/// A client concentrated in the first region (600/s) on [`bucket`], for `run`.
 async fn concentrated(regions: &Regions, client: &str, run: Duration) -> support::regions::Report {
+    concentrated_on(bucket(), regions, client, run).await
+}
+
+/// A client concentrated in the first region (600/s) on `limit`, for `run`.
+async fn concentrated_on(
+    limit: Arc<Limit>,
+    regions: &Regions,
+    client: &str,
+    run: Duration,
+) -> support::regions::Report {
     regions
-        .run(&bucket(), client, run, |region, _| {
-            if region == 0 { 600.0 } else { 0.0 }
-        })
+        .run(
+            &limit,
+            client,
+            run,
+            |region, _| {
+                if region == 0 { 600.0 } else { 0.0 }
+            },
+        )
         .await
+}
+
+/// That no second of the epoch admitted more than `limit` across `reports` (runs one after
+/// another on the same key: a window may span two of them).
+fn assert_windows_of_runs_within(reports: &[&support::regions::Report], limit: f64) {
+    let mut per_second = std::collections::BTreeMap::new();
+    for report in reports {
+        for (second, admitted) in report.admitted_per_epoch_second() {
+            *per_second.entry(second).or_insert(0) += admitted;
+        }
+    }
+    assert!(
+        per_second
+            .values()
+            .all(|&admitted| admitted as f64 <= limit),
+        "admitted per window {per_second:?}, at most {limit}"
+    );
 }
 
 /// The allowance of the bucket over `elapsed`: its burst and its refill.
@@ -265,6 +297,42 @@ async fn a_restarted_region_keeps_its_share_and_the_bound() {
         "the restarted gateways go on from the table, their new trader renewing it: {shares:?}"
     );
     assert_eq!(before.errors() + after.errors(), 0);
+}
+
+/// [`a_restarted_region_keeps_its_share_and_the_bound`] on a fixed window: no window admits
+/// more than its limit across the restart (and the answers that cross a window's boundary on
+/// their way back, [`OVER`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_region_keeps_a_fixed_window_within_its_limit() {
+    let mut regions = Regions::start(Mode::Traded, 3, 2, INTERVAL);
+    oceans(&regions);
+    let before = concentrated_on(window(), &regions, "restarted", Duration::from_secs(2)).await;
+    regions.restart_region(0);
+    let after = concentrated_on(window(), &regions, "restarted", Duration::from_secs(2)).await;
+    assert_windows_of_runs_within(&[&before, &after], 300.0 * (1.0 + OVER));
+    assert!(
+        before.regions[0].admitted_between(Duration::from_secs(1), Duration::from_secs(2)) > 100,
+        "the window's share moved before the restart: {:?}",
+        before.regions[0].share_per_bucket
+    );
+    assert_eq!(before.errors() + after.errors(), 0);
+}
+
+/// [`a_global_store_restarted_empty_is_rebuilt_by_the_next_trades`] on a fixed window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_store_restarted_empty_keeps_a_fixed_window_within_its_limit() {
+    let mut regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
+    oceans(&regions);
+    let before = concentrated_on(window(), &regions, "amnesia", Duration::from_secs(2)).await;
+    regions.restart_global_empty();
+    let after = concentrated_on(window(), &regions, "amnesia", Duration::from_secs(3)).await;
+    assert_windows_of_runs_within(&[&before, &after], 300.0 * (1.0 + OVER));
+    let last = after.regions[0].admitted_between(Duration::from_secs(2), Duration::from_secs(3));
+    assert!(
+        last as f64 >= 0.5 * 300.0,
+        "the last second admitted {last}, shares {:?}",
+        after.regions[0].share_per_bucket
+    );
 }
 
 /// A global store that restarts empty forgets every grant and promise: the regions report
@@ -450,6 +518,35 @@ async fn a_region_added_by_a_reload_gets_its_fixed_share_within_the_bound() {
         "last second: {r0} and {r3}; shares {:?} / {:?}",
         after.regions[0].share_per_bucket,
         after.regions[3].share_per_bucket
+    );
+}
+
+/// [`a_region_added_by_a_reload_gets_its_fixed_share_within_the_bound`] on a fixed window: no
+/// window admits more than the limit and the new region's fixed share (the bound README
+/// documents for a region added by a reload, for one lease lifetime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_added_by_a_reload_keeps_a_fixed_window_within_the_bound() {
+    let mut regions = Regions::start(Mode::Traded, 3, 1, INTERVAL);
+    oceans(&regions);
+    let before = concentrated_on(window(), &regions, "grown", Duration::from_secs(2)).await;
+    let four: Vec<String> = (0..4).map(|index| format!("r{index}")).collect();
+    regions.add_region(1, &four);
+    regions.links[3].set(Fault::Latency(ONE_WAY));
+    regions.reload_with(&four);
+    let after = regions
+        .run(&window(), "grown", Duration::from_secs(3), |region, _| {
+            if region == 0 || region == 3 {
+                600.0
+            } else {
+                0.0
+            }
+        })
+        .await;
+    let new_share = 75.0;
+    assert_windows_of_runs_within(&[&before, &after], 300.0 * (1.0 + OVER) + new_share);
+    assert!(
+        after.regions[3].admitted > 0,
+        "the new region admits from its fixed share"
     );
 }
 
