@@ -206,11 +206,12 @@ impl ClientQuery {
         let checks = if listed.is_some() {
             Vec::new()
         } else {
+            // What a request there is charged up front (a route with an estimate reserves
+            // its estimate_max).
             let cost = config
                 .routes
                 .find(&method, path)
-                .and_then(|(_, route)| route.cost)
-                .unwrap_or(1);
+                .map_or(1, |(_, route)| route.up_front_cost());
             GatewayPlan::new(config.clone())
                 .client_checks(&method, path, client_ip, plan, keys, cost)
         };
