@@ -440,8 +440,68 @@ impl Trader {
             .filter(|limit| tradeable(limit))
     }
 
-    async fn trade(&mut self, mut view: View) -> Result<(), StoreError> {
-        let regions = self.settings.regions.len();
+    /// One trade, in phases: the estimates aged, the keys that trade chosen, lowerings put in
+    /// force in the region first, the items reported, promises renewed in the region, the one
+    /// call to the global store, its grants written to the region's table, and rows that no
+    /// trade renewed let go.
+    async fn trade(&mut self, view: View) -> Result<(), StoreError> {
+        self.age_estimates(&view);
+        let keys = self.keys_to_trade(&view);
+        let round_synced = view.sent;
+        let Some(mut view) = self.lower_first(&keys, view).await? else {
+            // No longer the region's trader.
+            return Ok(());
+        };
+        let mut items = self.items(keys, &view).await;
+        self.renew_promises(&items, &mut view).await?;
+        // The trade must be applied while this gateway still holds the trader's lock (taken
+        // at the round's sync), so that two traders never overlap: else it waits a round.
+        let lock_left =
+            Duration::from_millis(self.live_ms()).saturating_sub(round_synced.elapsed());
+        if lock_left < self.settings.timeout + self.settings.sync_interval / 2 {
+            tracing::warn!(region = %self.settings.name, "region round too slow: trade skipped");
+            return Ok(());
+        }
+        if self.offset_ms.is_none() {
+            // The clock was never measured: a trade without a deadline could be applied late,
+            // and only what cannot harm may go (promises to stay low are not renewed).
+            let regions = self.settings.regions.len();
+            for item in &mut items {
+                item.report = item.report.max(fixed_share(item.limit.limit(), regions));
+            }
+        }
+        let global_sent = Instant::now();
+        let replies = match self.call_global(&items, global_sent).await {
+            Ok(replies) => {
+                self.failing = false;
+                self.status.traded(TradeResult::Ok);
+                replies
+            }
+            Err(result) => {
+                self.failing = true;
+                self.status.traded(result);
+                Vec::new()
+            }
+        };
+        let traded: HashSet<Arc<str>> = if replies.is_empty() {
+            HashSet::new()
+        } else {
+            items.iter().map(|item| item.key.clone()).collect()
+        };
+        let mut changes = self
+            .granted(&items, replies, &traded, &view, global_sent)
+            .await;
+        self.let_go_unrenewed(&traded, &view, &mut changes).await;
+        self.status.set_rows(view.table.len());
+        if !changes.is_empty() {
+            self.write(&mut changes, &mut view).await?;
+        }
+        Ok(())
+    }
+
+    /// A round's estimates: this round's demand becomes the last, decaying by half a round
+    /// without any; keys with neither demand nor a row are forgotten.
+    fn age_estimates(&mut self, view: &View) {
         self.rounds_as_trader = self.rounds_as_trader.saturating_add(1);
         for estimate in self.estimates.values_mut() {
             estimate.last_round = estimate.this_round;
@@ -452,9 +512,13 @@ impl Trader {
         let table = &view.table;
         self.estimates
             .retain(|key, estimate| estimate.per_interval > 0 || table.contains_key(key));
+    }
 
-        // Which keys trade: every row, every key the region wants more of than its fixed
-        // share, every key others want more of (this region lends from it).
+    /// Which keys trade: every row, every key the region wants more of than its fixed share,
+    /// every key others want more of (this region lends from it); each under its limit as
+    /// configured now (a reload may have changed it since its row was written).
+    fn keys_to_trade(&self, view: &View) -> Vec<(Arc<str>, Arc<Limit>, LimitSpec)> {
+        let regions = self.settings.regions.len();
         let mut keys: Vec<(Arc<str>, LimitSpec)> = Vec::new();
         let mut seen = HashSet::new();
         for (key, row) in &view.table {
@@ -474,28 +538,33 @@ impl Trader {
                 keys.push((key.clone(), spec.clone()));
             }
         }
-        // Each key under its limit as configured now (a reload may have changed it since its row
-        // was written).
-        let keys: Vec<(Arc<str>, Arc<Limit>, LimitSpec)> = keys
-            .into_iter()
+        keys.into_iter()
             .filter_map(|(key, spec)| {
                 let limit = self.limit_of(&key, &spec)?;
                 let spec = LimitSpec::of(&limit);
                 Some((key, limit, spec))
             })
-            .collect();
-        let round_synced = view.sent;
+            .collect()
+    }
 
-        // Lowerings first: in force on every gateway of the region before the global store
-        // hears of them. Each gateway acknowledges them at its next sync; the trade waits for
-        // that up to half an interval (a gateway that has not acknowledged by then is reported
-        // at what it may still have in force).
-        let settings = self.settings.clone();
-        let revert_ms = |view: &View, limit: &Limit| {
-            view.at_most(Instant::now()) + promise_ms(&settings, limit)
-        };
+    /// Until when, by the regional clock, a promise renewed now holds in the region.
+    fn revert_ms(&self, view: &View, limit: &Limit) -> i64 {
+        view.at_most(Instant::now()) + promise_ms(&self.settings, limit)
+    }
+
+    /// Lowerings first: in force on every gateway of the region before the global store hears
+    /// of them. Each gateway acknowledges them at its next sync; the trade waits for that up to
+    /// half an interval (a gateway that has not acknowledged by then is reported at what it may
+    /// still have in force). The region's view after, or `None` if this gateway is no longer
+    /// its trader.
+    async fn lower_first(
+        &mut self,
+        keys: &[(Arc<str>, Arc<Limit>, LimitSpec)],
+        mut view: View,
+    ) -> Result<Option<View>, StoreError> {
+        let regions = self.settings.regions.len();
         let mut changes: Vec<(Arc<str>, Option<Row>)> = Vec::new();
-        for (key, limit, spec) in &keys {
+        for (key, limit, spec) in keys {
             let fixed = fixed_share(limit.limit(), regions);
             let units = view.units(key, fixed);
             let cap = self.caps.get(key).copied().unwrap_or(limit.limit());
@@ -517,7 +586,7 @@ impl Trader {
                 Some(Row {
                     units: lowered,
                     ends_ms: if lowered < fixed {
-                        revert_ms(&view, limit)
+                        self.revert_ms(&view, limit)
                     } else {
                         row.map_or(0, |row| row.ends_ms)
                     },
@@ -535,12 +604,17 @@ impl Trader {
                 tokio::time::sleep(self.settings.sync_interval / 20).await;
                 view = self.sync().await?;
                 if !view.trader {
-                    return Ok(());
+                    return Ok(None);
                 }
             }
         }
+        Ok(Some(view))
+    }
 
-        // The trade: every key, one call.
+    /// The trade's items: per key, its share, what the region reports it may hold and what it
+    /// wants.
+    async fn items(&self, keys: Vec<(Arc<str>, Arc<Limit>, LimitSpec)>, view: &View) -> Vec<Item> {
+        let regions = self.settings.regions.len();
         let mut items: Vec<Item> = Vec::new();
         // The longest the global store may hold a record this trade leaves, from now: its
         // deadline, a lifetime, and an interval of margin.
@@ -578,16 +652,22 @@ impl Trader {
                 want,
             });
         }
-        // Promises renewed by this trade last, in the region, at least as long as the global
-        // store may hold them from it: written before it hears of them.
-        for item in &items {
+        items
+    }
+
+    /// Promises renewed by this trade last, in the region, at least as long as the global
+    /// store may hold them from it: written before it hears of them.
+    async fn renew_promises(&mut self, items: &[Item], view: &mut View) -> Result<(), StoreError> {
+        let regions = self.settings.regions.len();
+        let mut changes: Vec<(Arc<str>, Option<Row>)> = Vec::new();
+        for item in items {
             let fixed = fixed_share(item.limit.limit(), regions);
             if item.report < fixed
                 && !self.failing
                 && let Some(row) = view.table.get(&item.key)
             {
                 let mut row = row.clone();
-                row.ends_ms = row.ends_ms.max(revert_ms(&view, &item.limit));
+                row.ends_ms = row.ends_ms.max(self.revert_ms(view, &item.limit));
                 row.previous = if view.is_pending(&item.key) {
                     row.previous.max(row.units)
                 } else {
@@ -597,47 +677,29 @@ impl Trader {
             }
         }
         if !changes.is_empty() {
-            self.write(&mut changes, &mut view).await?;
+            self.write(&mut changes, view).await?;
         }
-        // The trade must be applied while this gateway still holds the trader's lock (taken
-        // at the round's sync), so that two traders never overlap: else it waits a round.
-        let lock_left =
-            Duration::from_millis(self.live_ms()).saturating_sub(round_synced.elapsed());
-        if lock_left < self.settings.timeout + self.settings.sync_interval / 2 {
-            tracing::warn!(region = %self.settings.name, "region round too slow: trade skipped");
-            return Ok(());
-        }
-        if self.offset_ms.is_none() {
-            // The clock was never measured: a trade without a deadline could be applied late,
-            // and only what cannot harm may go (promises to stay low are not renewed).
-            for item in &mut items {
-                item.report = item.report.max(fixed_share(item.limit.limit(), regions));
-            }
-        }
-        let global_sent = Instant::now();
-        let replies = match self.call_global(&items, global_sent).await {
-            Ok(replies) => {
-                self.failing = false;
-                self.status.traded(TradeResult::Ok);
-                replies
-            }
-            Err(result) => {
-                self.failing = true;
-                self.status.traded(result);
-                Vec::new()
-            }
-        };
-        // Grants end by the regional clock no later than the global store said: measured from
-        // the least the regional clock can read when the trade was sent.
+        Ok(())
+    }
+
+    /// The rows the global store's grants make, one per item answered: back to the fixed
+    /// share, or the grant (no more than the region wants and its fair part, a bucket's raise
+    /// charged first). Grants end by the regional clock no later than the global store said:
+    /// measured from the least the regional clock can read when the trade was sent.
+    async fn granted(
+        &mut self,
+        items: &[Item],
+        replies: Vec<Granted>,
+        traded: &HashSet<Arc<str>>,
+        view: &View,
+        global_sent: Instant,
+    ) -> Vec<(Arc<str>, Option<Row>)> {
+        let regions = self.settings.regions.len();
         let granted_at = view.at_least(global_sent);
-        let traded: HashSet<Arc<str>> = if replies.is_empty() {
-            HashSet::new()
-        } else {
-            items.iter().map(|item| item.key.clone()).collect()
-        };
         if !replies.is_empty() {
             self.caps.retain(|key, _| traded.contains(key));
         }
+        let mut changes = Vec::new();
         for (item, (grant, left_ms, cap)) in items.iter().zip(replies) {
             self.caps.insert(item.key.clone(), cap);
             let fixed = fixed_share(item.limit.limit(), regions);
@@ -674,7 +736,7 @@ impl Trader {
             let ends_ms = if units > fixed {
                 granted_at + left_ms
             } else if units < fixed {
-                revert_ms(&view, &item.limit)
+                self.revert_ms(view, &item.limit)
             } else {
                 0
             };
@@ -693,8 +755,19 @@ impl Trader {
                 }),
             ));
         }
-        // Rows no trade renewed: a raised share that ended is gone; a lowered one whose
-        // promise may have lapsed at the global store goes back to the fixed share.
+        changes
+    }
+
+    /// Rows no trade renewed: a raised share that ended is gone; a lowered one whose promise
+    /// may have lapsed at the global store goes back to the fixed share (a bucket charged what
+    /// it would gain first).
+    async fn let_go_unrenewed(
+        &self,
+        traded: &HashSet<Arc<str>>,
+        view: &View,
+        changes: &mut Vec<(Arc<str>, Option<Row>)>,
+    ) {
+        let regions = self.settings.regions.len();
         let now_ms = view.at_least(Instant::now());
         for (key, row) in &view.table {
             if traded.contains(key) || row.ends_ms == 0 || row.ends_ms > now_ms {
@@ -712,11 +785,6 @@ impl Trader {
             }
             changes.push((key.clone(), None));
         }
-        self.status.set_rows(view.table.len());
-        if !changes.is_empty() {
-            self.write(&mut changes, &mut view).await?;
-        }
-        Ok(())
     }
 
     /// The trade: one call for every key. Per item: the grant, the ms its raise lasts, the
