@@ -542,9 +542,58 @@ pub async fn run(schedule: Schedule) -> Outcome {
             gateway.probe().await.expect("the region's table loads");
         }
     }
-    let identities = Arc::new(identities);
     let stop = Arc::new(AtomicBool::new(false));
-    let drivers: Vec<_> = fleet
+    let drivers = spawn_drivers(&schedule, &fleet, Arc::new(identities), all, &stop);
+    let started = Instant::now();
+    let snapshot = match &fleet.regions {
+        Some(regions) => {
+            tokio::time::sleep(SNAPSHOT_AT).await;
+            Some(regions.snapshot_global())
+        }
+        None => None,
+    };
+    let mut injector = Injector {
+        fleet: &mut fleet,
+        started,
+        snapshot,
+        faults: BTreeMap::new(),
+        losses: Vec::new(),
+        healing: Vec::new(),
+    };
+    for event in &schedule.faults {
+        injector.heal_due(event.at).await;
+        tokio::time::sleep(event.at.saturating_sub(started.elapsed())).await;
+        injector.inject(event).await;
+    }
+    let Injector { faults, losses, .. } = injector;
+    tokio::time::sleep(schedule.run.saturating_sub(started.elapsed())).await;
+    fleet.heal();
+    stop.store(true, Ordering::Relaxed);
+    let mut history = Vec::new();
+    for driver in drivers {
+        history.extend(driver.await.expect("a driver"));
+    }
+    let fresh = fresh_identity(&fleet, schedule.deployment).await;
+    let violations = check(&schedule, &history, &losses, fresh);
+    Outcome {
+        schedule,
+        history,
+        faults,
+        losses,
+        fresh,
+        violations,
+    }
+}
+
+/// One driver per node, until `stop` (a regions schedule's second region starts late).
+fn spawn_drivers(
+    schedule: &Schedule,
+    fleet: &Fleet,
+    identities: Arc<Vec<Arc<Limit>>>,
+    all: Arc<Limit>,
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<Decided>>> {
+    fleet
         .nodes
         .iter()
         .enumerate()
@@ -563,32 +612,40 @@ pub async fn run(schedule: Schedule) -> Outcome {
                 start_after,
             ))
         })
-        .collect();
+        .collect()
+}
 
-    let started = Instant::now();
-    let mut faults = BTreeMap::new();
-    let mut losses = Vec::new();
-    let snapshot: Option<GlobalSnapshot> = match &fleet.regions {
-        Some(regions) => {
-            tokio::time::sleep(SNAPSHOT_AT).await;
-            Some(regions.snapshot_global())
-        }
-        None => None,
-    };
-    let mut healing: Vec<(Duration, usize)> = Vec::new();
-    for event in &schedule.faults {
-        // Heal what is due before the next fault.
-        while let Some(&(until, target)) = healing.iter().min_by_key(|(until, _)| *until) {
-            if until > event.at {
+/// Injects a schedule's faults into a fleet and heals those that last.
+struct Injector<'f> {
+    fleet: &'f mut Fleet,
+    started: Instant,
+    /// The global store's snapshot a restore goes back to (regions).
+    snapshot: Option<GlobalSnapshot>,
+    /// Faults injected, by kind.
+    faults: BTreeMap<FaultKind, u64>,
+    /// Each restart's two marks (killed, back), µs since the epoch.
+    losses: Vec<u64>,
+    /// Faults that last: until when (from the start), on which target.
+    healing: Vec<(Duration, usize)>,
+}
+
+impl Injector<'_> {
+    /// Heals every fault due to end by `before` (from the start), each at its time.
+    async fn heal_due(&mut self, before: Duration) {
+        while let Some(&(until, target)) = self.healing.iter().min_by_key(|(until, _)| *until) {
+            if until > before {
                 break;
             }
-            tokio::time::sleep(until.saturating_sub(started.elapsed())).await;
-            if let Some(proxy) = fleet.proxy(target) {
+            tokio::time::sleep(until.saturating_sub(self.started.elapsed())).await;
+            if let Some(proxy) = self.fleet.proxy(target) {
                 proxy.set(Fault::None);
             }
-            healing.retain(|&(at, t)| (at, t) != (until, target));
+            self.healing.retain(|&(at, t)| (at, t) != (until, target));
         }
-        tokio::time::sleep(event.at.saturating_sub(started.elapsed())).await;
+    }
+
+    /// Injects `event` now, if the fleet has what it targets.
+    async fn inject(&mut self, event: &FaultEvent) {
         let injected = match event.kind {
             FaultKind::LateReplies
             | FaultKind::BlackHole
@@ -599,68 +656,56 @@ pub async fn run(schedule: Schedule) -> Outcome {
                     FaultKind::DroppedAnswers => Fault::DropCalls,
                     _ => Fault::BlackHole,
                 };
-                fleet.proxy(event.target).map(|proxy| {
+                let proxy = self.fleet.proxy(event.target);
+                if let Some(proxy) = proxy {
                     proxy.set(fault);
-                    healing.push((event.at + event.lasts, event.target));
-                })
+                    self.healing.push((event.at + event.lasts, event.target));
+                }
+                proxy.is_some()
             }
-            FaultKind::DroppedAnswer => match fleet.proxy(event.target) {
+            FaultKind::DroppedAnswer => match self.fleet.proxy(event.target) {
                 Some(proxy) => {
                     // Armed again each time a call took it, for as long as it lasts: many
                     // calls lose their answers one at a time, while a call sent again on a
                     // new connection goes through (the proxy of the report that found a
                     // client library's re-sends).
                     let until = event.at + event.lasts;
-                    while started.elapsed() < until {
+                    while self.started.elapsed() < until {
                         if proxy.fault() == Fault::None {
                             proxy.set(Fault::DropNextCall);
                         }
                         tokio::time::sleep(Duration::from_millis(3)).await;
                     }
                     proxy.set(Fault::None);
-                    Some(())
+                    true
                 }
-                None => None,
+                None => false,
             },
             FaultKind::RestartedEmpty => {
-                let count = fleet.servers.len();
-                fleet
-                    .servers
-                    .get_mut(event.target % count.max(1))
-                    .map(|server| {
-                        losses.push(epoch_micros());
+                let count = self.fleet.servers.len().max(1);
+                match self.fleet.servers.get_mut(event.target % count) {
+                    Some(server) => {
+                        self.losses.push(epoch_micros());
                         server.restart();
-                        losses.push(epoch_micros());
-                    })
-            }
-            FaultKind::RestoredFromSnapshot => match (fleet.regions.as_mut(), snapshot.as_ref()) {
-                (Some(regions), Some(snapshot)) => {
-                    regions.restart_global_from(snapshot);
-                    Some(())
+                        self.losses.push(epoch_micros());
+                        true
+                    }
+                    None => false,
                 }
-                _ => None,
-            },
+            }
+            FaultKind::RestoredFromSnapshot => {
+                match (self.fleet.regions.as_mut(), self.snapshot.as_ref()) {
+                    (Some(regions), Some(snapshot)) => {
+                        regions.restart_global_from(snapshot);
+                        true
+                    }
+                    _ => false,
+                }
+            }
         };
-        if injected.is_some() {
-            *faults.entry(event.kind).or_insert(0) += 1;
+        if injected {
+            *self.faults.entry(event.kind).or_insert(0) += 1;
         }
-    }
-    tokio::time::sleep(schedule.run.saturating_sub(started.elapsed())).await;
-    fleet.heal();
-    stop.store(true, Ordering::Relaxed);
-    let mut history = Vec::new();
-    for driver in drivers {
-        history.extend(driver.await.expect("a driver"));
-    }
-    let fresh = fresh_identity(&fleet, schedule.deployment).await;
-    let violations = check(&schedule, &history, &losses, fresh);
-    Outcome {
-        schedule,
-        history,
-        faults,
-        losses,
-        fresh,
-        violations,
     }
 }
 
