@@ -228,14 +228,13 @@ impl Config {
             let Some(reserved) = route.estimate.as_ref().map(|estimate| estimate.reserved()) else {
                 continue;
             };
+            // A concurrency limit counts the cost as well, as leases in flight.
             let smaller = self.limits_where(|limit| {
-                limit.algorithm() != floodgate::Algorithm::Concurrency
-                    && limit.cost_override().is_none()
-                    && limit.capacity() < reserved
+                limit.cost_override().is_none() && limit.capacity() < reserved
             });
             if !smaller.is_empty() {
                 warnings.push(format!(
-                    "routes `{pattern}`: every request reserves estimate_max ({reserved}) up front, and these limits hold less, so where they apply they deny every request of the route: {}",
+                    "routes `{pattern}`: every request reserves estimate_max ({reserved}) up front, and these limits hold less, so where they apply they deny every request of the route (give them a cost of their own, such as cost: 1 on a concurrency limit): {}",
                     smaller.join(", ")
                 ));
             }

@@ -209,7 +209,7 @@ mod tests {
     fn a_limit_smaller_than_estimate_max_is_warned_of() {
         let config = parse(
             "routes:\n  - { match: \"/v1/x\", cost_header: used, estimate_header: x-max-tokens, estimate_max: 400 }\n\
-             plans:\n  free:\n    limits: [ { name: small, algorithm: fixed_window, limit: 100, window: 1h }, { name: large, algorithm: token_bucket, limit: 1000, window: 1h } ]\n  anonymous: {}\n",
+             plans:\n  free:\n    limits: [ { name: small, algorithm: fixed_window, limit: 100, window: 1h }, { name: large, algorithm: token_bucket, limit: 1000, window: 1h }, { name: streams, algorithm: concurrency, limit: 4 }, { name: counted, algorithm: concurrency, limit: 4, cost: 1 } ]\n  anonymous: {}\n",
         )
         .unwrap();
         let warnings = config.warnings(true);
@@ -221,6 +221,10 @@ mod tests {
         assert!(
             warning.contains("`small`") && !warning.contains("`large`"),
             "{warning}"
+        );
+        assert!(
+            warning.contains("`streams`") && !warning.contains("`counted`"),
+            "a concurrency limit counts the reservation too, unless it has a cost of its own: {warning}"
         );
     }
 
