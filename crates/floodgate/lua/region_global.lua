@@ -24,15 +24,23 @@
 -- generation is behind what a region saw has lost acknowledged writes, and settles for a
 -- lifetime as an empty one does (`born` set anew), its generation moved past the region's.
 --
+-- A lifetime is enough for a bucket (a grant lasts one), not for a window: a region that held
+-- a window's count above its fixed share before the loss holds it until that window ends, and
+-- the store, which lost its record, would count it at its fixed share. So until every region
+-- has reported (a trade by its trader) since `born`, a window's spec keeps settling for a window
+-- after `born` (two for a sliding window counter), and a margin.
+--
 -- KEYS: the record of each item, then the pressure set (a sorted set of "<limit key>\n<spec>"
 -- for the keys some region wants more of than its fixed share or than it got, scored by
--- when), then the `born` key, then the generation key.
+-- when), then the `born` key, then the generation key, then the set of regions that reported
+-- since `born`.
 -- ARGV: this region, the regions (comma-separated), the lifetime of a record (ms), the
 -- trade's deadline by this server's clock (ms; 0: none; a trade that arrives later is stale
 -- and changes nothing), the margin for clocks (ms), the number of items; then per item its
 -- limit key, its spec ("<algorithm> <limit> <window us> <burst>"), the limit, the most this
 -- region may have in force now (`report`) and the share it wants; then the highest generation
--- this region has seen (0: none yet).
+-- this region has seen (0: none yet), and whether this call reports what the region holds ('1':
+-- its trader's trade; '0': a gateway reading the clock).
 -- Reply: { now_ms, 'ok' | 'stale', then for 'ok': the generation after this trade, per item:
 -- grant, ms until a grant above the fixed share ends (0 if none), cap; then the pressured keys
 -- and their specs, in pairs }.
@@ -55,6 +63,19 @@ local function fair_level(wants, limit)
     left = left - want
   end
   return limit
+end
+
+-- How long a window's count may outlive a loss of the store's records: a window (two for a
+-- sliding window counter), 0 for a bucket.
+local function count_outlives(spec)
+  local algorithm, window = string.match(spec, '^(%S+) %d+ (%d+) ')
+  window = math.floor(tonumber(window or '0') / 1000)
+  if algorithm == 'fixed_window' then
+    return window
+  elseif algorithm == 'sliding_window_counter' then
+    return 2 * window
+  end
+  return 0
 end
 
 -- Until when a region's units of a limit count, from when its share ends: windows keep their
@@ -87,24 +108,43 @@ local function floodgate_region_trade(keys, args)
     return { now, 'stale' }
   end
   local pressure, born_key, generation_key = keys[n + 1], keys[n + 2], keys[n + 3]
+  local reported_key = keys[n + 4]
   local seen = tonumber(args[7 + n * 5]) or 0
   local generation = tonumber(redis.call('GET', generation_key)) or 0
+  local reborn
   if generation < seen then
     -- Behind what a region saw: this store lost writes it had acknowledged.
     redis.call('SET', born_key, now)
     generation = seen
+    reborn = true
   else
-    redis.call('SET', born_key, now, 'NX')
+    reborn = redis.call('SET', born_key, now, 'NX')
+  end
+  if reborn then
+    redis.call('DEL', reported_key)
   end
   generation = generation + 1
   redis.call('SET', generation_key, generation)
-  local settling = now - tonumber(redis.call('GET', born_key)) < lifetime
+  if args[8 + n * 5] == '1' then
+    redis.call('HSET', reported_key, me, now)
+  end
+  local since_born = now - tonumber(redis.call('GET', born_key))
+  local settling = since_born < lifetime
+  local all_reported = true
+  for _, region in ipairs(regions) do
+    if redis.call('HEXISTS', reported_key, region) == 0 then
+      all_reported = false
+    end
+  end
   local reply = { now, 'ok', generation }
   for i = 1, n do
     local at = 7 + (i - 1) * 5
     local key, spec = keys[i], args[at + 1]
     local limit, report, want = tonumber(args[at + 2]), tonumber(args[at + 3]), tonumber(args[at + 4])
     local fixed = math.max(1, math.floor(limit / #regions))
+    -- This key settles longer while a region that may hold a window's count has not reported.
+    local settling = settling
+      or (not all_reported and since_born < count_outlives(spec) + lifetime + margin)
     local others, promises_end, wants = 0, now + lifetime, {}
     local previous_ends = now
     for _, region in ipairs(regions) do

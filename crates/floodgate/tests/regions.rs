@@ -432,6 +432,8 @@ async fn a_global_store_restored_from_an_older_snapshot_grants_nothing_twice() {
 /// generation than the store holds finds the store behind (it lost acknowledged writes, its
 /// `born` key kept) and settles, granting what the region reports and no more, where a store
 /// that is current grants from its records. The generation moves past what the region saw.
+/// A bucket settles a lifetime; a window, until every region has reported since (or the
+/// window has passed).
 #[test]
 fn a_store_behind_a_region_s_generation_settles_before_it_grants() {
     let global = support::RedisServer::start();
@@ -440,40 +442,43 @@ fn a_store_behind_a_region_s_generation_settles_before_it_grants() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis();
-    // In use for an hour (no settling from `born`), at generation 10.
+    // In use for an hour (no settling from `born`), at generation 10, both regions reported.
     let _: () = global.command(&["SET", "born", &(now_ms - 3_600_000).to_string()]);
     let _: () = global.command(&["SET", "generation", "10"]);
-    let trade = |key: &str, seen: u64| -> (u64, u64) {
-        let reply: Vec<String> = global.command(&[
-            "EVAL",
-            script,
-            "4",
-            key,
-            "pressure",
-            "born",
-            "generation", // keys
-            "r1",
-            "r0,r1",
-            "600",
-            "0",
-            "50",
-            "1", // the trade
-            key,
-            "fixed_window 100 600000000 100",
-            "100",
-            "0",
-            "100", // its item: report 0, want 100
-            &seen.to_string(),
-        ]);
+    let _: () = global.command(&["HSET", "reported", "r0", "1", "r1", "1"]);
+    const BUCKET: &str = "token_bucket 100 600000000 100";
+    const WINDOW: &str = "fixed_window 100 600000000 100";
+    // A trade by `me` of one item (report 0, want 100): (the generation after it, the grant).
+    let trade = |me: &str, key: &str, spec: &str, seen: u64| -> (u64, u64) {
+        let seen = seen.to_string();
+        let keys = [key, "pressure", "born", "generation", "reported"];
+        let trade = [me, "r0,r1", "600", "0", "50", "1"];
+        let item = [key, spec, "100", "0", "100"];
+        let mut command = vec!["EVAL", script, "5"];
+        command.extend(keys);
+        command.extend(trade);
+        command.extend(item);
+        command.extend([seen.as_str(), "1"]);
+        let reply: Vec<String> = global.command(&command);
         assert_eq!(reply[1], "ok", "{reply:?}");
         (reply[2].parse().unwrap(), reply[3].parse().unwrap())
     };
     // Current (it saw 10): the other region counted at its fixed share, 50 granted.
-    assert_eq!(trade("current", 10), (11, 50));
+    assert_eq!(trade("r1", "current", WINDOW, 10), (11, 50));
     // Behind (a region saw 40): settling, the report granted, the generation past 40.
-    assert_eq!(trade("behind", 40), (41, 0));
+    assert_eq!(trade("r1", "behind", BUCKET, 40), (41, 0));
     // Settling lasts a lifetime from then, for every region.
-    assert_eq!(trade("after", 0).1, 0);
+    assert_eq!(trade("r0", "after", BUCKET, 0).1, 0);
+    // Past the lifetime, a bucket is granted again; a window is not while a region that may
+    // hold its count from before the loss has not reported: r0's call above reported, r1's
+    // did too, so take r0's report back to see the window wait for it.
+    let _: () = global.command(&["SET", "born", &(now_ms - 2_000).to_string()]);
+    let _: () = global.command(&["HDEL", "reported", "r0"]);
+    assert_eq!(trade("r1", "bucket-later", BUCKET, 0).1, 50);
+    assert_eq!(trade("r1", "window-later", WINDOW, 0).1, 0);
+    // Once r0 reported, the window is granted.
+    trade("r0", "r0-reports", BUCKET, 0);
+    assert_eq!(trade("r1", "window-reported", WINDOW, 0).1, 50);
 }
 
 /// A reload that adds a fourth region: the new region decides on its fixed share (a quarter)

@@ -216,7 +216,7 @@ impl Trader {
             // trade measures it again), so that even a new trader's first trade carries a
             // deadline without a call of its own.
             self.clock_asked = true;
-            let _ = self.call_global(&[], Instant::now()).await;
+            let _ = self.call_global(&[], Instant::now(), false).await;
         }
         if !view.trader {
             self.estimates.clear();
@@ -471,7 +471,7 @@ impl Trader {
             }
         }
         let global_sent = Instant::now();
-        let replies = match self.call_global(&items, global_sent).await {
+        let replies = match self.call_global(&items, global_sent, true).await {
             Ok(replies) => {
                 self.failing = false;
                 self.status.traded(TradeResult::Ok);
@@ -788,11 +788,14 @@ impl Trader {
     }
 
     /// The trade: one call for every key. Per item: the grant, the ms its raise lasts, the
-    /// fair cap. Keys others want more of are kept for the next round.
+    /// fair cap. Keys others want more of are kept for the next round. `reports`: the call
+    /// says all the region holds above its fixed shares (the trader's trade, not a gateway's
+    /// reading of the clock), which ends a window's settling after a loss (SPEC §5).
     async fn call_global(
         &mut self,
         items: &[Item],
         sent: Instant,
+        reports: bool,
     ) -> Result<Vec<Granted>, TradeResult> {
         let deadline = match self.offset_ms {
             Some(offset) => {
@@ -807,6 +810,7 @@ impl Trader {
         keys.push("floodgate:regions:pressure".to_owned());
         keys.push("floodgate:regions:born".to_owned());
         keys.push("floodgate:regions:generation".to_owned());
+        keys.push("floodgate:regions:reported".to_owned());
         let mut args = vec![
             self.settings.name.clone(),
             self.settings.regions.join(","),
@@ -825,6 +829,7 @@ impl Trader {
             ]);
         }
         args.push(self.generation_seen.to_string());
+        args.push(if reports { "1" } else { "0" }.to_owned());
         let value = self.global.global(&keys, &args).await.map_err(|error| {
             tracing::warn!(%error, region = %self.settings.name, "region trade failed");
             TradeResult::Failed
