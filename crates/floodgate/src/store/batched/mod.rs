@@ -532,30 +532,17 @@ impl Entry {
     /// left for the shared store to refund, which this node's view of it counts as given back
     /// already (the next trade reads the shared store's own).
     ///
-    /// A bucket's shared level does not count the leases nodes hold, so units given back to
-    /// it (capped at its capacity) or to a lease after it refilled could be spent on top of a
-    /// full bucket. Past its unsent debt, a bucket takes a refund back only into the lease
-    /// its units were spent from (charged at `charged_at`, after the lease's grant, which
-    /// still lives: no refill has passed through it), and at most the room this node's view
-    /// of the bucket (the shared level with its unused lease given back) has below its
-    /// capacity; the rest of its estimate stays charged.
-    fn take_back(&mut self, now: u64, charged_at: u64, units: u64) -> u64 {
+    /// A bucket gives back its unsent debt only: the shared bucket's level does not count the
+    /// leases nodes hold, so units given back to it (capped at its capacity) or to a lease
+    /// after it refilled could be spent on top of a full bucket. The rest of its estimate
+    /// stays charged.
+    fn take_back(&mut self, now: u64, units: u64) -> u64 {
         let from_debt = units.min(self.debt);
         self.debt -= from_debt;
         let windowed = self.limit.algorithm().counts_in_windows();
+        let rest = if windowed { units - from_debt } else { 0 };
         self.expire_lease(now);
-        let granted_at = self
-            .lease_expires
-            .saturating_sub(duration_micros(LEASE_LIFETIME));
-        let rest = if windowed {
-            units - from_debt
-        } else if charged_at >= granted_at && now < self.lease_expires {
-            (units - from_debt).min(self.room_below_capacity(now).saturating_sub(from_debt))
-        } else {
-            0
-        };
-        // A bucket's lease is the same grant while it lives, spent to its last unit or not.
-        let spendable = (self.lease > 0 || !windowed) && now < self.lease_expires;
+        let spendable = self.lease > 0 && now < self.lease_expires;
         if rest > 0 && spendable {
             self.lease += rest;
         }
@@ -564,16 +551,6 @@ impl Entry {
             algorithm::unconsume(&self.limit, state, now, from_debt + sent);
         }
         sent
-    }
-
-    /// Whole units this node's view of a bucket (the shared level with its unused lease
-    /// given back) lacks of the bucket's capacity at `now`; none without a view yet.
-    fn room_below_capacity(&self, now: u64) -> u64 {
-        let Some(state) = self.virtual_state(now) else {
-            return 0;
-        };
-        let level = algorithm::evaluate(&self.limit, Some(&state), now, 0).remaining;
-        self.limit.capacity().saturating_sub(level)
     }
 
     /// Stops spending a lease that may not be spent any more. Past its lifetime it is given
@@ -817,8 +794,7 @@ impl<T: SyncTarget> Shared<T> {
     /// (the same window, within its lifetime), and the rest, and windows this node does not
     /// hold, are refunded in the shared store, whose own window decides whether anything is
     /// given back. A window's units counted in a window that has ended are not given back at
-    /// all; a bucket gives back its unsent debt, and into the lease it was charged from while
-    /// that lease lives, within the bucket's capacity ([`Entry::take_back`]).
+    /// all; a bucket gives back its unsent debt only ([`Entry::take_back`]).
     async fn refund(
         &self,
         checks: &[Check],
@@ -839,9 +815,7 @@ impl<T: SyncTarget> Shared<T> {
             }
             let mut shard = self.lock_shard_of(&check.key);
             let rest = match shard.get_mut(&*check.key) {
-                Some(Slot::Ready(entry)) => {
-                    entry.take_back(decided_at, charged_at.as_micros(), check.cost)
-                }
+                Some(Slot::Ready(entry)) => entry.take_back(decided_at, check.cost),
                 // A window this node does not hold is refunded where it is counted; a bucket's
                 // units are not given back (see `Entry::take_back`).
                 _ if check.limit.algorithm().counts_in_windows() => check.cost,
