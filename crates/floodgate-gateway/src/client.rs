@@ -27,6 +27,9 @@ pub(crate) struct ResolvedClient {
     /// credentials are taken off before it is forwarded, so that the upstream does not trust
     /// what the gateway did not.
     pub anonymized: bool,
+    /// Identified by a verified token: an API key beside it, which the token won over, is
+    /// taken off before it is forwarded.
+    pub token_verified: bool,
 }
 
 /// What to do with a request.
@@ -226,6 +229,7 @@ pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution 
         bypass: resolved.listed == Some(Listed::Allowlist),
         route: config.routes.find_index(request.method, request.uri.path()),
         anonymized: matches!(token, Token::Refused(_)),
+        token_verified: matches!(token, Token::Verified { .. }),
     })
 }
 
@@ -275,6 +279,7 @@ mod tests {
             bypass: false,
             route: chat,
             anonymized: false,
+            token_verified: false,
         });
         let resolved = ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x");
         assert_eq!(resolved.and_then(|route| route.cost), Some(5));
@@ -285,6 +290,7 @@ mod tests {
             bypass: false,
             route: None,
             anonymized: false,
+            token_verified: false,
         });
         assert!(
             ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x").is_none()

@@ -99,6 +99,16 @@ impl CredentialHeaders {
         Ok(())
     }
 
+    /// Takes the API key header off a request identified by its verified token: the token
+    /// wins (SPEC §3), so the key was neither counted nor looked up, and an upstream that
+    /// authenticates by it would read another client than the gateway counted.
+    pub(crate) fn strip_beside_token(&self, headers: &mut HeaderMap) {
+        let token_header = self.token.as_ref().unwrap_or(&AUTHORIZATION);
+        if self.api_key != *token_header {
+            headers.remove(&self.api_key);
+        }
+    }
+
     /// Takes every credential the gateway reads off `headers`: a request limited as
     /// anonymous (a refused token under `invalid_token: anonymous`) reaches the upstream as
     /// the anonymous request it was counted as, not with a credential the upstream may trust.

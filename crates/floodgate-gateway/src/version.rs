@@ -263,11 +263,11 @@ impl ConfigVersion {
             .get(&*client.plan)
             .unwrap_or(&self.fallback_service)
             .clone();
+        let credentials = &self.config.identity.credentials;
         if client.anonymized {
-            self.config
-                .identity
-                .credentials
-                .strip(request.headers_mut());
+            credentials.strip(request.headers_mut());
+        } else if client.token_verified {
+            credentials.strip_beside_token(request.headers_mut());
         }
         request.extensions_mut().insert(client);
         let grpc = is_grpc(request.headers());
