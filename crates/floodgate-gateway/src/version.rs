@@ -207,44 +207,9 @@ impl ConfigVersion {
             facts.path = Some(request.uri().path().to_owned());
         }
         let resolution = resolve(&self.config, &RequestInfo::new(&request));
-        let client = match resolution {
-            Resolution::InvalidRequest(ambiguity) => {
-                facts.early = Some(GatewayOutcome::Rejected);
-                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => ambiguity.reason())
-                    .increment(1);
-                let mut answer = json_error(http::StatusCode::BAD_REQUEST, "invalid_request");
-                // RFC 6750 §3.1: more than one way of including a credential.
-                answer.headers_mut().insert(
-                    http::header::WWW_AUTHENTICATE,
-                    http::HeaderValue::from_static("Bearer error=\"invalid_request\""),
-                );
-                return answer;
-            }
-            Resolution::Denied => {
-                facts.early = Some(GatewayOutcome::Limiter(Outcome::Denylisted));
-                floodgate::telemetry::record_denylisted();
-                return floodgate::response::forbidden_response()
-                    .map(|body| Either::Right(Full::new(body)));
-            }
-            Resolution::UnknownKey => {
-                facts.early = Some(GatewayOutcome::UnknownKey);
-                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
-                    .increment(1);
-                return json_error(http::StatusCode::UNAUTHORIZED, "unknown_api_key");
-            }
-            Resolution::InvalidToken => {
-                facts.early = Some(GatewayOutcome::InvalidToken);
-                metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "invalid_token")
-                    .increment(1);
-                let mut answer = json_error(http::StatusCode::UNAUTHORIZED, "invalid_token");
-                // RFC 6750 §3: what a bearer client is told about a token it must replace.
-                answer.headers_mut().insert(
-                    http::header::WWW_AUTHENTICATE,
-                    http::HeaderValue::from_static("Bearer error=\"invalid_token\""),
-                );
-                return answer;
-            }
-            Resolution::Client(client) => client,
+        let client = match client_or_refusal(resolution, facts) {
+            Ok(client) => client,
+            Err(refusal) => return *refusal,
         };
         if logged {
             facts.identity = Some(client.identity.clone());
@@ -279,6 +244,58 @@ impl ConfigVersion {
             return grpc_resource_exhausted(response);
         }
         response.map(Either::Left)
+    }
+}
+
+/// The client `resolution` names, or the answer that refuses the request (its outcome in
+/// `facts`, its reason counted; boxed: a refusal is rare, the client's path is not).
+fn client_or_refusal(
+    resolution: Resolution,
+    facts: &mut RequestFacts,
+) -> Result<ResolvedClient, Box<Response<GatewayBody>>> {
+    match resolution {
+        Resolution::InvalidRequest(ambiguity) => {
+            facts.early = Some(GatewayOutcome::Rejected);
+            metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => ambiguity.reason())
+                .increment(1);
+            let mut answer = json_error(http::StatusCode::BAD_REQUEST, "invalid_request");
+            // RFC 6750 §3.1: more than one way of including a credential.
+            answer.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer error=\"invalid_request\""),
+            );
+            Err(Box::new(answer))
+        }
+        Resolution::Denied => {
+            facts.early = Some(GatewayOutcome::Limiter(Outcome::Denylisted));
+            floodgate::telemetry::record_denylisted();
+            Err(Box::new(
+                floodgate::response::forbidden_response()
+                    .map(|body| Either::Right(Full::new(body))),
+            ))
+        }
+        Resolution::UnknownKey => {
+            facts.early = Some(GatewayOutcome::UnknownKey);
+            metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "unknown_api_key")
+                .increment(1);
+            Err(Box::new(json_error(
+                http::StatusCode::UNAUTHORIZED,
+                "unknown_api_key",
+            )))
+        }
+        Resolution::InvalidToken => {
+            facts.early = Some(GatewayOutcome::InvalidToken);
+            metrics::counter!(crate::telemetry::REJECTED_REQUESTS_TOTAL, "reason" => "invalid_token")
+                .increment(1);
+            let mut answer = json_error(http::StatusCode::UNAUTHORIZED, "invalid_token");
+            // RFC 6750 §3: what a bearer client is told about a token it must replace.
+            answer.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer error=\"invalid_token\""),
+            );
+            Err(Box::new(answer))
+        }
+        Resolution::Client(client) => Ok(client),
     }
 }
 
