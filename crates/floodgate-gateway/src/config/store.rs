@@ -281,171 +281,14 @@ fn region(
     backend: Option<&Backend>,
 ) -> Option<RegionConfig> {
     let raw = store.region.as_ref()?;
-    let mut valid = true;
-    let mut fail = |errors: &mut Errors, path: &str, problem: String| {
-        errors.push(path.to_owned(), problem);
-        valid = false;
+    let mut check = RegionCheck {
+        errors,
+        valid: true,
     };
-    if backend.is_some_and(|backend| !backend.is_shared()) {
-        fail(
-            errors,
-            "store.region",
-            "needs a shared store (redis, redis_cluster or redis_sharded): each region decides \
-             against its own Redis"
-                .to_owned(),
-        );
-    }
-    if store.share != 1.0 {
-        fail(
-            errors,
-            "store.share",
-            "cannot be combined with store.region, whose fixed share is 1 / regions and moves \
-             with the demand"
-                .to_owned(),
-        );
-    }
-    if raw.regions.is_empty() {
-        fail(
-            errors,
-            "store.region.regions",
-            "needs at least one region".to_owned(),
-        );
-    }
-    for (index, name) in raw.regions.iter().enumerate() {
-        if !is_region_name(name) {
-            fail(
-                errors,
-                &format!("store.region.regions[{index}]"),
-                format!("`{name}` is not a region name (1 to 32 letters, digits, - or _)"),
-            );
-        } else if raw.regions[..index].contains(name) {
-            fail(
-                errors,
-                &format!("store.region.regions[{index}]"),
-                format!("`{name}` is listed twice"),
-            );
-        }
-    }
-    if !raw.regions.contains(&raw.name) {
-        fail(
-            errors,
-            "store.region.name",
-            format!(
-                "`{}` is not among store.region.regions ({})",
-                raw.name,
-                raw.regions.join(", ")
-            ),
-        );
-    }
-    if !looks_like_redis_url(&raw.global) {
-        fail(
-            errors,
-            "store.region.global",
-            format!(
-                "`{}` is not a redis:// URL of a server every region reaches",
-                redact_url(&raw.global)
-            ),
-        );
-    }
-    let local = match (&raw.local, backend) {
-        (Some(local), _) => Some(local.clone()),
-        (None, Some(Backend::Redis { url, .. })) => Some(url.clone()),
-        (None, Some(_)) => {
-            fail(
-                errors,
-                "store.region.local",
-                "needed with this backend: the URL of one Redis in this region where its \
-                 gateways share their table of shares"
-                    .to_owned(),
-            );
-            None
-        }
-        (None, None) => None,
-    };
-    if let Some(local) = &local
-        && !looks_like_redis_url(local)
-    {
-        fail(
-            errors,
-            "store.region.local",
-            format!("`{}` is not a redis:// URL", redact_url(local)),
-        );
-    }
-    let own_urls: Vec<&str> = match backend {
-        Some(Backend::Redis { url, .. }) => vec![url.as_str()],
-        Some(Backend::RedisCluster { nodes, .. } | Backend::RedisSharded { nodes, .. }) => {
-            nodes.iter().map(String::as_str).collect()
-        }
-        _ => Vec::new(),
-    };
-    if local.as_deref() == Some(raw.global.as_str()) || own_urls.contains(&raw.global.as_str()) {
-        fail(
-            errors,
-            "store.region.global",
-            "must not be the region's own store: a region that cannot reach the global store \
-             must still reach its own"
-                .to_owned(),
-        );
-    }
-    let (shortest, longest) = REGION_INTERVALS;
-    let interval = match positive_duration(&raw.sync_interval) {
-        Ok(interval) if interval < shortest || interval > longest => {
-            fail(
-                errors,
-                "store.region.sync_interval",
-                format!("must be between {shortest:?} and {longest:?}"),
-            );
-            None
-        }
-        Ok(interval) => Some(interval),
-        Err(problem) => {
-            fail(errors, "store.region.sync_interval", problem.to_string());
-            None
-        }
-    };
-    let lifetime = match (&raw.lease_lifetime, interval) {
-        (None, interval) => interval.map(|interval| interval * 3),
-        (Some(text), interval) => match positive_duration(text) {
-            Ok(lifetime) if interval.is_some_and(|interval| lifetime < interval * 2) => {
-                fail(
-                    errors,
-                    "store.region.lease_lifetime",
-                    "must be at least two sync intervals (a grant is renewed once per interval)"
-                        .to_owned(),
-                );
-                None
-            }
-            Ok(lifetime) if lifetime > Duration::from_secs(600) => {
-                fail(
-                    errors,
-                    "store.region.lease_lifetime",
-                    "must be at most 10m".to_owned(),
-                );
-                None
-            }
-            Ok(lifetime) => Some(lifetime),
-            Err(problem) => {
-                fail(errors, "store.region.lease_lifetime", problem.to_string());
-                None
-            }
-        },
-    };
-    let timeout = match positive_duration(&raw.timeout) {
-        Ok(timeout) if timeout > Duration::from_secs(30) => {
-            fail(
-                errors,
-                "store.region.timeout",
-                "must be at most 30s".to_owned(),
-            );
-            None
-        }
-        Ok(timeout) => Some(timeout),
-        Err(problem) => {
-            fail(errors, "store.region.timeout", problem.to_string());
-            None
-        }
-    };
-    if !valid {
+    region_placement(&mut check, store, raw, backend);
+    let local = region_urls(&mut check, raw, backend);
+    let (interval, lifetime, timeout) = region_timing(&mut check, raw);
+    if !check.valid {
         return None;
     }
     let mut settings = floodgate::store::region::RegionSettings::new(
@@ -458,6 +301,190 @@ fn region(
     settings.lease_lifetime = lifetime?;
     settings.timeout = timeout?;
     Some(RegionConfig { settings })
+}
+
+/// The errors of `store.region`, and whether there were none.
+struct RegionCheck<'e> {
+    errors: &'e mut Errors,
+    valid: bool,
+}
+
+impl RegionCheck<'_> {
+    fn fail(&mut self, path: &str, problem: impl Into<String>) {
+        self.errors.push(path, problem);
+        self.valid = false;
+    }
+}
+
+/// `store.region`'s place in `store`: a shared backend, no `store.share`, and its regions,
+/// each named once, this one among them.
+fn region_placement(
+    check: &mut RegionCheck<'_>,
+    store: &RawStore,
+    raw: &RawRegion,
+    backend: Option<&Backend>,
+) {
+    if backend.is_some_and(|backend| !backend.is_shared()) {
+        check.fail(
+            "store.region",
+            "needs a shared store (redis, redis_cluster or redis_sharded): each region decides \
+             against its own Redis"
+                .to_owned(),
+        );
+    }
+    if store.share != 1.0 {
+        check.fail(
+            "store.share",
+            "cannot be combined with store.region, whose fixed share is 1 / regions and moves \
+             with the demand"
+                .to_owned(),
+        );
+    }
+    if raw.regions.is_empty() {
+        check.fail(
+            "store.region.regions",
+            "needs at least one region".to_owned(),
+        );
+    }
+    for (index, name) in raw.regions.iter().enumerate() {
+        if !is_region_name(name) {
+            check.fail(
+                &format!("store.region.regions[{index}]"),
+                format!("`{name}` is not a region name (1 to 32 letters, digits, - or _)"),
+            );
+        } else if raw.regions[..index].contains(name) {
+            check.fail(
+                &format!("store.region.regions[{index}]"),
+                format!("`{name}` is listed twice"),
+            );
+        }
+    }
+    if !raw.regions.contains(&raw.name) {
+        check.fail(
+            "store.region.name",
+            format!(
+                "`{}` is not among store.region.regions ({})",
+                raw.name,
+                raw.regions.join(", ")
+            ),
+        );
+    }
+}
+
+/// `store.region`'s URLs: the global store (a redis:// URL, not the region's own store) and
+/// the region's own (`local`, or the backend's single URL); the latter, when there is one.
+fn region_urls(
+    check: &mut RegionCheck<'_>,
+    raw: &RawRegion,
+    backend: Option<&Backend>,
+) -> Option<String> {
+    if !looks_like_redis_url(&raw.global) {
+        check.fail(
+            "store.region.global",
+            format!(
+                "`{}` is not a redis:// URL of a server every region reaches",
+                redact_url(&raw.global)
+            ),
+        );
+    }
+    let local = match (&raw.local, backend) {
+        (Some(local), _) => Some(local.clone()),
+        (None, Some(Backend::Redis { url, .. })) => Some(url.clone()),
+        (None, Some(_)) => {
+            check.fail(
+                "store.region.local",
+                "needed with this backend: the URL of one Redis in this region where its \
+                 gateways share their table of shares"
+                    .to_owned(),
+            );
+            None
+        }
+        (None, None) => None,
+    };
+    if let Some(local) = &local
+        && !looks_like_redis_url(local)
+    {
+        check.fail(
+            "store.region.local",
+            format!("`{}` is not a redis:// URL", redact_url(local)),
+        );
+    }
+    let own_urls: Vec<&str> = match backend {
+        Some(Backend::Redis { url, .. }) => vec![url.as_str()],
+        Some(Backend::RedisCluster { nodes, .. } | Backend::RedisSharded { nodes, .. }) => {
+            nodes.iter().map(String::as_str).collect()
+        }
+        _ => Vec::new(),
+    };
+    if local.as_deref() == Some(raw.global.as_str()) || own_urls.contains(&raw.global.as_str()) {
+        check.fail(
+            "store.region.global",
+            "must not be the region's own store: a region that cannot reach the global store \
+             must still reach its own"
+                .to_owned(),
+        );
+    }
+    local
+}
+
+/// `store.region`'s durations: the sync interval (within [`REGION_INTERVALS`]), the lease
+/// lifetime (two intervals to 10m; three intervals by default) and the timeout (at most 30s).
+fn region_timing(
+    check: &mut RegionCheck<'_>,
+    raw: &RawRegion,
+) -> (Option<Duration>, Option<Duration>, Option<Duration>) {
+    let (shortest, longest) = REGION_INTERVALS;
+    let interval = match positive_duration(&raw.sync_interval) {
+        Ok(interval) if interval < shortest || interval > longest => {
+            check.fail(
+                "store.region.sync_interval",
+                format!("must be between {shortest:?} and {longest:?}"),
+            );
+            None
+        }
+        Ok(interval) => Some(interval),
+        Err(problem) => {
+            check.fail("store.region.sync_interval", problem.to_string());
+            None
+        }
+    };
+    let lifetime = match (&raw.lease_lifetime, interval) {
+        (None, interval) => interval.map(|interval| interval * 3),
+        (Some(text), interval) => match positive_duration(text) {
+            Ok(lifetime) if interval.is_some_and(|interval| lifetime < interval * 2) => {
+                check.fail(
+                    "store.region.lease_lifetime",
+                    "must be at least two sync intervals (a grant is renewed once per interval)"
+                        .to_owned(),
+                );
+                None
+            }
+            Ok(lifetime) if lifetime > Duration::from_secs(600) => {
+                check.fail(
+                    "store.region.lease_lifetime",
+                    "must be at most 10m".to_owned(),
+                );
+                None
+            }
+            Ok(lifetime) => Some(lifetime),
+            Err(problem) => {
+                check.fail("store.region.lease_lifetime", problem.to_string());
+                None
+            }
+        },
+    };
+    let timeout = match positive_duration(&raw.timeout) {
+        Ok(timeout) if timeout > Duration::from_secs(30) => {
+            check.fail("store.region.timeout", "must be at most 30s".to_owned());
+            None
+        }
+        Ok(timeout) => Some(timeout),
+        Err(problem) => {
+            check.fail("store.region.timeout", problem.to_string());
+            None
+        }
+    };
+    (interval, lifetime, timeout)
 }
 
 /// A decision rate, `<n>/s`, `<n>/m`, `<n>/h` or `<n>/<duration>` (`3000/10s`), as decisions
