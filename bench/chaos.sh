@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The fault-schedule checker on N random schedules: each a fresh fleet (exact, batched, cluster,
-# sharded or regions, by the seed) against real redis-server processes, a FaultProxy in front of
-# every Redis link, a mixed workload (four algorithms, costs 1 to 3, a limit every decision names,
+# The fault-schedule checker on N random schedules: each a fresh fleet (exact, batched, cluster
+# exact or batched, sharded or regions, by the seed) against real redis-server processes, a FaultProxy in front of
+# every Redis link, a mixed workload (four algorithms, costs 1 to 4, a limit every decision names,
 # refunds after the response) and random faults from the seed (late replies, answers dropped
 # after Redis applied the call, black holes, Redis restarted empty, the global store restored
 # from an older snapshot, a region partitioned). Every decision is checked afterwards: never
 # above the limit. Prints a line per schedule, the summary (schedules, faults per kind,
 # decisions checked, violations), and for each violation the command that replays its seed.
-# crates/floodgate-test-support/src/chaos.rs is the harness; CI runs seeds 1 to 20.
+# crates/floodgate-test-support/src/chaos.rs is the harness; CI runs seeds 1 to 24.
 #
 #   bash bench/chaos.sh [N] [first seed]      (default: 100 schedules from a random seed)
 set -euo pipefail

@@ -18,7 +18,11 @@
 //! whose current window's count never exceeds its estimate), the cost of the decisions
 //! admitted certainly inside one window, less every refund of them, is at most the limit; for
 //! a bucket (`token_bucket`, `gcra`), over every interval between two decisions, at most its
-//! capacity and its refill over the interval, plus every refund that may have landed inside. A store that lost its
+//! capacity and its refill over the interval, plus every refund that may have landed inside;
+//! a batched node's decision spends units its lease took from the bucket up to a lease's
+//! lifetime earlier (the bound README documents: a bucket's lease held across a refill), so it
+//! counts in the intervals that hold that whole span, and in a window only when it is 100 ms
+//! clear of its edges (a node cuts a lease's window by its measure of the store's clock). A store that lost its
 //! data (a Redis restarted empty: the documented loss of a store without persistence) adds one
 //! limit to every window or interval it falls in or precedes by at most a lease's lifetime (a
 //! batched node spends what it was leased before); no other fault adds anything. Refunds whose
@@ -52,9 +56,12 @@ pub enum Deployment {
     Exact,
     /// Three batched nodes (leases, 50 ms rounds) on one Redis, each through its own proxy.
     Batched,
-    /// A Redis Cluster of three masters behind proxies: two exact nodes (a pool of four, and
-    /// one multiplexed connection) and one batched node.
+    /// A Redis Cluster of three masters behind proxies: three exact nodes (a pool of four,
+    /// one multiplexed connection, a pool of two).
     Cluster,
+    /// The same cluster under three batched nodes (leases, 50 ms rounds), with the same
+    /// connections.
+    ClusterBatched,
     /// Three exact nodes, each sharding keys over two Redis servers behind proxies.
     Sharded,
     /// Two regions trading shares through a global store (behind a proxy per region), one
@@ -63,13 +70,14 @@ pub enum Deployment {
 }
 
 impl Deployment {
-    /// Every deployment, in the order seeds take them (`seed % 5`).
-    pub const ALL: [Deployment; 5] = [
+    /// Every deployment, in the order seeds take them (`seed % 6`).
+    pub const ALL: [Deployment; 6] = [
         Deployment::Exact,
         Deployment::Batched,
         Deployment::Cluster,
         Deployment::Sharded,
         Deployment::Regions,
+        Deployment::ClusterBatched,
     ];
 }
 
@@ -81,6 +89,12 @@ pub enum FaultKind {
     /// For a while, script calls applied and their answers dropped with their connection, one
     /// at a time (what follows a dropped call, a re-send included, goes through).
     DroppedAnswer,
+    /// For a while, settlements (refunds) applied and their answers dropped with their
+    /// connection, one at a time.
+    DroppedSettlement,
+    /// For a while, lease trades applied and their answers dropped with their connection, one
+    /// at a time (batched nodes).
+    DroppedTrade,
     /// For a while, every script call applied and its answer dropped with its connection
     /// (and whatever a client library sends again on a new one, the same).
     DroppedAnswers,
@@ -121,16 +135,25 @@ pub struct Schedule {
 }
 
 impl Schedule {
-    /// The schedule of `seed`: its deployment is `Deployment::ALL[seed % 5]`, its faults drawn
+    /// The schedule of `seed`: its deployment is `Deployment::ALL[seed % 6]`, its faults drawn
     /// by `fastrand` from the seed.
     pub fn of(seed: u64) -> Schedule {
-        let deployment = Deployment::ALL[(seed % 5) as usize];
+        let deployment = Deployment::ALL[(seed % Deployment::ALL.len() as u64) as usize];
         let mut rng = fastrand::Rng::with_seed(seed);
         let run = Duration::from_millis(2_500);
         let kinds: &[FaultKind] = match deployment {
-            Deployment::Exact | Deployment::Batched | Deployment::Sharded => &[
+            Deployment::Exact | Deployment::Sharded => &[
                 FaultKind::LateReplies,
                 FaultKind::DroppedAnswer,
+                FaultKind::DroppedSettlement,
+                FaultKind::DroppedAnswers,
+                FaultKind::BlackHole,
+                FaultKind::RestartedEmpty,
+            ],
+            Deployment::Batched => &[
+                FaultKind::LateReplies,
+                FaultKind::DroppedAnswer,
+                FaultKind::DroppedTrade,
                 FaultKind::DroppedAnswers,
                 FaultKind::BlackHole,
                 FaultKind::RestartedEmpty,
@@ -138,7 +161,16 @@ impl Schedule {
             Deployment::Cluster => &[
                 FaultKind::LateReplies,
                 FaultKind::DroppedAnswer,
+                FaultKind::DroppedSettlement,
+                FaultKind::DroppedSettlement,
                 FaultKind::DroppedAnswers,
+                FaultKind::BlackHole,
+            ],
+            Deployment::ClusterBatched => &[
+                FaultKind::LateReplies,
+                FaultKind::DroppedAnswer,
+                FaultKind::DroppedTrade,
+                FaultKind::DroppedTrade,
                 FaultKind::DroppedAnswers,
                 FaultKind::BlackHole,
             ],
@@ -148,7 +180,11 @@ impl Schedule {
                 FaultKind::RestoredFromSnapshot,
             ],
         };
-        let count = rng.usize(4..=9);
+        // A cluster has three links to hit, and its faults are the calls' own: more of them.
+        let count = match deployment {
+            Deployment::Cluster | Deployment::ClusterBatched => rng.usize(8..=14),
+            _ => rng.usize(4..=9),
+        };
         let mut faults: Vec<FaultEvent> = (0..count)
             .map(|_| FaultEvent {
                 at: Duration::from_millis(rng.u64(150..2_100)),
@@ -178,6 +214,10 @@ impl Schedule {
     }
 }
 
+/// How far a batched node's view of the shared store's clock may be from it: the node cuts a
+/// lease's window by an offset measured from round trips, each up to a deadline long.
+const LEASED_CLOCK_SLACK: Duration = Duration::from_millis(100);
+
 /// When a regions schedule takes its snapshot of the global store.
 const SNAPSHOT_AT: Duration = Duration::from_millis(100);
 
@@ -201,6 +241,9 @@ pub enum Answer {
 pub struct Decided {
     /// The node that decided.
     pub node: usize,
+    /// Decided by a batched node, from a lease: its units may have left the shared bucket as
+    /// long as a lease lives before it was sent.
+    pub leased: bool,
     /// The identity.
     pub identity: usize,
     /// The keys of the limits checked, with their limits.
@@ -234,6 +277,29 @@ impl Decided {
     /// Its cost less what was given back.
     fn kept(&self) -> u64 {
         self.cost - self.refund.map_or(0, |refund| refund.units)
+    }
+
+    /// When, by the shared store's clock, it may have been counted in a window: between its
+    /// sending and its answer; for a batched node's, within [`LEASED_CLOCK_SLACK`] of them
+    /// (the node cuts windows by its estimate of the store's clock, measured by round trips).
+    fn window_span(&self) -> (u64, u64) {
+        if self.leased {
+            let slack = LEASED_CLOCK_SLACK.as_micros() as u64;
+            (self.sent.saturating_sub(slack), self.answered + slack)
+        } else {
+            (self.sent, self.answered)
+        }
+    }
+
+    /// The earliest its units may have left a shared bucket (µs since the epoch): when it was
+    /// sent, or, from a lease, a lease's lifetime before (a bucket's lease held across a refill,
+    /// the bound README documents for batched mode).
+    fn earliest(&self) -> u64 {
+        if self.leased {
+            self.sent.saturating_sub(LEASE_LIFETIME.as_micros() as u64)
+        } else {
+            self.sent
+        }
     }
 }
 
@@ -318,6 +384,8 @@ fn limits(deployment: Deployment) -> (Vec<Arc<Limit>>, Arc<Limit>) {
 /// The servers and proxies of a deployment, kept alive for the run, and the fault switches.
 struct Fleet {
     nodes: Vec<Arc<dyn Store>>,
+    /// Per node, whether it decides from leases (batched).
+    leasing: Vec<bool>,
     /// Links a fault can be set on.
     proxies: Vec<Arc<FaultProxy>>,
     /// Servers that can be restarted empty.
@@ -346,6 +414,7 @@ fn batched(store: RedisStore) -> Arc<dyn Store> {
 fn fleet(deployment: Deployment) -> Fleet {
     let mut fleet = Fleet {
         nodes: Vec::new(),
+        leasing: Vec::new(),
         proxies: Vec::new(),
         servers: Vec::new(),
         regions: None,
@@ -384,7 +453,7 @@ fn fleet(deployment: Deployment) -> Fleet {
             }
             fleet.servers.extend(servers);
         }
-        Deployment::Cluster => {
+        Deployment::Cluster | Deployment::ClusterBatched => {
             let cluster = RedisCluster::start_proxied(3, 0);
             let cluster_store = |mode| {
                 RedisStore::cluster(cluster.urls())
@@ -394,15 +463,20 @@ fn fleet(deployment: Deployment) -> Fleet {
                     .build()
                     .expect("a cluster store")
             };
-            fleet
-                .nodes
-                .push(Arc::new(cluster_store(ConnectionMode::Pool(4))));
-            fleet
-                .nodes
-                .push(Arc::new(cluster_store(ConnectionMode::Multiplexed)));
-            fleet
-                .nodes
-                .push(batched(cluster_store(ConnectionMode::Pool(4))));
+            for mode in [
+                ConnectionMode::Pool(4),
+                ConnectionMode::Multiplexed,
+                ConnectionMode::Pool(2),
+            ] {
+                let store = cluster_store(mode);
+                fleet
+                    .nodes
+                    .push(if deployment == Deployment::ClusterBatched {
+                        batched(store)
+                    } else {
+                        Arc::new(store)
+                    });
+            }
             fleet._cluster = Some(cluster);
         }
         Deployment::Regions => {
@@ -413,6 +487,8 @@ fn fleet(deployment: Deployment) -> Fleet {
             fleet.regions = Some(regions);
         }
     }
+    let leases = matches!(deployment, Deployment::Batched | Deployment::ClusterBatched);
+    fleet.leasing = vec![leases; fleet.nodes.len()];
     fleet
 }
 
@@ -450,7 +526,7 @@ impl Fleet {
 /// pause of 2 ms between them), identities and costs drawn from `seed`, every few admitted
 /// decisions given a unit back.
 async fn drive(
-    node_index: usize,
+    (node_index, leased): (usize, bool),
     node: Arc<dyn Store>,
     identities: Arc<Vec<Arc<Limit>>>,
     all: Arc<Limit>,
@@ -462,8 +538,9 @@ async fn drive(
     let mut rng = fastrand::Rng::with_seed(seed ^ ((node_index as u64 + 1) * 0x9E37_79B9));
     let mut history: Vec<Decided> = Vec::new();
     // Settlements to send: (when, the decision's index, its time, the units given back). As
-    // a response's real cost is known when it ends, a refund goes some milliseconds after
-    // its decision, so faults find refunds in flight as they find decisions.
+    // a response's real cost is known when it ends, a refund goes 20 to 400 ms after its
+    // decision (a streamed answer), so that faults find refunds in flight, several per node,
+    // as they find decisions.
     let mut settlements: std::collections::VecDeque<(Instant, usize, Timestamp, u64)> =
         std::collections::VecDeque::new();
     while !stop.load(Ordering::Relaxed) {
@@ -490,7 +567,7 @@ async fn drive(
         }
         let identity = rng.usize(..identities.len());
         let limit = &identities[identity];
-        let cost = rng.u64(1..=3);
+        let cost = rng.u64(1..=4);
         let keys: Vec<(Arc<str>, Arc<Limit>)> = vec![
             (
                 format!("chaos:{{id{identity}}}:{}", limit.name()).into(),
@@ -508,7 +585,7 @@ async fn drive(
         let answer = match &result {
             Ok(decision) if decision.is_allowed() => {
                 if cost > 1 && rng.bool() {
-                    let due = Instant::now() + Duration::from_millis(rng.u64(5..60));
+                    let due = Instant::now() + Duration::from_millis(rng.u64(20..400));
                     let units = rng.u64(1..cost);
                     settlements.push_back((due, history.len(), decision.decided_at(), units));
                 }
@@ -519,6 +596,7 @@ async fn drive(
         };
         history.push(Decided {
             node: node_index,
+            leased,
             identity,
             keys,
             cost,
@@ -603,7 +681,7 @@ fn spawn_drivers(
                 _ => Duration::ZERO,
             };
             tokio::spawn(drive(
-                index,
+                (index, fleet.leasing[index]),
                 node.clone(),
                 identities.clone(),
                 all.clone(),
@@ -644,6 +722,25 @@ impl Injector<'_> {
         }
     }
 
+    /// Drops answers one at a time with `once` (armed again each time a call took it) for as
+    /// long as `event` lasts: many calls lose their answers, while a call sent again on a new
+    /// connection goes through (the proxy of the report that found a client library's
+    /// re-sends). Whether the fleet has the link.
+    async fn drop_answers(&self, event: &FaultEvent, once: Fault) -> bool {
+        let Some(proxy) = self.fleet.proxy(event.target) else {
+            return false;
+        };
+        let until = event.at + event.lasts;
+        while self.started.elapsed() < until {
+            if proxy.fault() == Fault::None {
+                proxy.set(once);
+            }
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        proxy.set(Fault::None);
+        true
+    }
+
     /// Injects `event` now, if the fleet has what it targets.
     async fn inject(&mut self, event: &FaultEvent) {
         let injected = match event.kind {
@@ -663,24 +760,14 @@ impl Injector<'_> {
                 }
                 proxy.is_some()
             }
-            FaultKind::DroppedAnswer => match self.fleet.proxy(event.target) {
-                Some(proxy) => {
-                    // Armed again each time a call took it, for as long as it lasts: many
-                    // calls lose their answers one at a time, while a call sent again on a
-                    // new connection goes through (the proxy of the report that found a
-                    // client library's re-sends).
-                    let until = event.at + event.lasts;
-                    while self.started.elapsed() < until {
-                        if proxy.fault() == Fault::None {
-                            proxy.set(Fault::DropNextCall);
-                        }
-                        tokio::time::sleep(Duration::from_millis(3)).await;
-                    }
-                    proxy.set(Fault::None);
-                    true
-                }
-                None => false,
-            },
+            FaultKind::DroppedAnswer | FaultKind::DroppedSettlement | FaultKind::DroppedTrade => {
+                let once = match event.kind {
+                    FaultKind::DroppedSettlement => Fault::DropNextCallWith("refund"),
+                    FaultKind::DroppedTrade => Fault::DropNextCallWith("lease"),
+                    _ => Fault::DropNextCall,
+                };
+                self.drop_answers(event, once).await
+            }
             FaultKind::RestartedEmpty => {
                 let count = self.fleet.servers.len().max(1);
                 match self.fleet.servers.get_mut(event.target % count) {
@@ -754,8 +841,9 @@ async fn fresh_identity(fleet: &Fleet, deployment: Deployment) -> (u64, u64) {
 fn by_window(admitted: &[&Decided], window_micros: u64) -> BTreeMap<u64, Vec<usize>> {
     let mut windows: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     for (index, decision) in admitted.iter().enumerate() {
-        let start = decision.sent / window_micros * window_micros;
-        if decision.answered < start + window_micros {
+        let (from, to) = decision.window_span();
+        let start = from / window_micros * window_micros;
+        if to < start + window_micros {
             windows.entry(start).or_default().push(index);
         }
     }
@@ -835,9 +923,10 @@ fn check_windows(
     None
 }
 
-/// A bucket: over every interval from a decision's sending to another's answer, what was
-/// admitted certainly inside (at full cost) is at most the capacity (again after each loss),
-/// the refill over the interval, and every refund that may have been applied inside it.
+/// A bucket: over every interval from a decision's sending (a lease's lifetime earlier for a
+/// batched node's, [`Decided::earliest`]) to another's answer, what was admitted certainly
+/// inside (at full cost) is at most the capacity (again after each loss), the refill over the
+/// interval, and every refund that may have been applied inside it.
 fn check_bucket(
     limit: &Limit,
     admitted: &[&Decided],
@@ -846,10 +935,13 @@ fn check_bucket(
     let capacity = limit.capacity() as f64;
     let per_micro = limit.limit() as f64 / limit.window_micros() as f64;
     let refunds: Vec<Refund> = admitted.iter().filter_map(|d| d.refund).collect();
-    for (first, from) in admitted.iter().enumerate() {
-        // Sorted by sending: every later decision began inside; by its answer, the intervals'
-        // ends in order.
-        let mut ends: Vec<(u64, u64)> = admitted[first..]
+    // By the earliest their units may have left the bucket: every later one began inside.
+    let mut by_earliest = admitted.to_vec();
+    by_earliest.sort_by_key(|decision| decision.earliest());
+    for (first, from) in by_earliest.iter().enumerate() {
+        let start = from.earliest();
+        // By their answer, the intervals' ends in order.
+        let mut ends: Vec<(u64, u64)> = by_earliest[first..]
             .iter()
             .map(|d| (d.answered, d.cost))
             .collect();
@@ -857,13 +949,13 @@ fn check_bucket(
         let mut inside = 0;
         for (end, cost) in ends {
             inside += cost;
-            let span = end.saturating_sub(from.sent) as f64;
+            let span = end.saturating_sub(start) as f64;
             let refunded: u64 = refunds
                 .iter()
-                .filter(|refund| refund.sent <= end && refund.answered >= from.sent)
+                .filter(|refund| refund.sent <= end && refund.answered >= start)
                 .map(|refund| refund.units)
                 .sum();
-            let losses = lost_between(from.sent, end) as f64;
+            let losses = lost_between(start, end) as f64;
             let allowance = capacity * (1.0 + losses) + per_micro * span + refunded as f64;
             if inside as f64 > allowance + 1e-6 {
                 return Some(format!(

@@ -56,6 +56,9 @@ pub enum Fault {
     /// connection breaks after Redis ran its call; whatever it sends next, a re-send included,
     /// goes through). Other commands (a pool's `PING`, a slot map) pass meanwhile.
     DropNextCall,
+    /// [`Fault::DropNextCall`] for the next script call whose bytes hold this text (a mode
+    /// such as floodgate's `refund` or `lease`): the fault aimed at one kind of call.
+    DropNextCallWith(&'static str),
     /// [`Fault::DropNextCall`] for every script call while it is set: each is applied and its
     /// connection closed before the answer, while other commands (a new connection's
     /// handshake, a pool's `PING`) pass, so a client that sends a call again on a new
@@ -224,11 +227,16 @@ type FaultWatch = (watch::Receiver<Fault>, Arc<watch::Sender<Fault>>);
 
 /// Whether `bytes` (as a client sent them) hold a script call.
 fn is_script_call(bytes: &[u8]) -> bool {
-    [&b"FCALL"[..], b"EVALSHA", b"EVAL"].iter().any(|name| {
-        bytes
-            .windows(name.len())
-            .any(|window| window.eq_ignore_ascii_case(name))
-    })
+    [&b"FCALL"[..], b"EVALSHA", b"EVAL"]
+        .iter()
+        .any(|name| holds(bytes, name))
+}
+
+/// Whether `bytes` hold `text`, in any case.
+fn holds(bytes: &[u8], text: &[u8]) -> bool {
+    bytes
+        .windows(text.len())
+        .any(|window| window.eq_ignore_ascii_case(text))
 }
 
 async fn accept_loop(
@@ -423,7 +431,10 @@ impl Connection {
             .fetch_add(bytes.len() as u64, Ordering::SeqCst);
         if fault == Fault::DropAfterForward
             || (fault == Fault::DropCalls && is_script_call(bytes))
-            || (fault == Fault::DropNextCall && is_script_call(bytes) && self.take_once())
+            || (fault == Fault::DropNextCall && is_script_call(bytes) && self.take_once(fault))
+            || (matches!(fault, Fault::DropNextCallWith(text) if holds(bytes, text.as_bytes()))
+                && is_script_call(bytes)
+                && self.take_once(fault))
         {
             self.dropping = true;
         }
@@ -432,9 +443,9 @@ impl Connection {
 
     /// Takes [`Fault::DropNextCall`] for this connection, if no other connection took it
     /// first, and puts the proxy back to [`Fault::None`].
-    fn take_once(&mut self) -> bool {
+    fn take_once(&mut self, once: Fault) -> bool {
         let taken = self.control.send_if_modified(|fault| {
-            let this_one = *fault == Fault::DropNextCall;
+            let this_one = *fault == once;
             if this_one {
                 *fault = Fault::None;
             }
@@ -464,12 +475,16 @@ impl Connection {
                     .push_back((Instant::now() + delay, bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None | Fault::DropNextCall | Fault::DropCalls if !self.held.is_empty() => {
+            Fault::None | Fault::DropNextCall | Fault::DropNextCallWith(_) | Fault::DropCalls
+                if !self.held.is_empty() =>
+            {
                 // Behind the replies still held, so that replies keep their order.
                 self.held.push_back((Instant::now(), bytes.to_vec()));
                 Next::Continue
             }
-            Fault::None | Fault::DropNextCall | Fault::DropCalls => self.deliver(bytes).await,
+            Fault::None | Fault::DropNextCall | Fault::DropNextCallWith(_) | Fault::DropCalls => {
+                self.deliver(bytes).await
+            }
         }
     }
 
