@@ -3,8 +3,8 @@
 //! ends (even on panic), and stores that keep their servers alive; a fault-injecting proxy
 //! ([`faults`]) to put between a store and a server.
 
-mod cluster;
 pub mod chaos;
+mod cluster;
 pub mod failover;
 pub mod faults;
 pub mod fleet;
