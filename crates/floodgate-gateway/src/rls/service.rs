@@ -535,113 +535,126 @@ fn plan<'r>(
 
 /// One status per descriptor, in the request's order, each decision recorded in metrics.
 fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<DescriptorStatus> {
-    let mut statuses = Vec::with_capacity(planned.slots.len());
-    for slot in &planned.slots {
-        let status = match *slot {
+    planned
+        .slots
+        .iter()
+        .map(|slot| match *slot {
             Slot::NoLimit => ok_status(),
-            Slot::Fixed(limit) => {
-                let over = matches!(limit.action, Action::DenyAll);
-                let label = match (over, limit.shadow_mode) {
-                    (false, _) => DecisionLabel::Allowed,
-                    (true, true) => DecisionLabel::ShadowLimited,
-                    (true, false) => DecisionLabel::Limited,
-                };
-                telemetry::record_decision(rule, &limit.key_path, label);
-                DescriptorStatus {
-                    code: if over && !limit.shadow_mode {
-                        Code::OverLimit as i32
-                    } else {
-                        Code::Ok as i32
-                    },
-                    current_limit: over.then(|| proto_limit(limit)),
-                    limit_remaining: if over { 0 } else { u32::MAX },
-                    duration_until_reset: over.then(|| window_end(limit.unit.window())),
-                    ..DescriptorStatus::default()
-                }
-            }
-            Slot::Counted { limit, index } => {
-                let apart = limit.decided_apart();
-                let outcome = if apart {
-                    decided.apart.get(index)
-                } else {
-                    decided.enforced.as_ref()
-                };
-                let decision = match outcome {
-                    Some(Enforced::Decided(decision)) => Some(decision),
-                    _ => None,
-                };
-                let position = if apart { 0 } else { index };
-                let state = decision.and_then(|decision| {
-                    decision
-                        .limits()
-                        .get(position)
-                        .map(|state| (decision, state))
-                });
-                let label = match state {
-                    // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor
-                    // refused the request (those decided apart are always asked).
-                    None if !apart && !decided.admitted => DecisionLabel::Limited,
-                    // The store failed and `open` admitted.
-                    None => DecisionLabel::FallbackAllowed,
-                    Some((decision, state)) => {
-                        let fallback = decision.source() == DecisionSource::LocalFallback;
-                        let allowed = if apart {
-                            state.allowed
-                        } else {
-                            decided.admitted
-                        };
-                        match (limit.shadow_mode, fallback, allowed) {
-                            (true, _, false) => DecisionLabel::ShadowLimited,
-                            (_, false, true) => DecisionLabel::Allowed,
-                            (false, false, false) => DecisionLabel::Limited,
-                            (_, true, true) => DecisionLabel::FallbackAllowed,
-                            (false, true, false) => DecisionLabel::FallbackLimited,
-                        }
-                    }
-                };
-                telemetry::record_decision(rule, &limit.key_path, label);
-                // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
-                // proxy's limits follow: admitted with under 20% of the limit left. A check
-                // adds no hit, so none near the limit (as the peer counts it).
-                let check_only = apart
-                    && planned
-                        .apart
-                        .get(index)
-                        .is_some_and(|apart| apart.check_only);
-                if let Some((_, state)) = state
-                    && !check_only
-                    && matches!(
-                        label,
-                        DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
-                    )
-                    && state.remaining.saturating_mul(5) < state.capacity
-                {
-                    telemetry::record_near_limit(rule, &limit.key_path);
-                }
-                match state {
-                    None => DescriptorStatus {
-                        code: Code::Ok as i32,
-                        current_limit: Some(proto_limit(limit)),
-                        ..DescriptorStatus::default()
-                    },
-                    Some((_, state)) => DescriptorStatus {
-                        code: if state.allowed || limit.shadow_mode {
-                            Code::Ok as i32
-                        } else {
-                            Code::OverLimit as i32
-                        },
-                        current_limit: Some(proto_limit(limit)),
-                        limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
-                        duration_until_reset: Some(proto_duration(state.reset_after)),
-                        ..DescriptorStatus::default()
-                    },
-                }
-            }
-        };
-        statuses.push(status);
-    }
+            Slot::Fixed(limit) => fixed_status(limit, rule),
+            Slot::Counted { limit, index } => counted_status(planned, decided, rule, limit, index),
+        })
+        .collect()
+}
 
-    statuses
+/// The status of a descriptor whose answer is fixed (`unlimited`, or `requests_per_unit: 0`),
+/// its decision counted under `rule`.
+fn fixed_status(limit: &DescriptorLimit, rule: &str) -> DescriptorStatus {
+    let over = matches!(limit.action, Action::DenyAll);
+    let label = match (over, limit.shadow_mode) {
+        (false, _) => DecisionLabel::Allowed,
+        (true, true) => DecisionLabel::ShadowLimited,
+        (true, false) => DecisionLabel::Limited,
+    };
+    telemetry::record_decision(rule, &limit.key_path, label);
+    DescriptorStatus {
+        code: if over && !limit.shadow_mode {
+            Code::OverLimit as i32
+        } else {
+            Code::Ok as i32
+        },
+        current_limit: over.then(|| proto_limit(limit)),
+        limit_remaining: if over { 0 } else { u32::MAX },
+        duration_until_reset: over.then(|| window_end(limit.unit.window())),
+        ..DescriptorStatus::default()
+    }
+}
+
+/// The status of a counted descriptor (`index` into the enforced checks, or into those decided
+/// apart), from what the store decided, its decision counted under `rule` and near the limit
+/// as envoyproxy/ratelimit counts it.
+fn counted_status(
+    planned: &Planned<'_>,
+    decided: &Decided,
+    rule: &str,
+    limit: &DescriptorLimit,
+    index: usize,
+) -> DescriptorStatus {
+    let apart = limit.decided_apart();
+    let outcome = if apart {
+        decided.apart.get(index)
+    } else {
+        decided.enforced.as_ref()
+    };
+    let decision = match outcome {
+        Some(Enforced::Decided(decision)) => Some(decision),
+        _ => None,
+    };
+    let position = if apart { 0 } else { index };
+    let state = decision.and_then(|decision| {
+        decision
+            .limits()
+            .get(position)
+            .map(|state| (decision, state))
+    });
+    let label = match state {
+        // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor
+        // refused the request (those decided apart are always asked).
+        None if !apart && !decided.admitted => DecisionLabel::Limited,
+        // The store failed and `open` admitted.
+        None => DecisionLabel::FallbackAllowed,
+        Some((decision, state)) => {
+            let fallback = decision.source() == DecisionSource::LocalFallback;
+            let allowed = if apart {
+                state.allowed
+            } else {
+                decided.admitted
+            };
+            match (limit.shadow_mode, fallback, allowed) {
+                (true, _, false) => DecisionLabel::ShadowLimited,
+                (_, false, true) => DecisionLabel::Allowed,
+                (false, false, false) => DecisionLabel::Limited,
+                (_, true, true) => DecisionLabel::FallbackAllowed,
+                (false, true, false) => DecisionLabel::FallbackLimited,
+            }
+        }
+    };
+    telemetry::record_decision(rule, &limit.key_path, label);
+    // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
+    // proxy's limits follow: admitted with under 20% of the limit left. A check
+    // adds no hit, so none near the limit (as the peer counts it).
+    let check_only = apart
+        && planned
+            .apart
+            .get(index)
+            .is_some_and(|apart| apart.check_only);
+    if let Some((_, state)) = state
+        && !check_only
+        && matches!(
+            label,
+            DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
+        )
+        && state.remaining.saturating_mul(5) < state.capacity
+    {
+        telemetry::record_near_limit(rule, &limit.key_path);
+    }
+    match state {
+        None => DescriptorStatus {
+            code: Code::Ok as i32,
+            current_limit: Some(proto_limit(limit)),
+            ..DescriptorStatus::default()
+        },
+        Some((_, state)) => DescriptorStatus {
+            code: if state.allowed || limit.shadow_mode {
+                Code::Ok as i32
+            } else {
+                Code::OverLimit as i32
+            },
+            current_limit: Some(proto_limit(limit)),
+            limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
+            duration_until_reset: Some(proto_duration(state.reset_after)),
+            ..DescriptorStatus::default()
+        },
+    }
 }
 
 #[tonic::async_trait]
