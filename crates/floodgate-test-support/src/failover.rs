@@ -253,49 +253,12 @@ pub async fn run(mode: Mode, load: Load) -> Report {
         .breaker(3, Duration::from_millis(300))
         .build()
         .expect("a cluster store");
-    let batched = || {
-        BatchedStore::builder(cluster_store.clone())
-            .sync_interval(INTERVAL)
-            .build()
-    };
-    let store: Arc<dyn Store> = match mode {
-        Mode::Exact => Arc::new(cluster_store.clone()),
-        Mode::Batched => Arc::new(batched()),
-        Mode::HotIdentities => Arc::new(
-            SplitStore::new(batched(), Arc::new(cluster_store.clone()), |_: &Check| {
-                false
-            })
-            .with_hot_identities(Arc::new(HotIdentities::new(HOT_ABOVE, INTERVAL))),
-        ),
-        Mode::GlobalCeiling => Arc::new(SplitStore::new(
-            batched(),
-            Arc::new(cluster_store.clone()),
-            |check: &Check| check.scope == Scope::Shared,
-        )),
-    };
+    let store = store_for(mode, &cluster_store);
 
     let limit = Arc::new(Limit::fixed_window("hourly", load.limit, HOUR).expect("a limit"));
     let ceiling = Arc::new(Limit::fixed_window("ceiling", load.ceiling, HOUR).expect("a limit"));
-    let (killed_side, healthy_side) = tokio::task::block_in_place(|| {
-        let key = |index: usize| format!("fgfailover:{{ip:client-{index}}}:p:hourly");
-        let mut killed = Vec::new();
-        let mut healthy = Vec::new();
-        for index in 0.. {
-            let key = key(index);
-            let side = if cluster.master_of(&key) == KILLED {
-                &mut killed
-            } else {
-                &mut healthy
-            };
-            if side.len() < load.identities_per_side {
-                side.push(key);
-            }
-            if killed.len() == load.identities_per_side && healthy.len() == killed.len() {
-                break;
-            }
-        }
-        (killed, healthy)
-    });
+    let (killed_side, healthy_side) =
+        tokio::task::block_in_place(|| identities_on_each_side(&cluster, load.identities_per_side));
     let ceiling_key = (0..)
         .map(|index| format!("fgfailover:{{global:ceiling-{index}}}:g:ceiling"))
         .find(|key| tokio::task::block_in_place(|| cluster.master_of(key)) != KILLED)
@@ -355,22 +318,7 @@ pub async fn run(mode: Mode, load: Load) -> Report {
     tokio::time::sleep(load.after_promotion).await;
     stop.store(true, Ordering::SeqCst);
 
-    let mut identities: Vec<IdentityReport> = Vec::new();
-    for (on_killed_master, key, task) in tasks {
-        let decisions = task.await.expect("a load task");
-        match identities.iter_mut().find(|identity| identity.key == key) {
-            Some(identity) => identity.decisions.extend(decisions),
-            None => identities.push(IdentityReport {
-                key,
-                on_killed_master,
-                limit: load.limit,
-                decisions,
-            }),
-        }
-    }
-    for identity in &mut identities {
-        identity.decisions.sort_by_key(|decided| decided.ended);
-    }
+    let identities = reports_of(tasks, load.limit).await;
     let ceiling = (mode == Mode::GlobalCeiling).then(|| {
         let admitted = identities.iter().map(IdentityReport::admitted).sum();
         (load.ceiling, admitted)
@@ -384,6 +332,76 @@ pub async fn run(mode: Mode, load: Load) -> Report {
         identities,
         ceiling,
     }
+}
+
+/// The store `mode` decides with, over the cluster's.
+fn store_for(mode: Mode, cluster_store: &RedisStore) -> Arc<dyn Store> {
+    let batched = || {
+        BatchedStore::builder(cluster_store.clone())
+            .sync_interval(INTERVAL)
+            .build()
+    };
+    match mode {
+        Mode::Exact => Arc::new(cluster_store.clone()),
+        Mode::Batched => Arc::new(batched()),
+        Mode::HotIdentities => Arc::new(
+            SplitStore::new(batched(), Arc::new(cluster_store.clone()), |_: &Check| {
+                false
+            })
+            .with_hot_identities(Arc::new(HotIdentities::new(HOT_ABOVE, INTERVAL))),
+        ),
+        Mode::GlobalCeiling => Arc::new(SplitStore::new(
+            batched(),
+            Arc::new(cluster_store.clone()),
+            |check: &Check| check.scope == Scope::Shared,
+        )),
+    }
+}
+
+/// `per_side` identities' keys on the master to be killed, and as many on the others.
+fn identities_on_each_side(cluster: &RedisCluster, per_side: usize) -> (Vec<String>, Vec<String>) {
+    let key = |index: usize| format!("fgfailover:{{ip:client-{index}}}:p:hourly");
+    let mut killed = Vec::new();
+    let mut healthy = Vec::new();
+    for index in 0.. {
+        let key = key(index);
+        let side = if cluster.master_of(&key) == KILLED {
+            &mut killed
+        } else {
+            &mut healthy
+        };
+        if side.len() < per_side {
+            side.push(key);
+        }
+        if killed.len() == per_side && healthy.len() == killed.len() {
+            break;
+        }
+    }
+    (killed, healthy)
+}
+
+/// Each identity's decisions, from its tasks, in the order they ended.
+async fn reports_of(
+    tasks: Vec<(bool, String, tokio::task::JoinHandle<Vec<Decided>>)>,
+    limit: u64,
+) -> Vec<IdentityReport> {
+    let mut identities: Vec<IdentityReport> = Vec::new();
+    for (on_killed_master, key, task) in tasks {
+        let decisions = task.await.expect("a load task");
+        match identities.iter_mut().find(|identity| identity.key == key) {
+            Some(identity) => identity.decisions.extend(decisions),
+            None => identities.push(IdentityReport {
+                key,
+                on_killed_master,
+                limit,
+                decisions,
+            }),
+        }
+    }
+    for identity in &mut identities {
+        identity.decisions.sort_by_key(|decided| decided.ended);
+    }
+    identities
 }
 
 /// Decides `checks` once per `turn` until `stop`; every decision with its times.
