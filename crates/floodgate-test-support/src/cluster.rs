@@ -290,13 +290,61 @@ impl RedisCluster {
         }
     }
 
+    /// Gives `key`'s slot to master `to`, as a resharding's last step does, and waits until
+    /// every master sees `to` serve it. Its keys stay where they are (move none first to keep
+    /// them reachable).
+    ///
+    /// Why not just `CLUSTER SETSLOT … NODE` on each master: a node's claim on a slot spreads
+    /// by gossip, and a claim with a greater config epoch wins. Told first, `to` could take
+    /// back the old owner's claim from a ping sent before the old owner was told, and then
+    /// each of the two would send the slot's calls to the other (`MOVED` both ways, for good).
+    /// So: the old owner first (it stops claiming), then `to`, then `to` takes the greatest
+    /// epoch (a stale claim then loses), and all of it again if a node still disagrees.
+    pub fn give_slot(&self, key: &str, to: usize) {
+        let slot = floodgate::store::redis::hash_slot(key).to_string();
+        let to_id: String = self.masters[to].command(&["CLUSTER", "MYID"]);
+        let settled = || {
+            self.masters
+                .iter()
+                .all(|master| self.served_in_view_of(master, key) == Some(ClusterNode::Master(to)))
+        };
+        wait_until(
+            FORMING,
+            "every master agreeing on a slot's new owner",
+            || {
+                let others = self
+                    .masters
+                    .iter()
+                    .enumerate()
+                    .filter(|(index, _)| *index != to);
+                for (_, master) in others {
+                    let _: () = master.command(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+                }
+                let _: () =
+                    self.masters[to].command(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+                let _: String = self.masters[to].command(&["CLUSTER", "BUMPEPOCH"]);
+                let deadline = std::time::Instant::now() + Duration::from_secs(1);
+                while !settled() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                settled()
+            },
+        );
+    }
+
+    /// The node serving `key`'s slot as `server` sees it.
+    fn served_in_view_of(&self, server: &RedisServer, key: &str) -> Option<ClusterNode> {
+        let slot = floodgate::store::redis::hash_slot(key);
+        let ranges = server.try_command(&["CLUSTER", "SLOTS"]).ok()?;
+        self.ranges_of(ranges)
+            .into_iter()
+            .find(|(start, end, _)| (*start..=*end).contains(&slot))
+            .map(|(_, _, node)| node)
+    }
+
     /// `CLUSTER SLOTS` (asked of the first node that runs and answers) as (first slot, last
     /// slot, the serving node).
     fn slot_ranges(&self) -> Vec<(u16, u16, ClusterNode)> {
-        let number = |value: Option<&Value>| match value {
-            Some(Value::Int(int)) => *int,
-            _ => -1,
-        };
         let ranges: Vec<Vec<Value>> = self
             .nodes()
             .into_iter()
@@ -304,6 +352,15 @@ impl RedisCluster {
             .filter(|server| server.is_running() && !server.is_frozen())
             .find_map(|server| server.try_command(&["CLUSTER", "SLOTS"]).ok())
             .expect("a node of the cluster answers");
+        self.ranges_of(ranges)
+    }
+
+    /// A `CLUSTER SLOTS` answer as (first slot, last slot, the serving node).
+    fn ranges_of(&self, ranges: Vec<Vec<Value>>) -> Vec<(u16, u16, ClusterNode)> {
+        let number = |value: Option<&Value>| match value {
+            Some(Value::Int(int)) => *int,
+            _ => -1,
+        };
         ranges
             .iter()
             .filter_map(|range| {

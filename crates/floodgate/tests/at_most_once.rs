@@ -237,10 +237,7 @@ async fn redirections_are_followed_to_the_node_named() {
 
         let from = cluster.master_of(&moved);
         let to = 1 - from;
-        for master in &cluster.masters {
-            let _: () =
-                master.command(&["CLUSTER", "SETSLOT", &slot_of(&moved), "NODE", &node_id(to)]);
-        }
+        cluster.give_slot(&moved, to);
         let decision = store.check_and_consume(&check(&moved), None).await;
         assert!(decision.unwrap().is_allowed(), "{mode:?}: MOVED followed");
         assert_eq!((holds(from, &moved), holds(to, &moved)), (0, 1), "{mode:?}");
