@@ -1,7 +1,6 @@
 //! The response body: the inner service's body, holding the request's concurrency leases until
 //! it ends or is dropped, or a complete body the limiter wrote itself (429, 503).
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -10,6 +9,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::detached::run_detached;
 use crate::post_charge::PendingSettlement;
 use crate::store::{Lease, Store};
 
@@ -37,24 +37,6 @@ impl Drop for LeaseGuard {
                 tracing::warn!(%error, "lease release failed; the leases expire with their window");
             }
         });
-    }
-}
-
-/// Runs a store call nobody waits for: at once if it is ready at once (the memory store),
-/// else in the background on the current runtime (a networked store).
-pub(crate) fn run_detached(work: impl Future<Output = ()> + Send + 'static) {
-    let mut work = Box::pin(work);
-    let mut context = Context::from_waker(std::task::Waker::noop());
-    if work.as_mut().poll(&mut context).is_pending() {
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(work);
-            }
-            Err(_) => tracing::warn!(
-                "a store call could not finish: no Tokio runtime to run it on (a lease expires \
-                 with its window; a settlement is not made)"
-            ),
-        }
     }
 }
 

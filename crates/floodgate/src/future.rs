@@ -11,12 +11,9 @@ use http::Response;
 use http_body::Body;
 use pin_project_lite::pin_project;
 
+use crate::admitted::{Admitted, Boxed, complete, finish_boxed};
 use crate::body::RateLimitBody;
-use crate::service::{Admitted, Shared, complete, finish_boxed};
-
-/// A boxed future of the layer's answer.
-pub(crate) type Boxed<B, E> =
-    Pin<Box<dyn Future<Output = Result<Response<RateLimitBody<B>>, E>> + Send>>;
+use crate::shared::Shared;
 
 pin_project! {
     /// The response future of [`crate::RateLimit`]: the store's decision, an optional shaping

@@ -1,6 +1,7 @@
 //! Rate limit response headers: legacy `X-RateLimit-*` and the IETF `RateLimit` /
 //! `RateLimit-Policy` fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields).
 
+use std::cell::RefCell;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,9 @@ use bytes::BytesMut;
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 
+use crate::Limit;
 use crate::decision::Decision;
+use crate::derived::DerivedCache;
 
 /// `X-RateLimit-Limit`.
 pub static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -186,7 +189,7 @@ impl RateLimitHeaders {
         let remaining_share = binding.remaining as f64 / binding.capacity.max(1) as f64;
         let figures = (style != HeaderStyle::None).then(|| BindingFigures {
             style,
-            limit: binding.definition().limit_header().clone(),
+            limit: with_limit_values(binding.definition(), |values| values.limit.clone()),
             policy: policy(decision),
             name: binding.name.clone(),
             remaining: binding.remaining,
@@ -270,19 +273,63 @@ fn value_of(text: &mut BytesMut) -> Option<HeaderValue> {
 /// `RateLimit-Policy`: every applied limit. A single limit's item is shared, not rebuilt.
 fn policy(decision: &Decision) -> HeaderValue {
     match decision.limits() {
-        [only] => only.definition().policy_item().clone(),
+        [only] => with_limit_values(only.definition(), |values| values.policy_item.clone()),
         limits => {
             let mut joined = Vec::with_capacity(limits.len() * 32);
             for (index, limit) in limits.iter().enumerate() {
                 if index > 0 {
                     joined.extend_from_slice(b", ");
                 }
-                joined.extend_from_slice(limit.definition().policy_item().as_bytes());
+                with_limit_values(limit.definition(), |values| {
+                    joined.extend_from_slice(values.policy_item.as_bytes());
+                });
             }
             // Joining valid header values with ", " yields a valid header value.
             HeaderValue::from_bytes(&joined).unwrap_or_else(|_| HeaderValue::from_static(""))
         }
     }
+}
+
+/// The header values of one limit, built once per limit (and thread), so that responses do
+/// not format them per request.
+struct LimitValues {
+    /// `limit` as a header value, for `X-RateLimit-Limit`.
+    limit: HeaderValue,
+    /// The limit's item of `RateLimit-Policy`: `"name";q=<limit>;w=<seconds>`.
+    policy_item: HeaderValue,
+}
+
+impl LimitValues {
+    fn of(limit: &Limit) -> LimitValues {
+        LimitValues {
+            limit: HeaderValue::from(limit.limit()),
+            policy_item: policy_item(limit),
+        }
+    }
+}
+
+/// A limit's item of the IETF `RateLimit-Policy` field: `"name";q=<limit>;w=<seconds>`.
+pub fn policy_item(limit: &Limit) -> HeaderValue {
+    let window_secs = limit.window_micros().div_ceil(1_000_000).max(1);
+    // A limit's name is checked when it is built: every character is valid in a header
+    // value and needs no escaping in a structured string.
+    HeaderValue::try_from(format!(
+        "\"{}\";q={};w={window_secs}",
+        limit.name(),
+        limit.limit()
+    ))
+    .unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// Runs `read` with `limit`'s header values, from this thread's cache.
+fn with_limit_values<T>(limit: &Arc<Limit>, read: impl FnOnce(&LimitValues) -> T) -> T {
+    thread_local! {
+        /// 512 slots: enough for every limit a deployment decides on, each built again only
+        /// when a colliding one evicted it.
+        static VALUES: RefCell<DerivedCache<Arc<Limit>, LimitValues, 512>> =
+            RefCell::new(DerivedCache::new());
+    }
+    VALUES.with_borrow_mut(|cache| read(cache.get_or_derive(limit, || LimitValues::of(limit))))
 }
 
 /// Adds the rate limit headers for `decision` in `style` to `headers`.

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod admitted;
 pub mod algorithm;
 mod body;
 #[cfg(feature = "axum")]
@@ -7,6 +8,8 @@ mod body;
 pub mod cookbook {}
 pub mod calendar;
 pub mod decision;
+mod derived;
+mod detached;
 mod error;
 mod fallback;
 mod future;
@@ -25,6 +28,7 @@ pub mod response;
 pub mod rollout;
 pub mod route;
 pub mod service;
+mod shared;
 pub mod store;
 pub mod telemetry;
 pub mod time;

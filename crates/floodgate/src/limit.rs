@@ -4,13 +4,10 @@
 use crate::calendar::CalendarPeriod;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderValue;
-
 use crate::key::KeyChars;
-use crate::telemetry::MetricKeys;
 use crate::time::duration_to_micros;
 
 /// The longest window a limit may have. Bounding it keeps every intermediate value of the
@@ -280,39 +277,9 @@ pub struct Limit {
     /// Microseconds per unit at `limit / window`, rounded up so that quantisation can only make
     /// the limiter stricter, never looser.
     emission_micros: u64,
-    /// This limit's item of the IETF `RateLimit-Policy` field, `"name";q=10;w=1`, built once
-    /// so that responses do not format it per request.
-    policy_item: HeaderValue,
-    /// `limit` as a header value, for `X-RateLimit-Limit`.
-    limit_header: HeaderValue,
-    /// What the Redis library is told of this limit, `"<algorithm> <a> <b>"` (see
-    /// `lua/common.lua`), built once.
-    #[cfg(feature = "redis")]
-    script_spec: Box<str>,
     /// The calendar period whose days, weeks, months or years are the windows, if any
     /// (`fixed_window` only); `window` is then the period's nominal length.
     calendar: Option<CalendarPeriod>,
-    /// The metric keys of its decisions, once it has decided.
-    metric_keys: MetricKeysCell,
-}
-
-/// A limit's metric keys in the rule that first used it (see [`Limit::metric_keys`]): a
-/// cache, not part of what the limit is, so limits compare equal and print alike without it.
-#[derive(Clone, Default)]
-struct MetricKeysCell(OnceLock<Arc<MetricKeys>>);
-
-impl PartialEq for MetricKeysCell {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl Eq for MetricKeysCell {}
-
-impl fmt::Debug for MetricKeysCell {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("..")
-    }
 }
 
 impl Limit {
@@ -436,17 +403,6 @@ impl Limit {
         self.rescaled(units, burst.max(1))
     }
 
-    /// The keys its decisions are counted under in `rule` (the limit named `name`), built at
-    /// the first call; `None` when a later call names another rule or name (a limit shared
-    /// by several rules: those build their keys at each count).
-    pub(crate) fn metric_keys(&self, rule: &Arc<str>, name: &Arc<str>) -> Option<&MetricKeys> {
-        let keys = self
-            .metric_keys
-            .0
-            .get_or_init(|| Arc::new(MetricKeys::new(rule, name)));
-        keys.are_for(rule, name).then_some(&**keys)
-    }
-
     /// This limit with another `limit` and `burst` (no greater than its own), all else kept.
     fn rescaled(&self, limit: u64, burst: u64) -> Limit {
         let mut builder = Limit::builder(self.name())
@@ -470,57 +426,6 @@ impl Limit {
     pub fn emission_micros(&self) -> u64 {
         self.emission_micros
     }
-
-    /// This limit's item of the `RateLimit-Policy` header: `"name";q=<limit>;w=<seconds>`.
-    pub fn policy_item(&self) -> &HeaderValue {
-        &self.policy_item
-    }
-
-    /// `limit` as a header value.
-    pub(crate) fn limit_header(&self) -> &HeaderValue {
-        &self.limit_header
-    }
-
-    /// The limit as the Redis library takes it: the algorithm and the two numbers it uses
-    /// (`burst` and `emission` for the buckets and GCRA, `limit` and `window` for the rest).
-    ///
-    /// A calendar period's boundaries change with time: its spec is
-    /// `"calendar_window <limit> <b0>,<b1>,<b2>,<b3>"`, the four boundaries around `now`
-    /// ([`CalendarPeriod::boundaries`]), among which the script finds the store's own period.
-    #[cfg(feature = "redis")]
-    pub(crate) fn script_spec(&self, now: crate::time::Timestamp) -> std::borrow::Cow<'_, str> {
-        match &self.calendar {
-            None => std::borrow::Cow::Borrowed(&self.script_spec),
-            Some(calendar) => {
-                let [b0, b1, b2, b3] = calendar.boundaries(now.as_micros());
-                std::borrow::Cow::Owned(format!(
-                    "calendar_window {} {b0},{b1},{b2},{b3}",
-                    self.limit
-                ))
-            }
-        }
-    }
-}
-
-/// [`Limit::script_spec`] of a limit with these settings.
-#[cfg(feature = "redis")]
-fn script_spec(
-    algorithm: Algorithm,
-    limit: u64,
-    window_micros: u64,
-    burst: u64,
-    emission_micros: u64,
-) -> Box<str> {
-    let (a, b) = match algorithm {
-        Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-            (burst, emission_micros)
-        }
-        Algorithm::FixedWindow
-        | Algorithm::SlidingWindowCounter
-        | Algorithm::SlidingWindowLog
-        | Algorithm::Concurrency => (limit, window_micros),
-    };
-    format!("{} {a} {b}", algorithm.as_str()).into_boxed_str()
 }
 
 /// Builds a [`Limit`], validating every field in [`LimitBuilder::build`].
@@ -628,16 +533,7 @@ impl LimitBuilder {
         if fill_micros > u128::from(duration_to_micros(MAX_WINDOW)) {
             return Err(LimitError::BurstTooLarge);
         }
-        let window_secs = window_micros.div_ceil(1_000_000).max(1);
-        // The name's characters are all valid in a header value and need no escaping.
-        let policy_item =
-            HeaderValue::try_from(format!("\"{}\";q={limit};w={window_secs}", self.name))
-                .map_err(|_| LimitError::InvalidName(self.name.clone()))?;
         Ok(Limit {
-            policy_item,
-            limit_header: HeaderValue::from(limit),
-            #[cfg(feature = "redis")]
-            script_spec: script_spec(algorithm, limit, window_micros, burst, emission_micros),
             name: self.name.into(),
             algorithm,
             limit,
@@ -646,7 +542,6 @@ impl LimitBuilder {
             cost: self.cost,
             emission_micros,
             calendar: self.calendar,
-            metric_keys: MetricKeysCell::default(),
         })
     }
 }

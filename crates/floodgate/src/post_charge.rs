@@ -250,7 +250,7 @@ impl PendingSettlement {
         let reported = self.reader.reported_cost(trailers);
         let store = self.store.clone();
         let charged = self.charged.clone();
-        crate::body::run_detached(async move { charged.settle(&*store, reported).await });
+        crate::detached::run_detached(async move { charged.settle(&*store, reported).await });
     }
 }
 

@@ -2,6 +2,7 @@
 //! next to nothing; the gateway installs a Prometheus one. No label ever carries a client
 //! identity, so the number of series is bounded by the configuration, not by the traffic.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -10,6 +11,7 @@ use std::time::Duration;
 // Only plain data types of the crate (a limit's status, the store's errors), so that the
 // store's failure machinery can record here without a module cycle.
 use crate::decision::LimitStatus;
+use crate::derived::DerivedCache;
 use crate::store::error::{BreakerState, StoreError};
 
 /// `floodgate_decisions_total{rule,limit,decision}`.
@@ -195,17 +197,11 @@ pub fn record_limit_decision(rule: &Arc<str>, limit: &Arc<str>, decision: Decisi
     count(&decision_key(rule, limit, decision));
 }
 
-/// [`record_limit_decision`] for the limit of `binding`, with the metric keys its limit keeps
-/// (this runs on every request: no label allocated, none hashed).
+/// [`record_limit_decision`] for the limit of `binding`, with its cached metric keys (this
+/// runs on every request: no label allocated, none hashed).
 pub(crate) fn record_binding_decision(binding: &LimitStatus, decision: DecisionLabel) {
     DECISION_TOTALS[decision as usize].fetch_add(1, Relaxed);
-    match binding
-        .definition()
-        .metric_keys(&binding.rule, &binding.name)
-    {
-        Some(keys) => count(&keys.decisions[decision as usize]),
-        None => count(&decision_key(&binding.rule, &binding.name, decision)),
-    }
+    with_metric_keys(binding, |keys| count(&keys.decisions[decision as usize]));
 }
 
 /// What the `counter!` macro would register a counter of this module under.
@@ -239,14 +235,10 @@ fn near_limit_key(rule: &Arc<str>, limit: &Arc<str>) -> metrics::Key {
 }
 
 /// The per-request metric keys of one limit in one rule, built the first time the limit
-/// decides (a [`Limit`](crate::Limit) keeps them): counting then costs a registry lookup
-/// by a hash computed once, not labels allocated and hashed per request. A recorder
-/// installed later still gets every count: the keys are looked up in whichever recorder is
-/// installed at each count.
-#[derive(Debug)]
-pub(crate) struct MetricKeys {
-    rule: Arc<str>,
-    limit: Arc<str>,
+/// decides in this thread: counting then costs a registry lookup by a hash computed once, not
+/// labels allocated and hashed per request. A recorder installed later still gets every
+/// count: the keys are looked up in whichever recorder is installed at each count.
+struct MetricKeys {
     /// `floodgate_decisions_total`, by [`DecisionLabel`] (`label as usize`).
     decisions: [metrics::Key; 7],
     /// `floodgate_near_limit_total`.
@@ -254,20 +246,31 @@ pub(crate) struct MetricKeys {
 }
 
 impl MetricKeys {
-    pub(crate) fn new(rule: &Arc<str>, limit: &Arc<str>) -> MetricKeys {
+    fn new(rule: &Arc<str>, limit: &Arc<str>) -> MetricKeys {
         MetricKeys {
-            rule: rule.clone(),
-            limit: limit.clone(),
             decisions: DecisionLabel::ALL.map(|label| decision_key(rule, limit, label)),
             near_limit: near_limit_key(rule, limit),
         }
     }
+}
 
-    /// Whether these are the keys of `limit` in `rule`.
-    pub(crate) fn are_for(&self, rule: &Arc<str>, limit: &Arc<str>) -> bool {
-        (Arc::ptr_eq(&self.rule, rule) || self.rule == *rule)
-            && (Arc::ptr_eq(&self.limit, limit) || self.limit == *limit)
+/// The metric keys of (rule, limit name) pairs, by the addresses of their shared strings.
+type MetricKeysCache = DerivedCache<(Arc<str>, Arc<str>), MetricKeys, 1024>;
+
+/// Runs `count` with the metric keys of `binding`'s limit in its rule, from this thread's
+/// cache (keyed by the rule's and the name's shared strings: a limit shared by several rules
+/// has keys for each).
+fn with_metric_keys(binding: &LimitStatus, count: impl FnOnce(&MetricKeys)) {
+    thread_local! {
+        /// 1,024 slots: enough for every (rule, limit) a deployment decides on, each derived
+        /// again only when a colliding one evicted it.
+        static KEYS: RefCell<MetricKeysCache> =
+            RefCell::new(DerivedCache::new());
     }
+    KEYS.with_borrow_mut(|cache| {
+        let shared = (&binding.rule, &binding.name);
+        count(cache.get_or_derive(shared, || MetricKeys::new(&binding.rule, &binding.name)));
+    });
 }
 
 /// Records how long a store check took.
@@ -349,15 +352,9 @@ pub fn record_near_limit(rule: &str, limit: &str) {
         .increment(1);
 }
 
-/// [`record_near_limit`] for the limit of `binding`, with the metric keys its limit keeps.
+/// [`record_near_limit`] for the limit of `binding`, with its cached metric keys.
 pub(crate) fn record_binding_near_limit(binding: &LimitStatus) {
-    match binding
-        .definition()
-        .metric_keys(&binding.rule, &binding.name)
-    {
-        Some(keys) => count(&keys.near_limit),
-        None => count(&near_limit_key(&binding.rule, &binding.name)),
-    }
+    with_metric_keys(binding, |keys| count(&keys.near_limit));
 }
 
 /// `floodgate_limited_ratio`: share of decisions denied in the last baseline interval.
