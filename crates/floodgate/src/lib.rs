@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+pub mod adaptive;
 mod admitted;
 pub mod algorithm;
 mod body;

@@ -1,0 +1,343 @@
+//! Admission under the concurrency limit, by priority class.
+//!
+//! Classes are ordered, highest first. Class `i` may fill the limit only up to what the
+//! classes above it reserve: with `critical` reserving 20 % and `default` 10 %, `sheddable`
+//! is admitted while fewer than 70 % of the limit are in flight, `default` under 80 %,
+//! `critical` up to the whole limit. As the in-flight count climbs, the lowest class is
+//! refused first, and no request of a class is refused while one of a lower class would be
+//! admitted. Within a class, once it is half full, one client may hold at most `client_share`
+//! of what the class may fill, so that one client cannot take its class's whole share.
+//!
+//! Every decision and release happens under one lock: the counts a decision reads are the
+//! counts it changes.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// A priority class: its name and the share of the limit it keeps from the classes below it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Class {
+    name: &'static str,
+    reserve: f64,
+}
+
+impl Class {
+    /// A class named `name` that reserves nothing.
+    pub fn new(name: &'static str) -> Class {
+        Class { name, reserve: 0.0 }
+    }
+
+    /// Keeps `share` of the limit (0 to 1) from every class below this one.
+    pub fn reserve(mut self, share: f64) -> Class {
+        self.reserve = share;
+        self
+    }
+
+    /// The class's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// Why a request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its class may not fill more of the limit.
+    ClassFull,
+    /// Its client holds its share of the class.
+    ClientShare,
+}
+
+/// The in-flight counts and the limit, by class and by client.
+#[derive(Debug)]
+pub(crate) struct Gate {
+    /// The fill ceiling of each class as a share of the limit (1 minus what the classes above
+    /// it reserve).
+    ceilings: Vec<f64>,
+    client_share: f64,
+    state: Mutex<GateState>,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    limit: u32,
+    in_flight: u32,
+    peak_in_flight: u32,
+    by_class: Vec<u32>,
+    by_client: HashMap<(usize, u64), u32>,
+    admitted: Vec<u64>,
+    refused: Vec<u64>,
+}
+
+/// What the gate shows of itself.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateSnapshot {
+    /// The limit in force.
+    pub limit: u32,
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Requests in flight, admitted and refused (or, in shadow, that would have been), by
+    /// class in the order the classes were given.
+    pub classes: Vec<ClassSnapshot>,
+}
+
+/// One class's counts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClassSnapshot {
+    /// Its name.
+    pub name: &'static str,
+    /// Its requests in flight.
+    pub in_flight: u32,
+    /// Requests admitted since the start.
+    pub admitted: u64,
+    /// Requests refused since the start.
+    pub refused: u64,
+}
+
+impl Gate {
+    /// A gate over `classes` (highest first) at `limit`; `client_share` of a class per client
+    /// once the class is half full.
+    pub(crate) fn new(classes: &[Class], limit: u32, client_share: f64) -> Gate {
+        let mut reserved_above = 0.0_f64;
+        let ceilings = classes
+            .iter()
+            .map(|class| {
+                let ceiling = (1.0 - reserved_above).max(0.0);
+                reserved_above += class.reserve;
+                ceiling
+            })
+            .collect();
+        Gate {
+            ceilings,
+            client_share,
+            state: Mutex::new(GateState {
+                limit,
+                by_class: vec![0; classes.len()],
+                admitted: vec![0; classes.len()],
+                refused: vec![0; classes.len()],
+                ..GateState::default()
+            }),
+        }
+    }
+
+    /// Decides a request of `class` from `client`. Admitted (or, with `enforce` false, let
+    /// through whatever the answer) requests are counted in flight until [`Gate::release`].
+    pub(crate) fn admit(
+        &self,
+        class: usize,
+        client: Option<u64>,
+        enforce: bool,
+    ) -> Result<(), Refusal> {
+        let mut state = self.lock();
+        let ceiling = self.class_ceiling(class, state.limit);
+        let verdict = if state.in_flight >= ceiling {
+            Err(Refusal::ClassFull)
+        } else if let Some(client) = client
+            && state.by_class[class] * 2 >= ceiling
+            && state.by_client.get(&(class, client)).copied().unwrap_or(0)
+                >= self.client_cap(ceiling)
+        {
+            Err(Refusal::ClientShare)
+        } else {
+            Ok(())
+        };
+        match verdict {
+            Ok(()) => state.admitted[class] += 1,
+            Err(_) => state.refused[class] += 1,
+        }
+        if verdict.is_ok() || !enforce {
+            state.in_flight += 1;
+            state.peak_in_flight = state.peak_in_flight.max(state.in_flight);
+            state.by_class[class] += 1;
+            if let Some(client) = client {
+                *state.by_client.entry((class, client)).or_insert(0) += 1;
+            }
+        }
+        verdict
+    }
+
+    /// A request of `class` from `client` that [`Gate::admit`] counted is done.
+    pub(crate) fn release(&self, class: usize, client: Option<u64>) {
+        let mut state = self.lock();
+        state.in_flight = state.in_flight.saturating_sub(1);
+        state.by_class[class] = state.by_class[class].saturating_sub(1);
+        if let Some(client) = client
+            && let Some(held) = state.by_client.get_mut(&(class, client))
+        {
+            *held -= 1;
+            if *held == 0 {
+                state.by_client.remove(&(class, client));
+            }
+        }
+    }
+
+    /// Sets the limit in force.
+    pub(crate) fn set_limit(&self, limit: u32) {
+        self.lock().limit = limit;
+    }
+
+    /// The peak in flight since the last call; the next peak starts from what is in flight.
+    pub(crate) fn take_peak(&self) -> u32 {
+        let mut state = self.lock();
+        let in_flight = state.in_flight;
+        std::mem::replace(&mut state.peak_in_flight, in_flight)
+    }
+
+    /// The counts, with `names` the classes' names.
+    pub(crate) fn snapshot(&self, names: &[&'static str]) -> GateSnapshot {
+        let state = self.lock();
+        GateSnapshot {
+            limit: state.limit,
+            in_flight: state.in_flight,
+            classes: names
+                .iter()
+                .enumerate()
+                .map(|(index, &name)| ClassSnapshot {
+                    name,
+                    in_flight: state.by_class[index],
+                    admitted: state.admitted[index],
+                    refused: state.refused[index],
+                })
+                .collect(),
+        }
+    }
+
+    /// How many requests may be in flight in all when one of `class` is admitted.
+    fn class_ceiling(&self, class: usize, limit: u32) -> u32 {
+        // At least one: a class with no room at all would never be served, even alone.
+        ((f64::from(limit) * self.ceilings[class]).floor() as u32).max(1)
+    }
+
+    fn client_cap(&self, ceiling: u32) -> u32 {
+        ((f64::from(ceiling) * self.client_share).ceil() as u32).max(1)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        // The state is counts only, each change complete under the lock: a panic elsewhere
+        // cannot leave it half changed.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn three_classes() -> Vec<Class> {
+        vec![
+            Class::new("critical").reserve(0.2),
+            Class::new("default").reserve(0.1),
+            Class::new("sheddable"),
+        ]
+    }
+
+    const CRITICAL: usize = 0;
+    const DEFAULT: usize = 1;
+    const SHEDDABLE: usize = 2;
+
+    #[test]
+    fn the_lowest_class_is_refused_first_and_the_reservation_holds() {
+        let gate = Gate::new(&three_classes(), 100, 1.0);
+        // Sheddable fills up to 70 % of the limit, no further.
+        let sheddable = (0..100)
+            .filter(|_| gate.admit(SHEDDABLE, None, true).is_ok())
+            .count();
+        assert_eq!(sheddable, 70);
+        // Default gets the next 10 %, critical the last 20 %: nothing lower took them.
+        let default = (0..100)
+            .filter(|_| gate.admit(DEFAULT, None, true).is_ok())
+            .count();
+        assert_eq!(default, 10);
+        let critical = (0..100)
+            .filter(|_| gate.admit(CRITICAL, None, true).is_ok())
+            .count();
+        assert_eq!(critical, 20);
+        let snapshot = gate.snapshot(&["critical", "default", "sheddable"]);
+        assert_eq!(snapshot.in_flight, 100);
+        assert_eq!(
+            snapshot
+                .classes
+                .iter()
+                .map(|c| c.refused)
+                .collect::<Vec<_>>(),
+            [80, 90, 30]
+        );
+    }
+
+    #[test]
+    fn no_lower_class_is_admitted_while_a_higher_one_is_refused() {
+        let gate = Gate::new(&three_classes(), 50, 1.0);
+        // Any interleaving: at every refusal of a class, every lower class is refused too.
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut held: Vec<usize> = Vec::new();
+        for _ in 0..10_000 {
+            if !held.is_empty() && rng.bool() {
+                let class = held.swap_remove(rng.usize(..held.len()));
+                gate.release(class, None);
+                continue;
+            }
+            let class = rng.usize(..3);
+            match gate.admit(class, None, true) {
+                Ok(()) => held.push(class),
+                Err(_) => {
+                    for lower in class + 1..3 {
+                        let admitted = gate.admit(lower, None, true);
+                        assert!(admitted.is_err(), "class {lower} admitted, {class} refused");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_client_cannot_take_its_classs_whole_share() {
+        let gate = Gate::new(&[Class::new("default")], 20, 0.25);
+        let greedy = (0..20)
+            .filter(|_| gate.admit(0, Some(1), true).is_ok())
+            .count();
+        // Free until the class is half full (10 of 20); from then on a client holding a
+        // quarter of it (5) or more is refused, and the greedy client holds 10.
+        assert_eq!(greedy, 10);
+        let others = (2..12u64)
+            .filter(|&c| gate.admit(0, Some(c), true).is_ok())
+            .count();
+        assert_eq!(others, 10, "the rest of the class is left to other clients");
+        assert_eq!(gate.admit(0, Some(1), true), Err(Refusal::ClassFull));
+        // The greedy client gives one back: it is still over its share, another client is not.
+        gate.release(0, Some(1));
+        assert_eq!(gate.admit(0, Some(1), true), Err(Refusal::ClientShare));
+        assert_eq!(gate.admit(0, Some(99), true), Ok(()));
+    }
+
+    #[test]
+    fn not_enforcing_counts_what_would_be_refused_and_lets_it_through() {
+        let gate = Gate::new(&[Class::new("only")], 2, 1.0);
+        let verdicts: Vec<_> = (0..4).map(|_| gate.admit(0, None, false)).collect();
+        assert_eq!(verdicts.iter().filter(|v| v.is_err()).count(), 2);
+        let snapshot = gate.snapshot(&["only"]);
+        assert_eq!(snapshot.in_flight, 4, "all four went through");
+        assert_eq!(
+            (snapshot.classes[0].admitted, snapshot.classes[0].refused),
+            (2, 2)
+        );
+        for _ in 0..4 {
+            gate.release(0, None);
+        }
+        assert_eq!(gate.snapshot(&["only"]).in_flight, 0);
+    }
+
+    #[test]
+    fn the_peak_covers_the_window_and_restarts_from_what_is_in_flight() {
+        let gate = Gate::new(&[Class::new("only")], 10, 1.0);
+        for _ in 0..6 {
+            gate.admit(0, None, true).unwrap();
+        }
+        for _ in 0..4 {
+            gate.release(0, None);
+        }
+        assert_eq!(gate.take_peak(), 6);
+        assert_eq!(gate.take_peak(), 2, "the two still in flight");
+    }
+}
