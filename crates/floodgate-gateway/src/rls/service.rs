@@ -15,10 +15,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::headers::RateLimitHeaders;
 use floodgate::key::{IdentityHash, storage_key};
-use floodgate::telemetry::{self, DecisionLabel};
+use floodgate::telemetry;
 use floodgate::{
-    DecidedBy, Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decide_or_fall_back,
-    decision::DecisionSource, settle_or_fall_back, store::Check,
+    DecidedBy, Decision, FailurePolicy, HeaderStyle, OnStoreError, Outcome, Store,
+    decide_or_fall_back, decision::DecisionSource, settle_or_fall_back, store::Check,
 };
 use sha2::{Digest, Sha256};
 
@@ -550,12 +550,12 @@ fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<Descrip
 /// its decision counted under `rule`.
 fn fixed_status(limit: &DescriptorLimit, rule: &str) -> DescriptorStatus {
     let over = matches!(limit.action, Action::DenyAll);
-    let label = match (over, limit.shadow_mode) {
-        (false, _) => DecisionLabel::Allowed,
-        (true, true) => DecisionLabel::ShadowLimited,
-        (true, false) => DecisionLabel::Limited,
-    };
-    telemetry::record_decision(rule, &limit.key_path, label);
+    // Decided by the file, not the store, but named as the store's decision would be.
+    record_outcome(
+        rule,
+        limit,
+        Outcome::of_store_decision(!over, limit.shadow_mode),
+    );
     DescriptorStatus {
         code: if over && !limit.shadow_mode {
             Code::OverLimit as i32
@@ -596,29 +596,13 @@ fn counted_status(
             .get(position)
             .map(|state| (decision, state))
     });
-    let label = match state {
-        // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor
-        // refused the request (those decided apart are always asked).
-        None if !apart && !decided.admitted => DecisionLabel::Limited,
-        // The store failed and `open` admitted.
-        None => DecisionLabel::FallbackAllowed,
-        Some((decision, state)) => {
-            let fallback = decision.source() == DecisionSource::LocalFallback;
-            let allowed = if apart {
-                state.allowed
-            } else {
-                decided.admitted
-            };
-            match (limit.shadow_mode, fallback, allowed) {
-                (true, _, false) => DecisionLabel::ShadowLimited,
-                (_, false, true) => DecisionLabel::Allowed,
-                (false, false, false) => DecisionLabel::Limited,
-                (_, true, true) => DecisionLabel::FallbackAllowed,
-                (false, true, false) => DecisionLabel::FallbackLimited,
-            }
-        }
-    };
-    telemetry::record_decision(rule, &limit.key_path, label);
+    let outcome = counted_outcome(
+        state.map(|(decision, _)| decision),
+        limit,
+        apart,
+        decided.admitted,
+    );
+    record_outcome(rule, limit, outcome);
     // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
     // proxy's limits follow: admitted with under 20% of the limit left. A check
     // adds no hit, so none near the limit (as the peer counts it).
@@ -629,10 +613,7 @@ fn counted_status(
             .is_some_and(|apart| apart.check_only);
     if let Some((_, state)) = state
         && !check_only
-        && matches!(
-            label,
-            DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
-        )
+        && matches!(outcome, Outcome::Allowed | Outcome::FallbackAllowed)
         && state.remaining.saturating_mul(5) < state.capacity
     {
         telemetry::record_near_limit(rule, &limit.key_path);
@@ -657,6 +638,37 @@ fn counted_status(
     }
 }
 
+/// What became of a counted descriptor, named as the layer names a request
+/// ([`Outcome::of_decision`]): `decision`, the one that holds its limit's state, shadowed in
+/// shadow mode. A shadow descriptor the store refuses is `shadow_limited`; one the failure
+/// policy's node limiter refuses is `fallback_limited`, as the layer counts a shadowed request
+/// that fallback refuses (SPEC §4: every fallback decision is counted as one).
+fn counted_outcome(
+    decision: Option<&Decision>,
+    limit: &DescriptorLimit,
+    apart: bool,
+    admitted: bool,
+) -> Outcome {
+    match decision {
+        // One decided apart holds this descriptor alone; the enforced one is decided only
+        // when nothing else refused the request, so its admission is the request's.
+        Some(decision) => Outcome::of_decision(decision, limit.shadow_mode),
+        // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor refused the
+        // request (those decided apart are always asked).
+        None if !apart && !admitted => Outcome::Limited,
+        // The store failed and `open` admitted.
+        None => Outcome::of_fallback(true),
+    }
+}
+
+/// Counts a descriptor's `outcome` in `floodgate_decisions_total`, under `rule` (the domain)
+/// and the descriptor's key path.
+fn record_outcome(rule: &str, limit: &DescriptorLimit, outcome: Outcome) {
+    if let Some(label) = outcome.decision_label() {
+        telemetry::record_decision(rule, &limit.key_path, label);
+    }
+}
+
 #[tonic::async_trait]
 impl RateLimitService for RlsService {
     async fn should_rate_limit(
@@ -666,5 +678,159 @@ impl RateLimitService for RlsService {
         RlsService::should_rate_limit(self, request.get_ref())
             .await
             .map(tonic::Response::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use floodgate::algorithm::LimitOutcome;
+    use floodgate::time::Timestamp;
+    use floodgate::{Algorithm, Limit};
+
+    use crate::rls::rules::Unit;
+
+    fn counted_limit(key_path: &str, shadow_mode: bool) -> DescriptorLimit {
+        let limit = Limit::new(key_path, Algorithm::FixedWindow, 1, Duration::from_secs(60));
+        DescriptorLimit {
+            key_path: Arc::from(key_path),
+            name: None,
+            requests_per_unit: 1,
+            unit: Unit::Minute,
+            action: Action::Limited(Arc::new(limit.unwrap())),
+            shadow_mode,
+            count_every_hit: false,
+            replaces: Vec::new(),
+        }
+    }
+
+    fn check_of(limit: &DescriptorLimit) -> Check {
+        let Action::Limited(counted) = &limit.action else {
+            unreachable!("a counted limit");
+        };
+        Check::new("key", counted.clone(), 1).with_rule(Arc::from("api"))
+    }
+
+    /// What `source` decided of `limit`'s one check: admitted or not.
+    fn decided_by(source: DecisionSource, limit: &DescriptorLimit, allowed: bool) -> Enforced {
+        if source == DecisionSource::FailOpen {
+            // `decide` answers a failure `open` admits without a decision.
+            assert!(allowed, "open admits");
+            return Enforced::FailedOpen;
+        }
+        let outcome = LimitOutcome {
+            allowed,
+            remaining: u64::from(allowed),
+            reset_after_micros: 60_000_000,
+            retry_after_micros: (!allowed).then_some(60_000_000),
+            delay_micros: 0,
+        };
+        let at = Timestamp::from_micros(0);
+        let decision = Decision::from_outcomes(at, &[check_of(limit)], &[outcome], Vec::new());
+        Enforced::Decided(decision.with_source(source))
+    }
+
+    /// The one counted descriptor `limit` (apart in shadow mode, else enforced) answered with
+    /// `decided`: its status and the `decision` labels `floodgate_decisions_total` counted.
+    fn answer(limit: &DescriptorLimit, decided: Enforced) -> (DescriptorStatus, Vec<String>) {
+        let check = check_of(limit);
+        let apart = limit.decided_apart();
+        let admitted = apart || !matches!(&decided, Enforced::Decided(d) if !d.is_allowed());
+        let planned = Planned {
+            slots: vec![Slot::Counted { limit, index: 0 }],
+            enforced: if apart {
+                Vec::new()
+            } else {
+                vec![check.clone()]
+            },
+            apart: if apart {
+                vec![Apart {
+                    limit,
+                    check,
+                    check_only: false,
+                }]
+            } else {
+                Vec::new()
+            },
+            deny_all: false,
+        };
+        let decided = if apart {
+            Decided {
+                enforced: None,
+                apart: vec![decided],
+                admitted,
+            }
+        } else {
+            Decided {
+                enforced: Some(decided),
+                apart: Vec::new(),
+                admitted,
+            }
+        };
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut answered =
+            metrics::with_local_recorder(&recorder, || statuses(&planned, &decided, "api"));
+        let labels = handle
+            .render()
+            .lines()
+            .filter(|line| line.starts_with(telemetry::DECISIONS_TOTAL))
+            .filter_map(|line| {
+                let (_, rest) = line.split_once("decision=\"")?;
+                Some(rest.split('"').next()?.to_owned())
+            })
+            .collect();
+        (answered.remove(0), labels)
+    }
+
+    /// The case the RLS and the layer once named apart: the store failed, `local`'s node
+    /// limiter refused a shadow descriptor. The client is not refused (shadow mode), and the
+    /// decision is the fallback's, counted as the layer counts it (SPEC §4).
+    #[test]
+    fn a_shadow_descriptor_the_fallback_refuses_is_counted_as_the_layer_counts_it() {
+        let limit = counted_limit("tenant", true);
+        let refused = decided_by(DecisionSource::LocalFallback, &limit, false);
+        let (status, labels) = answer(&limit, refused);
+        assert_eq!(status.code, Code::Ok as i32, "shadow mode never refuses");
+        assert_eq!(labels, ["fallback_limited"]);
+    }
+
+    /// Every way a counted descriptor is decided (by the store, the node's fallback limiter, or
+    /// `open`; admitted or not; shown or shadowed) is counted under the label the layer counts
+    /// the same decision under.
+    #[test]
+    fn every_decision_of_a_descriptor_is_labelled_as_the_layers() {
+        use DecisionSource::{FailOpen, LocalFallback, Store};
+        let expected = [
+            (Store, true, false, "allowed"),
+            (Store, true, true, "allowed"),
+            (Store, false, false, "limited"),
+            (Store, false, true, "shadow_limited"),
+            (LocalFallback, true, false, "fallback_allowed"),
+            (LocalFallback, true, true, "fallback_allowed"),
+            (LocalFallback, false, false, "fallback_limited"),
+            (LocalFallback, false, true, "fallback_limited"),
+            (FailOpen, true, false, "fallback_allowed"),
+            (FailOpen, true, true, "fallback_allowed"),
+        ];
+        for (source, allowed, shadowed, label) in expected {
+            let case = format!("{source:?}, allowed {allowed}, shadowed {shadowed}");
+            let limit = counted_limit("tenant", shadowed);
+            let decided = decided_by(source, &limit, allowed);
+            // The layer's name for it: the outcome it puts on the response and counts.
+            let layers = match &decided {
+                Enforced::Decided(decision) => Outcome::of_decision(decision, shadowed),
+                Enforced::FailedOpen => {
+                    let at = Timestamp::from_micros(0);
+                    Outcome::of_decision(&Decision::unlimited(at, source), shadowed)
+                }
+            };
+            let layers = layers.decision_label().expect("a counted outcome");
+            assert_eq!(layers.as_str(), label, "{case}");
+            let (status, labels) = answer(&limit, decided);
+            assert_eq!(labels, [label], "{case}");
+            let refused = !allowed && !shadowed;
+            assert_eq!(status.code == Code::OverLimit as i32, refused, "{case}");
+        }
     }
 }
