@@ -128,6 +128,35 @@ async fn a_failing_store_is_named_by_what_the_policy_did() {
     );
 }
 
+/// A shadowed request whose store fails and whose `local` fallback refuses it: let through
+/// (shadow mode shows no denial), named by what decided it, the failure policy's
+/// `fallback_limited` rather than the store's `shadow_limited` (SPEC §4; the RLS names a shadow
+/// descriptor the same way).
+#[tokio::test]
+async fn a_shadowed_request_the_fallback_refuses_is_let_through_as_fallback_limited() {
+    // A day's window: the second request is refused however slowly it follows the first.
+    let one_a_day = floodgate::Limit::token_bucket("per-day", 1, Duration::from_secs(86_400));
+    let layer = RateLimitLayer::builder()
+        .limit(one_a_day.unwrap())
+        .store(DownStore)
+        .on_store_error(FailurePolicy::Local)
+        .rollout(Rollout::new(Mode::Shadow, 100.0))
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let first = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(
+        (first.status(), outcome_of(&first).outcome),
+        (StatusCode::OK, Outcome::FallbackAllowed)
+    );
+    let second = send(&service, from_peer("198.51.100.1:1")).await;
+    assert_eq!(
+        (second.status(), outcome_of(&second).outcome),
+        (StatusCode::OK, Outcome::FallbackLimited),
+        "the node's limiter holds one a day; shadow mode lets the refusal through"
+    );
+}
+
 /// Nested layers (a global limit around a tighter one on a route): the outcome on the
 /// response is the binding layer's, and a 429 still carries its whole decision.
 #[tokio::test]

@@ -4,13 +4,16 @@
 //!
 //! - [`rules`]: the domain file format and the descriptor tree a request walks.
 //! - [`reload`]: the directory in service and its hot reload.
-//! - [`service`]: `ShouldRateLimit` itself.
+//! - [`decide`]: a request's descriptors planned, decided and answered in floodgate's own
+//!   terms, whatever protocol asked.
+//! - [`service`]: `ShouldRateLimit` itself, Envoy's messages converted at the edge.
 //! - [`json`] and [`http`]: envoyproxy/ratelimit's `POST /json` on `rls.http_listen`, the same
 //!   decision in the peer's JSON form.
 //! - [`limit_overrides`]: the limits of Envoy's `limit` overrides, least recently used evicted.
 //! - [`batched_writes`]: answers that are ready together leave in one write.
 
 pub(crate) mod batched_writes;
+pub(crate) mod decide;
 pub(crate) mod http;
 pub(crate) mod json;
 pub(crate) mod limit_overrides;

@@ -1,9 +1,9 @@
-//! `ShouldRateLimit`: a request's descriptors matched against its domain's rules, and every
-//! counted one decided in one `check_and_consume` call, all or nothing; those in shadow mode
-//! or with `count_every_hit` are decided each on its own, first.
+//! `ShouldRateLimit` at Envoy's edge: the request's messages converted into a
+//! [`decide::Request`], decided there in floodgate's own terms, and its answers converted into
+//! the `RateLimitResponse`'s statuses and headers.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue as ProtoHeader;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -13,18 +13,13 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use floodgate::HeaderStyle;
 use floodgate::headers::RateLimitHeaders;
-use floodgate::key::{IdentityHash, storage_key};
-use floodgate::telemetry::{self, DecisionLabel};
-use floodgate::{
-    DecidedBy, Decision, FailurePolicy, HeaderStyle, OnStoreError, Store, decide_or_fall_back,
-    decision::DecisionSource, settle_or_fall_back, store::Check,
-};
-use sha2::{Digest, Sha256};
 
+use super::decide::{self, Answer, Decided, Decider, Refusal};
 use super::limit_overrides::LimitOverrides;
 use super::reload::RulesHandle;
-use super::rules::{Action, DescriptorLimit, Match, Node};
+use super::rules::DescriptorLimit;
 use crate::config::Config;
 use crate::gateway::Gateway;
 
@@ -33,8 +28,8 @@ pub(crate) struct RlsService {
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     response_headers: bool,
-    /// The failure policy last used, with its node limiter under `local`.
-    on_store_error: Mutex<Option<Arc<OnStoreError>>>,
+    /// Decides on the gateway's store, under its failure policy.
+    decider: Decider,
     /// The limits of Envoy's `limit` overrides, the most recently used kept.
     overrides: LimitOverrides,
 }
@@ -47,10 +42,10 @@ impl RlsService {
         response_headers: bool,
     ) -> Self {
         RlsService {
+            decider: Decider::new(gateway.clone()),
             gateway,
             rules,
             response_headers,
-            on_store_error: Mutex::new(None),
             overrides: LimitOverrides::default(),
         }
     }
@@ -61,65 +56,124 @@ impl RlsService {
         self.overrides
             .limit_for(requested.requests_per_unit, requested.unit)
     }
-}
 
-/// The scope of RLS identities in storage keys: `<prefix>:{rls:<hash>}:<domain>:<name>`.
-const SCOPE: &str = "rls";
-
-/// The identity of one request descriptor: the first 16 bytes of SHA-256 over the domain and
-/// every entry, each length-prefixed so that no two entry lists hash alike by concatenation.
-/// Descriptor values (client IPs, user ids) never appear raw in keys, logs or labels. An
-/// entry matched by a `share_threshold` wildcard hashes as its pattern (marked, so that it is
-/// never the hash of a literal value), so every value it matches shares one counter.
-fn descriptor_hash(
-    domain: &str,
-    descriptor: &RateLimitDescriptor,
-    shared_values: &[Option<&str>],
-) -> IdentityHash {
-    let mut hasher = Sha256::new();
-    let mut field = |marker: u8, text: &str| {
-        hasher.update([marker]);
-        hasher.update((text.len() as u64).to_be_bytes());
-        hasher.update(text.as_bytes());
-    };
-    field(0, domain);
-    for (index, entry) in descriptor.entries.iter().enumerate() {
-        field(0, &entry.key);
-        match shared_values.get(index).copied().flatten() {
-            Some(pattern) => field(1, pattern),
-            None => field(0, &entry.value),
+    /// `request` in floodgate's terms. Envoy's `limit` override decides a descriptor in place
+    /// of the file (as envoyproxy/ratelimit does, whether or not the file configures it).
+    fn to_decide<'a>(&self, request: &'a RateLimitRequest) -> decide::Request<'a> {
+        decide::Request {
+            domain: &request.domain,
+            hits_addend: request.hits_addend,
+            descriptors: request
+                .descriptors
+                .iter()
+                .map(|descriptor| decide::Descriptor {
+                    entries: descriptor
+                        .entries
+                        .iter()
+                        .map(|entry| (entry.key.as_str(), entry.value.as_str()))
+                        .collect(),
+                    hits_addend: descriptor.hits_addend.as_ref().map(|hits| hits.value),
+                    negative_hits: descriptor.is_negative_hits,
+                    limit: self.override_limit(descriptor),
+                })
+                .collect(),
         }
     }
-    let digest = hasher.finalize();
-    let mut bytes = [0u8; 16];
-    bytes.copy_from_slice(&digest[..16]);
-    IdentityHash(bytes)
+
+    /// The answer to one `ShouldRateLimit` request: its descriptors matched against the
+    /// domain's rules, planned into checks, decided, and answered with statuses and headers.
+    /// gRPC and `POST /json` both answer through this.
+    ///
+    /// # Errors
+    ///
+    /// `INVALID_ARGUMENT` for a request without a domain or descriptors, or with
+    /// `is_negative_hits`; `UNAVAILABLE` when the store fails under `on_store_error: closed`.
+    pub(crate) async fn should_rate_limit(
+        &self,
+        request: &RateLimitRequest,
+    ) -> Result<RateLimitResponse, tonic::Status> {
+        // Refused as envoyproxy/ratelimit refuses them (its `/json` answers 400).
+        if request.domain.is_empty() {
+            return Err(tonic::Status::invalid_argument(
+                "rate limit domain must not be empty",
+            ));
+        }
+        if request.descriptors.is_empty() {
+            return Err(tonic::Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
+        let rules = self.rules.current();
+        let Some(tree) = rules.domain(&request.domain) else {
+            // An unknown domain limits nothing (as envoyproxy/ratelimit answers).
+            return Ok(RateLimitResponse {
+                overall_code: Code::Ok as i32,
+                statuses: request.descriptors.iter().map(|_| ok_status()).collect(),
+                ..RateLimitResponse::default()
+            });
+        };
+        let current = self.gateway.current();
+        let config = &current.config;
+        let asked = self.to_decide(request);
+        let matched = decide::matched(tree, &asked);
+        let planned = decide::plan(&asked, &matched, &config.store.prefix)?;
+        let decided = self.decider.decide_planned(&planned).await?;
+        let answers = decide::answers(&planned, &decided, &request.domain);
+        Ok(RateLimitResponse {
+            overall_code: if decided.admitted() {
+                Code::Ok as i32
+            } else {
+                Code::OverLimit as i32
+            },
+            statuses: answers.iter().map(status).collect(),
+            response_headers_to_add: self.headers(&decided, config),
+            ..RateLimitResponse::default()
+        })
+    }
+
+    /// The rate limit headers of the binding limit, when the answer carries them.
+    fn headers(&self, decided: &Decided, config: &Config) -> Vec<ProtoHeader> {
+        let mut response_headers_to_add = Vec::new();
+        if self.response_headers
+            && let Some(decision) = decided.enforced()
+        {
+            let style = config.response.headers;
+            if style != HeaderStyle::None {
+                let mut headers = http::HeaderMap::new();
+                RateLimitHeaders::new(decision, style).apply(&mut headers);
+                if let Some(wait) = decision.retry_after() {
+                    let seconds = floodgate::headers::retry_after_secs(
+                        wait,
+                        config.response.retry_after_jitter,
+                        fastrand::f64(),
+                    );
+                    headers.insert(http::header::RETRY_AFTER, http::HeaderValue::from(seconds));
+                }
+                for (name, value) in &headers {
+                    response_headers_to_add.push(ProtoHeader {
+                        key: name.as_str().to_owned(),
+                        value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                        ..ProtoHeader::default()
+                    });
+                }
+            }
+        }
+        response_headers_to_add
+    }
 }
 
-/// A domain's text as it may appear in a storage key (no `:`, `{` or `}`).
-fn key_safe(domain: &str) -> String {
-    floodgate::key::key_part(domain, floodgate::key::KeyChars::Text)
-}
-
-/// How one descriptor of the request is decided.
-enum Slot<'r> {
-    /// No configured descriptor matches: `OK`, no limit.
-    NoLimit,
-    /// Matched an `unlimited` one, or a counted one of `requests_per_unit: 0`.
-    Fixed(&'r DescriptorLimit),
-    /// Counted: index into the enforced checks, or into those decided apart (shadow mode,
-    /// `count_every_hit`).
-    Counted {
-        limit: &'r DescriptorLimit,
-        index: usize,
-    },
-}
-
-/// The decision of the enforced checks, or why there is none.
-enum Enforced {
-    Decided(Decision),
-    /// The store failed and `open` admits.
-    FailedOpen,
+/// A refusal as gRPC answers it (`POST /json` reads the code).
+impl From<Refusal> for tonic::Status {
+    fn from(refusal: Refusal) -> tonic::Status {
+        match refusal {
+            Refusal::NegativeHits => tonic::Status::invalid_argument(
+                "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
+            ),
+            Refusal::Unavailable => {
+                tonic::Status::unavailable("rate limit store unavailable (on_store_error: closed)")
+            }
+        }
+    }
 }
 
 /// A `duration_until_reset` in whole seconds, rounded up (never early), as envoyproxy/ratelimit
@@ -161,494 +215,32 @@ fn ok_status() -> DescriptorStatus {
     }
 }
 
-impl RlsService {
-    /// Decides `checks` on the store, under the failure policy; with `peek`, says what the
-    /// store would decide and counts nothing.
-    async fn decide(&self, checks: &[Check], peek: bool) -> Result<Enforced, tonic::Status> {
-        // Descriptors may name any algorithm: in batched mode, those that cannot run batched
-        // are decided exactly (timed under the batched store's label, as the proxy's are).
-        let current = self.gateway.current();
-        let store = &current.store;
-        let config = &current.config;
-        let policy = || self.on_store_error_for(config.on_store_error, config.store.fallback_share);
-        // A failed call is not counted here: the store's guard (the library's
-        // `store::resilience`) counted it in `floodgate_store_errors_total`, as for the layer.
-        let decided = if peek {
-            // Under `local`, the node's limiter decides a failed peek as it decides any check
-            // (it counts one hit there): it has no other way to answer.
-            let started = Instant::now();
-            let peeked = store.for_any_algorithm.peek(checks, None).await;
-            settle_or_fall_back(peeked, started, store.store.backend(), checks, policy)
-        } else {
-            decide_or_fall_back(
-                &*store.for_any_algorithm,
-                store.store.backend(),
-                checks,
-                policy,
-            )
-            .await
-        };
-        match decided {
-            DecidedBy::Store(decision) => Ok(Enforced::Decided(decision)),
-            DecidedBy::Fallback { decision: None, .. } => Err(tonic::Status::unavailable(
-                "rate limit store unavailable (on_store_error: closed)",
-            )),
-            DecidedBy::Fallback {
-                decision: Some(decision),
-                error,
-            } if decision.source() == DecisionSource::FailOpen => {
-                tracing::debug!(%error, "rls: store failed; on_store_error open admits");
-                Ok(Enforced::FailedOpen)
-            }
-            DecidedBy::Fallback {
-                decision: Some(decision),
-                ..
-            } => Ok(Enforced::Decided(decision)),
-        }
-    }
-
-    /// The failure policy in force, with its node limiter for `share` under `local`: kept
-    /// while the policy and the share stay (its counters with it), built afresh when a reload
-    /// changes either, as a layer's is.
-    fn on_store_error_for(&self, policy: FailurePolicy, share: f64) -> Arc<OnStoreError> {
-        let mut current = self
-            .on_store_error
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match &*current {
-            Some(kept)
-                if kept.policy() == policy
-                    && kept.fallback_share().is_none_or(|kept| kept == share) =>
-            {
-                kept.clone()
-            }
-            _ => {
-                let built = Arc::new(OnStoreError::new(policy, share));
-                *current = Some(built.clone());
-                built
-            }
-        }
-    }
-
-    /// The answer to one `ShouldRateLimit` request: its descriptors matched against the
-    /// domain's rules, planned into checks, decided, and answered with statuses and headers.
-    /// gRPC and `POST /json` both answer through this.
-    ///
-    /// # Errors
-    ///
-    /// `INVALID_ARGUMENT` for a request without a domain or descriptors, or with
-    /// `is_negative_hits`; `UNAVAILABLE` when the store fails under `on_store_error: closed`.
-    pub(crate) async fn should_rate_limit(
-        &self,
-        request: &RateLimitRequest,
-    ) -> Result<RateLimitResponse, tonic::Status> {
-        // Refused as envoyproxy/ratelimit refuses them (its `/json` answers 400).
-        if request.domain.is_empty() {
-            return Err(tonic::Status::invalid_argument(
-                "rate limit domain must not be empty",
-            ));
-        }
-        if request.descriptors.is_empty() {
-            return Err(tonic::Status::invalid_argument(
-                "rate limit descriptor list must not be empty",
-            ));
-        }
-        let rules = self.rules.current();
-        let Some(tree) = rules.domain(&request.domain) else {
-            // An unknown domain limits nothing (as envoyproxy/ratelimit answers).
-            return Ok(RateLimitResponse {
-                overall_code: Code::Ok as i32,
-                statuses: request.descriptors.iter().map(|_| ok_status()).collect(),
-                ..RateLimitResponse::default()
-            });
-        };
-        let current = self.gateway.current();
-        let config = &current.config;
-        // Envoy's `limit` override decides a descriptor in place of the file (as
-        // envoyproxy/ratelimit does, whether or not the file configures it).
-        let overridden: Vec<Option<Arc<DescriptorLimit>>> = request
-            .descriptors
-            .iter()
-            .map(|descriptor| self.override_limit(descriptor))
-            .collect();
-        let matched = matched(tree, request, &overridden);
-        let planned = plan(request, &matched, &config.store.prefix)?;
-        let decided = self.decide_planned(&planned).await?;
-        let rule = request.domain.as_str();
-        Ok(RateLimitResponse {
-            overall_code: if decided.admitted {
-                Code::Ok as i32
-            } else {
-                Code::OverLimit as i32
-            },
-            statuses: statuses(&planned, &decided, rule),
-            response_headers_to_add: self.headers(&decided, config),
-            ..RateLimitResponse::default()
-        })
-    }
-
-    /// Decides a plan: each descriptor decided apart (shadow mode, `count_every_hit`) on its
-    /// own, then the enforced checks in one call, all or nothing.
-    async fn decide_planned(&self, planned: &Planned<'_>) -> Result<Decided, tonic::Status> {
-        // Shadow descriptors count on their own (as envoyproxy/ratelimit counts every
-        // descriptor), so that one over its limit never blocks the request nor the others;
-        // so do `count_every_hit` ones, whose hits count whatever the others decide.
-        let mut apart = Vec::with_capacity(planned.apart.len());
-        for descriptor in &planned.apart {
-            apart.push(self.decide_apart(descriptor).await?);
-        }
-        let refused_apart = planned
-            .apart
-            .iter()
-            .zip(&apart)
-            .any(|(descriptor, decided)| {
-                !descriptor.limit.shadow_mode
-                    && matches!(decided, Enforced::Decided(decision) if !decision.is_allowed())
-            });
-        // All or nothing: a request that a `requests_per_unit: 0` descriptor or a
-        // `count_every_hit` one refuses consumes from none of the others, so the store is not
-        // asked.
-        let enforced = if planned.enforced.is_empty() || planned.deny_all || refused_apart {
-            None
-        } else {
-            Some(self.decide(&planned.enforced, false).await?)
-        };
-        let admitted = !planned.deny_all
-            && !refused_apart
-            && match &enforced {
-                Some(Enforced::Decided(decision)) => decision.is_allowed(),
-                _ => true,
-            };
-        Ok(Decided {
-            enforced,
-            apart,
-            admitted,
-        })
-    }
-
-    /// Decides a descriptor on its own. A `count_every_hit` one's check (its own
-    /// `hits_addend: 0`) is a peek; its hits are counted even where they do not fit, as
-    /// envoyproxy/ratelimit counts every hit, and that call is answered over the limit with
-    /// the state they left.
-    async fn decide_apart(&self, descriptor: &Apart<'_>) -> Result<Enforced, tonic::Status> {
-        let checks = std::slice::from_ref(&descriptor.check);
-        let decided = self.decide(checks, descriptor.check_only).await?;
-        if let Enforced::Decided(decision) = &decided
-            && descriptor.limit.count_every_hit
-            && !descriptor.check_only
-            && !decision.is_allowed()
-            && decision.source() == DecisionSource::Store
-        {
-            // Usage reported after the fact happened: it is counted past the limit, so that
-            // the next checks are refused until the window (or the bucket) has room again.
-            let store = &self.gateway.current().store.for_any_algorithm;
-            match store.charge(checks, None).await {
-                // The answer says what is left now, and when there is room again.
-                Ok(()) => match store.peek(checks, None).await {
-                    Ok(after) => return Ok(Enforced::Decided(after)),
-                    Err(error) => {
-                        tracing::debug!(%error, "rls: the state after counting hits past the limit could not be read");
-                    }
-                },
-                Err(error) => {
-                    tracing::warn!(%error, "rls: hits past the limit could not be counted");
-                }
-            }
-        }
-        Ok(decided)
-    }
-
-    /// The rate limit headers of the binding limit, when the answer carries them.
-    fn headers(&self, decided: &Decided, config: &Config) -> Vec<ProtoHeader> {
-        let mut response_headers_to_add = Vec::new();
-        if self.response_headers
-            && let Some(Enforced::Decided(decision)) = &decided.enforced
-        {
-            let style = config.response.headers;
-            if style != HeaderStyle::None {
-                let mut headers = http::HeaderMap::new();
-                RateLimitHeaders::new(decision, style).apply(&mut headers);
-                if let Some(wait) = decision.retry_after() {
-                    let seconds = floodgate::headers::retry_after_secs(
-                        wait,
-                        config.response.retry_after_jitter,
-                        fastrand::f64(),
-                    );
-                    headers.insert(http::header::RETRY_AFTER, http::HeaderValue::from(seconds));
-                }
-                for (name, value) in &headers {
-                    response_headers_to_add.push(ProtoHeader {
-                        key: name.as_str().to_owned(),
-                        value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
-                        ..ProtoHeader::default()
-                    });
-                }
-            }
-        }
-        response_headers_to_add
-    }
-}
-
-/// A request's descriptors as they matched: Envoy's override where one came, else the tree.
-fn matched<'r>(
-    tree: &'r Node,
-    request: &RateLimitRequest,
-    overridden: &'r [Option<Arc<DescriptorLimit>>],
-) -> Vec<Option<Match<'r>>> {
-    request
-        .descriptors
-        .iter()
-        .zip(overridden)
-        .map(|(descriptor, overridden)| {
-            if let Some(limit) = overridden {
-                return Some(Match {
-                    limit,
-                    shared_values: Vec::new(),
-                });
-            }
-            tree.find(
-                descriptor
-                    .entries
-                    .iter()
-                    .map(|entry| (entry.key.as_str(), entry.value.as_str())),
-            )
-        })
-        .collect()
-}
-
-/// What a request's matched descriptors ask of the store.
-struct Planned<'r> {
-    slots: Vec<Slot<'r>>,
-    /// Decided together, all or nothing.
-    enforced: Vec<Check>,
-    /// Decided one by one: shadow mode (never enforced) and `count_every_hit`.
-    apart: Vec<Apart<'r>>,
-    /// A `requests_per_unit: 0` descriptor (not shadowed) refuses the request.
-    deny_all: bool,
-}
-
-/// The decisions of a plan.
-struct Decided {
-    enforced: Option<Enforced>,
-    apart: Vec<Enforced>,
-    admitted: bool,
-}
-
-/// A descriptor decided on its own ([`DescriptorLimit::decided_apart`]).
-struct Apart<'r> {
-    limit: &'r DescriptorLimit,
-    check: Check,
-    /// A `count_every_hit` descriptor's own `hits_addend: 0`: what one hit would get, nothing
-    /// counted.
-    check_only: bool,
-}
-
-/// Plans the checks of `matched` (the request's descriptors as they matched), keys under
-/// `prefix`.
-fn plan<'r>(
-    request: &RateLimitRequest,
-    matched: &[Option<Match<'r>>],
-    prefix: &str,
-) -> Result<Planned<'r>, tonic::Status> {
-    let rule: Arc<str> = Arc::from(request.domain.as_str());
-    let key_rule = key_safe(&request.domain);
-    let request_hits = u64::from(request.hits_addend.max(1));
-    let mut planned = Planned {
-        slots: Vec::with_capacity(request.descriptors.len()),
-        enforced: Vec::new(),
-        apart: Vec::new(),
-        deny_all: false,
-    };
-    // `replaces`: a matched limit sets aside the limits it names.
-    let replaced: Vec<&str> = matched
-        .iter()
-        .flatten()
-        .flat_map(|found| found.limit.replaces.iter().map(|name| &**name))
-        .collect();
-    for (descriptor, found) in request.descriptors.iter().zip(matched) {
-        if descriptor.is_negative_hits {
-            return Err(tonic::Status::invalid_argument(
-                "is_negative_hits is not supported: floodgate never refunds through ShouldRateLimit",
-            ));
-        }
-        let Some(found) = found.as_ref().filter(|found| {
-            found
-                .limit
-                .name
-                .as_deref()
-                .is_none_or(|name| !replaced.contains(&name))
-        }) else {
-            planned.slots.push(Slot::NoLimit);
-            continue;
-        };
-        let limit = found.limit;
-        let counted = match &limit.action {
-            Action::Unlimited => None,
-            Action::DenyAll => {
-                planned.deny_all |= !limit.shadow_mode;
-                None
-            }
-            Action::Limited(counted) => Some(counted),
-        };
-        let Some(counted) = counted else {
-            planned.slots.push(Slot::Fixed(limit));
-            continue;
-        };
-        // hits_addend 0 means 1 at both levels, except a `count_every_hit` descriptor's own 0:
-        // a check that counts nothing, as envoyproxy/ratelimit reads it
-        // (`utils.GetHitsAddends`). That only holds where refused hits are counted, as there:
-        // elsewhere floodgate counts none, so such a check could never be refused (a client
-        // that checks with 0 and reports its usage later would never be stopped).
-        let check_only = limit.count_every_hit
-            && descriptor
-                .hits_addend
-                .as_ref()
-                .is_some_and(|hits| hits.value == 0);
-        let hits = descriptor
-            .hits_addend
-            .as_ref()
-            .map_or(request_hits, |hits| hits.value.max(1));
-        let key = storage_key(
-            prefix,
-            SCOPE,
-            &descriptor_hash(&request.domain, descriptor, &found.shared_values),
-            &key_rule,
-            counted.name(),
-        );
-        let check = Check::new(key, counted.clone(), hits).with_rule(rule.clone());
-        let index = if limit.decided_apart() {
-            planned.apart.push(Apart {
-                limit,
-                check,
-                check_only,
-            });
-            planned.apart.len() - 1
-        } else {
-            planned.enforced.push(check);
-            planned.enforced.len() - 1
-        };
-        planned.slots.push(Slot::Counted { limit, index });
-    }
-
-    Ok(planned)
-}
-
-/// One status per descriptor, in the request's order, each decision recorded in metrics.
-fn statuses(planned: &Planned<'_>, decided: &Decided, rule: &str) -> Vec<DescriptorStatus> {
-    planned
-        .slots
-        .iter()
-        .map(|slot| match *slot {
-            Slot::NoLimit => ok_status(),
-            Slot::Fixed(limit) => fixed_status(limit, rule),
-            Slot::Counted { limit, index } => counted_status(planned, decided, rule, limit, index),
-        })
-        .collect()
-}
-
-/// The status of a descriptor whose answer is fixed (`unlimited`, or `requests_per_unit: 0`),
-/// its decision counted under `rule`.
-fn fixed_status(limit: &DescriptorLimit, rule: &str) -> DescriptorStatus {
-    let over = matches!(limit.action, Action::DenyAll);
-    let label = match (over, limit.shadow_mode) {
-        (false, _) => DecisionLabel::Allowed,
-        (true, true) => DecisionLabel::ShadowLimited,
-        (true, false) => DecisionLabel::Limited,
-    };
-    telemetry::record_decision(rule, &limit.key_path, label);
-    DescriptorStatus {
-        code: if over && !limit.shadow_mode {
-            Code::OverLimit as i32
-        } else {
-            Code::Ok as i32
-        },
-        current_limit: over.then(|| proto_limit(limit)),
-        limit_remaining: if over { 0 } else { u32::MAX },
-        duration_until_reset: over.then(|| window_end(limit.unit.window())),
-        ..DescriptorStatus::default()
-    }
-}
-
-/// The status of a counted descriptor (`index` into the enforced checks, or into those decided
-/// apart), from what the store decided, its decision counted under `rule` and near the limit
-/// as envoyproxy/ratelimit counts it.
-fn counted_status(
-    planned: &Planned<'_>,
-    decided: &Decided,
-    rule: &str,
-    limit: &DescriptorLimit,
-    index: usize,
-) -> DescriptorStatus {
-    let apart = limit.decided_apart();
-    let outcome = if apart {
-        decided.apart.get(index)
+/// The `DescriptorStatus` of a descriptor's answer.
+fn status(answer: &Answer<'_>) -> DescriptorStatus {
+    let code = if answer.is_over() {
+        Code::OverLimit as i32
     } else {
-        decided.enforced.as_ref()
+        Code::Ok as i32
     };
-    let decision = match outcome {
-        Some(Enforced::Decided(decision)) => Some(decision),
-        _ => None,
-    };
-    let position = if apart { 0 } else { index };
-    let state = decision.and_then(|decision| {
-        decision
-            .limits()
-            .get(position)
-            .map(|state| (decision, state))
-    });
-    let label = match state {
-        // Not asked: a `requests_per_unit: 0` or a `count_every_hit` descriptor
-        // refused the request (those decided apart are always asked).
-        None if !apart && !decided.admitted => DecisionLabel::Limited,
-        // The store failed and `open` admitted.
-        None => DecisionLabel::FallbackAllowed,
-        Some((decision, state)) => {
-            let fallback = decision.source() == DecisionSource::LocalFallback;
-            let allowed = if apart {
-                state.allowed
-            } else {
-                decided.admitted
-            };
-            match (limit.shadow_mode, fallback, allowed) {
-                (true, _, false) => DecisionLabel::ShadowLimited,
-                (_, false, true) => DecisionLabel::Allowed,
-                (false, false, false) => DecisionLabel::Limited,
-                (_, true, true) => DecisionLabel::FallbackAllowed,
-                (false, true, false) => DecisionLabel::FallbackLimited,
-            }
-        }
-    };
-    telemetry::record_decision(rule, &limit.key_path, label);
-    // envoyproxy/ratelimit's `near_limit` (its default ratio, 0.8), by the rule the
-    // proxy's limits follow: admitted with under 20% of the limit left. A check
-    // adds no hit, so none near the limit (as the peer counts it).
-    let check_only = apart
-        && planned
-            .apart
-            .get(index)
-            .is_some_and(|apart| apart.check_only);
-    if let Some((_, state)) = state
-        && !check_only
-        && matches!(
-            label,
-            DecisionLabel::Allowed | DecisionLabel::FallbackAllowed
-        )
-        && state.remaining.saturating_mul(5) < state.capacity
-    {
-        telemetry::record_near_limit(rule, &limit.key_path);
-    }
-    match state {
-        None => DescriptorStatus {
-            code: Code::Ok as i32,
+    match *answer {
+        Answer::NoLimit => ok_status(),
+        Answer::Fixed { limit, over } => DescriptorStatus {
+            code,
+            current_limit: over.then(|| proto_limit(limit)),
+            limit_remaining: if over { 0 } else { u32::MAX },
+            duration_until_reset: over.then(|| window_end(limit.unit.window())),
+            ..DescriptorStatus::default()
+        },
+        Answer::Counted { limit, state: None } => DescriptorStatus {
+            code,
             current_limit: Some(proto_limit(limit)),
             ..DescriptorStatus::default()
         },
-        Some((_, state)) => DescriptorStatus {
-            code: if state.allowed || limit.shadow_mode {
-                Code::Ok as i32
-            } else {
-                Code::OverLimit as i32
-            },
+        Answer::Counted {
+            limit,
+            state: Some(state),
+        } => DescriptorStatus {
+            code,
             current_limit: Some(proto_limit(limit)),
             limit_remaining: u32::try_from(state.remaining).unwrap_or(u32::MAX),
             duration_until_reset: Some(proto_duration(state.reset_after)),
