@@ -30,6 +30,8 @@
 pub mod controller;
 mod gate;
 mod service;
+#[cfg(test)]
+mod simulation;
 
 pub use controller::{Gradient, GradientSettings, WindowSample};
 pub use gate::{Class, ClassSnapshot, GateSnapshot, Refusal};
