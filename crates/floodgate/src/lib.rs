@@ -12,7 +12,7 @@ pub mod decision;
 mod derived;
 mod detached;
 mod error;
-mod fallback;
+pub mod fallback;
 mod future;
 pub mod headers;
 pub mod key;
@@ -39,9 +39,7 @@ pub mod top;
 // Everything else lives in its module (`floodgate::time::FakeClock`, `floodgate::rollout::Mode`).
 pub use decision::Decision;
 pub use error::BuildError;
-pub use fallback::{
-    DecidedBy, LocalFallback, OnStoreError, decide_or_fall_back, settle_or_fall_back,
-};
+pub use fallback::{LocalFallback, OnStoreError};
 pub use headers::HeaderStyle;
 pub use key::{Identity, PeerAddr, RequestInfo, UserId};
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder};

@@ -9,12 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use floodgate::decision::{DecisionSource, LimitStatus};
+use floodgate::fallback::{DecidedBy, decide_or_fall_back, settle_or_fall_back};
 use floodgate::key::{IdentityHash, storage_key};
 use floodgate::telemetry;
-use floodgate::{
-    DecidedBy, Decision, FailurePolicy, OnStoreError, Outcome, Store, decide_or_fall_back,
-    settle_or_fall_back, store::Check,
-};
+use floodgate::{Decision, FailurePolicy, OnStoreError, Outcome, Store, store::Check};
 use sha2::{Digest, Sha256};
 
 use super::rules::{Action, DescriptorLimit, Match, Node};
