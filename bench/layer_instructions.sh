@@ -36,11 +36,13 @@ print(round((total - once) / int(sys.argv[1])))' "$requests"
 }
 
 declare -A count
-for mode in plain limited ietf governor; do
+for mode in plain limited ietf adaptive governor; do
     count[$mode]=$(per_request "$mode")
     printf '%-9s %7d instructions per request\n' "$mode" "${count[$mode]}"
 done
 ours=$(( count[limited] - count[plain] ))
 ietf=$(( count[ietf] - count[plain] ))
 theirs=$(( count[governor] - count[plain] ))
+adaptive=$(( count[adaptive] - count[plain] ))
+echo "adaptive concurrency over plain axum: $adaptive"
 echo "over plain axum: floodgate $ours, with the IETF headers alone $ietf, tower_governor $theirs (tower_governor / floodgate $(python3 -c "print(round($theirs / $ours, 2))"), with the IETF headers alone $(python3 -c "print(round($theirs / $ietf, 2))"))"

@@ -26,6 +26,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::routing::get;
+use floodgate::adaptive::{AdaptiveConcurrencyLayer, Class};
 use floodgate::{HeaderStyle, Limit, RateLimitLayer};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
@@ -45,6 +46,9 @@ fn app(mode: &str) -> Result<Router, Error> {
         "limited" => app.layer(floodgate_layer(HeaderStyle::Both)?),
         // The IETF set alone: two headers, as many as tower_governor sets.
         "ietf" => app.layer(floodgate_layer(HeaderStyle::Ietf)?),
+        // Adaptive concurrency (three classes, a classifier reading a header), far from its
+        // limit: what the layer costs when nothing is shed.
+        "adaptive" => app.layer(adaptive_layer()?),
         "governor" => app.layer(GovernorLayer::new(
             GovernorConfigBuilder::default()
                 .per_nanosecond(1)
@@ -55,7 +59,7 @@ fn app(mode: &str) -> Result<Router, Error> {
         )),
         other => {
             return Err(format!(
-                "usage: overhead plain|limited|ietf|governor PORT, overhead cpu [REQUESTS], or overhead calls plain|limited|ietf|governor [REQUESTS] (got `{other}`)"
+                "usage: overhead plain|limited|ietf|adaptive|governor PORT, overhead cpu [REQUESTS], or overhead calls plain|limited|ietf|adaptive|governor [REQUESTS] (got `{other}`)"
             )
             .into());
         }
@@ -72,6 +76,25 @@ fn floodgate_layer(headers: HeaderStyle) -> Result<RateLimitLayer, Error> {
             Duration::from_secs(1),
         )?)
         .headers(headers)
+        .build()?)
+}
+
+/// The adaptive concurrency layer with three classes, its limit far above the load.
+fn adaptive_layer() -> Result<AdaptiveConcurrencyLayer, Error> {
+    Ok(AdaptiveConcurrencyLayer::builder()
+        .classes([
+            Class::new("critical").reserve(0.2),
+            Class::new("default"),
+            Class::new("sheddable"),
+        ])
+        .default_class("default")
+        .classify(
+            |request| match request.headers.get("x-priority")?.as_bytes() {
+                b"critical" => Some("critical"),
+                b"sheddable" => Some("sheddable"),
+                _ => None,
+            },
+        )
         .build()?)
 }
 
