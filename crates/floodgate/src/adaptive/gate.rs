@@ -12,19 +12,22 @@
 //! counts it changes.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A priority class: its name and the share of the limit it keeps from the classes below it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Class {
-    name: &'static str,
+    name: Arc<str>,
     reserve: f64,
 }
 
 impl Class {
     /// A class named `name` that reserves nothing.
-    pub fn new(name: &'static str) -> Class {
-        Class { name, reserve: 0.0 }
+    pub fn new(name: impl Into<Arc<str>>) -> Class {
+        Class {
+            name: name.into(),
+            reserve: 0.0,
+        }
     }
 
     /// Keeps `share` of the limit (0 to 1) from every class below this one.
@@ -34,8 +37,13 @@ impl Class {
     }
 
     /// The class's name.
-    pub fn name(&self) -> &'static str {
-        self.name
+    pub fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The share of the limit it keeps from the classes below it.
+    pub fn reserved(&self) -> f64 {
+        self.reserve
     }
 }
 
@@ -85,7 +93,7 @@ pub struct GateSnapshot {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClassSnapshot {
     /// Its name.
-    pub name: &'static str,
+    pub name: Arc<str>,
     /// Its requests in flight.
     pub in_flight: u32,
     /// Requests admitted since the start.
@@ -184,7 +192,7 @@ impl Gate {
     }
 
     /// The counts, with `names` the classes' names.
-    pub(crate) fn snapshot(&self, names: &[&'static str]) -> GateSnapshot {
+    pub(crate) fn snapshot(&self, names: &[Arc<str>]) -> GateSnapshot {
         let state = self.lock();
         GateSnapshot {
             limit: state.limit,
@@ -192,8 +200,8 @@ impl Gate {
             classes: names
                 .iter()
                 .enumerate()
-                .map(|(index, &name)| ClassSnapshot {
-                    name,
+                .map(|(index, name)| ClassSnapshot {
+                    name: name.clone(),
                     in_flight: state.by_class[index],
                     admitted: state.admitted[index],
                     refused: state.refused[index],
@@ -233,6 +241,10 @@ mod tests {
         ]
     }
 
+    fn names(names: &[&str]) -> Vec<Arc<str>> {
+        names.iter().map(|&name| Arc::from(name)).collect()
+    }
+
     const CRITICAL: usize = 0;
     const DEFAULT: usize = 1;
     const SHEDDABLE: usize = 2;
@@ -254,7 +266,7 @@ mod tests {
             .filter(|_| gate.admit(CRITICAL, None, true).is_ok())
             .count();
         assert_eq!(critical, 20);
-        let snapshot = gate.snapshot(&["critical", "default", "sheddable"]);
+        let snapshot = gate.snapshot(&names(&["critical", "default", "sheddable"]));
         assert_eq!(snapshot.in_flight, 100);
         assert_eq!(
             snapshot
@@ -316,7 +328,7 @@ mod tests {
         let gate = Gate::new(&[Class::new("only")], 2, 1.0);
         let verdicts: Vec<_> = (0..4).map(|_| gate.admit(0, None, false)).collect();
         assert_eq!(verdicts.iter().filter(|v| v.is_err()).count(), 2);
-        let snapshot = gate.snapshot(&["only"]);
+        let snapshot = gate.snapshot(&names(&["only"]));
         assert_eq!(snapshot.in_flight, 4, "all four went through");
         assert_eq!(
             (snapshot.classes[0].admitted, snapshot.classes[0].refused),
@@ -325,7 +337,7 @@ mod tests {
         for _ in 0..4 {
             gate.release(0, None);
         }
-        assert_eq!(gate.snapshot(&["only"]).in_flight, 0);
+        assert_eq!(gate.snapshot(&names(&["only"])).in_flight, 0);
     }
 
     #[test]

@@ -29,14 +29,18 @@
 
 pub mod controller;
 mod gate;
+mod limiter;
 mod service;
 #[cfg(test)]
 mod simulation;
 
 pub use controller::{Gradient, GradientSettings, WindowSample};
 pub use gate::{Class, ClassSnapshot, GateSnapshot, Refusal};
+pub use limiter::{
+    ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot,
+    Admission, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
+};
 pub use service::{
-    ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, AdaptiveConcurrency, AdaptiveConcurrencyBuilder,
-    AdaptiveConcurrencyLayer, AdaptiveFuture, AdaptiveSnapshot, Classify, ClientOf,
-    REDUCED_CAPACITY_PROBLEM, Shed,
+    AdaptiveConcurrency, AdaptiveConcurrencyBuilder, AdaptiveConcurrencyLayer, AdaptiveFuture,
+    Classify, ClientOf,
 };

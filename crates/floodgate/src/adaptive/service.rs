@@ -1,35 +1,24 @@
-//! The layer and its service: admission by class under the adaptive limit, a 503 (or a gRPC
-//! `UNAVAILABLE`) for what is shed, and each answered request's latency fed to the controller.
+//! The layer and its service: each request classified and admitted by the
+//! [`AdaptiveLimiter`], a 503 (or a gRPC `UNAVAILABLE`) for what is shed, each answer's
+//! latency fed to the controller.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
-use http::{HeaderName, Request, Response, StatusCode};
+use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::controller::{Gradient, GradientSettings, WindowSample};
-use super::gate::{Class, Gate, GateSnapshot, Refusal};
+use super::controller::GradientSettings;
+use super::gate::Class;
+use super::limiter::{AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot, Admission, is_grpc};
 use crate::body::RateLimitBody;
-use crate::headers::{retry_after_secs, write_retry_after};
 use crate::key::RequestInfo;
-use crate::time::{Clock, SystemClock, Timestamp};
-
-/// The IETF RateLimit draft's problem type for a service that sheds load.
-pub const REDUCED_CAPACITY_PROBLEM: &str =
-    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
-
-/// `floodgate_adaptive_limit`: the concurrency limit in force.
-pub const ADAPTIVE_LIMIT: &str = "floodgate_adaptive_limit";
-/// `floodgate_adaptive_shed_total{class,mode}`: requests refused (`mode="enforce"`) or that
-/// would have been (`mode="shadow"`).
-pub const ADAPTIVE_SHED_TOTAL: &str = "floodgate_adaptive_shed_total";
+use crate::time::{Clock, SystemClock};
 
 /// A request's class from what it carries: the name of one of the layer's classes, or `None`
 /// for the default class.
@@ -38,11 +27,11 @@ pub type Classify = dyn Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sy
 /// Who a request is from, for fairness within a class (`None`: no one in particular).
 pub type ClientOf = dyn Fn(&RequestInfo<'_>) -> Option<u64> + Send + Sync;
 
-/// Builds an [`AdaptiveConcurrencyLayer`].
+/// Builds an [`AdaptiveConcurrencyLayer`] or an [`AdaptiveLimiter`].
 pub struct AdaptiveConcurrencyBuilder {
     settings: GradientSettings,
     classes: Vec<Class>,
-    default_class: Option<&'static str>,
+    default_class: Option<String>,
     classify: Option<Arc<Classify>>,
     client: Option<Arc<ClientOf>>,
     client_share: f64,
@@ -64,12 +53,12 @@ impl AdaptiveConcurrencyBuilder {
     }
 
     /// The class of a request the classifier does not place (the lowest if never called).
-    pub fn default_class(mut self, name: &'static str) -> Self {
-        self.default_class = Some(name);
+    pub fn default_class(mut self, name: impl Into<String>) -> Self {
+        self.default_class = Some(name.into());
         self
     }
 
-    /// How a request's class is found.
+    /// How a request's class is found (the layer only).
     pub fn classify(
         mut self,
         classify: impl Fn(&RequestInfo<'_>) -> Option<&'static str> + Send + Sync + 'static,
@@ -78,7 +67,7 @@ impl AdaptiveConcurrencyBuilder {
         self
     }
 
-    /// How a request's client is found, for fairness within a class.
+    /// How a request's client is found, for fairness within a class (the layer only).
     pub fn client(
         mut self,
         client: impl Fn(&RequestInfo<'_>) -> Option<u64> + Send + Sync + 'static,
@@ -87,8 +76,8 @@ impl AdaptiveConcurrencyBuilder {
         self
     }
 
-    /// The most of a class one client may hold once the class is half full (0 to 1; 0.5 if
-    /// never called).
+    /// The most of a class one client may hold once the class is half full (above 0, at most
+    /// 1; 0.5 if never called).
     pub fn client_share(mut self, share: f64) -> Self {
         self.client_share = share;
         self
@@ -107,44 +96,54 @@ impl AdaptiveConcurrencyBuilder {
     }
 
     /// The layer, or what is wrong with its settings, by name.
-    pub fn build(self) -> Result<AdaptiveConcurrencyLayer, String> {
+    pub fn build(mut self) -> Result<AdaptiveConcurrencyLayer, String> {
+        let classify = self.classify.take();
+        let client = self.client.take();
+        Ok(AdaptiveConcurrencyLayer {
+            limiter: self.build_limiter()?,
+            classify,
+            client,
+        })
+    }
+
+    /// The limiter alone (its user classifies and admits), or what is wrong with its
+    /// settings, by name.
+    pub fn build_limiter(self) -> Result<AdaptiveLimiter, String> {
         self.settings.validate().map_err(str::to_owned)?;
         let classes = if self.classes.is_empty() {
             vec![Class::new("default")]
         } else {
             self.classes
         };
-        let names: Vec<&'static str> = classes.iter().map(Class::name).collect();
-        if let Some(twice) = names
-            .iter()
-            .enumerate()
-            .find(|(index, name)| names[..*index].contains(name))
-        {
-            return Err(format!("classes: `{}` is named twice", twice.1));
-        }
-        let default_class = match self.default_class {
-            None => classes.len() - 1,
-            Some(name) => names
+        for (index, class) in classes.iter().enumerate() {
+            if classes[..index]
                 .iter()
-                .position(|&known| known == name)
+                .any(|seen| seen.name() == class.name())
+            {
+                return Err(format!("classes: `{}` is named twice", class.name()));
+            }
+            if !(0.0..1.0).contains(&class.reserved()) {
+                return Err(format!("classes.{index}.reserve: 0 to 1, below 1"));
+            }
+        }
+        let default_class = match &self.default_class {
+            None => classes.len() - 1,
+            Some(name) => classes
+                .iter()
+                .position(|class| **class.name() == **name)
                 .ok_or_else(|| format!("default_class: `{name}` is not one of the classes"))?,
         };
-        if !(0.0..=1.0).contains(&self.client_share) || self.client_share == 0.0 {
+        if !(self.client_share > 0.0 && self.client_share <= 1.0) {
             return Err("client_share: above 0, at most 1".to_owned());
         }
-        let gate = Gate::new(&classes, self.settings.initial_limit, self.client_share);
-        Ok(AdaptiveConcurrencyLayer {
-            shared: Arc::new(Adaptive {
-                gate,
-                names,
-                default_class,
-                classify: self.classify,
-                client: self.client,
-                enforce: !self.shadow,
-                clock: self.clock,
-                window: Mutex::new(Window::new(Gradient::new(self.settings))),
-            }),
-        })
+        Ok(AdaptiveLimiter::new(
+            self.settings,
+            &classes,
+            default_class,
+            self.client_share,
+            !self.shadow,
+            self.clock,
+        ))
     }
 }
 
@@ -153,7 +152,9 @@ impl AdaptiveConcurrencyBuilder {
 /// concurrency".
 #[derive(Clone)]
 pub struct AdaptiveConcurrencyLayer {
-    shared: Arc<Adaptive>,
+    limiter: AdaptiveLimiter,
+    classify: Option<Arc<Classify>>,
+    client: Option<Arc<ClientOf>>,
 }
 
 impl AdaptiveConcurrencyLayer {
@@ -173,32 +174,21 @@ impl AdaptiveConcurrencyLayer {
 
     /// What the limiter shows: the limit, in flight, latencies, counts by class.
     pub fn snapshot(&self) -> AdaptiveSnapshot {
-        let window = self.shared.window();
-        AdaptiveSnapshot {
-            gate: self.shared.gate.snapshot(&self.shared.names),
-            min_rtt: window.controller.min_rtt(),
-            sample_latency: window.last_latency,
-        }
+        self.limiter.snapshot()
+    }
+
+    /// The limiter.
+    pub fn limiter(&self) -> &AdaptiveLimiter {
+        &self.limiter
     }
 }
 
 impl std::fmt::Debug for AdaptiveConcurrencyLayer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdaptiveConcurrencyLayer")
-            .field("classes", &self.shared.names)
+            .field("limiter", &self.limiter)
             .finish_non_exhaustive()
     }
-}
-
-/// What [`AdaptiveConcurrencyLayer::snapshot`] shows.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AdaptiveSnapshot {
-    /// The limit, in flight, and each class's counts.
-    pub gate: GateSnapshot,
-    /// The minimum round trip learned.
-    pub min_rtt: Option<Duration>,
-    /// The last window's sampled latency.
-    pub sample_latency: Option<Duration>,
 }
 
 impl<S> Layer<S> for AdaptiveConcurrencyLayer {
@@ -207,100 +197,8 @@ impl<S> Layer<S> for AdaptiveConcurrencyLayer {
     fn layer(&self, inner: S) -> Self::Service {
         AdaptiveConcurrency {
             inner,
-            shared: self.shared.clone(),
+            layer: self.clone(),
         }
-    }
-}
-
-/// What the layer and its services share.
-struct Adaptive {
-    gate: Gate,
-    names: Vec<&'static str>,
-    default_class: usize,
-    classify: Option<Arc<Classify>>,
-    client: Option<Arc<ClientOf>>,
-    enforce: bool,
-    clock: Arc<dyn Clock>,
-    window: Mutex<Window>,
-}
-
-/// The latencies of the window being sampled, and the controller they go to.
-struct Window {
-    controller: Gradient,
-    latencies: Vec<Duration>,
-    started: Option<Timestamp>,
-    last_latency: Option<Duration>,
-}
-
-impl Window {
-    fn new(controller: Gradient) -> Window {
-        Window {
-            controller,
-            latencies: Vec::new(),
-            started: None,
-            last_latency: None,
-        }
-    }
-
-    /// Adds one latency; the window's sample once it is long and full enough.
-    fn record(&mut self, latency: Duration, now: Timestamp) -> Option<(Duration, Duration)> {
-        let started = *self.started.get_or_insert(now);
-        self.latencies.push(latency);
-        let settings = self.controller.settings();
-        let elapsed = now.as_micros().saturating_sub(started.as_micros());
-        if elapsed < crate::time::duration_to_micros(settings.window)
-            || self.latencies.len() < settings.min_samples
-        {
-            return None;
-        }
-        let rank = ((self.latencies.len() as f64 * settings.percentile).ceil() as usize)
-            .clamp(1, self.latencies.len());
-        let (_, &mut sampled, _) = self.latencies.select_nth_unstable(rank - 1);
-        let min = self.latencies.iter().copied().min().unwrap_or(sampled);
-        self.latencies.clear();
-        self.started = Some(now);
-        self.last_latency = Some(sampled);
-        Some((sampled, min))
-    }
-}
-
-impl Adaptive {
-    fn window(&self) -> std::sync::MutexGuard<'_, Window> {
-        // Each change of the window completes under the lock.
-        self.window
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn class_of(&self, request: &RequestInfo<'_>) -> usize {
-        self.classify
-            .as_ref()
-            .and_then(|classify| classify(request))
-            .and_then(|name| self.names.iter().position(|&known| known == name))
-            .unwrap_or(self.default_class)
-    }
-
-    /// One answered request took `latency`: the controller learns of it, and sets the limit
-    /// at the end of a window.
-    fn record_latency(&self, latency: Duration) {
-        let mut window = self.window();
-        let Some((sampled, min)) = window.record(latency, self.clock.now()) else {
-            return;
-        };
-        let peak = self.gate.take_peak();
-        let limit = window.controller.on_window(WindowSample {
-            latency: sampled,
-            min_latency: min,
-            peak_in_flight: peak,
-        });
-        self.gate.set_limit(limit);
-        metrics::gauge!(ADAPTIVE_LIMIT).set(f64::from(limit));
-    }
-
-    /// When a refused client may come back: about the upstream's latency, at least a second.
-    fn retry_after(&self) -> u64 {
-        let latency = self.window().last_latency.unwrap_or_default();
-        retry_after_secs(latency.max(Duration::from_secs(1)), 0.2, fastrand::f64())
     }
 }
 
@@ -308,7 +206,7 @@ impl Adaptive {
 #[derive(Clone)]
 pub struct AdaptiveConcurrency<S> {
     inner: S,
-    shared: Arc<Adaptive>,
+    layer: AdaptiveConcurrencyLayer,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for AdaptiveConcurrency<S> {
@@ -317,13 +215,6 @@ impl<S: std::fmt::Debug> std::fmt::Debug for AdaptiveConcurrency<S> {
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
-}
-
-/// On a response the layer refused: the class it was refused in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shed {
-    /// The class's name.
-    pub class: &'static str,
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for AdaptiveConcurrency<S>
@@ -339,29 +230,21 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let shared = &self.shared;
+        let layer = &self.layer;
         let info = RequestInfo::new(&request);
-        let class = shared.class_of(&info);
-        let client = shared.client.as_ref().and_then(|client| client(&info));
-        let verdict = shared.gate.admit(class, client, shared.enforce);
-        if let Err(refusal) = verdict {
-            let mode = if shared.enforce { "enforce" } else { "shadow" };
-            metrics::counter!(ADAPTIVE_SHED_TOTAL, "class" => shared.names[class], "mode" => mode)
-                .increment(1);
-            if shared.enforce {
-                let grpc = is_grpc(&request);
-                let shed = Shed {
-                    class: shared.names[class],
+        let class = layer.classify.as_ref().and_then(|classify| classify(&info));
+        let class = layer.limiter.class_index(class);
+        let client = layer.client.as_ref().and_then(|client| client(&info));
+        let permit = match layer.limiter.admit(class, client) {
+            Admission::Admitted(permit) => permit,
+            Admission::Shed(shed) => {
+                let answer = shed.response(is_grpc(request.headers()));
+                return AdaptiveFuture {
+                    state: FutureState::Shed {
+                        answer: Some(answer),
+                    },
                 };
-                let answer = shed_response(grpc, shared.retry_after(), refusal, shed);
-                return AdaptiveFuture::shed(answer);
             }
-        }
-        let permit = Permit {
-            shared: shared.clone(),
-            class,
-            client,
-            started: shared.clock.now(),
         };
         AdaptiveFuture {
             state: FutureState::Inner {
@@ -369,30 +252,6 @@ where
                 permit: Some(permit),
             },
         }
-    }
-}
-
-/// A request counted in flight: released when the response comes or the future is dropped.
-struct Permit {
-    shared: Arc<Adaptive>,
-    class: usize,
-    client: Option<u64>,
-    started: Timestamp,
-}
-
-impl Permit {
-    /// The service answered (or failed): its latency is a sample.
-    fn answered(self) {
-        let now = self.shared.clock.now();
-        let latency =
-            Duration::from_micros(now.as_micros().saturating_sub(self.started.as_micros()));
-        self.shared.record_latency(latency);
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.shared.gate.release(self.class, self.client);
     }
 }
 
@@ -407,18 +266,8 @@ pin_project! {
 pin_project! {
     #[project = StateProjection]
     enum FutureState<F> {
-        Inner { #[pin] future: F, permit: Option<Permit> },
+        Inner { #[pin] future: F, permit: Option<AdaptivePermit> },
         Shed { answer: Option<Response<Bytes>> },
-    }
-}
-
-impl<F> AdaptiveFuture<F> {
-    fn shed(answer: Response<Bytes>) -> Self {
-        AdaptiveFuture {
-            state: FutureState::Shed {
-                answer: Some(answer),
-            },
-        }
     }
 }
 
@@ -451,58 +300,6 @@ where
     }
 }
 
-fn is_grpc<B>(request: &Request<B>) -> bool {
-    request
-        .headers()
-        .get(CONTENT_TYPE)
-        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
-}
-
-/// 503 with `Retry-After` and the draft's problem type; a gRPC call's trailers-only
-/// `UNAVAILABLE`.
-fn shed_response(grpc: bool, retry_after: u64, refusal: Refusal, shed: Shed) -> Response<Bytes> {
-    let detail = match refusal {
-        Refusal::ClassFull => "The service is at reduced capacity; retry later.",
-        Refusal::ClientShare => {
-            "The service is at reduced capacity and this client holds its share; retry later."
-        }
-    };
-    let mut response = if grpc {
-        let mut response = Response::new(Bytes::new());
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(
-            HeaderName::from_static("grpc-status"),
-            HeaderValue::from_static("14"),
-        );
-        headers.insert(
-            HeaderName::from_static("grpc-message"),
-            HeaderValue::from_static("reduced%20capacity"),
-        );
-        response
-    } else {
-        let body = serde_json::json!({
-            "type": REDUCED_CAPACITY_PROBLEM,
-            "title": "Service Unavailable",
-            "status": 503,
-            "detail": detail,
-            "class": shed.class,
-        });
-        let mut response = Response::new(Bytes::from(body.to_string()));
-        *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-        let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        response
-    };
-    write_retry_after(response.headers_mut(), retry_after);
-    response.extensions_mut().insert(shed);
-    response
-}
-
 #[cfg(test)]
 mod tests {
     use std::convert::Infallible;
@@ -511,7 +308,11 @@ mod tests {
     use tower::{ServiceExt, service_fn};
 
     use super::*;
+    use crate::adaptive::{REDUCED_CAPACITY_PROBLEM, Shed};
     use crate::time::FakeClock;
+    use http::StatusCode;
+    use http::header::CONTENT_TYPE;
+    use std::time::Duration;
 
     /// Where the test answers each call the service received.
     type Calls = tokio::sync::mpsc::UnboundedReceiver<oneshot::Sender<()>>;
@@ -593,7 +394,9 @@ mod tests {
         assert!((1..=2).contains(&retry_after), "{retry_after}");
         assert_eq!(
             shed.extensions().get::<Shed>(),
-            Some(&Shed { class: "default" })
+            Some(&Shed {
+                class: Arc::from("default")
+            })
         );
         let body = http_body_util::BodyExt::collect(shed.into_body())
             .await

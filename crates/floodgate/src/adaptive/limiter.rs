@@ -1,0 +1,324 @@
+//! The adaptive limiter apart from any service: classes by name, admission, permits whose
+//! answers feed the controller, and the answer a shed request gets. The layer
+//! ([`super::AdaptiveConcurrencyLayer`]) uses it around a service; the gateway uses it in its
+//! proxy, one per upstream.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use http::{HeaderName, Response, StatusCode};
+
+use super::controller::{Gradient, GradientSettings, WindowSample};
+use super::gate::{Class, Gate, GateSnapshot, Refusal};
+use crate::headers::{retry_after_secs, write_retry_after};
+use crate::time::{Clock, Timestamp};
+
+/// The IETF RateLimit draft's problem type for a service that sheds load.
+pub const REDUCED_CAPACITY_PROBLEM: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
+
+/// `floodgate_adaptive_limit`: the concurrency limit in force.
+pub const ADAPTIVE_LIMIT: &str = "floodgate_adaptive_limit";
+/// `floodgate_adaptive_shed_total{class,mode}`: requests refused (`mode="enforce"`) or that
+/// would have been (`mode="shadow"`).
+pub const ADAPTIVE_SHED_TOTAL: &str = "floodgate_adaptive_shed_total";
+
+/// The limit, the gate and the controller one service (or upstream) is protected by. Clones
+/// share them.
+#[derive(Clone)]
+pub struct AdaptiveLimiter {
+    shared: Arc<LimiterState>,
+}
+
+struct LimiterState {
+    gate: Gate,
+    names: Vec<Arc<str>>,
+    default_class: usize,
+    enforce: bool,
+    clock: Arc<dyn Clock>,
+    window: Mutex<Window>,
+}
+
+/// What [`AdaptiveLimiter::snapshot`] shows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdaptiveSnapshot {
+    /// The limit, in flight, and each class's counts.
+    pub gate: GateSnapshot,
+    /// The minimum round trip learned.
+    pub min_rtt: Option<Duration>,
+    /// The last window's sampled latency.
+    pub sample_latency: Option<Duration>,
+}
+
+/// What the limiter made of a request.
+#[derive(Debug)]
+pub enum Admission {
+    /// Go on; hold the permit until the service answers.
+    Admitted(AdaptivePermit),
+    /// Refused: answer with [`ShedDecision::response`].
+    Shed(ShedDecision),
+}
+
+/// A refused request: its class, why, and when to come back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShedDecision {
+    /// The class it was refused in.
+    pub class: Arc<str>,
+    /// Why.
+    pub refusal: Refusal,
+    /// `Retry-After`: about the service's latency, at least a second, jittered.
+    pub retry_after_secs: u64,
+}
+
+/// On a response the limiter refused: the class it was refused in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shed {
+    /// The class's name.
+    pub class: Arc<str>,
+}
+
+impl AdaptiveLimiter {
+    /// A limiter over `classes` (highest first; checked by the builder).
+    pub(crate) fn new(
+        settings: GradientSettings,
+        classes: &[Class],
+        default_class: usize,
+        client_share: f64,
+        enforce: bool,
+        clock: Arc<dyn Clock>,
+    ) -> AdaptiveLimiter {
+        AdaptiveLimiter {
+            shared: Arc::new(LimiterState {
+                gate: Gate::new(classes, settings.initial_limit, client_share),
+                names: classes.iter().map(|class| class.name().clone()).collect(),
+                default_class,
+                enforce,
+                clock,
+                window: Mutex::new(Window::new(Gradient::new(settings))),
+            }),
+        }
+    }
+
+    /// The classes' names, highest first.
+    pub fn classes(&self) -> &[Arc<str>] {
+        &self.shared.names
+    }
+
+    /// The index of the class named `name`; the default class for `None` or an unknown name.
+    pub fn class_index(&self, name: Option<&str>) -> usize {
+        name.and_then(|name| self.shared.names.iter().position(|known| **known == *name))
+            .unwrap_or(self.shared.default_class)
+    }
+
+    /// Decides a request of the class at `class` (see [`AdaptiveLimiter::class_index`]) from
+    /// `client`. In shadow, every request is admitted and what would have been refused is
+    /// counted.
+    pub fn admit(&self, class: usize, client: Option<u64>) -> Admission {
+        let shared = &self.shared;
+        let class = class.min(shared.names.len() - 1);
+        if let Err(refusal) = shared.gate.admit(class, client, shared.enforce) {
+            let mode = if shared.enforce { "enforce" } else { "shadow" };
+            let name = shared.names[class].to_string();
+            metrics::counter!(ADAPTIVE_SHED_TOTAL, "class" => name, "mode" => mode).increment(1);
+            if shared.enforce {
+                return Admission::Shed(ShedDecision {
+                    class: shared.names[class].clone(),
+                    refusal,
+                    retry_after_secs: self.retry_after(),
+                });
+            }
+        }
+        Admission::Admitted(AdaptivePermit {
+            limiter: self.clone(),
+            class,
+            client,
+            started: shared.clock.now(),
+        })
+    }
+
+    /// What the limiter shows: the limit, in flight, latencies, counts by class.
+    pub fn snapshot(&self) -> AdaptiveSnapshot {
+        let window = self.window();
+        AdaptiveSnapshot {
+            gate: self.shared.gate.snapshot(&self.shared.names),
+            min_rtt: window.controller.min_rtt(),
+            sample_latency: window.last_latency,
+        }
+    }
+
+    fn window(&self) -> MutexGuard<'_, Window> {
+        // Each change of the window completes under the lock.
+        self.shared
+            .window
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// One answered request took `latency`: the controller learns of it, and sets the limit
+    /// at the end of a window.
+    fn record_latency(&self, latency: Duration) {
+        let mut window = self.window();
+        let Some((sampled, min)) = window.record(latency, self.shared.clock.now()) else {
+            return;
+        };
+        let peak = self.shared.gate.take_peak();
+        let limit = window.controller.on_window(WindowSample {
+            latency: sampled,
+            min_latency: min,
+            peak_in_flight: peak,
+        });
+        self.shared.gate.set_limit(limit);
+        metrics::gauge!(ADAPTIVE_LIMIT).set(f64::from(limit));
+    }
+
+    /// When a refused client may come back: about the service's latency, at least a second.
+    fn retry_after(&self) -> u64 {
+        let latency = self.window().last_latency.unwrap_or_default();
+        retry_after_secs(latency.max(Duration::from_secs(1)), 0.2, fastrand::f64())
+    }
+}
+
+impl std::fmt::Debug for AdaptiveLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdaptiveLimiter")
+            .field("classes", &self.shared.names)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request counted in flight: released when dropped; [`AdaptivePermit::answered`] when the
+/// service answered makes its latency a sample.
+pub struct AdaptivePermit {
+    limiter: AdaptiveLimiter,
+    class: usize,
+    client: Option<u64>,
+    started: Timestamp,
+}
+
+impl AdaptivePermit {
+    /// The service answered (or failed): its latency is a sample, and the place is free.
+    pub fn answered(self) {
+        let now = self.limiter.shared.clock.now();
+        let latency =
+            Duration::from_micros(now.as_micros().saturating_sub(self.started.as_micros()));
+        self.limiter.record_latency(latency);
+    }
+}
+
+impl Drop for AdaptivePermit {
+    fn drop(&mut self) {
+        self.limiter.shared.gate.release(self.class, self.client);
+    }
+}
+
+impl std::fmt::Debug for AdaptivePermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdaptivePermit")
+            .field("class", &self.class)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The latencies of the window being sampled, and the controller they go to.
+struct Window {
+    controller: Gradient,
+    latencies: Vec<Duration>,
+    started: Option<Timestamp>,
+    last_latency: Option<Duration>,
+}
+
+impl Window {
+    fn new(controller: Gradient) -> Window {
+        Window {
+            controller,
+            latencies: Vec::new(),
+            started: None,
+            last_latency: None,
+        }
+    }
+
+    /// Adds one latency; the window's sample (percentile, minimum) once it is long and full
+    /// enough.
+    fn record(&mut self, latency: Duration, now: Timestamp) -> Option<(Duration, Duration)> {
+        let started = *self.started.get_or_insert(now);
+        self.latencies.push(latency);
+        let settings = self.controller.settings();
+        let elapsed = now.as_micros().saturating_sub(started.as_micros());
+        if elapsed < crate::time::duration_to_micros(settings.window)
+            || self.latencies.len() < settings.min_samples
+        {
+            return None;
+        }
+        let rank = ((self.latencies.len() as f64 * settings.percentile).ceil() as usize)
+            .clamp(1, self.latencies.len());
+        let (_, &mut sampled, _) = self.latencies.select_nth_unstable(rank - 1);
+        let min = self.latencies.iter().copied().min().unwrap_or(sampled);
+        self.latencies.clear();
+        self.started = Some(now);
+        self.last_latency = Some(sampled);
+        Some((sampled, min))
+    }
+}
+
+impl ShedDecision {
+    /// 503 with `Retry-After`, `Cache-Control: no-store` and the draft's problem type; for a
+    /// gRPC call (`grpc`), a trailers-only `UNAVAILABLE`. Carries the [`Shed`] extension.
+    pub fn response(&self, grpc: bool) -> Response<Bytes> {
+        let mut response = if grpc {
+            grpc_unavailable()
+        } else {
+            let detail = match self.refusal {
+                Refusal::ClassFull => "The service is at reduced capacity; retry later.",
+                Refusal::ClientShare => {
+                    "The service is at reduced capacity and this client holds its share; retry \
+                     later."
+                }
+            };
+            let body = serde_json::json!({
+                "type": REDUCED_CAPACITY_PROBLEM,
+                "title": "Service Unavailable",
+                "status": 503,
+                "detail": detail,
+                "class": &*self.class,
+            });
+            let mut response = Response::new(Bytes::from(body.to_string()));
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            let headers = response.headers_mut();
+            headers.insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("application/problem+json"),
+            );
+            headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            response
+        };
+        write_retry_after(response.headers_mut(), self.retry_after_secs);
+        response.extensions_mut().insert(Shed {
+            class: self.class.clone(),
+        });
+        response
+    }
+}
+
+fn grpc_unavailable() -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(
+        HeaderName::from_static("grpc-status"),
+        HeaderValue::from_static("14"),
+    );
+    headers.insert(
+        HeaderName::from_static("grpc-message"),
+        HeaderValue::from_static("reduced%20capacity"),
+    );
+    response
+}
+
+/// Whether `headers` say the request is a gRPC call.
+pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/grpc"))
+}
