@@ -227,20 +227,7 @@ async fn a_limited_client_shows_when_it_will_be_admitted() {
 /// set, neither inspection nor reset works without it.
 async fn reset_unblocks_one_client(store: &str) {
     let upstream = Upstream::start().await;
-    let directory = TempDir::new("gw");
-    let (listen, admin_addr) = support::addresses();
-    let path = directory.file("floodgate.yaml");
-    std::fs::write(
-        &path,
-        support::config_text(listen, admin_addr, &upstream.url(), &hourly_five(store)),
-    )
-    .unwrap();
-    let gateway = Gateway::start_with_env(
-        &path,
-        listen,
-        admin_addr,
-        &[("FLOODGATE_ADMIN_TOKEN", "op-secret")],
-    );
+    let (gateway, _directory) = gateway_with_token(&upstream, store);
     let client = client();
     for key in ["k-one", "k-two"] {
         for _ in 0..5 {
@@ -251,34 +238,7 @@ async fn reset_unblocks_one_client(store: &str) {
             StatusCode::TOO_MANY_REQUESTS
         );
     }
-    for method in [Method::GET, Method::DELETE] {
-        let (status, _) = admin(
-            &client,
-            &gateway,
-            method.clone(),
-            "/admin/clients?api_key=k-one",
-            None,
-        )
-        .await;
-        assert_eq!(
-            status,
-            StatusCode::UNAUTHORIZED,
-            "{method} without the token"
-        );
-        let (status, _) = admin(
-            &client,
-            &gateway,
-            method.clone(),
-            "/admin/clients?api_key=k-one",
-            Some("wrong"),
-        )
-        .await;
-        assert_eq!(
-            status,
-            StatusCode::UNAUTHORIZED,
-            "{method} with a wrong token"
-        );
-    }
+    assert_refused_without_the_token(&client, &gateway).await;
     assert_eq!(
         as_client(&client, &gateway, "k-one").await.status(),
         StatusCode::TOO_MANY_REQUESTS,
@@ -316,6 +276,63 @@ async fn reset_unblocks_one_client(store: &str) {
     )
     .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_the_reset_logged_and_counted(&client, &gateway).await;
+}
+
+/// A gateway of five an hour on `store`, whose admin API wants the token `op-secret`.
+fn gateway_with_token(upstream: &Upstream, store: &str) -> (Gateway, TempDir) {
+    let directory = TempDir::new("gw");
+    let (listen, admin_addr) = support::addresses();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(
+        &path,
+        support::config_text(listen, admin_addr, &upstream.url(), &hourly_five(store)),
+    )
+    .unwrap();
+    let gateway = Gateway::start_with_env(
+        &path,
+        listen,
+        admin_addr,
+        &[("FLOODGATE_ADMIN_TOKEN", "op-secret")],
+    );
+    (gateway, directory)
+}
+
+/// Neither inspection nor reset works without the token or with a wrong one.
+async fn assert_refused_without_the_token(client: &TestClient, gateway: &Gateway) {
+    for method in [Method::GET, Method::DELETE] {
+        let (status, _) = admin(
+            client,
+            gateway,
+            method.clone(),
+            "/admin/clients?api_key=k-one",
+            None,
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{method} without the token"
+        );
+        let (status, _) = admin(
+            client,
+            gateway,
+            method.clone(),
+            "/admin/clients?api_key=k-one",
+            Some("wrong"),
+        )
+        .await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{method} with a wrong token"
+        );
+    }
+}
+
+/// The one reset is logged with the hashed identity and the caller, never the raw key, and
+/// counted in `/metrics`.
+async fn assert_the_reset_logged_and_counted(client: &TestClient, gateway: &Gateway) {
     let line = gateway.wait_for_log(
         |line| line.contains("client counters reset through the admin API"),
         "of the reset",
@@ -332,7 +349,7 @@ async fn reset_unblocks_one_client(store: &str) {
         "logged with the caller: {line}"
     );
     assert!(!line.contains("k-one"), "never the raw key: {line}");
-    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let metrics = get(client, &gateway.admin_url("/metrics"), &[]).await;
     let text = String::from_utf8_lossy(metrics.body()).into_owned();
     assert!(text.contains("floodgate_admin_resets_total 1"), "{text}");
 }

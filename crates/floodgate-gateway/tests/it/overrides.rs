@@ -98,29 +98,8 @@ async fn across_gateways(store: &str) {
     assert_eq!(send(&client, &b, "k-one").await, (LIMITED, 3));
 
     let path = "/admin/clients/overrides?api_key=k-one";
-    let body = json!({"name": "hourly", "limit": 5, "expires_in": "2s"});
-    let (status, stored) = admin(&client, &a, Method::PUT, path, Some(body), Some(TOKEN)).await;
-    assert_eq!(status, StatusCode::OK, "{stored}");
-    assert_eq!(stored["limit"], 5);
-    assert_eq!(stored["name"], "hourly");
-    assert_eq!(stored["plan"], "free");
-    assert_eq!(stored["window_seconds"], 3600.0, "the limit's own window");
-    assert_eq!(stored["expires_in"], 2);
-    // Regression: a gateway refreshed its copy only when requests came. Without any request
-    // to it, the second gateway's status report (its copy) shows the override within 1 s.
-    let set_at = Instant::now();
-    loop {
-        let (_, report) = admin(&client, &b, Method::GET, "/admin/status", None, Some(TOKEN)).await;
-        if report["overrides_in_force"] == 1 {
-            break;
-        }
-        assert!(
-            set_at.elapsed() < Duration::from_secs(1),
-            "not in the second gateway's copy after {:?}: {report}",
-            set_at.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    set_a_two_second_override(&client, &a, path).await;
+    until_in_the_status_report(&client, &b).await;
     let in_force_after = until(
         &client,
         &b,
@@ -133,10 +112,63 @@ async fn across_gateways(store: &str) {
         in_force_after < Duration::from_secs(1),
         "in force on the second gateway after {in_force_after:?}"
     );
-    // The second gateway's inspection shows it, with the counter carried over (4 of 5 used).
+    assert_shown_by_the_second_gateway(&client, &b, path).await;
+    // Another client of the plan keeps the plan's limit.
+    assert_eq!(send(&client, &b, "k-two").await, (StatusCode::OK, 3));
+
+    // It expires by itself (2 s after it was set), on both gateways.
+    until(&client, &b, "k-one", (LIMITED, 3), Duration::from_secs(4)).await;
+    until(&client, &a, "k-one", (LIMITED, 3), Duration::from_secs(2)).await;
+    let (_, listed) = admin(&client, &a, Method::GET, path, None, Some(TOKEN)).await;
+    assert_eq!(listed["overrides"], json!([]), "{listed}");
+
+    delete_ends_it_everywhere(&client, &a, &b, path).await;
+}
+
+/// Sets an override of `hourly` to 5 for 2 s on `gateway`, which answers with what it stored.
+async fn set_a_two_second_override(client: &TestClient, gateway: &Gateway, path: &str) {
+    let body = json!({"name": "hourly", "limit": 5, "expires_in": "2s"});
+    let (status, stored) = admin(client, gateway, Method::PUT, path, Some(body), Some(TOKEN)).await;
+    assert_eq!(status, StatusCode::OK, "{stored}");
+    assert_eq!(stored["limit"], 5);
+    assert_eq!(stored["name"], "hourly");
+    assert_eq!(stored["plan"], "free");
+    assert_eq!(stored["window_seconds"], 3600.0, "the limit's own window");
+    assert_eq!(stored["expires_in"], 2);
+}
+
+/// Regression: a gateway refreshed its copy only when requests came. Without any request to
+/// it, the second gateway's status report (its copy) shows the override within 1 s.
+async fn until_in_the_status_report(client: &TestClient, gateway: &Gateway) {
+    let set_at = Instant::now();
+    loop {
+        let (_, report) = admin(
+            client,
+            gateway,
+            Method::GET,
+            "/admin/status",
+            None,
+            Some(TOKEN),
+        )
+        .await;
+        if report["overrides_in_force"] == 1 {
+            break;
+        }
+        assert!(
+            set_at.elapsed() < Duration::from_secs(1),
+            "not in the second gateway's copy after {:?}: {report}",
+            set_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The second gateway's inspection shows the override, with the counter carried over (4 of 5
+/// used), and so do its list and its status report.
+async fn assert_shown_by_the_second_gateway(client: &TestClient, gateway: &Gateway, path: &str) {
     let (status, inspected) = admin(
-        &client,
-        &b,
+        client,
+        gateway,
         Method::GET,
         "/admin/clients?api_key=k-one",
         None,
@@ -150,38 +182,41 @@ async fn across_gateways(store: &str) {
         inspected["limits"][0]["override"]["limit"], 5,
         "{inspected}"
     );
-    let (_, listed) = admin(&client, &b, Method::GET, path, None, Some(TOKEN)).await;
+    let (_, listed) = admin(client, gateway, Method::GET, path, None, Some(TOKEN)).await;
     assert_eq!(
         listed["overrides"].as_array().map(Vec::len),
         Some(1),
         "{listed}"
     );
-    let (_, report) = admin(&client, &b, Method::GET, "/admin/status", None, Some(TOKEN)).await;
+    let (_, report) = admin(
+        client,
+        gateway,
+        Method::GET,
+        "/admin/status",
+        None,
+        Some(TOKEN),
+    )
+    .await;
     assert_eq!(report["overrides"][0]["name"], "hourly", "{report}");
-    // Another client of the plan keeps the plan's limit.
-    assert_eq!(send(&client, &b, "k-two").await, (StatusCode::OK, 3));
+}
 
-    // It expires by itself (2 s after it was set), on both gateways.
-    until(&client, &b, "k-one", (LIMITED, 3), Duration::from_secs(4)).await;
-    until(&client, &a, "k-one", (LIMITED, 3), Duration::from_secs(2)).await;
-    let (_, listed) = admin(&client, &a, Method::GET, path, None, Some(TOKEN)).await;
-    assert_eq!(listed["overrides"], json!([]), "{listed}");
-
-    // DELETE ends one at once on the gateway asked, within a second on the other.
+/// `DELETE` ends an override at once on the gateway asked (`a`), within a second on the other
+/// (`b`); a second `DELETE` finds nothing left.
+async fn delete_ends_it_everywhere(client: &TestClient, a: &Gateway, b: &Gateway, path: &str) {
     let body = json!({"name": "hourly", "limit": 100, "expires_in": "1h"});
-    let (status, _) = admin(&client, &a, Method::PUT, path, Some(body), Some(TOKEN)).await;
+    let (status, _) = admin(client, a, Method::PUT, path, Some(body), Some(TOKEN)).await;
     assert_eq!(status, StatusCode::OK);
     until(
-        &client,
-        &b,
+        client,
+        b,
         "k-one",
         (StatusCode::OK, 100),
         Duration::from_secs(2),
     )
     .await;
     let (status, removed) = admin(
-        &client,
-        &a,
+        client,
+        a,
         Method::DELETE,
         "/admin/clients/overrides?api_key=k-one&name=hourly",
         None,
@@ -191,16 +226,16 @@ async fn across_gateways(store: &str) {
     assert_eq!(status, StatusCode::OK, "{removed}");
     assert_eq!(removed["removed"], json!(["hourly"]));
     assert_eq!(
-        send(&client, &a, "k-one").await,
+        send(client, a, "k-one").await,
         (LIMITED, 3),
         "at once where removed"
     );
-    let removed_after = until(&client, &b, "k-one", (LIMITED, 3), Duration::from_secs(3)).await;
+    let removed_after = until(client, b, "k-one", (LIMITED, 3), Duration::from_secs(3)).await;
     assert!(
         removed_after < Duration::from_secs(1),
         "removed on the second gateway after {removed_after:?}"
     );
-    let (status, _) = admin(&client, &a, Method::DELETE, path, None, Some(TOKEN)).await;
+    let (status, _) = admin(client, a, Method::DELETE, path, None, Some(TOKEN)).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "nothing left to remove");
 }
 

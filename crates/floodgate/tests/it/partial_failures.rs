@@ -36,6 +36,21 @@ const HOUR: Duration = Duration::from_secs(3600);
 async fn a_killed_master_touches_only_its_identities(mode: Mode) -> Report {
     let report = failover::run(mode, Load::default()).await;
     let limit = Load::default().limit;
+    print_report(mode, &report);
+    assert_healthy_masters_untouched(mode, &report, limit);
+    assert_killed_master_recovers(mode, &report, limit);
+    if let Some((ceiling, admitted)) = report.ceiling {
+        println!("  global ceiling: {admitted} admitted of {ceiling}");
+        assert!(
+            admitted <= ceiling,
+            "{admitted} admitted under a ceiling of {ceiling}"
+        );
+    }
+    report
+}
+
+/// What the run saw, identity by identity, for the test's output.
+fn print_report(mode: Mode, report: &Report) {
     let window = report.error_window();
     println!(
         "{}: promotion {:?} after the kill; {} decisions failed, from {:?} to {:?} after the kill",
@@ -59,7 +74,11 @@ async fn a_killed_master_touches_only_its_identities(mode: Mode) -> Report {
             identity.failed()
         );
     }
+}
 
+/// The identities on the healthy masters never failed, were never admitted above `limit`, and
+/// (but under a global ceiling) were decided exactly through the failover.
+fn assert_healthy_masters_untouched(mode: Mode, report: &Report, limit: u64) {
     for identity in report.side(false) {
         assert_eq!(
             identity.failed(),
@@ -83,6 +102,12 @@ async fn a_killed_master_touches_only_its_identities(mode: Mode) -> Report {
             );
         }
     }
+}
+
+/// The identities on the killed master failed only from the kill until the promotion had
+/// settled, were never admitted above `limit`, and were decided (and, but under a global
+/// ceiling, admitted) again after the promotion.
+fn assert_killed_master_recovers(mode: Mode, report: &Report, limit: u64) {
     let settled = report.promoted_at + SETTLED_AFTER_PROMOTION;
     for identity in report.side(true) {
         assert!(
@@ -126,14 +151,6 @@ async fn a_killed_master_touches_only_its_identities(mode: Mode) -> Report {
             );
         }
     }
-    if let Some((ceiling, admitted)) = report.ceiling {
-        println!("  global ceiling: {admitted} admitted of {ceiling}");
-        assert!(
-            admitted <= ceiling,
-            "{admitted} admitted under a ceiling of {ceiling}"
-        );
-    }
-    report
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -302,66 +319,17 @@ async fn a_black_holed_shard_touches_only_its_identities(batched: bool) {
     };
     let healthy: Vec<Vec<Check>> = by_node[..2].concat();
     let silent = &by_node[2];
-    // Connections made and the library loaded by reads that count nothing, retried: on a
-    // loaded machine a first call (connect, FUNCTION LOAD) may outlast the 100 ms deadline,
-    // and a decision that timed out might still have been counted.
-    for checks in healthy.iter().chain(silent) {
-        let started = std::time::Instant::now();
-        while store.peek(checks, None).await.is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "the nodes answer"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    // Every node has been reached once, so the fault meets established connections.
-    for checks in healthy.iter().chain(silent) {
-        let decision = store.check_and_consume(checks, None).await.unwrap();
-        assert!(decision.is_allowed(), "the first of 40");
-    }
+    reach_every_node_once(&store, &by_node.concat()).await;
 
     proxies[2].set(Fault::BlackHole);
     // 2 tasks an identity, one decision each every 5 ms, for 1.5 s: about 600 each, far
     // beyond the limit of 40.
     let during = drive_all(&store, &by_node.concat(), Duration::from_millis(1500)).await;
     let (healthy_during, silent_during) = during.split_at(4);
-    for (tally, checks) in healthy_during.iter().zip(&healthy) {
-        assert_eq!(
-            tally.failed, 0,
-            "{}: a healthy node's identity is never the failure policy's",
-            checks[0].key
-        );
-        assert_eq!(
-            1 + tally.admitted,
-            40,
-            "{}: exactly its limit while another node is silent",
-            checks[0].key
-        );
-    }
-    for (tally, checks) in silent_during.iter().zip(silent) {
-        assert!(
-            tally.failed > 0,
-            "{}: the silent node's identities fail: {tally:?}",
-            checks[0].key
-        );
-        assert!(tally.admitted < 40, "{}: {tally:?}", checks[0].key);
-    }
+    assert_only_the_silent_node_failed(healthy_during, &healthy, silent_during, silent);
 
     proxies[2].set(Fault::None);
-    // Recovered once a silent node's identity is decided again: its breaker closes after
-    // 300 ms and its connection is remade; 5 s allowed for a loaded machine.
-    let recovered = Instant::now();
-    let polled_admission = loop {
-        if let Ok(decision) = store.check_and_consume(&silent[0], None).await {
-            break u64::from(decision.is_allowed());
-        }
-        assert!(
-            recovered.elapsed() < Duration::from_secs(5),
-            "the silent node is decided again within 5 s of answering"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let polled_admission = poll_until_decided(&store, &silent[0]).await;
     let after = drive_all(&store, silent, Duration::from_millis(1000)).await;
     for (index, checks) in silent.iter().enumerate() {
         let tally = after[index];
@@ -386,6 +354,75 @@ async fn a_black_holed_shard_touches_only_its_identities(batched: bool) {
     for tally in healthy_after {
         assert_eq!(tally.failed, 0);
         assert_eq!(tally.admitted, 0, "still at their limit");
+    }
+}
+
+/// Connects to every node and loads the library by reads that count nothing, retried (on a
+/// loaded machine a first call, connect and FUNCTION LOAD, may outlast the 100 ms deadline, and
+/// a decision that timed out might still have been counted); then admits each identity once,
+/// so that a fault meets established connections.
+async fn reach_every_node_once(store: &Arc<dyn Store>, identities: &[Vec<Check>]) {
+    for checks in identities {
+        let started = std::time::Instant::now();
+        while store.peek(checks, None).await.is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the nodes answer"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    for checks in identities {
+        let decision = store.check_and_consume(checks, None).await.unwrap();
+        assert!(decision.is_allowed(), "the first of 40");
+    }
+}
+
+/// While one node was silent: the healthy nodes' identities never failed and were admitted
+/// exactly up to their limit (one admitted before); the silent node's identities failed.
+fn assert_only_the_silent_node_failed(
+    healthy_during: &[Tally],
+    healthy: &[Vec<Check>],
+    silent_during: &[Tally],
+    silent: &[Vec<Check>],
+) {
+    for (tally, checks) in healthy_during.iter().zip(healthy) {
+        assert_eq!(
+            tally.failed, 0,
+            "{}: a healthy node's identity is never the failure policy's",
+            checks[0].key
+        );
+        assert_eq!(
+            1 + tally.admitted,
+            40,
+            "{}: exactly its limit while another node is silent",
+            checks[0].key
+        );
+    }
+    for (tally, checks) in silent_during.iter().zip(silent) {
+        assert!(
+            tally.failed > 0,
+            "{}: the silent node's identities fail: {tally:?}",
+            checks[0].key
+        );
+        assert!(tally.admitted < 40, "{}: {tally:?}", checks[0].key);
+    }
+}
+
+/// Recovered once a silent node's identity is decided again: its breaker closes after 300 ms
+/// and its connection is remade; 5 s allowed for a loaded machine. Returns 1 if the deciding
+/// call admitted, else 0.
+async fn poll_until_decided(store: &Arc<dyn Store>, checks: &[Check]) -> u64 {
+    let recovered = Instant::now();
+    loop {
+        if let Ok(decision) = store.check_and_consume(checks, None).await {
+            break u64::from(decision.is_allowed());
+        }
+        assert!(
+            recovered.elapsed() < Duration::from_secs(5),
+            "the silent node is decided again within 5 s of answering"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
