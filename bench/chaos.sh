@@ -17,5 +17,5 @@ count="${1:-100}"
 from="${2:-$(( (RANDOM << 15 | RANDOM) + 1000 ))}"
 echo "machine: $(nproc) cores, redis $(redis-server --version | awk '{print $3}'), commit $(git rev-parse --short HEAD); seeds $from to $((from + count - 1))"
 FLOODGATE_CHAOS_COUNT="$count" FLOODGATE_CHAOS_FROM="$from" \
-    cargo test --release -p floodgate --test chaos -- --nocapture 2>&1 \
+    cargo test --release -p floodgate --test it chaos:: -- --nocapture 2>&1 \
     | grep -E '^(seed |schedules|faults injected|decisions checked|violations|  replay|time:)'

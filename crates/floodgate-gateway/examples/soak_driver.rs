@@ -249,6 +249,51 @@ fn verdict(name: &str, samples: &[Sample]) -> bool {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let Arguments {
+        upstream_address,
+        minutes,
+        targets,
+    } = arguments()?;
+    tokio::spawn(upstream(
+        tokio::net::TcpListener::bind(&upstream_address).await?,
+    ));
+    // The gateways start with this upstream down: give them a moment to see it up.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let until = Instant::now() + Duration::from_secs(minutes * 60);
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build_http();
+    let rotation = Arc::new(AtomicU64::new(0));
+    for target in &targets {
+        spawn_clients(&client, target, until, &rotation);
+    }
+
+    let samples = sample_until(&targets, until).await;
+    println!();
+    let mut all_flat = true;
+    for (target, kept) in targets.iter().zip(&samples) {
+        all_flat &= verdict(&target.name, kept);
+    }
+    println!(
+        "verdict: {}",
+        if all_flat {
+            "every resource flat"
+        } else {
+            "something grew (see above)"
+        }
+    );
+    std::process::exit(if all_flat { 0 } else { 1 });
+}
+
+/// The command line: `UPSTREAM_ADDRESS MINUTES NAME=URL@PID [NAME=URL@PID ...]`.
+struct Arguments {
+    upstream_address: String,
+    minutes: u64,
+    targets: Vec<Arc<Target>>,
+}
+
+fn arguments() -> Result<Arguments, Box<dyn std::error::Error>> {
     let mut arguments = std::env::args().skip(1);
     let usage = "usage: soak_driver UPSTREAM_ADDRESS MINUTES NAME=URL@PID [NAME=URL@PID ...]";
     let upstream_address = arguments.next().ok_or(usage)?;
@@ -267,66 +312,71 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if targets.is_empty() {
         return Err(usage.into());
     }
-    tokio::spawn(upstream(
-        tokio::net::TcpListener::bind(&upstream_address).await?,
-    ));
-    // The gateways start with this upstream down: give them a moment to see it up.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    Ok(Arguments {
+        upstream_address,
+        minutes,
+        targets,
+    })
+}
 
-    let until = Instant::now() + Duration::from_secs(minutes * 60);
-    let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build_http();
-    let rotation = Arc::new(AtomicU64::new(0));
-    for target in &targets {
-        for steady in 0..20 {
-            tokio::spawn(paced(
-                client.clone(),
-                target.clone(),
-                "/",
-                10,
-                until,
-                move |_| format!("steady-{steady}"),
-            ));
-        }
-        for abuser in 0..2 {
-            tokio::spawn(paced(
-                client.clone(),
-                target.clone(),
-                "/",
-                200,
-                until,
-                move |_| format!("abuser-{abuser}"),
-            ));
-        }
-        let rotation = rotation.clone();
+/// The clients of one gateway (see the module's docs), each its own task until `until`.
+fn spawn_clients(
+    client: &HttpClient,
+    target: &Arc<Target>,
+    until: Instant,
+    rotation: &Arc<AtomicU64>,
+) {
+    for steady in 0..20 {
         tokio::spawn(paced(
             client.clone(),
             target.clone(),
             "/",
-            50,
+            10,
             until,
-            move |_| format!("rotating-{}", rotation.fetch_add(1, Ordering::Relaxed)),
+            move |_| format!("steady-{steady}"),
         ));
-        for caller in 0..8 {
-            // Up to 10 a second each: back to back while each takes 100 ms, paced when denied.
-            tokio::spawn(paced(
-                client.clone(),
-                target.clone(),
-                "/slow",
-                10,
-                until,
-                move |_| {
-                    if caller < 4 {
-                        "slow-shared".to_owned()
-                    } else {
-                        format!("slow-{caller}")
-                    }
-                },
-            ));
-        }
     }
+    for abuser in 0..2 {
+        tokio::spawn(paced(
+            client.clone(),
+            target.clone(),
+            "/",
+            200,
+            until,
+            move |_| format!("abuser-{abuser}"),
+        ));
+    }
+    let rotation = rotation.clone();
+    tokio::spawn(paced(
+        client.clone(),
+        target.clone(),
+        "/",
+        50,
+        until,
+        move |_| format!("rotating-{}", rotation.fetch_add(1, Ordering::Relaxed)),
+    ));
+    for caller in 0..8 {
+        // Up to 10 a second each: back to back while each takes 100 ms, paced when denied.
+        tokio::spawn(paced(
+            client.clone(),
+            target.clone(),
+            "/slow",
+            10,
+            until,
+            move |_| {
+                if caller < 4 {
+                    "slow-shared".to_owned()
+                } else {
+                    format!("slow-{caller}")
+                }
+            },
+        ));
+    }
+}
 
+/// Every [`SAMPLE_EVERY`] until `until`, one sample of each target, printed as it is taken;
+/// each target's samples.
+async fn sample_until(targets: &[Arc<Target>], until: Instant) -> Vec<Vec<Sample>> {
     let started = Instant::now();
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); targets.len()];
     println!("seconds gateway rss_mib fds threads requests limited 5xx failed p99_ms");
@@ -353,18 +403,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             kept.push(sample);
         }
     }
-    println!();
-    let mut all_flat = true;
-    for (target, kept) in targets.iter().zip(&samples) {
-        all_flat &= verdict(&target.name, kept);
-    }
-    println!(
-        "verdict: {}",
-        if all_flat {
-            "every resource flat"
-        } else {
-            "something grew (see above)"
-        }
-    );
-    std::process::exit(if all_flat { 0 } else { 1 });
+    samples
 }

@@ -316,7 +316,7 @@ impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "seed {}: {}\n  replay: FLOODGATE_CHAOS_SEEDS={} cargo test -p floodgate --test chaos -- --nocapture",
+            "seed {}: {}\n  replay: FLOODGATE_CHAOS_SEEDS={} cargo test -p floodgate --test it chaos:: -- --nocapture",
             self.seed, self.what, self.seed
         )
     }

@@ -95,86 +95,16 @@ impl RedisCluster {
             .map(|_| (0..replicas_per_master).map(|_| start()).collect())
             .collect();
 
-        // Slots and config epochs first (a node takes an epoch only while it knows no other),
-        // as `redis-cli --cluster create` does.
-        let count = masters.len();
-        let assigned: Vec<(i64, i64, i64)> = masters
-            .iter()
-            .enumerate()
-            .map(|(index, master)| {
-                let first = usize::from(SLOTS) * index / count;
-                let last = usize::from(SLOTS) * (index + 1) / count - 1;
-                let as_int = |value: usize| i64::try_from(value).expect("a slot");
-                (as_int(first), as_int(last), i64::from(client_port(master)))
-            })
-            .collect();
-        for (index, (master, (first, last, _))) in masters.iter().zip(&assigned).enumerate() {
-            let _: () = master.server.command(&[
-                "CLUSTER",
-                "ADDSLOTSRANGE",
-                &first.to_string(),
-                &last.to_string(),
-            ]);
-            let _: () =
-                master
-                    .server
-                    .command(&["CLUSTER", "SET-CONFIG-EPOCH", &(index + 1).to_string()]);
-        }
+        let assigned = assign_slots(&masters);
         let everyone: Vec<&Started> = masters.iter().chain(replicas.iter().flatten()).collect();
-        let introducer = &masters[0].server;
-        for node in &everyone[1..] {
-            let _: () = introducer.command(&[
-                "CLUSTER",
-                "MEET",
-                "127.0.0.1",
-                &client_port(node).to_string(),
-                &node.bus_port.to_string(),
-            ]);
-        }
-        let known = format!("cluster_known_nodes:{}", everyone.len());
-        for node in &everyone {
-            wait_until(FORMING, "every node to know every other", || {
-                node.server
-                    .try_command::<String>(&["CLUSTER", "INFO"])
-                    .is_ok_and(|info| info.contains(&known))
-            });
-        }
+        meet_everyone(&everyone);
         for (master, its_replicas) in masters.iter().zip(&replicas) {
             let id: String = master.server.command(&["CLUSTER", "MYID"]);
             for replica in its_replicas {
                 let _: () = replica.server.command(&["CLUSTER", "REPLICATE", &id]);
             }
         }
-        let replica_count = count * replicas_per_master;
-        for node in &everyone {
-            wait_until(FORMING, "cluster_state:ok, every replica known", || {
-                let ok = node
-                    .server
-                    .try_command::<String>(&["CLUSTER", "INFO"])
-                    .is_ok_and(|info| info.contains("cluster_state:ok"));
-                ok && node
-                    .server
-                    .try_command::<String>(&["CLUSTER", "NODES"])
-                    .is_ok_and(|nodes| {
-                        let is_replica = |line: &&str| {
-                            line.split(' ')
-                                .nth(2)
-                                .is_some_and(|flags| flags.split(',').any(|flag| flag == "slave"))
-                        };
-                        nodes.lines().filter(is_replica).count() == replica_count
-                    })
-            });
-        }
-        // `cluster_state:ok` says every slot is served, not by whom: a node may still name a
-        // stale owner, and a client that takes its map from it is sent MOVED twice (once by
-        // the node it names, once on retry). Wait until every node names the masters as made.
-        for node in &everyone {
-            wait_until(FORMING, "every node to name each slot's master", || {
-                node.server
-                    .try_command::<Vec<Vec<Value>>>(&["CLUSTER", "SLOTS"])
-                    .is_ok_and(|ranges| served_as_assigned(&ranges, &assigned))
-            });
-        }
+        wait_until_formed(&everyone, masters.len() * replicas_per_master, &assigned);
         for replica in replicas.iter().flatten() {
             wait_until(FORMING, "a replica in sync", || {
                 replica
@@ -451,6 +381,91 @@ fn start_node(config_dir: &std::path::Path, proxied: bool) -> Started {
         server,
         proxy: proxy.into_inner(),
         bus_port: bus_port.get(),
+    }
+}
+
+/// Gives each master an equal share of the slots and a config epoch of its own (a node takes
+/// an epoch only while it knows no other, so before any `MEET`), as `redis-cli --cluster
+/// create` does. Returns each master's `(first slot, last slot, client port)`.
+fn assign_slots(masters: &[Started]) -> Vec<(i64, i64, i64)> {
+    let count = masters.len();
+    let assigned: Vec<(i64, i64, i64)> = masters
+        .iter()
+        .enumerate()
+        .map(|(index, master)| {
+            let first = usize::from(SLOTS) * index / count;
+            let last = usize::from(SLOTS) * (index + 1) / count - 1;
+            let as_int = |value: usize| i64::try_from(value).expect("a slot");
+            (as_int(first), as_int(last), i64::from(client_port(master)))
+        })
+        .collect();
+    for (index, (master, (first, last, _))) in masters.iter().zip(&assigned).enumerate() {
+        let _: () = master.server.command(&[
+            "CLUSTER",
+            "ADDSLOTSRANGE",
+            &first.to_string(),
+            &last.to_string(),
+        ]);
+        let _: () =
+            master
+                .server
+                .command(&["CLUSTER", "SET-CONFIG-EPOCH", &(index + 1).to_string()]);
+    }
+    assigned
+}
+
+/// Introduces every node to the first, and waits until every node knows every other.
+fn meet_everyone(everyone: &[&Started]) {
+    let introducer = &everyone[0].server;
+    for node in &everyone[1..] {
+        let _: () = introducer.command(&[
+            "CLUSTER",
+            "MEET",
+            "127.0.0.1",
+            &client_port(node).to_string(),
+            &node.bus_port.to_string(),
+        ]);
+    }
+    let known = format!("cluster_known_nodes:{}", everyone.len());
+    for node in everyone {
+        wait_until(FORMING, "every node to know every other", || {
+            node.server
+                .try_command::<String>(&["CLUSTER", "INFO"])
+                .is_ok_and(|info| info.contains(&known))
+        });
+    }
+}
+
+/// Waits until every node says `cluster_state:ok` and knows `replica_count` replicas, then
+/// until every node names the masters as `assigned`: `cluster_state:ok` says every slot is
+/// served, not by whom, and a node may still name a stale owner (a client that takes its map
+/// from it is sent MOVED twice: once by the node it names, once on retry).
+fn wait_until_formed(everyone: &[&Started], replica_count: usize, assigned: &[(i64, i64, i64)]) {
+    for node in everyone {
+        wait_until(FORMING, "cluster_state:ok, every replica known", || {
+            let ok = node
+                .server
+                .try_command::<String>(&["CLUSTER", "INFO"])
+                .is_ok_and(|info| info.contains("cluster_state:ok"));
+            ok && node
+                .server
+                .try_command::<String>(&["CLUSTER", "NODES"])
+                .is_ok_and(|nodes| {
+                    let is_replica = |line: &&str| {
+                        line.split(' ')
+                            .nth(2)
+                            .is_some_and(|flags| flags.split(',').any(|flag| flag == "slave"))
+                    };
+                    nodes.lines().filter(is_replica).count() == replica_count
+                })
+        });
+    }
+    for node in everyone {
+        wait_until(FORMING, "every node to name each slot's master", || {
+            node.server
+                .try_command::<Vec<Vec<Value>>>(&["CLUSTER", "SLOTS"])
+                .is_ok_and(|ranges| served_as_assigned(&ranges, assigned))
+        });
     }
 }
 

@@ -3,7 +3,7 @@
 //! failover takes a few seconds), a store in one of floodgate's modes, and concurrent tasks
 //! deciding for identities on the master that is killed and on the others, before, during and
 //! after the failover. What each identity was admitted, denied and refused, and when, is the
-//! [`Report`]: `tests/partial_failures.rs` asserts on it, `examples/failover.rs`
+//! [`Report`]: `tests/it/partial_failures.rs` asserts on it, `examples/failover.rs`
 //! (`bench/failover.sh`) prints it.
 //!
 //! Limits are fixed windows of an hour and the run waits until it is clear of the hour's end

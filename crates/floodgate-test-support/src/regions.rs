@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate::store::region::{RegionSettings, RegionalStore, TradeResult};
-use floodgate::store::{BatchedStore, RedisStore, ShardedRedisStore};
+use floodgate::store::{BatchedStore, RedisStore, ShardedRedisStore, StoreError};
 use floodgate::{Limit, Store, store::Check};
 
 use crate::RedisServer;
@@ -359,75 +359,11 @@ impl Regions {
         let buckets = duration.as_millis().div_ceil(BUCKET.as_millis()) as usize;
         let trades_before: Vec<u64> = (0..self.gateways.len()).map(|r| self.trades(r)).collect();
         let mut tasks = Vec::new();
-        for (region, gateways) in self.gateways.iter().enumerate() {
-            let (gateways, rate, key, limit) =
-                (gateways.clone(), rate.clone(), key.clone(), limit.clone());
-            let fixed = Arc::new(limit.with_share(limit.limit() / self.names.len() as u64));
-            let direct: Option<RedisStore> = (self.mode == Mode::Fixed).then(|| {
-                RedisStore::builder(self.stores[region].url())
-                    .timeout(Duration::from_secs(2))
-                    .build()
-                    .expect("a Redis store")
-            });
+        for region in 0..self.gateways.len() {
+            let load = self.load_of(region, &key, limit);
+            let rate = rate.clone();
             tasks.push(tokio::spawn(async move {
-                let mut report = RegionReport {
-                    admitted_per_bucket: vec![0; buckets],
-                    share_per_bucket: vec![0; buckets],
-                    ..RegionReport::default()
-                };
-                let mut ticks = tokio::time::interval(Duration::from_millis(5));
-                let mut owed = 0.0;
-                let mut last = started;
-                let mut next_gateway = 0;
-                while started.elapsed() < duration {
-                    ticks.tick().await;
-                    let now = Instant::now();
-                    let since = now - started;
-                    owed += rate(region, since) * (now - last).as_secs_f64();
-                    last = now;
-                    while owed >= 1.0 {
-                        owed -= 1.0;
-                        let asked = Instant::now();
-                        let result = match &direct {
-                            Some(store) => {
-                                let checks = [Check::new(key.clone(), fixed.clone(), 1)];
-                                store.check_and_consume(&checks, None).await
-                            }
-                            None => {
-                                let checks = [Check::new(key.clone(), limit.clone(), 1)];
-                                let gateway = &gateways[next_gateway % gateways.len()];
-                                next_gateway += 1;
-                                gateway.check_and_consume(&checks, None).await
-                            }
-                        };
-                        report.latencies.push(asked.elapsed());
-                        report.sent += 1;
-                        let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
-                        match result {
-                            Ok(decision) if decision.is_allowed() => {
-                                report.admitted += 1;
-                                let second = std::time::SystemTime::now()
-                                    .duration_since(std::time::UNIX_EPOCH)
-                                    .map_or(0, |since| since.as_secs());
-                                *report.admitted_per_epoch_second.entry(second).or_default() += 1;
-                                if let Some(count) = report.admitted_per_bucket.get_mut(bucket) {
-                                    *count += 1;
-                                }
-                            }
-                            Ok(_) => {}
-                            Err(_) => report.errors += 1,
-                        }
-                    }
-                    let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
-                    if let Some(share) = report.share_per_bucket.get_mut(bucket) {
-                        *share = match &direct {
-                            Some(_) => fixed.limit(),
-                            None => gateways[0].share_of(&key, &limit).units,
-                        };
-                    }
-                }
-                report.latencies.sort();
-                report
+                load.drive(started, duration, buckets, rate).await
             }));
         }
         let mut regions = Vec::new();
@@ -443,6 +379,125 @@ impl Regions {
             regions,
             elapsed,
             allowance: limit.capacity() as f64 + rate * elapsed.as_secs_f64(),
+        }
+    }
+
+    /// What `region`'s task in [`Regions::run`] decides with: its gateways, or in
+    /// [`Mode::Fixed`] its own store and a fixed share of `limit`.
+    fn load_of(&self, region: usize, key: &Arc<str>, limit: &Arc<Limit>) -> RegionLoad {
+        let fixed = Arc::new(limit.with_share(limit.limit() / self.names.len() as u64));
+        let direct: Option<RedisStore> = (self.mode == Mode::Fixed).then(|| {
+            RedisStore::builder(self.stores[region].url())
+                .timeout(Duration::from_secs(2))
+                .build()
+                .expect("a Redis store")
+        });
+        RegionLoad {
+            region,
+            gateways: self.gateways[region].clone(),
+            direct,
+            key: key.clone(),
+            limit: limit.clone(),
+            fixed,
+            next_gateway: 0,
+        }
+    }
+}
+
+/// One region's part of [`Regions::run`], moved into its task.
+struct RegionLoad {
+    region: usize,
+    gateways: Vec<Arc<RegionalStore>>,
+    /// In [`Mode::Fixed`], the region's own store, decided on directly against `fixed`.
+    direct: Option<RedisStore>,
+    key: Arc<str>,
+    limit: Arc<Limit>,
+    /// The region's fixed share of `limit` ([`Mode::Fixed`]).
+    fixed: Arc<Limit>,
+    /// The gateway the next decision goes to (round-robin).
+    next_gateway: usize,
+}
+
+impl RegionLoad {
+    /// Sends `rate(region, since_start)` requests a second from `started` until `duration` has
+    /// passed, ticking every 5 ms, and reports them in `buckets` buckets.
+    async fn drive(
+        mut self,
+        started: Instant,
+        duration: Duration,
+        buckets: usize,
+        rate: Arc<impl Fn(usize, Duration) -> f64>,
+    ) -> RegionReport {
+        let mut report = RegionReport {
+            admitted_per_bucket: vec![0; buckets],
+            share_per_bucket: vec![0; buckets],
+            ..RegionReport::default()
+        };
+        let mut ticks = tokio::time::interval(Duration::from_millis(5));
+        let mut owed = 0.0;
+        let mut last = started;
+        while started.elapsed() < duration {
+            ticks.tick().await;
+            let now = Instant::now();
+            let since = now - started;
+            owed += rate(self.region, since) * (now - last).as_secs_f64();
+            last = now;
+            while owed >= 1.0 {
+                owed -= 1.0;
+                let asked = Instant::now();
+                let result = self.decide_one().await;
+                report.latencies.push(asked.elapsed());
+                report.count(since, result);
+            }
+            let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
+            if let Some(share) = report.share_per_bucket.get_mut(bucket) {
+                *share = match &self.direct {
+                    Some(_) => self.fixed.limit(),
+                    None => self.gateways[0].share_of(&self.key, &self.limit).units,
+                };
+            }
+        }
+        report.latencies.sort();
+        report
+    }
+
+    /// One request's decision: whether it was admitted.
+    async fn decide_one(&mut self) -> Result<bool, StoreError> {
+        let decision = match &self.direct {
+            Some(store) => {
+                let checks = [Check::new(self.key.clone(), self.fixed.clone(), 1)];
+                store.check_and_consume(&checks, None).await
+            }
+            None => {
+                let checks = [Check::new(self.key.clone(), self.limit.clone(), 1)];
+                let gateway = &self.gateways[self.next_gateway % self.gateways.len()];
+                self.next_gateway += 1;
+                gateway.check_and_consume(&checks, None).await
+            }
+        };
+        decision.map(|decision| decision.is_allowed())
+    }
+}
+
+impl RegionReport {
+    /// Counts one request sent `since` the run's start, which `result` says was admitted,
+    /// denied, or failed.
+    fn count(&mut self, since: Duration, result: Result<bool, StoreError>) {
+        self.sent += 1;
+        let bucket = (since.as_millis() / BUCKET.as_millis()) as usize;
+        match result {
+            Ok(true) => {
+                self.admitted += 1;
+                let second = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |since| since.as_secs());
+                *self.admitted_per_epoch_second.entry(second).or_default() += 1;
+                if let Some(count) = self.admitted_per_bucket.get_mut(bucket) {
+                    *count += 1;
+                }
+            }
+            Ok(false) => {}
+            Err(_) => self.errors += 1,
         }
     }
 }

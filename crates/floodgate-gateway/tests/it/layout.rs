@@ -1,0 +1,38 @@
+//! The suite stays one binary: a new file directly in `tests/` would be linked as a binary of
+//! its own (minutes of CI time), and a file in `tests/it/` that `main.rs` does not declare would
+//! never run.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+fn names_in(directory: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(directory)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .collect()
+}
+
+#[test]
+fn the_suite_is_one_binary() {
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let found: BTreeSet<String> = names_in(&tests)
+        .into_iter()
+        .filter(|name| name != "proptest-regressions")
+        .collect();
+    assert_eq!(
+        found,
+        BTreeSet::from(["it".to_string()]),
+        "add a test as a module of tests/it/"
+    );
+
+    let main = std::fs::read_to_string(tests.join("it/main.rs")).unwrap();
+    for file in names_in(&tests.join("it")) {
+        let module = file.strip_suffix(".rs").unwrap();
+        if module != "main" {
+            assert!(
+                main.lines().any(|line| line == format!("mod {module};")),
+                "tests/it/{file} is not declared in tests/it/main.rs"
+            );
+        }
+    }
+}
