@@ -43,3 +43,37 @@ fn only_the_process_wide_tests_have_a_binary_of_their_own() {
         }
     }
 }
+
+/// The README's "Layout" section names every module file and directory at the top of each
+/// crate's `src/` (the deeper files are described by their directory), so that a module added
+/// without a word on where it belongs fails here.
+#[test]
+fn the_readme_layout_names_every_top_level_module_of_both_crates() {
+    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(crates.join("../README.md")).unwrap();
+    let layout = &readme[readme.find("## Layout").expect("a Layout section")..];
+    let layout = &layout[..layout[3..]
+        .find("\n## ")
+        .map_or(layout.len(), |end| end + 3)];
+    let mut missing = Vec::new();
+    for crate_dir in ["floodgate", "floodgate-gateway"] {
+        for name in names_in(&crates.join(crate_dir).join("src")) {
+            let is_module = name.ends_with(".rs") || !name.contains('.');
+            if !is_module || ["lib.rs", "main.rs"].contains(&name.as_str()) {
+                continue;
+            }
+            let spelled = if name.ends_with(".rs") {
+                format!("`{name}`")
+            } else {
+                format!("`{name}/`")
+            };
+            if !layout.contains(&spelled) {
+                missing.push(format!("{crate_dir}/src/{name}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README's Layout does not name {missing:?}"
+    );
+}
