@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 use crate::access_log::{AccessLog, LoggedBody, PendingLine, RequestLine};
 use crate::config::{self, Config};
 use crate::error::GatewayError;
+use crate::proxy::shedding::carried_over;
 use crate::proxy::{ClientSettings, upstream_client};
 use crate::status::Observers;
 use crate::stores::{build_store, builds_the_same_store};
@@ -88,7 +89,9 @@ impl Gateway {
         let observers = Observers::default();
         let access_log = open_access_log(&config)?;
         let inputs = Inputs::read(text, config.identity.key_file.as_deref());
-        let first = ConfigVersion::build(1, config, store, (client_settings, client), &observers)?;
+        let shedding = carried_over(None, config.adaptive.as_ref());
+        let client = (client_settings, client);
+        let first = ConfigVersion::build(1, config, store, client, shedding, &observers)?;
         metrics::gauge!(crate::telemetry::CONFIG_VERSION).set(1.0);
         Ok(Arc::new(Gateway {
             observers,
@@ -297,8 +300,9 @@ impl Gateway {
         };
         // The key file this version reads is the one the watcher compares from now on.
         *last_seen = Inputs::read(text, config.identity.key_file.as_deref());
-        let next =
-            ConfigVersion::build(version, config, store, (settings, client), &self.observers)?;
+        let shedding = carried_over(current.shedding.as_ref(), config.adaptive.as_ref());
+        let client = (settings, client);
+        let next = ConfigVersion::build(version, config, store, client, shedding, &self.observers)?;
         self.current.store(Arc::new(next));
         // The replaced log's writer drains its queue and stops once no request holds it.
         self.access_log.store(access_log);

@@ -24,6 +24,7 @@ use crate::config::Config;
 use crate::error::GatewayError;
 use crate::outcome::GatewayOutcome;
 use crate::plan::GatewayPlan;
+use crate::proxy::shedding::Shedding;
 use crate::proxy::{ClientSettings, Proxy, ProxyBody, UpstreamClients};
 use crate::status::Observers;
 use crate::stores::BuiltStore;
@@ -44,6 +45,9 @@ pub(crate) struct ConfigVersion {
     pub(crate) store: BuiltStore,
     /// The upstream client and the settings it was built from.
     pub(crate) client: (ClientSettings, UpstreamClients),
+    /// The upstreams' adaptive limiters (`adaptive_concurrency`), kept by the next version
+    /// when its settings are the same.
+    pub(crate) shedding: Option<Arc<Shedding>>,
     services: HashMap<String, RateLimit<Proxy>>,
     fallback_service: RateLimit<Proxy>,
 }
@@ -61,13 +65,14 @@ impl ConfigVersion {
         config: Arc<Config>,
         store: BuiltStore,
         client: (ClientSettings, UpstreamClients),
+        shedding: Option<Arc<Shedding>>,
         observers: &Observers,
     ) -> Result<ConfigVersion, GatewayError> {
         #[cfg(test)]
         if FAIL_NEXT_BUILD.with(|fail| fail.replace(false)) {
             return Err(GatewayError::Layer(floodgate::BuildError::NoLimits));
         }
-        let proxy = Proxy::new(client.1.clone(), config.clone());
+        let proxy = Proxy::new(client.1.clone(), config.clone(), shedding.clone());
         let make =
             |policy: FailurePolicy, rollout: &Rollout| -> Result<RateLimit<Proxy>, GatewayError> {
                 let routes = config.clone();
@@ -125,6 +130,7 @@ impl ConfigVersion {
             config,
             store,
             client,
+            shedding,
         })
     }
 

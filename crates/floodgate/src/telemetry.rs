@@ -534,6 +534,18 @@ pub struct MetricDescription {
 /// Every metric the library records.
 pub const METRICS: &[MetricDescription] = &[
     MetricDescription {
+        name: crate::adaptive::ADAPTIVE_LIMIT,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "The adaptive concurrency limit in force, by limiter (in the gateway, its upstream)",
+    },
+    MetricDescription {
+        name: crate::adaptive::ADAPTIVE_SHED_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Requests adaptive concurrency refused (mode enforce) or would have (mode shadow), by limiter and class",
+    },
+    MetricDescription {
         name: DECISIONS_TOTAL,
         kind: MetricKind::Counter,
         seconds: false,

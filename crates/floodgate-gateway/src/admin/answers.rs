@@ -401,6 +401,69 @@ pub(crate) fn seconds(duration: std::time::Duration) -> f64 {
     (duration.as_secs_f64() * 1000.0).round() / 1000.0
 }
 
+/// `GET /admin/adaptive`: each upstream's adaptive limiter (`adaptive_concurrency`).
+#[derive(Debug, Serialize)]
+pub(crate) struct AdaptiveUpstreams {
+    /// Whether `adaptive_concurrency` is configured.
+    pub configured: bool,
+    /// One entry per upstream that has had a request since the settings were applied.
+    pub upstreams: Vec<AdaptiveUpstream>,
+}
+
+/// One upstream's limiter.
+#[derive(Debug, Serialize)]
+pub(crate) struct AdaptiveUpstream {
+    /// `scheme://host:port`.
+    pub upstream: String,
+    /// The concurrency limit in force.
+    pub limit: u32,
+    /// Requests in flight to it.
+    pub in_flight: u32,
+    /// The minimum round trip learned, in milliseconds.
+    pub min_rtt_ms: Option<f64>,
+    /// The last window's sampled latency, in milliseconds.
+    pub sample_latency_ms: Option<f64>,
+    /// Each class, highest first.
+    pub classes: Vec<AdaptiveClass>,
+}
+
+/// One class's counts.
+#[derive(Debug, Serialize)]
+pub(crate) struct AdaptiveClass {
+    /// Its name.
+    pub name: String,
+    /// Its requests in flight.
+    pub in_flight: u32,
+    /// Requests admitted since the settings were applied.
+    pub admitted: u64,
+    /// Requests shed (or, in shadow, that would have been) since then.
+    pub refused: u64,
+}
+
+impl AdaptiveUpstream {
+    pub(crate) fn of(upstream: String, snapshot: &floodgate::adaptive::AdaptiveSnapshot) -> Self {
+        let millis = |duration: std::time::Duration| duration.as_secs_f64() * 1_000.0;
+        AdaptiveUpstream {
+            upstream,
+            limit: snapshot.gate.limit,
+            in_flight: snapshot.gate.in_flight,
+            min_rtt_ms: snapshot.min_rtt.map(millis),
+            sample_latency_ms: snapshot.sample_latency.map(millis),
+            classes: snapshot
+                .gate
+                .classes
+                .iter()
+                .map(|class| AdaptiveClass {
+                    name: class.name.to_string(),
+                    in_flight: class.in_flight,
+                    admitted: class.admitted,
+                    refused: class.refused,
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,7 @@ pub(crate) fn router(state: AdminState) -> Router {
         .route("/admin/config", get(active_config))
         .route("/admin/top", get(top))
         .route("/admin/status", get(status))
+        .route("/admin/adaptive", get(adaptive))
         .route("/admin/clients", get(inspect_client).delete(reset_client))
         .route(
             "/admin/clients/overrides",
@@ -207,6 +208,23 @@ async fn active_config(State(state): State<AdminState>) -> Response {
 #[derive(serde::Deserialize)]
 struct TopQuery {
     n: Option<usize>,
+}
+
+/// Each upstream's adaptive limiter.
+async fn adaptive(State(state): State<AdminState>) -> Json<answers::AdaptiveUpstreams> {
+    let current = state.gateway.current();
+    let upstreams = current
+        .shedding
+        .as_ref()
+        .map(|shedding| shedding.snapshots())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(upstream, snapshot)| answers::AdaptiveUpstream::of(upstream, &snapshot))
+        .collect();
+    Json(answers::AdaptiveUpstreams {
+        configured: current.shedding.is_some(),
+        upstreams,
+    })
 }
 
 async fn top(State(state): State<AdminState>, Query(query): Query<TopQuery>) -> Response {

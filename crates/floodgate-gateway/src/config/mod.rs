@@ -14,6 +14,7 @@ macro_rules! problem {
     };
 }
 
+mod adaptive;
 mod clients;
 mod duration;
 mod errors;
@@ -29,6 +30,7 @@ mod server;
 mod store;
 mod tls;
 
+pub(crate) use adaptive::AdaptiveSettings;
 pub(crate) use clients::{IdentitySettings, UnknownKeys};
 pub(crate) use duration::parse_duration;
 pub(crate) use errors::Problem;
@@ -113,6 +115,8 @@ pub(crate) struct Config {
     pub overrides: OverrideBounds,
     /// The access log (`access_log`), when configured.
     pub access_log: Option<AccessLogSettings>,
+    /// Shedding when an upstream slows down (`adaptive_concurrency`), when configured.
+    pub adaptive: Option<AdaptiveSettings>,
     /// The configuration as JSON with API keys replaced by their hashes and passwords in URLs
     /// by `***`, for `/admin/config`.
     pub redacted: serde_json::Value,
@@ -470,6 +474,7 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
     );
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
+    let adaptive = adaptive::adaptive(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.plans);
 
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
@@ -523,6 +528,7 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
         rls: rls_settings,
         overrides: override_bounds,
         access_log,
+        adaptive,
         redacted,
     })
 }
@@ -616,7 +622,7 @@ mod tests {
         assert!(!errors.contains("upstream-pass"), "{errors}");
     }
 
-    pub(super) fn errors_of(text: &str) -> Vec<String> {
+    pub(crate) fn errors_of(text: &str) -> Vec<String> {
         match parse(text) {
             Ok(_) => Vec::new(),
             Err(errors) => errors.0.iter().map(ToString::to_string).collect(),

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::adaptive::RawAdaptive;
 use super::clients::{RawClients, RawIdentity, RawLists};
 use super::limits::{RawLimit, RawPlan};
 use super::operations::{RawAccessLog, RawAdmin};
@@ -70,6 +71,8 @@ pub(crate) struct RawConfig {
     pub rls: Option<RawRls>,
     /// One line per request.
     pub access_log: Option<RawAccessLog>,
+    /// Shedding when an upstream slows down.
+    pub adaptive_concurrency: Option<RawAdaptive>,
 }
 
 impl Default for RawConfig {
@@ -97,6 +100,7 @@ impl Default for RawConfig {
             response: Default::default(),
             rls: None,
             access_log: None,
+            adaptive_concurrency: None,
         }
     }
 }

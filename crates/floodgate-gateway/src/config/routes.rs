@@ -36,7 +36,7 @@ pub(crate) struct RawRoute {
 }
 
 /// Where requests go upstream.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Upstream {
     /// `http` or `https`.
     pub scheme: http::uri::Scheme,

@@ -7,6 +7,7 @@
 
 pub(crate) mod client_body;
 pub(crate) mod pool;
+pub(crate) mod shedding;
 
 /// A request extension marking requests that arrived over the TLS listener
 /// (`X-Forwarded-Proto: https`).
@@ -43,6 +44,7 @@ use client_body::{BodyWatch, ClientBody, ClientFault};
 use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use pool::UpstreamBody;
 use rustls::pki_types::ServerName;
+use shedding::Shedding;
 
 /// The body of a proxied response: the upstream's, streamed, or the gateway's own error body.
 pub(crate) type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
@@ -234,13 +236,34 @@ fn pooled_client(
 pub(crate) struct Proxy {
     clients: UpstreamClients,
     config: Arc<Config>,
+    shedding: Option<Arc<Shedding>>,
 }
 
 impl Proxy {
-    /// A proxy for `config`.
-    pub(crate) fn new(clients: UpstreamClients, config: Arc<Config>) -> Self {
-        Proxy { clients, config }
+    /// A proxy for `config`, shedding by `shedding` when `adaptive_concurrency` is set.
+    pub(crate) fn new(
+        clients: UpstreamClients,
+        config: Arc<Config>,
+        shedding: Option<Arc<Shedding>>,
+    ) -> Self {
+        Proxy {
+            clients,
+            config,
+            shedding,
+        }
     }
+}
+
+/// The upstream `request` goes to: its route's, else the default.
+fn upstream_of<'c, B>(config: &'c Config, request: &Request<B>) -> &'c Upstream {
+    ResolvedClient::route_of(
+        &config.routes,
+        request.extensions(),
+        request.method(),
+        request.uri().path(),
+    )
+    .and_then(|route| route.upstream.as_ref())
+    .unwrap_or(&config.upstream)
 }
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -592,7 +615,25 @@ impl Service<Request<Incoming>> for Proxy {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let (clients, config) = (self.clients.clone(), self.config.clone());
-        Box::pin(async move { Ok(forward(clients, config, request).await) })
+        let permit = match &self.shedding {
+            None => None,
+            Some(shedding) => match shedding.admit(upstream_of(&config, &request), &request) {
+                Ok(permit) => Some(permit),
+                Err(shed) => {
+                    let answer = shed.response(floodgate::adaptive::is_grpc(request.headers()));
+                    let answer = answer.map(|body| Either::Right(Full::new(body)));
+                    return Box::pin(std::future::ready(Ok(answer)));
+                }
+            },
+        };
+        Box::pin(async move {
+            let response = forward(clients, config, request).await;
+            // The upstream's answer, or the gateway's 502 or 504 for it: either is its latency.
+            if let Some(permit) = permit {
+                permit.answered();
+            }
+            Ok(response)
+        })
     }
 }
 

@@ -7,6 +7,7 @@ mod layout;
 mod support;
 
 mod access_log;
+mod adaptive;
 mod batched;
 mod deploy;
 mod estimates;

@@ -17,7 +17,7 @@
 //! the traffic, not the upstream, set that window's latency.
 //!
 //! `min_rtt` follows the lowest window minimum at once. It rises only from windows in which
-//! the limit did not bind (a queue the limit itself builds must not read as the upstream's
+//! the limit did not bind (nothing refused, the limit never reached) (a queue the limit itself builds must not read as the upstream's
 //! own latency), by `min_rtt_drift` of the way each window: an upstream that got slower for
 //! good is followed once the pressure lifts. Under sustained pressure, a slower upstream is
 //! therefore served at a limit lower than it could take, never a higher one.
@@ -108,6 +108,9 @@ pub struct WindowSample {
     pub min_latency: Duration,
     /// The most requests in flight at once during the window.
     pub peak_in_flight: u32,
+    /// Whether the limit refused a request during the window (a class's ceiling below the
+    /// limit can bind while the total in flight stays under it).
+    pub refused: bool,
 }
 
 /// The gradient controller: the limit, and the minimum round trip it compares against.
@@ -147,7 +150,7 @@ impl Gradient {
     /// Takes one window's `sample` into account; returns the new limit.
     pub fn on_window(&mut self, sample: WindowSample) -> u32 {
         let limit = self.limit;
-        let bound = f64::from(sample.peak_in_flight) >= limit.round();
+        let bound = sample.refused || f64::from(sample.peak_in_flight) >= limit.round();
         let min_rtt = self.learn_min_rtt(sample, bound);
         let latency = sample.latency.as_secs_f64().max(1e-6);
         let expected = min_rtt.as_secs_f64() * (1.0 + self.settings.buffer);
@@ -198,6 +201,7 @@ mod tests {
                 latency: self.service.mul_f64(load * 1.05),
                 min_latency: self.service.mul_f64(load),
                 peak_in_flight: in_flight,
+                refused: false,
             }
         }
     }
@@ -275,6 +279,7 @@ mod tests {
             latency: Duration::from_secs(10),
             min_latency: Duration::from_secs(5),
             peak_in_flight: 1_000,
+            refused: true,
         };
         let limits: Vec<u32> = (0..24).map(|_| controller.on_window(stalled)).collect();
         for pair in limits.windows(2) {
@@ -306,6 +311,7 @@ mod tests {
             latency: Duration::from_millis(1),
             min_latency: Duration::from_millis(1),
             peak_in_flight: limit,
+            refused: false,
         };
         controller.on_window(quiet(10));
         // gradient = 1.25 (min_rtt × 1.25 over the same latency): 10 × 1.25 + √10.
@@ -354,6 +360,24 @@ mod tests {
         // A faster upstream is learned at once.
         controller.on_window(upstream(100.0, 5).window_at(2));
         assert_eq!(controller.min_rtt(), Some(Duration::from_millis(5)));
+    }
+
+    #[test]
+    fn a_window_with_refusals_does_not_raise_min_rtt_even_under_the_limit() {
+        let mut controller = Gradient::new(GradientSettings::default());
+        controller.on_window(upstream(100.0, 10).window_at(5));
+        // A class's ceiling refused requests while the total stayed at half the limit: the
+        // queue behind the latency may be the limit's own.
+        let queued = WindowSample {
+            latency: Duration::from_millis(60),
+            min_latency: Duration::from_millis(50),
+            peak_in_flight: controller.limit() / 2,
+            refused: true,
+        };
+        for _ in 0..20 {
+            controller.on_window(queued);
+        }
+        assert_eq!(controller.min_rtt(), Some(Duration::from_millis(10)));
     }
 
     #[test]

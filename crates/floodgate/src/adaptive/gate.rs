@@ -71,6 +71,8 @@ struct GateState {
     limit: u32,
     in_flight: u32,
     peak_in_flight: u32,
+    /// Whether a request was refused since the last [`Gate::take_window`].
+    refused_in_window: bool,
     by_class: Vec<u32>,
     by_client: HashMap<(usize, u64), u32>,
     admitted: Vec<u64>,
@@ -151,7 +153,10 @@ impl Gate {
         };
         match verdict {
             Ok(()) => state.admitted[class] += 1,
-            Err(_) => state.refused[class] += 1,
+            Err(_) => {
+                state.refused[class] += 1;
+                state.refused_in_window = true;
+            }
         }
         if verdict.is_ok() || !enforce {
             state.in_flight += 1;
@@ -184,11 +189,16 @@ impl Gate {
         self.lock().limit = limit;
     }
 
-    /// The peak in flight since the last call; the next peak starts from what is in flight.
-    pub(crate) fn take_peak(&self) -> u32 {
+    /// The peak in flight since the last call, and whether a request was refused; the next
+    /// peak starts from what is in flight.
+    pub(crate) fn take_window(&self) -> (u32, bool) {
         let mut state = self.lock();
         let in_flight = state.in_flight;
-        std::mem::replace(&mut state.peak_in_flight, in_flight)
+        let refused = std::mem::take(&mut state.refused_in_window);
+        (
+            std::mem::replace(&mut state.peak_in_flight, in_flight),
+            refused,
+        )
     }
 
     /// The counts, with `names` the classes' names.
@@ -349,7 +359,12 @@ mod tests {
         for _ in 0..4 {
             gate.release(0, None);
         }
-        assert_eq!(gate.take_peak(), 6);
-        assert_eq!(gate.take_peak(), 2, "the two still in flight");
+        assert_eq!(gate.take_window(), (6, false));
+        assert_eq!(gate.take_window(), (2, false), "the two still in flight");
+        for _ in 0..9 {
+            let _ = gate.admit(0, None, true);
+        }
+        assert_eq!(gate.take_window(), (10, true), "a refusal is reported once");
+        assert_eq!(gate.take_window(), (10, false));
     }
 }

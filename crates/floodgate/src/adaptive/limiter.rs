@@ -19,10 +19,10 @@ use crate::time::{Clock, Timestamp};
 pub const REDUCED_CAPACITY_PROBLEM: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
-/// `floodgate_adaptive_limit`: the concurrency limit in force.
+/// `floodgate_adaptive_limit{limiter}`: the concurrency limit in force.
 pub const ADAPTIVE_LIMIT: &str = "floodgate_adaptive_limit";
-/// `floodgate_adaptive_shed_total{class,mode}`: requests refused (`mode="enforce"`) or that
-/// would have been (`mode="shadow"`).
+/// `floodgate_adaptive_shed_total{limiter,class,mode}`: requests refused (`mode="enforce"`) or
+/// that would have been (`mode="shadow"`).
 pub const ADAPTIVE_SHED_TOTAL: &str = "floodgate_adaptive_shed_total";
 
 /// The limit, the gate and the controller one service (or upstream) is protected by. Clones
@@ -33,6 +33,8 @@ pub struct AdaptiveLimiter {
 }
 
 struct LimiterState {
+    /// The `limiter` label of its metrics.
+    name: Arc<str>,
     gate: Gate,
     names: Vec<Arc<str>>,
     default_class: usize,
@@ -82,6 +84,7 @@ pub struct Shed {
 impl AdaptiveLimiter {
     /// A limiter over `classes` (highest first; checked by the builder).
     pub(crate) fn new(
+        name: Arc<str>,
         settings: GradientSettings,
         classes: &[Class],
         default_class: usize,
@@ -91,6 +94,7 @@ impl AdaptiveLimiter {
     ) -> AdaptiveLimiter {
         AdaptiveLimiter {
             shared: Arc::new(LimiterState {
+                name,
                 gate: Gate::new(classes, settings.initial_limit, client_share),
                 names: classes.iter().map(|class| class.name().clone()).collect(),
                 default_class,
@@ -120,8 +124,9 @@ impl AdaptiveLimiter {
         let class = class.min(shared.names.len() - 1);
         if let Err(refusal) = shared.gate.admit(class, client, shared.enforce) {
             let mode = if shared.enforce { "enforce" } else { "shadow" };
-            let name = shared.names[class].to_string();
-            metrics::counter!(ADAPTIVE_SHED_TOTAL, "class" => name, "mode" => mode).increment(1);
+            let (limiter, name) = (shared.name.to_string(), shared.names[class].to_string());
+            metrics::counter!(ADAPTIVE_SHED_TOTAL, "limiter" => limiter, "class" => name, "mode" => mode)
+                .increment(1);
             if shared.enforce {
                 return Admission::Shed(ShedDecision {
                     class: shared.names[class].clone(),
@@ -163,14 +168,16 @@ impl AdaptiveLimiter {
         let Some((sampled, min)) = window.record(latency, self.shared.clock.now()) else {
             return;
         };
-        let peak = self.shared.gate.take_peak();
+        let (peak, refused) = self.shared.gate.take_window();
         let limit = window.controller.on_window(WindowSample {
             latency: sampled,
             min_latency: min,
             peak_in_flight: peak,
+            refused,
         });
         self.shared.gate.set_limit(limit);
-        metrics::gauge!(ADAPTIVE_LIMIT).set(f64::from(limit));
+        metrics::gauge!(ADAPTIVE_LIMIT, "limiter" => self.shared.name.to_string())
+            .set(f64::from(limit));
     }
 
     /// When a refused client may come back: about the service's latency, at least a second.

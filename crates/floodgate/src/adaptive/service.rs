@@ -29,6 +29,7 @@ pub type ClientOf = dyn Fn(&RequestInfo<'_>) -> Option<u64> + Send + Sync;
 
 /// Builds an [`AdaptiveConcurrencyLayer`] or an [`AdaptiveLimiter`].
 pub struct AdaptiveConcurrencyBuilder {
+    name: Arc<str>,
     settings: GradientSettings,
     classes: Vec<Class>,
     default_class: Option<String>,
@@ -40,6 +41,12 @@ pub struct AdaptiveConcurrencyBuilder {
 }
 
 impl AdaptiveConcurrencyBuilder {
+    /// The `limiter` label of its metrics (`default` if never called).
+    pub fn name(mut self, name: impl Into<Arc<str>>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// How the limit follows latency.
     pub fn gradient(mut self, settings: GradientSettings) -> Self {
         self.settings = settings;
@@ -123,7 +130,7 @@ impl AdaptiveConcurrencyBuilder {
                 return Err(format!("classes: `{}` is named twice", class.name()));
             }
             if !(0.0..1.0).contains(&class.reserved()) {
-                return Err(format!("classes.{index}.reserve: 0 to 1, below 1"));
+                return Err(format!("classes[{index}].reserve: 0 to 1, below 1"));
             }
         }
         let default_class = match &self.default_class {
@@ -137,6 +144,7 @@ impl AdaptiveConcurrencyBuilder {
             return Err("client_share: above 0, at most 1".to_owned());
         }
         Ok(AdaptiveLimiter::new(
+            self.name,
             self.settings,
             &classes,
             default_class,
@@ -161,6 +169,7 @@ impl AdaptiveConcurrencyLayer {
     /// A builder with the default settings: one class, Envoy's gradient with a 25 % buffer.
     pub fn builder() -> AdaptiveConcurrencyBuilder {
         AdaptiveConcurrencyBuilder {
+            name: Arc::from("default"),
             settings: GradientSettings::default(),
             classes: Vec::new(),
             default_class: None,

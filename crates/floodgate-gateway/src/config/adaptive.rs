@@ -1,0 +1,256 @@
+//! `adaptive_concurrency:`: shedding when an upstream slows down (SPEC §11), one limit per
+//! upstream, requests classed by their plan or a trusted header.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use floodgate::adaptive::{AdaptiveConcurrencyLayer, AdaptiveLimiter, Class, GradientSettings};
+use http::HeaderName;
+use serde::{Deserialize, Serialize};
+
+use super::duration::parse_duration;
+use super::errors::Errors;
+
+/// `adaptive_concurrency:`, as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawAdaptive {
+    /// Compute and report, refuse nothing.
+    pub shadow: bool,
+    /// The classes, highest first.
+    pub classes: Vec<RawClass>,
+    /// The class of a request nothing places (the lowest if absent).
+    pub default_class: Option<String>,
+    /// A header naming the request's class, set by a trusted hop in front of the gateway.
+    pub class_header: Option<String>,
+    /// The class of each plan's clients.
+    pub plan_classes: BTreeMap<String, String>,
+    /// The most of its class one client may hold once the class is half full.
+    pub client_share: f64,
+    /// The controller's settings.
+    pub initial_limit: u32,
+    /// The lowest limit.
+    pub min_limit: u32,
+    /// The highest limit.
+    pub max_limit: u32,
+    /// The latency percentile sampled.
+    pub percentile: f64,
+    /// The share above the minimum round trip that counts as no queueing.
+    pub buffer: f64,
+    /// The shortest sampling window.
+    pub window: String,
+    /// The fewest answers a window needs.
+    pub min_samples: usize,
+}
+
+/// One class, as written.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawClass {
+    /// Its name.
+    pub name: String,
+    /// The share of the limit classes below it never take.
+    #[serde(default)]
+    pub reserve: f64,
+}
+
+impl Default for RawAdaptive {
+    fn default() -> Self {
+        let gradient = GradientSettings::default();
+        RawAdaptive {
+            shadow: false,
+            classes: Vec::new(),
+            default_class: None,
+            class_header: None,
+            plan_classes: BTreeMap::new(),
+            client_share: 0.5,
+            initial_limit: gradient.initial_limit,
+            min_limit: gradient.min_limit,
+            max_limit: gradient.max_limit,
+            percentile: gradient.percentile,
+            buffer: gradient.buffer,
+            window: "500ms".to_owned(),
+            min_samples: gradient.min_samples,
+        }
+    }
+}
+
+/// `adaptive_concurrency`, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AdaptiveSettings {
+    gradient: GradientSettings,
+    classes: Vec<(String, f64)>,
+    default_class: Option<String>,
+    shadow: bool,
+    client_share: f64,
+    /// A header naming the request's class.
+    pub class_header: Option<HeaderName>,
+    /// The class of each plan's clients.
+    pub plan_classes: HashMap<String, String>,
+}
+
+impl AdaptiveSettings {
+    /// A limiter of these settings for the upstream named `name` (one per upstream).
+    pub(crate) fn limiter(&self, name: &str) -> AdaptiveLimiter {
+        self.builder()
+            .name(name)
+            .build_limiter()
+            .expect("validated when the configuration was read")
+    }
+
+    fn builder(&self) -> floodgate::adaptive::AdaptiveConcurrencyBuilder {
+        let mut builder = AdaptiveConcurrencyLayer::builder()
+            .gradient(self.gradient.clone())
+            .classes(
+                self.classes
+                    .iter()
+                    .map(|(name, reserve)| Class::new(name.as_str()).reserve(*reserve)),
+            )
+            .client_share(self.client_share)
+            .shadow(self.shadow);
+        if let Some(default) = &self.default_class {
+            builder = builder.default_class(default.clone());
+        }
+        builder
+    }
+}
+
+/// `adaptive_concurrency`, checked against the plans it names.
+pub(super) fn adaptive(
+    errors: &mut Errors,
+    raw: Option<&RawAdaptive>,
+    plans: &BTreeMap<String, impl Sized>,
+) -> Option<AdaptiveSettings> {
+    let raw = raw?;
+    let path = "adaptive_concurrency";
+    let window = errors.ok(format!("{path}.window"), parse_duration(&raw.window));
+    let class_header = raw.class_header.as_ref().and_then(|name| {
+        let parsed = HeaderName::try_from(name.as_str())
+            .map_err(|_| super::errors::Problem::from(format!("`{name}` is not a header name")));
+        errors.ok(format!("{path}.class_header"), parsed)
+    });
+    let classes: Vec<(String, f64)> = raw
+        .classes
+        .iter()
+        .map(|class| (class.name.clone(), class.reserve))
+        .collect();
+    for (plan, class) in &raw.plan_classes {
+        if !plans.contains_key(plan) {
+            errors.push(format!("{path}.plan_classes.{plan}"), "no such plan");
+        }
+        if !classes.iter().any(|(name, _)| name == class) && !classes.is_empty() {
+            errors.push(
+                format!("{path}.plan_classes.{plan}"),
+                format!("`{class}` is not one of the classes"),
+            );
+        }
+    }
+    let settings = AdaptiveSettings {
+        gradient: GradientSettings {
+            initial_limit: raw.initial_limit,
+            min_limit: raw.min_limit,
+            max_limit: raw.max_limit,
+            percentile: raw.percentile,
+            buffer: raw.buffer,
+            window: window.unwrap_or(Duration::from_millis(500)),
+            min_samples: raw.min_samples,
+            ..GradientSettings::default()
+        },
+        classes,
+        default_class: raw.default_class.clone(),
+        shadow: raw.shadow,
+        client_share: raw.client_share,
+        class_header,
+        plan_classes: raw.plan_classes.clone().into_iter().collect(),
+    };
+    // The library names the setting in each of its refusals (`field: problem`).
+    if let Err(refused) = settings.builder().build_limiter() {
+        let (field, problem) = refused.split_once(": ").unwrap_or(("", &refused));
+        errors.push(format!("{path}.{field}"), problem.to_owned());
+        return None;
+    }
+    Some(settings)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::parse;
+    use crate::config::tests::errors_of;
+
+    const PLANS: &str = "plans:\n  free: {}\n  gold: {}\n  anonymous: {}\n";
+
+    #[test]
+    fn every_setting_is_checked_with_its_field_path() {
+        let errors = errors_of(&format!(
+            "{PLANS}adaptive_concurrency:\n  window: soon\n  class_header: \"bad header\"\n  \
+             classes: [ {{ name: critical }}, {{ name: rest }} ]\n  \
+             plan_classes: {{ platinum: critical, free: bronze }}\n"
+        ));
+        let expected = [
+            "adaptive_concurrency.window: ",
+            "adaptive_concurrency.class_header: `bad header` is not a header name",
+            "adaptive_concurrency.plan_classes.free: `bronze` is not one of the classes",
+            "adaptive_concurrency.plan_classes.platinum: no such plan",
+        ];
+        assert_eq!(errors.len(), expected.len(), "{errors:?}");
+        for (error, start) in errors.iter().zip(expected) {
+            assert!(
+                error.starts_with(start),
+                "{error} does not start with {start}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_controllers_and_classes_refusals_name_their_field() {
+        for (setting, expected) in [
+            (
+                "percentile: 0.2",
+                "adaptive_concurrency.percentile: 0.5 to 1",
+            ),
+            (
+                "initial_limit: 5000",
+                "adaptive_concurrency.initial_limit: between min_limit and max_limit",
+            ),
+            (
+                "classes: [ { name: a, reserve: 1.5 }, { name: b } ]",
+                "adaptive_concurrency.classes[0].reserve: 0 to 1, below 1",
+            ),
+            (
+                "classes: [ { name: a }, { name: a } ]",
+                "adaptive_concurrency.classes: `a` is named twice",
+            ),
+            (
+                "default_class: gold",
+                "adaptive_concurrency.default_class: `gold` is not one of the classes",
+            ),
+            (
+                "client_share: 0",
+                "adaptive_concurrency.client_share: above 0, at most 1",
+            ),
+        ] {
+            let errors = errors_of(&format!("adaptive_concurrency:\n  {setting}\n"));
+            assert_eq!(errors, [expected.to_owned()], "{setting}");
+        }
+    }
+
+    #[test]
+    fn plan_classes_and_a_class_header_are_read() {
+        let config = parse(&format!(
+            "{PLANS}adaptive_concurrency:\n  class_header: x-priority\n  \
+             classes: [ {{ name: critical, reserve: 0.2 }}, {{ name: rest }} ]\n  \
+             plan_classes: {{ gold: critical }}\n"
+        ))
+        .unwrap();
+        let adaptive = config.adaptive.unwrap();
+        assert_eq!(
+            adaptive.class_header.as_ref().unwrap().as_str(),
+            "x-priority"
+        );
+        assert_eq!(adaptive.plan_classes["gold"], "critical");
+        let limiter = adaptive.limiter("test");
+        assert_eq!(limiter.class_index(Some("critical")), 0);
+        assert_eq!(limiter.class_index(None), 1, "the lowest by default");
+        assert!(parse("").unwrap().adaptive.is_none());
+    }
+}

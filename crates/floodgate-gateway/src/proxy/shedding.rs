@@ -1,0 +1,145 @@
+//! `adaptive_concurrency` in the proxy: one [`AdaptiveLimiter`] per upstream, made at the
+//! upstream's first request and kept across reloads that leave the settings as they were (the
+//! limit and the round trip it learned go on). A request is classed by the trusted class
+//! header, else its plan, else the default class; its client, for fairness within a class, is
+//! its identity.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use floodgate::adaptive::{
+    AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot, Admission, ShedDecision,
+};
+use http::Request;
+
+use crate::client::ResolvedClient;
+use crate::config::{AdaptiveSettings, Upstream};
+
+/// The limiters of the upstreams, under one set of settings.
+#[derive(Debug)]
+pub(crate) struct Shedding {
+    settings: AdaptiveSettings,
+    limiters: Mutex<HashMap<Upstream, AdaptiveLimiter>>,
+}
+
+impl Shedding {
+    /// No limiter yet: each upstream gets its own at its first request.
+    pub(crate) fn new(settings: AdaptiveSettings) -> Shedding {
+        Shedding {
+            settings,
+            limiters: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether these limiters were made of `settings` (a reload that keeps them keeps them).
+    pub(crate) fn has_settings(&self, settings: &AdaptiveSettings) -> bool {
+        self.settings == *settings
+    }
+
+    /// Admits `request` to `upstream`: a permit to hold until the upstream answers, or why
+    /// it is shed.
+    pub(crate) fn admit<B>(
+        &self,
+        upstream: &Upstream,
+        request: &Request<B>,
+    ) -> Result<AdaptivePermit, ShedDecision> {
+        let limiter = self.limiter(upstream);
+        let resolved = request.extensions().get::<ResolvedClient>();
+        let class = self
+            .settings
+            .class_header
+            .as_ref()
+            .and_then(|header| request.headers().get(header)?.to_str().ok())
+            .filter(|name| limiter.classes().iter().any(|known| **known == **name))
+            .or_else(|| {
+                let plan = &resolved?.plan;
+                self.settings.plan_classes.get(&**plan).map(String::as_str)
+            });
+        let client = resolved.map(|resolved| {
+            let hash = resolved.identity.hash().0;
+            u64::from_le_bytes(hash[..8].try_into().unwrap_or_default())
+        });
+        match limiter.admit(limiter.class_index(class), client) {
+            Admission::Admitted(permit) => Ok(permit),
+            Admission::Shed(shed) => Err(shed),
+        }
+    }
+
+    /// What each upstream's limiter shows, by upstream.
+    pub(crate) fn snapshots(&self) -> Vec<(String, AdaptiveSnapshot)> {
+        let mut snapshots: Vec<_> = self
+            .lock()
+            .iter()
+            .map(|(upstream, limiter)| (name_of(upstream), limiter.snapshot()))
+            .collect();
+        snapshots.sort_by(|a, b| a.0.cmp(&b.0));
+        snapshots
+    }
+
+    fn limiter(&self, upstream: &Upstream) -> AdaptiveLimiter {
+        let mut limiters = self.lock();
+        if let Some(limiter) = limiters.get(upstream) {
+            return limiter.clone();
+        }
+        limiters
+            .entry(upstream.clone())
+            .or_insert_with(|| self.settings.limiter(&name_of(upstream)))
+            .clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Upstream, AdaptiveLimiter>> {
+        // One insert or read per use: nothing is left half done by a panic.
+        self.limiters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// `scheme://host:port`.
+fn name_of(upstream: &Upstream) -> String {
+    format!("{}://{}", upstream.scheme, upstream.authority)
+}
+
+/// The shedding of the next version: the current one's when the settings are the same.
+pub(crate) fn carried_over(
+    current: Option<&Arc<Shedding>>,
+    settings: Option<&AdaptiveSettings>,
+) -> Option<Arc<Shedding>> {
+    let settings = settings?;
+    match current {
+        Some(current) if current.has_settings(settings) => Some(current.clone()),
+        _ => Some(Arc::new(Shedding::new(settings.clone()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+
+    fn settings(initial_limit: u32) -> AdaptiveSettings {
+        let text = format!("adaptive_concurrency:\n  initial_limit: {initial_limit}\n");
+        parse(&text).unwrap().adaptive.unwrap()
+    }
+
+    #[test]
+    fn a_reload_keeps_the_limiters_while_the_settings_are_the_same() {
+        let first = carried_over(None, Some(&settings(20))).unwrap();
+        let upstream = crate::config::parse("upstream: \"http://127.0.0.1:9\"\n")
+            .unwrap()
+            .upstream;
+        let request = Request::new(());
+        let permit = first.admit(&upstream, &request).unwrap();
+        let kept = carried_over(Some(&first), Some(&settings(20))).unwrap();
+        assert!(Arc::ptr_eq(&first, &kept));
+        assert_eq!(kept.snapshots()[0].1.gate.in_flight, 1, "the same limiter");
+        drop(permit);
+        let changed = carried_over(Some(&first), Some(&settings(30))).unwrap();
+        assert!(!Arc::ptr_eq(&first, &changed));
+        assert!(
+            changed.snapshots().is_empty(),
+            "new limiters, made on first use"
+        );
+        assert!(carried_over(Some(&first), None).is_none());
+    }
+}

@@ -1,0 +1,191 @@
+//! `adaptive_concurrency` through the `floodgate` binary (SPEC §11), a fast variant of
+//! `bench/adaptive.sh`'s arms: an upstream of four workers × 20 ms (200 requests per second)
+//! offered about ten times what it can serve by 40 sheddable callers, beside 2 critical
+//! callers (about 40 % of the capacity). Enforced, the
+//! sheddable class is shed with 503s while critical requests keep being served; in shadow,
+//! nothing is refused and the admin API counts what would have been.
+
+use crate::support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use support::{Gateway, TempDir, admin_call, client, get};
+use tokio::sync::Semaphore;
+
+const WORKERS: usize = 4;
+const SERVICE: Duration = Duration::from_millis(20);
+
+/// An upstream of `WORKERS` workers each taking `SERVICE` per request; the rest queue.
+async fn limited_upstream() -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let workers = Arc::new(Semaphore::new(WORKERS));
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let workers = workers.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_: Request<_>| {
+                    let workers = workers.clone();
+                    async move {
+                        let _worker = workers.acquire().await;
+                        tokio::time::sleep(SERVICE).await;
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(
+                            "served",
+                        ))))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (url, task)
+}
+
+fn gateway(upstream: &str, shadow: bool) -> (Gateway, TempDir) {
+    let rest = format!(
+        "adaptive_concurrency:\n  shadow: {shadow}\n  initial_limit: 40\n  min_limit: 2\n  \
+         window: 200ms\n  min_samples: 10\n  class_header: x-priority\n  default_class: default\n  \
+         classes:\n    - {{ name: critical, reserve: 0.3 }}\n    - {{ name: default }}\n    - {{ name: sheddable }}\n\
+         per_ip: [ {{ name: generous, algorithm: token_bucket, limit: 1000000, window: 1s }} ]\n"
+    );
+    support::start_gateway(upstream, &rest)
+}
+
+/// What `callers` callers of `class` got over `run`: (served, shed) counts.
+async fn drive(
+    gateway: &Gateway,
+    class: &'static str,
+    callers: usize,
+    run: Duration,
+) -> (u64, u64) {
+    let served = Arc::new(AtomicU64::new(0));
+    let shed = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + run;
+    let tasks: Vec<_> = (0..callers)
+        .map(|_| {
+            let (served, shed) = (served.clone(), shed.clone());
+            let url = gateway.url("/");
+            tokio::spawn(async move {
+                let client = client();
+                while Instant::now() < until {
+                    let response = get(&client, &url, &[("x-priority", class)]).await;
+                    match response.status().as_u16() {
+                        200 => served.fetch_add(1, Ordering::Relaxed),
+                        503 => {
+                            assert_shed_answer(&response);
+                            // A client told to come back later would; here it tries at once,
+                            // to keep the pressure on.
+                            shed.fetch_add(1, Ordering::Relaxed)
+                        }
+                        other => panic!("unexpected {other}: {:?}", response.body()),
+                    };
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    (served.load(Ordering::Relaxed), shed.load(Ordering::Relaxed))
+}
+
+fn assert_shed_answer(response: &Response<Bytes>) {
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry_after >= 1);
+    let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+    assert_eq!(
+        body["type"],
+        "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+    );
+}
+
+/// Runs both classes together for `run`: (critical served, shed), (sheddable served, shed).
+async fn overload(gateway: &Gateway, run: Duration) -> ((u64, u64), (u64, u64)) {
+    tokio::join!(
+        drive(gateway, "critical", 2, run),
+        drive(gateway, "sheddable", 40, run)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_one() {
+    let (upstream, _task) = limited_upstream().await;
+    let (gateway, _directory) = gateway(&upstream, false);
+    let ((critical, critical_shed), (sheddable, sheddable_shed)) =
+        overload(&gateway, Duration::from_secs(4)).await;
+    // The upstream serves at most 200 a second: about 800 in 4 s, whoever sends them.
+    assert!(critical + sheddable <= 900, "{critical} + {sheddable}");
+    assert!(sheddable_shed > 0, "nothing shed");
+    // Critical callers keep 30 % of the limit to themselves: almost all of theirs go through
+    // (generous: the limit moves while the run goes on).
+    let critical_share = critical as f64 / (critical + critical_shed) as f64;
+    assert!(
+        critical_share >= 0.9,
+        "{critical} served, {critical_shed} shed"
+    );
+    let sheddable_share = sheddable as f64 / (sheddable + sheddable_shed) as f64;
+    assert!(
+        sheddable_share < critical_share,
+        "{sheddable_share} ≥ {critical_share}"
+    );
+
+    let (status, answer) = admin_call(
+        &client(),
+        &gateway,
+        http::Method::GET,
+        "/admin/adaptive",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let only = &answer["upstreams"][0];
+    assert_eq!(only["upstream"], upstream.as_str());
+    // 40 at the start: the controller brought it toward the upstream's 4 workers.
+    assert!(only["limit"].as_u64().unwrap() < 40, "{answer}");
+    assert!(only["min_rtt_ms"].as_f64().unwrap() >= 20.0, "{answer}");
+    assert_eq!(only["classes"][2]["name"], "sheddable");
+    assert_eq!(only["classes"][2]["refused"], sheddable_shed);
+    assert_eq!(only["classes"][0]["refused"], critical_shed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_shadow_nothing_is_refused_and_what_would_be_is_counted() {
+    let (upstream, _task) = limited_upstream().await;
+    let (gateway, _directory) = gateway(&upstream, true);
+    let ((_, critical_shed), (_, sheddable_shed)) =
+        overload(&gateway, Duration::from_secs(2)).await;
+    assert_eq!((critical_shed, sheddable_shed), (0, 0));
+    let (_, answer) = admin_call(
+        &client(),
+        &gateway,
+        http::Method::GET,
+        "/admin/adaptive",
+        None,
+        None,
+    )
+    .await;
+    let would_have = answer["upstreams"][0]["classes"][2]["refused"]
+        .as_u64()
+        .unwrap();
+    assert!(would_have > 0, "{answer}");
+}
