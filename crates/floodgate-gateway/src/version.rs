@@ -103,6 +103,10 @@ impl ConfigVersion {
                     .top_clients(observers.top.clone())
                     .limited_rate_baseline(observers.baseline.clone())
                     .fallback_share(config.store.fallback_share)
+                    // A `concurrency` limit frees a slot when a request in flight ends, about
+                    // the upstream's latency: a refused client comes back in a second or two,
+                    // not when a lease's window (the net for leaked leases) would run out.
+                    .concurrency_retry_hint(std::time::Duration::from_secs(1))
                     .responses(config.response.clone());
                 if let Some(overrides) = &store.overrides {
                     // One copy for every layer, kept across reloads with the store.

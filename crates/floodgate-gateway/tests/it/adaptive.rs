@@ -189,3 +189,29 @@ async fn in_shadow_nothing_is_refused_and_what_would_be_is_counted() {
         .unwrap();
     assert!(would_have > 0, "{answer}");
 }
+
+/// A `concurrency` ceiling refused a request: a slot frees when a request in flight ends, about
+/// the upstream's latency, not when a lease's window (its safety net against leaked leases)
+/// runs out. Before: `Retry-After: 30` to `36` here, the window plus its jitter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_a_concurrency_ceiling_refuses_is_told_to_come_back_within_two_seconds() {
+    let upstream = support::Upstream::start().await;
+    let rest = "global:\n  \"GET /slow\": [ { name: in-flight, algorithm: concurrency, limit: 1, window: 30s } ]\n";
+    let (gateway, _directory) = support::start_gateway(&upstream.url(), rest);
+    let client = client();
+    let slow_url = gateway.url("/slow?ms=2000");
+    let holder = {
+        let (client, url) = (client.clone(), slow_url.clone());
+        tokio::spawn(async move { get(&client, &url, &[]).await })
+    };
+    upstream.slow_arrived.notified().await;
+    let refused = get(&client, &slow_url, &[]).await;
+    assert_eq!(refused.status(), 429);
+    let retry_after: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&retry_after), "Retry-After: {retry_after}");
+    assert_eq!(holder.await.unwrap().status(), 200);
+}
