@@ -29,6 +29,7 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use floodgate::adaptive::Shed;
 use floodgate::{Identity, Outcome, RequestOutcome};
 use http::{HeaderMap, Method, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -242,6 +243,11 @@ impl AccessLog {
         let upstream = extensions.and_then(|extensions| extensions.get::<UpstreamFacts>());
         let outcome = match (facts.early, answer) {
             (Some(early), _) => early,
+            // Shed by `adaptive_concurrency` after the rate limits let it through: the
+            // refusal is the shedding's.
+            (None, Answer::Head(_)) if extensions.is_some_and(|e| e.get::<Shed>().is_some()) => {
+                GatewayOutcome::Shed
+            }
             (None, Answer::Head(_)) => GatewayOutcome::Limiter(
                 decided.map_or(Outcome::Unlimited, |decided| decided.outcome),
             ),

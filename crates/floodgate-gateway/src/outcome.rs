@@ -17,6 +17,8 @@ pub(crate) enum GatewayOutcome {
     InvalidToken,
     /// The client went away before the answer's head (499).
     ClientClosed,
+    /// Refused by `adaptive_concurrency`: 503 (SPEC §11).
+    Shed,
 }
 
 impl GatewayOutcome {
@@ -28,15 +30,18 @@ impl GatewayOutcome {
             GatewayOutcome::UnknownKey => "unknown_key",
             GatewayOutcome::InvalidToken => "invalid_token",
             GatewayOutcome::ClientClosed => "client_closed",
+            GatewayOutcome::Shed => "shed",
         }
     }
 
     /// Whether the limiter refused the request (`access_log.only: limited`): the layer's
-    /// refusals, an unknown API key and a refused token.
+    /// refusals, an unknown API key, a refused token and a request shed.
     pub(crate) fn is_refused(self) -> bool {
         match self {
             GatewayOutcome::Limiter(outcome) => outcome.is_refused(),
-            GatewayOutcome::UnknownKey | GatewayOutcome::InvalidToken => true,
+            GatewayOutcome::UnknownKey | GatewayOutcome::InvalidToken | GatewayOutcome::Shed => {
+                true
+            }
             GatewayOutcome::Rejected | GatewayOutcome::ClientClosed => false,
         }
     }
@@ -53,6 +58,7 @@ mod tests {
             GatewayOutcome::UnknownKey,
             GatewayOutcome::InvalidToken,
             GatewayOutcome::ClientClosed,
+            GatewayOutcome::Shed,
         ];
         for outcome in own {
             assert_ne!(
@@ -62,6 +68,7 @@ mod tests {
         }
         assert!(GatewayOutcome::UnknownKey.is_refused());
         assert!(GatewayOutcome::InvalidToken.is_refused());
+        assert!(GatewayOutcome::Shed.is_refused());
         assert!(!GatewayOutcome::Rejected.is_refused());
         assert!(GatewayOutcome::Limiter(Outcome::Limited).is_refused());
         assert!(!GatewayOutcome::Limiter(Outcome::ShadowLimited).is_refused());

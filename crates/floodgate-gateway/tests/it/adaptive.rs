@@ -52,12 +52,15 @@ async fn limited_upstream() -> (String, tokio::task::JoinHandle<()>) {
     (url, task)
 }
 
-fn gateway(upstream: &str, shadow: bool) -> (Gateway, TempDir) {
+/// A gateway shedding by class in front of `upstream`, logging refused requests to `log`.
+fn gateway(upstream: &str, shadow: bool, log: &std::path::Path) -> (Gateway, TempDir) {
     let rest = format!(
         "adaptive_concurrency:\n  shadow: {shadow}\n  initial_limit: 40\n  min_limit: 2\n  \
          window: 200ms\n  min_samples: 10\n  class_header: x-priority\n  default_class: default\n  \
          classes:\n    - {{ name: critical, reserve: 0.3 }}\n    - {{ name: default }}\n    - {{ name: sheddable }}\n\
-         per_ip: [ {{ name: generous, algorithm: token_bucket, limit: 1000000, window: 1s }} ]\n"
+         per_ip: [ {{ name: generous, algorithm: token_bucket, limit: 1000000, window: 1s }} ]\n\
+         access_log:\n  path: \"{}\"\n  format: json\n  only: limited\n",
+        log.display()
     );
     support::start_gateway(upstream, &rest)
 }
@@ -129,7 +132,9 @@ async fn overload(gateway: &Gateway, run: Duration) -> ((u64, u64), (u64, u64)) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_one() {
     let (upstream, _task) = limited_upstream().await;
-    let (gateway, _directory) = gateway(&upstream, false);
+    let logs = TempDir::new("shed-log");
+    let log = logs.file("access.log");
+    let (gateway, _directory) = gateway(&upstream, false, &log);
     let ((critical, critical_shed), (sheddable, sheddable_shed)) =
         overload(&gateway, Duration::from_secs(4)).await;
     // The upstream serves at most 200 a second: about 800 in 4 s, whoever sends them.
@@ -166,12 +171,34 @@ async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_o
     assert_eq!(only["classes"][2]["name"], "sheddable");
     assert_eq!(only["classes"][2]["refused"], sheddable_shed);
     assert_eq!(only["classes"][0]["refused"], critical_shed);
+    // The access log (`only: limited`) names the shedding as the refusal, once per request.
+    let first = wait_for_first_line(&log).await;
+    let line: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(line["decision"], "shed", "{line}");
+    assert_eq!(line["status"], 503, "{line}");
+}
+
+/// The log's first line, once its writer has written it (off the request path; 5 s at most).
+async fn wait_for_first_line(path: &std::path::Path) -> String {
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if let Some(line) = text.lines().next() {
+            return line.to_owned();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no line in the access log"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_shadow_nothing_is_refused_and_what_would_be_is_counted() {
     let (upstream, _task) = limited_upstream().await;
-    let (gateway, _directory) = gateway(&upstream, true);
+    let logs = TempDir::new("shadow-log");
+    let (gateway, _directory) = gateway(&upstream, true, &logs.file("access.log"));
     let ((_, critical_shed), (_, sheddable_shed)) =
         overload(&gateway, Duration::from_secs(2)).await;
     assert_eq!((critical_shed, sheddable_shed), (0, 0));
