@@ -56,7 +56,14 @@ async fn main() -> Result<(), Error> {
         .build(HttpConnector::new());
     wait_until_up(&client, &gateway).await?;
 
-    let quiet = drive(&client, &gateway, capacity() / 10.0, Duration::from_secs(1), Some(0)).await;
+    let quiet = drive(
+        &client,
+        &gateway,
+        capacity() / 10.0,
+        Duration::from_secs(1),
+        Some(0),
+    )
+    .await;
     let unloaded_p99 = p99(quiet.iter().filter(|s| s.served).map(|s| s.latency));
     let third = Duration::from_secs(seconds) / 3;
     let outage = tokio::spawn(async move {
@@ -188,10 +195,15 @@ fn report(sent: &[Sent], third: Duration, unloaded_p99: Option<Duration>) -> ser
             let (from, to) = (third * phase, third * (phase + 1));
             let within: Vec<&Sent> = sent.iter().filter(|s| s.at >= from && s.at < to).collect();
             let served = within.iter().filter(|s| s.served).count();
-            let capacity = if phase == 1 { capacity() / 2.0 } else { capacity() };
+            let capacity = if phase == 1 {
+                capacity() / 2.0
+            } else {
+                capacity()
+            };
             let classes: serde_json::Map<String, serde_json::Value> = (0..3)
                 .map(|class| {
-                    let of_class: Vec<&&Sent> = within.iter().filter(|s| s.class == class).collect();
+                    let of_class: Vec<&&Sent> =
+                        within.iter().filter(|s| s.class == class).collect();
                     let ok = of_class.iter().filter(|s| s.served).count();
                     let share = ok as f64 / of_class.len().max(1) as f64;
                     let latency = p99(of_class.iter().filter(|s| s.served).map(|s| s.latency));
