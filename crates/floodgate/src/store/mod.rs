@@ -47,6 +47,16 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 ///
 /// `check_and_consume` is atomic over all its checks: either every limit admits the request
 /// and each consumes its cost, or none consumes anything.
+///
+/// Who relies on what: the layer calls `check_and_consume` (or `check_and_consume_ready`),
+/// `release`, `charge`, `refund` and, when it is built, `supports`; the gateway's admin API
+/// `peek`, `reset` and `override_backend`; its readiness `probe` and `breaker_state`; its
+/// start-up `persistence`; its shutdown and store replacement `flush`; logs and metrics
+/// `backend`. Eleven methods have defaults (a store without the capability: `Unsupported`,
+/// `None`, always there). **A store that wraps another** ([`split::SplitStore`] around its
+/// exact store, [`region::RegionalStore`] around its own, `Arc<S>`) must forward every one of
+/// them: a default would silently answer in the wrapped store's place (its breaker, its
+/// overrides, its pending counts at shutdown).
 pub trait Store: Send + Sync + 'static {
     /// Checks `checks` and consumes from all of them if all admit. `now` overrides the store's
     /// clock (tests); `None` uses the store's own time.

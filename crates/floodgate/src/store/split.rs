@@ -257,7 +257,27 @@ impl<T: SyncTarget> Store for SplitStore<T> {
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.hot.flush()
+        Box::pin(async move {
+            let hot = self.hot.flush().await;
+            // The exact store may hold counts back too (a batched one).
+            let exact = self.exact.flush().await;
+            hot.and(exact)
+        })
+    }
+
+    fn supports(&self, algorithm: crate::Algorithm) -> bool {
+        // A limit the batched half cannot run goes to the exact store: it decides whether the
+        // algorithm can run here at all.
+        self.exact.supports(algorithm)
+    }
+
+    fn check_and_consume_ready(
+        &self,
+        _checks: &[Check],
+        _now: Option<Timestamp>,
+    ) -> Option<Result<Decision, StoreError>> {
+        // The exact half is a networked store: a decision may always wait on it.
+        None
     }
 
     fn persistence(&self) -> BoxFuture<'_, Option<bool>> {

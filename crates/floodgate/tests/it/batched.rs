@@ -151,6 +151,19 @@ mod over_cluster {
     batchable_conformance_suite!(synced_node());
 }
 
+/// A split store answers `supports` as its exact store does: a layer built on a split store
+/// over a store that cannot run an algorithm refuses the limit at build time. Before, the
+/// trait's default said yes to every algorithm.
+#[tokio::test]
+async fn a_split_store_supports_what_its_exact_store_supports() {
+    let server = RedisServer::start();
+    let over_batched = SplitStore::new(node(&server), Arc::new(node(&server)), |_: &Check| false);
+    assert!(over_batched.supports(floodgate::Algorithm::FixedWindow));
+    assert!(!over_batched.supports(floodgate::Algorithm::Concurrency));
+    let over_exact = SplitStore::new(node(&server), Arc::new(redis(&server)), |_: &Check| false);
+    assert!(over_exact.supports(floodgate::Algorithm::Concurrency));
+}
+
 /// A global ceiling batched in front of exact client limits: when the exact store denies, the
 /// ceiling's local charge is given back.
 #[tokio::test]
