@@ -528,7 +528,9 @@ async fn redis_calls_follow_the_interval_not_the_traffic() {
     let _: () = server.command(&["CONFIG", "RESETSTAT"]);
     let started = std::time::Instant::now();
     let mut decisions = 0u64;
-    while started.elapsed() < Duration::from_secs(1) {
+    // At least a second and at least 10,000 decisions: a loaded machine (a suite run under two
+    // busy loops made 6,716 in a second) takes longer, and the bound below follows the time.
+    while started.elapsed() < Duration::from_secs(1) || decisions < 10_000 {
         for node in &nodes {
             node.check_and_consume(&checks, None).await.unwrap();
             decisions += 1;
@@ -544,10 +546,6 @@ async fn redis_calls_follow_the_interval_not_the_traffic() {
     // one interval beyond those begun).
     let intervals = (elapsed.as_millis() / interval.as_millis()) as u64 + 2;
     let allowed = 4 * intervals + 4 * 8;
-    assert!(
-        decisions >= 10_000,
-        "the load is real: {decisions} decisions"
-    );
     assert!(
         calls <= allowed,
         "{calls} script calls for {decisions} decisions over {elapsed:?}; at most {allowed}"

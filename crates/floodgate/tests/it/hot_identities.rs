@@ -173,9 +173,24 @@ async fn a_hot_client_costs_a_call_per_gateway_and_interval_and_ordinary_ones_st
         heavy_calls * 10 < heavy_decisions,
         "{heavy_calls} calls for {heavy_decisions}"
     );
+    let heavy_tag = hash_tag(&heavy[0].key).to_owned();
     for store in &stores {
-        let (promotions, _) = store.hot_identities().unwrap().changes();
-        assert_eq!(promotions, 1, "no ordinary client was promoted");
+        let tracker = store.hot_identities().unwrap();
+        // The heavy client ends hot and is the only one: an ordinary client (one decision)
+        // never is. On a machine loaded enough to starve the heavy loop for an interval it
+        // cools down and warms up again (a suite run under two busy loops counted 8
+        // promotions), so promotions are counted against demotions, not against 1.
+        assert_eq!(
+            tracker.hot(),
+            vec![heavy_tag.clone()],
+            "no ordinary client is hot"
+        );
+        let (promotions, demotions) = tracker.changes();
+        assert_eq!(
+            promotions,
+            demotions + 1,
+            "every other promotion was undone"
+        );
         assert_eq!(store.hot().stats().keys, 1, "only the hot client is leased");
     }
 }
