@@ -124,7 +124,9 @@ impl AdaptiveLimiter {
         let class = class.min(shared.names.len() - 1);
         if let Err(refusal) = shared.gate.admit(class, client, shared.enforce) {
             let mode = if shared.enforce { "enforce" } else { "shadow" };
-            let (limiter, name) = (shared.name.to_string(), shared.names[class].to_string());
+            // Shared strings as labels: a refusal, frequent under overload, allocates nothing.
+            // Shared strings as labels: a refusal, frequent under overload, allocates nothing.
+            let (limiter, name) = (shared.name.clone(), shared.names[class].clone());
             metrics::counter!(ADAPTIVE_SHED_TOTAL, "limiter" => limiter, "class" => name, "mode" => mode)
                 .increment(1);
             if shared.enforce {
@@ -176,7 +178,7 @@ impl AdaptiveLimiter {
             refused,
         });
         self.shared.gate.set_limit(limit);
-        metrics::gauge!(ADAPTIVE_LIMIT, "limiter" => self.shared.name.to_string())
+        metrics::gauge!(ADAPTIVE_LIMIT, "limiter" => self.shared.name.clone())
             .set(f64::from(limit));
     }
 
