@@ -27,6 +27,7 @@ mod outcome;
 mod path;
 mod plan;
 mod proxy;
+mod rlqs;
 mod rls;
 mod run;
 mod serve;

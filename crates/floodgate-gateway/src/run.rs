@@ -10,6 +10,7 @@ use crate::admin::{self, AdminState};
 use crate::config::{self, Workers};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::rlqs::{self, QuotaService};
 use crate::rls::{self, RulesHandle};
 use crate::serve::{self, config_watch};
 use crate::tls::ReloadingCertificate;
@@ -105,12 +106,25 @@ fn listen_tls(
     })
 }
 
-/// Loads the rate limit service's rules, watches their directory and serves it.
+/// The rate limit service in service: its rules' watcher, its task, and the quota service
+/// when configured.
+struct RlsRunning {
+    _watcher: notify::RecommendedWatcher,
+    serving: tokio::task::JoinHandle<()>,
+    quota: Option<Arc<QuotaService>>,
+}
+
+/// How long a graceful stop waits for the quota service's Envoys to be told their
+/// assignments end.
+const QUOTA_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Loads the rate limit service's rules, watches their directory and serves it (and the quota
+/// service, when configured).
 async fn start_rls(
     path: &std::path::Path,
     settings: &config::RlsSettings,
     gateway: &Arc<Gateway>,
-) -> Result<(notify::RecommendedWatcher, tokio::task::JoinHandle<()>), GatewayError> {
+) -> Result<RlsRunning, GatewayError> {
     let directory = settings.directory(path);
     let rules = RulesHandle::load(&directory, settings.merge_domains).map_err(|errors| {
         GatewayError::RlsRules {
@@ -127,15 +141,28 @@ async fn start_rls(
         Some(address) => Some(bind(address).await?),
         None => None,
     };
+    let quota = match &settings.quota {
+        Some(_) => {
+            let store = &gateway.current().config.store;
+            let board = rlqs::board_for(store).map_err(GatewayError::Store)?;
+            Some(Arc::new(QuotaService::new(gateway.clone(), board)))
+        }
+        None => None,
+    };
     let serving = tokio::spawn(rls::serve(
         listener,
         http_listener,
         gateway.clone(),
         rules,
         settings.clone(),
+        quota.clone(),
     ));
-    tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), "rls: serving Envoy's rate limit service");
-    Ok((watcher, serving))
+    tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), quota = quota.is_some(), "rls: serving Envoy's rate limit service");
+    Ok(RlsRunning {
+        _watcher: watcher,
+        serving,
+        quota,
+    })
 }
 
 /// The gateway's periodic tasks: the 429-rate baseline, the status page's samples and the
@@ -228,6 +255,7 @@ pub async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         gateway: gateway.clone(),
         metrics,
         token: token.map(Arc::from),
+        quota: rls.as_ref().and_then(|rls| rls.quota.clone()),
     });
     let admin = tokio::spawn(async move {
         // The peer address names the caller in the log of a reset.
@@ -253,8 +281,11 @@ pub async fn serve(path: PathBuf) -> Result<(), GatewayError> {
         }
     };
     admin.abort();
-    if let Some((_watcher, serving)) = rls {
-        serving.abort();
+    if let Some(rls) = rls {
+        if let Some(quota) = &rls.quota {
+            quota.shut_down(QUOTA_SHUTDOWN).await;
+        }
+        rls.serving.abort();
     }
     served?;
     tracing::info!("stopped");

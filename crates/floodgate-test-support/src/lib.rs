@@ -9,6 +9,8 @@ pub mod failover;
 pub mod faults;
 pub mod fleet;
 pub mod regions;
+/// An RLQS client that behaves as Envoy's `rate_limit_quota` filter, to drive an RLQS server.
+pub mod rlqs;
 
 pub use cluster::{ClusterNode, RedisCluster};
 

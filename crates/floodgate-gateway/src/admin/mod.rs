@@ -26,6 +26,7 @@ use crate::admin::answers::{
 };
 use crate::admin::inspect::{ClientQuery, SelectError, Selected};
 use crate::gateway::Gateway;
+use crate::rlqs::QuotaService;
 
 /// `FLOODGATE_ADMIN_TOKEN`, when set and not empty: the bearer token the admin API asks for.
 pub(crate) fn token_from_env() -> Option<String> {
@@ -43,6 +44,8 @@ pub(crate) struct AdminState {
     pub metrics: PrometheusHandle,
     /// `FLOODGATE_ADMIN_TOKEN`, if set.
     pub token: Option<Arc<str>>,
+    /// The Rate Limit Quota Service, when served.
+    pub quota: Option<Arc<QuotaService>>,
 }
 
 /// The admin router. Every `/admin/*` route (reads included: they show client data and
@@ -55,6 +58,7 @@ pub(crate) fn router(state: AdminState) -> Router {
         .route("/admin/top", get(top))
         .route("/admin/status", get(status))
         .route("/admin/adaptive", get(adaptive))
+        .route("/admin/rlqs", get(quota))
         .route("/admin/clients", get(inspect_client).delete(reset_client))
         .route(
             "/admin/clients/overrides",
@@ -211,6 +215,18 @@ struct TopQuery {
 }
 
 /// Each upstream's adaptive limiter.
+/// The quota service's streams and the shares their Envoys hold on this server.
+async fn quota(State(state): State<AdminState>) -> Response {
+    match &state.quota {
+        Some(quota) => Json(quota.snapshot()).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": "rls.quota is not configured"})),
+        )
+            .into_response(),
+    }
+}
+
 async fn adaptive(State(state): State<AdminState>) -> Json<answers::AdaptiveUpstreams> {
     let current = state.gateway.current();
     let upstreams = current

@@ -21,6 +21,7 @@ mod errors;
 mod jwt;
 mod limits;
 mod operations;
+mod quota;
 mod raw;
 mod response;
 mod rls;
@@ -40,6 +41,7 @@ pub(crate) use floodgate::rollout::Rollout;
 pub(crate) use floodgate::route::{RoutePattern, RouteTable};
 pub(crate) use limits::{EndpointLimits, PlanLimits};
 pub(crate) use operations::{AccessLogFormat, AccessLogSettings, AccessLogTarget, OverrideBounds};
+pub(crate) use quota::{BucketMatch, BucketRule, QuotaLimit, QuotaSettings, RuleAction};
 pub(crate) use raw::RawConfig;
 pub(crate) use rls::RlsSettings;
 pub(crate) use routes::{RouteTarget, Upstream};
@@ -472,6 +474,16 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
         raw.rls.as_ref(),
         &[("listen", proxy_listen), ("admin.listen", admin_listen)],
     );
+    if let (Some(rls), Some(store)) = (&rls_settings, &store)
+        && rls.quota.is_some()
+        && !matches!(store.backend, Backend::Memory | Backend::Redis { .. })
+    {
+        errors.push(
+            "rls.quota",
+            "the quota service shares its limits in memory (one server) or on one Redis \
+             (`store.backend: redis`); a cluster, sharded or Sentinel store is not supported yet",
+        );
+    }
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
     let adaptive = adaptive::adaptive(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.plans);

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::Errors;
+use super::quota::{QuotaSettings, RawQuota};
 
 /// `rls:` as written.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -27,6 +28,9 @@ pub(crate) struct RawRls {
     /// instead of refused.
     #[serde(default)]
     pub merge_domains: bool,
+    /// Envoy's Rate Limit Quota Service on the same listener (`rls.quota:`), when set.
+    #[serde(default)]
+    pub quota: Option<RawQuota>,
 }
 
 fn default_response_headers() -> bool {
@@ -47,6 +51,8 @@ pub(crate) struct RlsSettings {
     pub response_headers: bool,
     /// Several files of one domain are merged instead of refused.
     pub merge_domains: bool,
+    /// The Rate Limit Quota Service's rules, when it is served.
+    pub quota: Option<QuotaSettings>,
 }
 
 impl RlsSettings {
@@ -94,6 +100,7 @@ pub(super) fn rls(
             errors.push(*field, format!("{address} is already {other}'s address"));
         }
     }
+    let quota = super::quota::quota(errors, raw.quota.as_ref());
     let http_listen = match http_listen {
         Some(address) => Some(address?),
         None => None,
@@ -104,6 +111,7 @@ pub(super) fn rls(
         config_dir: PathBuf::from(&raw.config_dir),
         response_headers: raw.response_headers,
         merge_domains: raw.merge_domains,
+        quota: quota?,
     })
 }
 

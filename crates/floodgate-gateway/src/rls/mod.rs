@@ -26,20 +26,24 @@ pub(crate) use service::RlsService;
 
 use std::sync::Arc;
 
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
 use crate::config::RlsSettings;
 use crate::gateway::Gateway;
+use crate::rlqs::QuotaService;
 
 /// Serves the rate limit service on `listener` (gRPC) and, when given, `http_listener`
-/// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped. The
-/// domain rules must have been loaded (and their watcher started) by the caller.
+/// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped; and
+/// the quota service (`quota`, when configured) on the same gRPC listener. The domain rules
+/// must have been loaded (and their watcher started) by the caller.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     http_listener: Option<tokio::net::TcpListener>,
     gateway: Arc<Gateway>,
     rules: Arc<RulesHandle>,
     settings: RlsSettings,
+    quota: Option<Arc<QuotaService>>,
 ) {
     let service = Arc::new(RlsService::new(gateway, rules, settings.response_headers));
     // Dropped (and so stopped) with this task.
@@ -59,6 +63,7 @@ pub(crate) async fn serve(
     });
     let served = tonic::transport::Server::builder()
         .add_service(counted)
+        .add_optional_service(quota.map(RateLimitQuotaServiceServer::from_arc))
         .serve_with_incoming(incoming)
         .await;
     if let Err(error) = served {

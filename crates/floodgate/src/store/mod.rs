@@ -8,8 +8,11 @@
 pub mod batched;
 pub(crate) mod error;
 pub mod hot;
+#[cfg(feature = "redis")]
+pub(crate) mod link;
 mod memory;
 pub(crate) mod override_backend;
+pub mod quota;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]

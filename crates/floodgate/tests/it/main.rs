@@ -36,6 +36,7 @@ mod operator;
 mod overrides;
 mod partial_failures;
 mod properties;
+mod quota;
 mod redis_differential;
 mod redis_drops;
 mod redis_exactness;

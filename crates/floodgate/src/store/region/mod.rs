@@ -46,7 +46,7 @@
 //! window's count so far (read just before: admissions between the read and the write can
 //! overshoot by that many). What the region wants is estimated from one interval of demand.
 
-mod link;
+mod scripts;
 mod shares;
 mod spec;
 mod trader;
@@ -55,9 +55,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use self::link::Link;
 use self::shares::Shares;
 use self::trader::Trader;
+use super::link::Link;
 use super::resilience::BreakerState;
 use super::{BoxFuture, Check, Lease, Store, StoreError};
 use crate::decision::Decision;
@@ -328,7 +328,7 @@ impl std::fmt::Debug for RegionalStore {
 async fn release(regional: &Link, region: &str, gateway: &str) -> Result<(), StoreError> {
     let args = ["release".to_owned(), gateway.to_owned(), "0".to_owned()];
     regional
-        .regional(&trader::regional_keys(region), &args)
+        .run(&scripts::REGIONAL, &trader::regional_keys(region), &args)
         .await
         .map(drop)
 }

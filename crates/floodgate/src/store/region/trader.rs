@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use deadpool_redis::redis::Value;
 
-use super::link::{Link, reply};
+use super::scripts::{GLOBAL, REGIONAL};
 use super::shares::{Shares, TableEntry, fixed_share, floor_share, tradeable};
 use super::spec::LimitSpec;
 use super::{RegionSettings, RegionStatus, TradeResult};
 use crate::limit::{Algorithm, Limit};
+use crate::store::link::{Link, reply};
 use crate::store::{Check, Store, StoreError};
 
 /// The keys of the regional script, all under the region's hash tag.
@@ -257,7 +258,7 @@ impl Trader {
                 spec.0.clone(),
             ]);
         }
-        let synced = self.regional.regional(&self.keys(), &args).await?;
+        let synced = self.regional.run(&REGIONAL, &self.keys(), &args).await?;
         let received = Instant::now();
         let mut parts = reply::array(synced, "sync")?.into_iter();
         let mut next = |what: &str| {
@@ -830,10 +831,14 @@ impl Trader {
         }
         args.push(self.generation_seen.to_string());
         args.push(if reports { "1" } else { "0" }.to_owned());
-        let value = self.global.global(&keys, &args).await.map_err(|error| {
-            tracing::warn!(%error, region = %self.settings.name, "region trade failed");
-            TradeResult::Failed
-        })?;
+        let value = self
+            .global
+            .run(&GLOBAL, &keys, &args)
+            .await
+            .map_err(|error| {
+                tracing::warn!(%error, region = %self.settings.name, "region trade failed");
+                TradeResult::Failed
+            })?;
         let received = Instant::now();
         let parsed = (|| -> Result<Option<Vec<Granted>>, StoreError> {
             let parts = reply::array(value, "trade")?;
@@ -896,7 +901,7 @@ impl Trader {
             args.push(row.as_ref().map(Row::encode).unwrap_or_default());
         }
         let sent = Instant::now();
-        let value = self.regional.regional(&self.keys(), &args).await?;
+        let value = self.regional.run(&REGIONAL, &self.keys(), &args).await?;
         let parts = reply::array(value, "write")?;
         let regional_now = reply::int(parts.first().unwrap_or(&Value::Nil), "now")?;
         let version = reply::int(parts.get(1).unwrap_or(&Value::Nil), "version")?;

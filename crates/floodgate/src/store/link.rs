@@ -1,18 +1,13 @@
-//! The two Redis a region talks to besides its decisions: its own store, where its gateways
-//! share the table, and the global store, where regions trade. One script each.
+//! A plain link to one Redis for the scripts that are not decisions: a region's table and its
+//! trades with the global store, the shares of a quota among its holders. Each caller keeps its
+//! own script; the link only runs it, at most once (a call that failed is never sent again).
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use deadpool_redis::redis::aio::MultiplexedConnection;
 use deadpool_redis::redis::{self, Client, Script, Value};
 
 use crate::store::StoreError;
-
-static REGIONAL: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/region_local.lua")));
-static GLOBAL: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/region_global.lua")));
 
 /// One multiplexed connection to one Redis, opened on first use and dropped after any failure
 /// (so that a call that timed out can not be applied later on the same stream).
@@ -45,7 +40,8 @@ impl Link {
         })
     }
 
-    async fn run(
+    /// Runs `script` with `keys` and `args`, within the link's timeout.
+    pub(crate) async fn run(
         &self,
         script: &Script,
         keys: &[String],
@@ -85,24 +81,6 @@ impl Link {
         }
         result
     }
-
-    /// Runs the regional script (`lua/region_local.lua`).
-    pub(crate) async fn regional(
-        &self,
-        keys: &[String],
-        args: &[String],
-    ) -> Result<Value, StoreError> {
-        self.run(&REGIONAL, keys, args).await
-    }
-
-    /// Runs the global script (`lua/region_global.lua`).
-    pub(crate) async fn global(
-        &self,
-        keys: &[String],
-        args: &[String],
-    ) -> Result<Value, StoreError> {
-        self.run(&GLOBAL, keys, args).await
-    }
 }
 
 /// Readers of the scripts' replies.
@@ -110,7 +88,7 @@ pub(crate) mod reply {
     use super::{StoreError, Value, redis};
 
     fn malformed(what: &str) -> StoreError {
-        StoreError::Protocol(format!("malformed region reply: {what}"))
+        StoreError::Protocol(format!("malformed reply: {what}"))
     }
 
     pub(crate) fn array(value: Value, what: &str) -> Result<Vec<Value>, StoreError> {

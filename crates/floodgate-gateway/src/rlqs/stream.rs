@@ -1,0 +1,511 @@
+//! One Envoy's stream: its reports read, its buckets assigned and kept fresh, its idle buckets
+//! abandoned, and what it may still enforce handed to the board when it leaves.
+//!
+//! Every reported bucket is a *holding* of this stream. A holding under a limit claims its
+//! share on the board at each report (its demand: what it allowed and denied over the time
+//! elapsed, a quarter more) and when the board says some holder is short (then every second,
+//! so that shares move within a second or two rather than a report interval). An assignment
+//! is sent only for a bucket the Envoy reported (an action for any other is dropped by Envoy),
+//! always with a whole-second time to live of three report intervals, re-sent before it ends.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use floodgate::FailurePolicy;
+use floodgate::store::quota::Claim;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::assignment::{self, Strategy};
+use super::buckets::{self, Target};
+use super::{HoldingView, Shared};
+use crate::config::{Config, QuotaSettings};
+
+/// How long a lowered Envoy is still counted at what it had: the lower assignment's way to it.
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// How often a stream looks at its holdings between reports.
+pub(super) const TICK: Duration = Duration::from_secs(1);
+
+/// An assignment sent, and when it ends at the Envoy.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    strategy: Strategy,
+    /// The share it enforces on the board (0 for a blanket rule).
+    share: u64,
+    expires: Instant,
+}
+
+/// One reported bucket of this stream.
+struct Holding {
+    bucket: BucketId,
+    entries: BTreeMap<String, String>,
+    /// The board's name for this Envoy's use of the bucket.
+    holder: String,
+    target: Target,
+    /// Thousandths of a request per second, from the last report.
+    demand_milli: u64,
+    /// Reports in a row without a request.
+    idle_reports: u32,
+    sent: Option<Sent>,
+    /// The assignment before `sent`, which the Envoy enforces until `sent` reaches it.
+    earlier: Option<Sent>,
+    /// The board said some holder of this limit is short.
+    pressed: bool,
+    fair_milli: u64,
+}
+
+impl Holding {
+    /// What the Envoy may be enforcing at `now`: the larger alive share of the last two sent,
+    /// and until when.
+    fn in_force(&self, now: Instant) -> Option<(u64, Instant)> {
+        [self.sent, self.earlier]
+            .into_iter()
+            .flatten()
+            .filter(|sent| sent.expires > now && sent.share > 0)
+            .fold(None, |most, sent| match most {
+                Some((share, until)) => Some((
+                    u64::max(share, sent.share),
+                    Instant::max(until, sent.expires),
+                )),
+                None => Some((sent.share, sent.expires)),
+            })
+    }
+}
+
+/// A stream's holdings and what it needs to decide them.
+pub(super) struct QuotaStream {
+    shared: Arc<Shared>,
+    id: u64,
+    domain: String,
+    holdings: HashMap<String, Holding>,
+    next_holding: u64,
+}
+
+impl QuotaStream {
+    pub(super) fn new(shared: Arc<Shared>, id: u64) -> QuotaStream {
+        QuotaStream {
+            shared,
+            id,
+            domain: String::new(),
+            holdings: HashMap::new(),
+            next_holding: 0,
+        }
+    }
+
+    /// The actions answering one report message: every reported bucket assigned (or, idle too
+    /// long, abandoned).
+    pub(super) async fn on_reports(
+        &mut self,
+        reports: RateLimitQuotaUsageReports,
+    ) -> Vec<BucketAction> {
+        if !reports.domain.is_empty() {
+            self.domain = reports.domain;
+        }
+        let current = self.shared.gateway.current();
+        let config = &current.config;
+        let Some(settings) = quota_settings(config) else {
+            return Vec::new();
+        };
+        let domain_label = self.domain_label(settings);
+        let mut actions = Vec::new();
+        for usage in reports.bucket_quota_usages {
+            let Some(name) = self.record_usage(&usage, &domain_label) else {
+                continue;
+            };
+            let Some(holding) = self.holdings.get(&name) else {
+                continue;
+            };
+            if holding.idle_reports >= settings.abandon_after {
+                let holding = self.holdings.remove(&name).expect("present above");
+                actions.push(assignment::abandon(&holding.bucket));
+                metrics::counter!("floodgate_rlqs_abandoned_total", "domain" => domain_label.clone())
+                    .increment(1);
+                if let Some(key) = holding.target.key() {
+                    self.release(key, &holding.holder).await;
+                }
+                continue;
+            }
+            if let Some(action) = self.assign(&name, config, settings, true).await {
+                actions.push(action);
+            }
+        }
+        self.publish();
+        actions
+    }
+
+    /// The actions of a tick: holdings whose limit is pressed claim again (sent only if their
+    /// assignment changes), and any assignment about to end is renewed.
+    pub(super) async fn on_tick(&mut self) -> Vec<BucketAction> {
+        let current = self.shared.gateway.current();
+        let config = &current.config;
+        let Some(settings) = quota_settings(config) else {
+            return Vec::new();
+        };
+        let now = Instant::now();
+        let renew_within = settings.report_interval + TICK;
+        let due: Vec<String> = self
+            .holdings
+            .iter()
+            .filter(|(_, holding)| {
+                holding.pressed
+                    || holding.sent.is_none_or(|sent| {
+                        sent.expires.saturating_duration_since(now) < renew_within
+                    })
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        let mut actions = Vec::new();
+        for name in due {
+            let renewing = self.holdings[&name]
+                .sent
+                .is_none_or(|sent| sent.expires.saturating_duration_since(now) < renew_within);
+            if let Some(action) = self.assign(&name, config, settings, renewing).await {
+                actions.push(action);
+            }
+        }
+        if !actions.is_empty() {
+            self.publish();
+        }
+        actions
+    }
+
+    /// Counts one bucket's usage: the holding created on its first report (its subscription),
+    /// its demand and idleness updated. `None` for a usage without a bucket.
+    fn record_usage(&mut self, usage: &BucketQuotaUsage, domain_label: &str) -> Option<String> {
+        let bucket = usage.bucket_id.as_ref()?;
+        let entries: BTreeMap<String, String> = bucket
+            .bucket
+            .iter()
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect();
+        let name = buckets::canonical(&borrowed(&entries));
+        let requests = usage
+            .num_requests_allowed
+            .saturating_add(usage.num_requests_denied);
+        let elapsed = usage
+            .time_elapsed
+            .as_ref()
+            .map_or(1.0, |elapsed| {
+                elapsed.seconds as f64 + f64::from(elapsed.nanos) / 1e9
+            })
+            .max(1.0);
+        metrics::counter!("floodgate_rlqs_reports_total", "domain" => domain_label.to_owned())
+            .increment(1);
+        for (decision, count) in [
+            ("allowed", usage.num_requests_allowed),
+            ("denied", usage.num_requests_denied),
+        ] {
+            metrics::counter!("floodgate_rlqs_requests_total", "domain" => domain_label.to_owned(), "decision" => decision)
+                .increment(count);
+        }
+        let holding = match self.holdings.entry(name.clone()) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                self.next_holding += 1;
+                entry.insert(Holding {
+                    bucket: bucket.clone(),
+                    entries,
+                    holder: format!("{}.{}.{}", self.shared.server, self.id, self.next_holding),
+                    target: Target::Unmatched,
+                    demand_milli: 0,
+                    idle_reports: 0,
+                    sent: None,
+                    earlier: None,
+                    pressed: false,
+                    fair_milli: 0,
+                })
+            }
+        };
+        holding.demand_milli = (requests as f64 * 1000.0 / elapsed) as u64;
+        if requests == 0 {
+            holding.idle_reports += 1;
+        } else {
+            holding.idle_reports = 0;
+        }
+        Some(name)
+    }
+
+    /// Decides holding `name` and, if it is to be sent (`always`, or its strategy changed),
+    /// the action that tells its Envoy.
+    async fn assign(
+        &mut self,
+        name: &str,
+        config: &Config,
+        settings: &QuotaSettings,
+        always: bool,
+    ) -> Option<BucketAction> {
+        let now = Instant::now();
+        let ttl = settings.assignment_ttl();
+        let target = {
+            let holding = self.holdings.get(name)?;
+            buckets::resolve(
+                settings,
+                &config.store.prefix,
+                &self.domain,
+                &borrowed(&holding.entries),
+            )
+        };
+        let previous_key = self.holdings[name].target.key().map(str::to_owned);
+        if let Some(previous) = previous_key.filter(|key| Some(key.as_str()) != target.key()) {
+            // The rules changed under a reload: the old limit is no longer this bucket's.
+            let holder = self.holdings[name].holder.clone();
+            self.release(&previous, &holder).await;
+        }
+        let decided = self.decide(name, &target, config, settings, now).await;
+        let domain = self.domain_label(settings);
+        let holding = self.holdings.get_mut(name)?;
+        holding.target = target;
+        let (strategy, share) = decided?;
+        let changed = holding.sent.is_none_or(|sent| sent.strategy != strategy);
+        if !always && !changed {
+            return None;
+        }
+        if changed {
+            holding.earlier = holding.sent;
+        }
+        holding.sent = Some(Sent {
+            strategy,
+            share,
+            expires: now + ttl,
+        });
+        metrics::counter!("floodgate_rlqs_assignments_total", "domain" => domain, "strategy" => strategy.label())
+            .increment(1);
+        Some(assignment::assign(&holding.bucket, strategy, ttl))
+    }
+
+    /// The strategy (and the share it holds on the board) for holding `name` under `target`;
+    /// `None` to keep what the Envoy has (the board failed and its assignment is still good).
+    async fn decide(
+        &mut self,
+        name: &str,
+        target: &Target,
+        config: &Config,
+        settings: &QuotaSettings,
+        now: Instant,
+    ) -> Option<(Strategy, u64)> {
+        let (key, limit) = match target {
+            Target::Unmatched | Target::AllowAll { .. } => return Some((Strategy::AllowAll, 0)),
+            Target::DenyAll { .. } => return Some((Strategy::DenyAll, 0)),
+            Target::Limit { key, limit, .. } => (key, *limit),
+        };
+        let holding = self.holdings.get(name)?;
+        let in_force = holding.in_force(now).map_or(0, |(share, _)| share);
+        let lifetime = settings.assignment_ttl() + SETTLE;
+        let claim = Claim {
+            key,
+            holder: &holding.holder,
+            limit: limit.rate_milli,
+            floor: limit.rate_milli / 25,
+            want: (holding.demand_milli.saturating_mul(5) / 4)
+                .max(limit.rate_milli / 100)
+                .max(1),
+            in_force,
+            lifetime,
+            settle: SETTLE,
+        };
+        match self.shared.board.claim(&claim).await {
+            Ok(grant) => {
+                let holding = self.holdings.get_mut(name)?;
+                holding.pressed = grant.pressed;
+                holding.fair_milli = grant.fair;
+                Some((Strategy::for_share(grant.share, limit), grant.share))
+            }
+            Err(error) => {
+                metrics::counter!("floodgate_rlqs_store_errors_total").increment(1);
+                tracing::warn!(%error, "rlqs: the quota board failed");
+                let holding = self.holdings.get_mut(name)?;
+                holding.pressed = false;
+                // Keep what the Envoy has until it nears its end (SPEC §10a).
+                if holding.sent.is_some_and(|sent| {
+                    sent.expires.saturating_duration_since(now) >= settings.report_interval + TICK
+                }) {
+                    return None;
+                }
+                Some(self.outage_strategy(key, limit, config))
+            }
+        }
+    }
+
+    /// What a holding gets while the board fails and its assignment has run out: the failure
+    /// policy in the quota service's terms.
+    fn outage_strategy(
+        &self,
+        key: &str,
+        limit: crate::config::QuotaLimit,
+        config: &Config,
+    ) -> (Strategy, u64) {
+        match config.on_store_error {
+            FailurePolicy::Open => (Strategy::AllowAll, 0),
+            FailurePolicy::Closed => (Strategy::DenyAll, 0),
+            FailurePolicy::Local => {
+                // This server's part of the limit (`store.fallback_share`), split among its
+                // Envoys holding the limit.
+                let holders = self
+                    .holdings
+                    .values()
+                    .filter(|holding| holding.target.key() == Some(key))
+                    .count()
+                    .max(1) as f64;
+                let share =
+                    (limit.rate_milli as f64 * config.store.fallback_share / holders) as u64;
+                (Strategy::for_share(share, limit), share)
+            }
+        }
+    }
+
+    /// The graceful end: every bucket told its assignment ends now (TTL 0: the Envoy falls back
+    /// at once and reconnects elsewhere), and the board told it holds nothing.
+    pub(super) fn expire_all(&self) -> Vec<BucketAction> {
+        let mut actions = Vec::new();
+        for holding in self.holdings.values() {
+            let strategy = holding
+                .sent
+                .map_or(Strategy::AllowAll, |sent| sent.strategy);
+            actions.push(assignment::assign(
+                &holding.bucket,
+                strategy,
+                Duration::ZERO,
+            ));
+        }
+        actions
+    }
+
+    /// The stream ended. Each Envoy keeps what it was last sent until that ends (or, told TTL
+    /// 0 by `expire_all`, until that reaches it), and the board counts it till then.
+    pub(super) async fn hand_over(&mut self, expired: bool) {
+        let now = Instant::now();
+        let holdings: Vec<Holding> = self.holdings.drain().map(|(_, holding)| holding).collect();
+        for holding in holdings {
+            let Some(key) = holding.target.key() else {
+                continue;
+            };
+            match holding.in_force(now) {
+                Some((share, until)) => {
+                    // Told TTL 0, the Envoy falls back once that reaches it.
+                    let left = if expired {
+                        SETTLE
+                    } else {
+                        until.saturating_duration_since(now) + SETTLE
+                    };
+                    if let Err(error) = self
+                        .shared
+                        .board
+                        .hold(key, &holding.holder, share, left)
+                        .await
+                    {
+                        tracing::warn!(%error, "rlqs: could not hand a departed Envoy's share to the board");
+                    }
+                }
+                None => self.release(key, &holding.holder).await,
+            }
+        }
+        self.shared.views.remove(self.id);
+    }
+
+    async fn release(&self, key: &str, holder: &str) {
+        if let Err(error) = self.shared.board.release(key, holder).await {
+            // Its record ends with its lifetime anyway.
+            tracing::debug!(%error, "rlqs: could not release a share");
+        }
+    }
+
+    /// The domain as a metric label: a configured domain, else `unknown` (a client cannot
+    /// make up label values).
+    fn domain_label(&self, settings: &QuotaSettings) -> String {
+        if settings.domains.contains_key(&self.domain) {
+            self.domain.clone()
+        } else {
+            "unknown".to_owned()
+        }
+    }
+
+    /// Writes this stream's holdings where `GET /admin/rlqs` reads them.
+    fn publish(&self) {
+        let now = Instant::now();
+        let views = self
+            .holdings
+            .values()
+            .map(|holding| HoldingView {
+                domain: self.domain.clone(),
+                bucket: holding.entries.clone(),
+                rule: holding.target.rule().map(str::to_owned),
+                key: holding.target.key().map(str::to_owned),
+                holder: holding.holder.clone(),
+                demand_per_second: holding.demand_milli as f64 / 1000.0,
+                share_per_second: holding.sent.map_or(0.0, |sent| sent.share as f64 / 1000.0),
+                fair_per_second: holding.fair_milli as f64 / 1000.0,
+                strategy: holding.sent.map(|sent| sent.strategy),
+                expires_in_ms: holding.sent.map_or(0, |sent| {
+                    sent.expires.saturating_duration_since(now).as_millis() as u64
+                }),
+            })
+            .collect();
+        self.shared.views.set(self.id, views);
+    }
+}
+
+fn quota_settings(config: &Config) -> Option<&QuotaSettings> {
+    config.rls.as_ref()?.quota.as_ref()
+}
+
+fn borrowed(entries: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    entries
+        .iter()
+        .map(|(key, value)| (key.as_str(), value.as_str()))
+        .collect()
+}
+
+/// Runs one stream until the Envoy leaves or the server shuts down.
+pub(super) async fn run(
+    mut inbound: tonic::Streaming<RateLimitQuotaUsageReports>,
+    outbound: mpsc::Sender<Result<RateLimitQuotaResponse, tonic::Status>>,
+    shared: Arc<Shared>,
+    id: u64,
+) {
+    let mut shutdown = shared.shutdown.subscribe();
+    let mut stream = QuotaStream::new(shared.clone(), id);
+    let mut ticks = tokio::time::interval(TICK);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let send = |actions: Vec<BucketAction>| {
+        let outbound = outbound.clone();
+        async move {
+            if actions.is_empty() {
+                return true;
+            }
+            let response = RateLimitQuotaResponse {
+                bucket_action: actions,
+            };
+            outbound.send(Ok(response)).await.is_ok()
+        }
+    };
+    let expired = loop {
+        if *shutdown.borrow() {
+            break true;
+        }
+        let actions = tokio::select! {
+            message = inbound.message() => match message {
+                Ok(Some(reports)) => stream.on_reports(reports).await,
+                Ok(None) | Err(_) => break false,
+            },
+            _ = ticks.tick() => stream.on_tick().await,
+            _ = shutdown.changed() => continue,
+        };
+        if !send(actions).await {
+            break false;
+        }
+    };
+    if expired {
+        let actions = stream.expire_all();
+        let told = send(actions).await;
+        stream.hand_over(told).await;
+    } else {
+        stream.hand_over(false).await;
+    }
+}

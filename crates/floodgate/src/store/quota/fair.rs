@@ -1,0 +1,260 @@
+//! The arithmetic of a claim, in memory: what `lua/quota_share.lua` does in Redis. A
+//! differential test (`tests/it/quota.rs`) runs the same claims through both.
+
+use std::collections::HashMap;
+
+/// One holder's record: what it may enforce, until when, and what it wants.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Record {
+    /// The share granted.
+    pub share: u64,
+    /// When the grant ends (ms).
+    pub until_ms: u64,
+    /// What the holder wanted at its last claim.
+    pub want: u64,
+    /// What the holder may still enforce from before it was lowered.
+    pub prior: u64,
+    /// When `prior` ends (ms).
+    pub prior_until_ms: u64,
+}
+
+impl Record {
+    /// What the holder may enforce at `now`.
+    pub(super) fn counted(&self, now: u64) -> u64 {
+        let share = if self.until_ms > now { self.share } else { 0 };
+        let prior = if self.prior_until_ms > now {
+            self.prior
+        } else {
+            0
+        };
+        share.max(prior)
+    }
+
+    /// Whether the record still counts at `now`.
+    pub(super) fn lives(&self, now: u64) -> bool {
+        self.until_ms > now || self.prior_until_ms > now
+    }
+}
+
+/// The level of a max-min fair split of `limit` among `wants`: every want at or under it is
+/// met, the others get it.
+pub(super) fn fair_level(mut wants: Vec<u64>, limit: u64) -> u64 {
+    wants.sort_unstable();
+    let mut left = limit;
+    let count = wants.len() as u64;
+    for (index, want) in wants.into_iter().enumerate() {
+        let even = left / (count - index as u64);
+        if want > even {
+            return even;
+        }
+        left -= want;
+    }
+    limit
+}
+
+/// What a holder should have: its max-min fair part of what the holders share, then, of what
+/// the holders' wants together leave, a part in proportion to its want, at most a quarter more
+/// (room to grow before its next report, never taken from another holder's want).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Target {
+    /// The holder's share.
+    pub share: u64,
+    /// The fair level.
+    pub level: u64,
+}
+
+/// The target of a holder wanting `want` among `wants` (its own included) of `shared`.
+pub(super) fn target(wants: &[u64], want: u64, shared: u64) -> Target {
+    let level = fair_level(wants.to_vec(), shared);
+    let met: u64 = wants.iter().map(|other| (*other).min(level)).sum();
+    let wanted: u64 = wants.iter().sum();
+    let left = shared.saturating_sub(met);
+    let room = if wanted == 0 {
+        0
+    } else {
+        (u128::from(left) * u128::from(want) / u128::from(wanted)) as u64
+    };
+    Target {
+        share: want.min(level) + room.min(want / 4),
+        level,
+    }
+}
+
+/// A claim's inputs, in the board's units and milliseconds.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ClaimArgs {
+    pub limit: u64,
+    pub floor: u64,
+    pub want: u64,
+    pub in_force: u64,
+    pub lifetime_ms: u64,
+    pub settle_ms: u64,
+}
+
+/// A claim's outcome: the grant, the fair level, whether some holder has less than it should.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Claimed {
+    pub grant: u64,
+    pub fair: u64,
+    pub pressed: bool,
+}
+
+/// Claims for `holder` among `records` (one limit's) at `now`, dropping ended records.
+pub(super) fn claim(
+    records: &mut HashMap<String, Record>,
+    holder: &str,
+    args: ClaimArgs,
+    now: u64,
+) -> Claimed {
+    records.retain(|_, record| record.lives(now));
+    let own = records.get(holder).copied();
+    let others = || records.iter().filter(|(name, _)| name.as_str() != holder);
+    let held: u64 = others().map(|(_, record)| record.counted(now)).sum();
+    let mut wants: Vec<u64> = others()
+        .filter(|(_, record)| record.until_ms > now)
+        .map(|(_, record)| record.want)
+        .collect();
+    wants.push(args.want);
+    let target = target(&wants, args.want, args.limit.saturating_sub(args.floor));
+    let fair = target.level;
+    let target = target.share;
+    let available = args.limit.saturating_sub(held);
+    let mut grant = target.min(
+        args.floor
+            .min(available)
+            .max(available.saturating_sub(args.floor)),
+    );
+    if grant > args.in_force && grant * 10 < args.in_force * 11 {
+        grant = args.in_force;
+    }
+    let (mut prior, mut prior_until_ms) = (0, 0);
+    if args.in_force > grant {
+        (prior, prior_until_ms) = (args.in_force, now + args.settle_ms);
+    }
+    if let Some(own) = own
+        && own.prior_until_ms > now
+        && own.prior > prior
+    {
+        (prior, prior_until_ms) = (own.prior, own.prior_until_ms);
+    }
+    let pressed = grant < args.want.min(fair)
+        || others().any(|(_, record)| {
+            record.until_ms > now && record.counted(now) < record.want.min(fair)
+        });
+    records.insert(
+        holder.to_owned(),
+        Record {
+            share: grant,
+            until_ms: now + args.lifetime_ms,
+            want: args.want,
+            prior,
+            prior_until_ms,
+        },
+    );
+    Claimed {
+        grant,
+        fair,
+        pressed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(limit: u64, want: u64, in_force: u64) -> ClaimArgs {
+        ClaimArgs {
+            limit,
+            floor: limit / 25,
+            want,
+            in_force,
+            lifetime_ms: 15_000,
+            settle_ms: 1_000,
+        }
+    }
+
+    #[test]
+    fn the_fair_level_meets_small_wants_and_splits_the_rest_evenly() {
+        assert_eq!(fair_level(vec![10, 500, 500], 100), 45);
+        assert_eq!(fair_level(vec![10, 20], 100), 100);
+        assert_eq!(fair_level(vec![], 100), 100);
+        assert_eq!(fair_level(vec![100, 100, 100, 100], 100), 25);
+    }
+
+    #[test]
+    fn a_lone_holder_gets_all_but_the_newcomers_floor_and_a_newcomer_gets_the_floor_at_once() {
+        let mut records = HashMap::new();
+        let first = claim(&mut records, "a", args(1000, 5000, 0), 0);
+        assert_eq!(first.grant, 960, "the limit less the floor (1/25)");
+        let newcomer = claim(&mut records, "b", args(1000, 5000, 0), 10);
+        assert_eq!(newcomer.grant, 40, "the floor, at once");
+        assert!(newcomer.pressed, "b wants its fair half");
+        let total: u64 = records.values().map(|record| record.counted(10)).sum();
+        assert!(total <= 1000);
+    }
+
+    #[test]
+    fn a_lowered_holder_counts_at_what_it_had_until_the_lower_share_has_reached_it() {
+        let mut records = HashMap::new();
+        claim(&mut records, "a", args(1000, 5000, 0), 0);
+        claim(&mut records, "b", args(1000, 5000, 0), 10);
+        let lowered = claim(&mut records, "a", args(1000, 5000, 960), 20);
+        assert_eq!(
+            lowered.grant, 480,
+            "a lowers to the fair level of what the floor leaves"
+        );
+        let waiting = claim(&mut records, "b", args(1000, 5000, 40), 30);
+        assert_eq!(
+            waiting.grant, 40,
+            "a may still enforce 960 until its settle ends"
+        );
+        let settled = claim(&mut records, "b", args(1000, 5000, 40), 1_030);
+        assert_eq!(settled.grant, 480);
+        assert!(!settled.pressed, "both hold their fair level");
+        let total: u64 = records.values().map(|record| record.counted(1_030)).sum();
+        assert_eq!(total, 960, "the floor is free for the next newcomer");
+    }
+
+    #[test]
+    fn a_small_raise_is_not_made_and_a_holder_that_left_is_reclaimed_when_its_grant_ends() {
+        let mut records = HashMap::new();
+        let alone = claim(&mut records, "a", args(1000, 500, 0), 0);
+        assert_eq!(
+            alone.grant, 625,
+            "its want and a quarter more, as nobody else wants any"
+        );
+        let kept = claim(&mut records, "a", args(1000, 540, 625), 10);
+        assert_eq!(kept.grant, 625, "675 is 8 % more: not worth a fresh bucket");
+        let b = claim(&mut records, "b", args(1000, 5000, 0), 20);
+        assert_eq!(b.grant, 335, "what a holds leaves, less the floor");
+        assert!(b.pressed);
+        let after = claim(&mut records, "b", args(1000, 5000, 335), 15_011);
+        assert_eq!(after.grant, 960, "a's grant ended at 15,010 ms");
+        assert!(!records.contains_key("a"), "its record is gone");
+    }
+
+    #[test]
+    fn room_to_grow_comes_only_from_what_the_wants_together_leave() {
+        // Eight holders wanting 10, one wanting 50, of 96 shared: the eight get their wants
+        // and the ninth the 16 left, with no room for anyone.
+        let mut wants = vec![10; 8];
+        wants.push(50);
+        assert_eq!(
+            target(&wants, 50, 96),
+            Target {
+                share: 16,
+                level: 16
+            }
+        );
+        assert_eq!(
+            target(&wants, 10, 96),
+            Target {
+                share: 10,
+                level: 16
+            }
+        );
+        // Wants of 10 and 20 of 96: each gets a quarter more.
+        assert_eq!(target(&[10, 20], 20, 96).share, 25);
+        assert_eq!(target(&[10, 20], 10, 96).share, 12);
+    }
+}

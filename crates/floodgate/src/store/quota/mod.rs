@@ -1,0 +1,328 @@
+//! One limit shared among holders that each enforce their share locally: the Envoys of the
+//! Rate Limit Quota Service, reporting to any of several floodgate servers.
+//!
+//! A holder claims a share by its demand ([`QuotaBoard::claim`]); the board grants it the
+//! max-min fair level of every live holder's want, out of what the others hold, so that the
+//! shares in force together never exceed the limit. A share lowered keeps counting at what the
+//! holder had for a `settle` time (until the lower assignment has reached it); a share ends
+//! with its `lifetime` unless claimed again, so a holder that leaves is reclaimed by then. A
+//! fraction of the limit, the `floor`, is kept for a newcomer, which gets it at once.
+//!
+//! The board lives in memory (one server) or in Redis (`lua/quota_share.lua`, every server
+//! sharing it); both run the same arithmetic.
+
+mod fair;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use self::fair::{ClaimArgs, Record};
+use super::StoreError;
+
+/// A holder's claim on one limit.
+#[derive(Clone, Copy, Debug)]
+pub struct Claim<'a> {
+    /// The limit's key: every holder of one limit claims under one key.
+    pub key: &'a str,
+    /// The holder, unique across servers.
+    pub holder: &'a str,
+    /// The whole limit, in the caller's units (a rate, say thousandths of a request per second).
+    pub limit: u64,
+    /// The part of the limit kept for a newcomer.
+    pub floor: u64,
+    /// What the holder wants.
+    pub want: u64,
+    /// What the holder enforces now (0 if nothing): a grant lower than this keeps counting
+    /// this much for `settle`; a raise by less than a tenth of it is not made.
+    pub in_force: u64,
+    /// How long the holder may enforce the grant (its assignment's lifetime and a margin).
+    pub lifetime: Duration,
+    /// How long a lowered holder may still enforce what it had.
+    pub settle: Duration,
+}
+
+/// What a claim granted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The holder's share, in the claim's units.
+    pub share: u64,
+    /// The fair level: what every holder wanting at least this much should get.
+    pub fair: u64,
+    /// Some holder has less than min(its want, the fair level): claiming again soon moves
+    /// shares to it (the ones above the level go down, the freed part goes to it).
+    pub pressed: bool,
+}
+
+/// Where holders claim their shares: in memory or in Redis.
+pub struct QuotaBoard {
+    board: Board,
+}
+
+enum Board {
+    Memory(Mutex<Memory>),
+    #[cfg(feature = "redis")]
+    Redis(redis::RedisBoard),
+}
+
+impl std::fmt::Debug for QuotaBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuotaBoard")
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+/// A board in this process: one server's holders only.
+struct Memory {
+    started: Instant,
+    limits: HashMap<String, HashMap<String, Record>>,
+    claims: u64,
+}
+
+/// Every this many claims the memory board drops the limits nobody holds any more.
+const SWEEP_EVERY: u64 = 1024;
+
+impl Memory {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn sweep(&mut self, now: u64) {
+        self.limits.retain(|_, records| {
+            records.retain(|_, record| record.lives(now));
+            !records.is_empty()
+        });
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl QuotaBoard {
+    /// A board in this process (one server).
+    pub fn memory() -> QuotaBoard {
+        QuotaBoard {
+            board: Board::Memory(Mutex::new(Memory {
+                started: Instant::now(),
+                limits: HashMap::new(),
+                claims: 0,
+            })),
+        }
+    }
+
+    /// A board on the Redis at `url`, shared by every server that uses it; calls give up after
+    /// `timeout` and are never sent twice.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] for a URL Redis' client cannot read.
+    #[cfg(feature = "redis")]
+    pub fn redis(url: &str, timeout: Duration) -> Result<QuotaBoard, StoreError> {
+        Ok(QuotaBoard {
+            board: Board::Redis(redis::RedisBoard::new(url, timeout)?),
+        })
+    }
+
+    /// `memory` or `redis`.
+    pub fn backend(&self) -> &'static str {
+        match self.board {
+            Board::Memory(_) => "memory",
+            #[cfg(feature = "redis")]
+            Board::Redis(_) => "redis",
+        }
+    }
+
+    /// Claims a share for `claim.holder` (see [`Claim`]).
+    ///
+    /// # Errors
+    ///
+    /// The Redis board's failures (unreachable, timed out, a malformed reply).
+    pub async fn claim(&self, claim: &Claim<'_>) -> Result<Grant, StoreError> {
+        let args = ClaimArgs {
+            limit: claim.limit,
+            floor: claim.floor.min(claim.limit),
+            want: claim.want,
+            in_force: claim.in_force,
+            lifetime_ms: millis(claim.lifetime),
+            settle_ms: millis(claim.settle),
+        };
+        match &self.board {
+            Board::Memory(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let now = memory.now_ms();
+                memory.claims += 1;
+                if memory.claims.is_multiple_of(SWEEP_EVERY) {
+                    memory.sweep(now);
+                }
+                let records = memory.limits.entry(claim.key.to_owned()).or_default();
+                let claimed = fair::claim(records, claim.holder, args, now);
+                Ok(Grant {
+                    share: claimed.grant,
+                    fair: claimed.fair,
+                    pressed: claimed.pressed,
+                })
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(board) => board.claim(claim.key, claim.holder, args).await,
+        }
+    }
+
+    /// Records that `holder` may enforce `share` for `lifetime`, whatever it wants: a holder
+    /// whose stream ended keeps what it was last sent until that expires.
+    ///
+    /// # Errors
+    ///
+    /// The Redis board's failures.
+    pub async fn hold(
+        &self,
+        key: &str,
+        holder: &str,
+        share: u64,
+        lifetime: Duration,
+    ) -> Result<(), StoreError> {
+        match &self.board {
+            Board::Memory(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let now = memory.now_ms();
+                let record = Record {
+                    share,
+                    until_ms: now + millis(lifetime),
+                    ..Record::default()
+                };
+                memory
+                    .limits
+                    .entry(key.to_owned())
+                    .or_default()
+                    .insert(holder.to_owned(), record);
+                Ok(())
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(board) => board.hold(key, holder, share, millis(lifetime)).await,
+        }
+    }
+
+    /// Records that `holder` enforces nothing any more (its assignment was withdrawn).
+    ///
+    /// # Errors
+    ///
+    /// The Redis board's failures.
+    pub async fn release(&self, key: &str, holder: &str) -> Result<(), StoreError> {
+        match &self.board {
+            Board::Memory(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                if let Some(records) = memory.limits.get_mut(key) {
+                    records.remove(holder);
+                    if records.is_empty() {
+                        memory.limits.remove(key);
+                    }
+                }
+                Ok(())
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(board) => board.release(key, holder).await,
+        }
+    }
+
+    /// How many limits the memory board keeps records for (0 for Redis, which expires its own).
+    pub fn limits_held(&self) -> usize {
+        match &self.board {
+            Board::Memory(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let now = memory.now_ms();
+                memory.sweep(now);
+                memory.limits.len()
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(_) => 0,
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    use std::sync::LazyLock;
+    use std::time::Duration;
+
+    use deadpool_redis::redis::Script;
+
+    use super::Grant;
+    use super::fair::ClaimArgs;
+    use crate::store::StoreError;
+    use crate::store::link::{Link, reply};
+
+    static SHARE: LazyLock<Script> =
+        LazyLock::new(|| Script::new(include_str!("../../../lua/quota_share.lua")));
+
+    /// The board in Redis: one hash per limit, one field per holder.
+    pub(super) struct RedisBoard {
+        link: Link,
+    }
+
+    impl RedisBoard {
+        pub(super) fn new(url: &str, timeout: Duration) -> Result<RedisBoard, StoreError> {
+            Ok(RedisBoard {
+                link: Link::new(url, timeout)?,
+            })
+        }
+
+        pub(super) async fn claim(
+            &self,
+            key: &str,
+            holder: &str,
+            args: ClaimArgs,
+        ) -> Result<Grant, StoreError> {
+            let arguments = [
+                "claim".to_owned(),
+                holder.to_owned(),
+                args.limit.to_string(),
+                args.floor.to_string(),
+                args.want.to_string(),
+                args.in_force.to_string(),
+                args.lifetime_ms.to_string(),
+                args.settle_ms.to_string(),
+            ];
+            let reply = self.link.run(&SHARE, &[key.to_owned()], &arguments).await?;
+            let parts = reply::array(reply, "quota claim")?;
+            let [share, fair, pressed] = parts.as_slice() else {
+                return Err(StoreError::Protocol(
+                    "malformed reply: quota claim".to_owned(),
+                ));
+            };
+            let whole = |value, what| reply::int(value, what).map(|n| n.max(0) as u64);
+            Ok(Grant {
+                share: whole(share, "quota share")?,
+                fair: whole(fair, "quota fair level")?,
+                pressed: whole(pressed, "quota pressure")? == 1,
+            })
+        }
+
+        pub(super) async fn hold(
+            &self,
+            key: &str,
+            holder: &str,
+            share: u64,
+            lifetime_ms: u64,
+        ) -> Result<(), StoreError> {
+            let arguments = [
+                "hold".to_owned(),
+                holder.to_owned(),
+                share.to_string(),
+                lifetime_ms.to_string(),
+            ];
+            self.link
+                .run(&SHARE, &[key.to_owned()], &arguments)
+                .await
+                .map(drop)
+        }
+
+        pub(super) async fn release(&self, key: &str, holder: &str) -> Result<(), StoreError> {
+            let arguments = ["release".to_owned(), holder.to_owned()];
+            self.link
+                .run(&SHARE, &[key.to_owned()], &arguments)
+                .await
+                .map(drop)
+        }
+    }
+}

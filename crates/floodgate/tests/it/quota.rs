@@ -1,0 +1,115 @@
+//! The quota board (`floodgate::store::quota`): the same claims through the memory board and
+//! through `lua/quota_share.lua` on a real `redis-server` get the same grants, and the shares
+//! recorded in Redis never exceed the limit together, whatever the holders want.
+//!
+//! Lifetimes and settle times are a minute, far longer than the test: no record ends while it
+//! runs, so both boards see the same records whatever their clocks read.
+
+use floodgate_test_support as support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use floodgate::store::quota::{Claim, Grant, QuotaBoard};
+use support::RedisServer;
+
+const LIMIT: u64 = 100_000;
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn claim<'a>(key: &'a str, holder: &'a str, want: u64, in_force: u64) -> Claim<'a> {
+    Claim {
+        key,
+        holder,
+        limit: LIMIT,
+        floor: LIMIT / 25,
+        want,
+        in_force,
+        lifetime: MINUTE,
+        settle: MINUTE,
+    }
+}
+
+/// What every holder of `key` may enforce together, read from Redis' record.
+fn recorded_total(redis: &RedisServer, key: &str) -> u64 {
+    let fields: HashMap<String, String> = redis.command(&["HGETALL", key]);
+    fields
+        .values()
+        .map(|record| {
+            let parts: Vec<u64> = record
+                .split(',')
+                .map(|part| part.parse().unwrap())
+                .collect();
+            parts[0].max(parts[3])
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn memory_and_redis_grant_the_same_and_never_above_the_limit() {
+    let redis = RedisServer::start();
+    let remote = QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap();
+    let local = QuotaBoard::memory();
+    let mut rng = fastrand::Rng::with_seed(0x51A7E);
+    let mut in_force: HashMap<String, u64> = HashMap::new();
+    for step in 0..400 {
+        let holder = format!("h{}", rng.u32(0..6));
+        // Most wants are modest; some ask for more than the whole limit.
+        let want = match rng.u32(0..4) {
+            0 => rng.u64(0..LIMIT * 2),
+            _ => rng.u64(0..LIMIT / 4),
+        };
+        let current = in_force.get(&holder).copied().unwrap_or(0);
+        let asked = claim("q", &holder, want, current);
+        let from_memory: Grant = local.claim(&asked).await.unwrap();
+        let from_redis: Grant = remote.claim(&asked).await.unwrap();
+        assert_eq!(from_memory, from_redis, "step {step}: {asked:?}");
+        in_force.insert(holder, from_redis.share);
+        let total = recorded_total(&redis, "q");
+        assert!(total <= LIMIT, "step {step}: {total} held of {LIMIT}");
+    }
+}
+
+#[tokio::test]
+async fn a_held_share_counts_until_released_on_both_boards() {
+    let redis = RedisServer::start();
+    let boards = [
+        QuotaBoard::memory(),
+        QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap(),
+    ];
+    for board in &boards {
+        board.hold("k", "gone", 60_000, MINUTE).await.unwrap();
+        let squeezed = board.claim(&claim("k", "new", LIMIT, 0)).await.unwrap();
+        assert_eq!(
+            squeezed.share,
+            LIMIT - 60_000 - LIMIT / 25,
+            "{}: a departed holder's share still counts",
+            board.backend()
+        );
+        board.release("k", "gone").await.unwrap();
+        let freed = board
+            .claim(&claim("k", "new", LIMIT, squeezed.share))
+            .await
+            .unwrap();
+        assert_eq!(freed.share, LIMIT - LIMIT / 25, "{}", board.backend());
+    }
+    assert_eq!(boards[0].limits_held(), 1);
+    boards[0].release("k", "new").await.unwrap();
+    assert_eq!(
+        boards[0].limits_held(),
+        0,
+        "a limit nobody holds is forgotten"
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_board_fails_the_claim_within_its_timeout() {
+    let mut redis = RedisServer::start();
+    let board = QuotaBoard::redis(&redis.url(), Duration::from_millis(200)).unwrap();
+    board.claim(&claim("k", "a", 10, 0)).await.unwrap();
+    redis.freeze();
+    let started = std::time::Instant::now();
+    assert!(board.claim(&claim("k", "a", 10, 0)).await.is_err());
+    // 200 ms deadline; the rest is CI slack.
+    assert!(started.elapsed() < Duration::from_secs(2));
+    redis.thaw();
+}
