@@ -20,8 +20,9 @@
 -- KEYS: the limit's hash.
 -- ARGV: 'claim', holder, limit, floor, want, in force (what the holder enforces now), the
 --       grant's lifetime (ms), how long a lowered holder may still enforce what it had (ms)
---    or 'hold', holder, share, for (ms): the holder may enforce `share` for that long, whatever
---       its want (a holder whose stream ended keeps what it was last sent until it expires)
+--    or 'hold', holder, share, for (ms), prior, for (ms): the holder may enforce `share` (and
+--       `prior`) that long, whatever its want (a holder whose stream ended keeps what it was
+--       last sent until it expires)
 --    or 'release', holder: the holder enforces nothing any more.
 -- Reply (claim): { grant, fair level, 1 if some holder has less than min(want, fair) }; else
 -- { 0, 0, 0 }.
@@ -170,8 +171,8 @@ if operation == 'claim' then
 elseif operation == 'hold' then
   local now = now_ms()
   store(KEYS[1], holder, {
-    share = tonumber(ARGV[3]), until_ms = now + tonumber(ARGV[4]), want = 0, prior = 0,
-    prior_until = 0,
+    share = tonumber(ARGV[3]), until_ms = now + tonumber(ARGV[4]), want = 0,
+    prior = tonumber(ARGV[5]), prior_until = now + tonumber(ARGV[6]),
   })
 elseif operation == 'release' then
   redis.call('HDEL', KEYS[1], holder)

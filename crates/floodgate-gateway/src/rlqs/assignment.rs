@@ -41,29 +41,50 @@ pub(crate) enum Strategy {
 /// seconds is refused outright.
 const LONGEST_FILL_SECS: u64 = 3600;
 
+/// The longest fill interval tried to bring a bucket's rate close to its share: Envoy refills
+/// continuously at `tokens_per_fill / fill_interval`, so a longer interval only makes the rate
+/// finer (9.6 per second is 48 every 5 s, not 9 every second).
+const FINEST_FILL_SECS: u64 = 60;
+
+/// `tokens_per_fill` and `fill_interval` (whole seconds) whose rate is the closest to `share`
+/// (thousandths per second) without exceeding it, the shortest interval among equals; `None`
+/// below one request per [`LONGEST_FILL_SECS`].
+fn fill_of(share: u64) -> Option<(u64, u64)> {
+    if share == 0 {
+        return None;
+    }
+    if share < 1000 {
+        let interval = 1000u64.div_ceil(share);
+        return (interval <= LONGEST_FILL_SECS).then_some((1, interval));
+    }
+    let mut best = (share / 1000, 1);
+    for interval in 2..=FINEST_FILL_SECS {
+        let tokens = share * interval / 1000;
+        // tokens / interval > best.0 / best.1, in integers.
+        if tokens * best.1 > best.0 * interval {
+            best = (tokens, interval);
+        }
+        if best.0 * 1000 == share * best.1 {
+            break;
+        }
+    }
+    Some(best)
+}
+
 impl Strategy {
     /// The token bucket of `share` (thousandths of a request per second) of `limit`. Its rate
-    /// never exceeds the share; its bucket holds the share's part of the limit's burst, and
-    /// at least one fill (Envoy refills whole seconds at a time, so the Envoys together may
-    /// burst a second of the limit's rate when that exceeds its burst).
+    /// never exceeds the share, and comes within a sixtieth of a request per second of it; its
+    /// bucket holds the share's part of the limit's burst (at least one token), so that the
+    /// buckets of shares within the limit hold no more than its burst together.
     pub(crate) fn for_share(share: u64, limit: QuotaLimit) -> Strategy {
-        if share == 0 {
+        let Some((tokens_per_fill, fill_interval_secs)) = fill_of(share) else {
             return Strategy::DenyAll;
-        }
-        let (tokens_per_fill, fill_interval_secs) = if share >= 1000 {
-            (share / 1000, 1)
-        } else {
-            let interval = 1000u64.div_ceil(share);
-            if interval > LONGEST_FILL_SECS {
-                return Strategy::DenyAll;
-            }
-            (1, interval)
         };
         let burst_part = (u128::from(limit.burst) * u128::from(share)
             / u128::from(limit.rate_milli.max(1))) as u64;
         let clamp = |value: u64| u32::try_from(value).unwrap_or(u32::MAX);
         Strategy::TokenBucket {
-            max_tokens: clamp(burst_part.max(tokens_per_fill)),
+            max_tokens: clamp(burst_part.max(1)),
             tokens_per_fill: clamp(tokens_per_fill),
             fill_interval_secs: clamp(fill_interval_secs),
         }
@@ -153,12 +174,22 @@ mod tests {
     fn a_share_becomes_a_bucket_whose_rate_never_exceeds_it() {
         for share in [1, 7, 999, 1000, 1001, 33_333, 50_000, 99_999, 100_000] {
             let (max_tokens, per_fill, interval) = bucket_of(Strategy::for_share(share, LIMIT));
-            assert!(interval >= 1 && per_fill >= 1 && max_tokens >= per_fill);
-            let rate_milli = u64::from(per_fill) * 1000 / u64::from(interval);
-            assert!(rate_milli <= share, "{share}: {rate_milli}");
+            assert!(interval >= 1 && per_fill >= 1 && max_tokens >= 1);
+            let (per_fill, interval) = (u64::from(per_fill), u64::from(interval));
+            assert!(
+                per_fill * 1000 <= share * interval,
+                "{share}: {per_fill}/{interval}s"
+            );
+            if share >= 1000 {
+                // Within a sixtieth of a request per second.
+                assert!(
+                    share * interval - per_fill * 1000 <= 1000 * interval / 60,
+                    "{share}"
+                );
+            }
         }
-        assert_eq!(bucket_of(Strategy::for_share(50_000, LIMIT)), (50, 50, 1));
-        assert_eq!(bucket_of(Strategy::for_share(25_000, LIMIT)), (25, 25, 1));
+        assert_eq!(bucket_of(Strategy::for_share(50_000, LIMIT)), (25, 50, 1));
+        assert_eq!(bucket_of(Strategy::for_share(9_600, LIMIT)), (4, 48, 5));
         assert_eq!(bucket_of(Strategy::for_share(400, LIMIT)), (1, 1, 3));
         assert_eq!(Strategy::for_share(0, LIMIT), Strategy::DenyAll);
         assert_eq!(Strategy::for_share(0, LIMIT).label(), "deny_all");

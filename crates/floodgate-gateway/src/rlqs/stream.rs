@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use floodgate::FailurePolicy;
-use floodgate::store::quota::Claim;
+use floodgate::store::quota::{Claim, Held};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -27,11 +27,14 @@ use super::buckets::{self, Target};
 use super::{HoldingView, Shared};
 use crate::config::{Config, QuotaSettings};
 
-/// How long a lowered Envoy is still counted at what it had: the lower assignment's way to it.
-const SETTLE: Duration = Duration::from_secs(1);
-
-/// How often a stream looks at its holdings between reports.
-pub(super) const TICK: Duration = Duration::from_secs(1);
+/// How often a stream looks at its holdings between reports, and how long a lowered Envoy is
+/// still counted at what it had (the lower assignment's way to it): a fifth of the report
+/// interval, between 100 ms and a second.
+fn step_of(config: &Config) -> Duration {
+    quota_settings(config).map_or(Duration::from_secs(1), |settings| {
+        (settings.report_interval / 5).clamp(Duration::from_millis(100), Duration::from_secs(1))
+    })
+}
 
 /// An assignment sent, and when it ends at the Envoy.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +42,7 @@ struct Sent {
     strategy: Strategy,
     /// The share it enforces on the board (0 for a blanket rule).
     share: u64,
+    at: Instant,
     expires: Instant,
 }
 
@@ -62,20 +66,23 @@ struct Holding {
 }
 
 impl Holding {
-    /// What the Envoy may be enforcing at `now`: the larger alive share of the last two sent,
-    /// and until when.
-    fn in_force(&self, now: Instant) -> Option<(u64, Instant)> {
-        [self.sent, self.earlier]
-            .into_iter()
-            .flatten()
-            .filter(|sent| sent.expires > now && sent.share > 0)
-            .fold(None, |most, sent| match most {
-                Some((share, until)) => Some((
-                    u64::max(share, sent.share),
-                    Instant::max(until, sent.expires),
-                )),
-                None => Some((sent.share, sent.expires)),
-            })
+    /// What the Envoy may be enforcing at `now`: the share last sent until it ends, and the
+    /// one before until the last has surely reached it.
+    fn in_force(&self, now: Instant, settle: Duration) -> Held {
+        let mut held = Held::default();
+        if let Some(sent) = self.sent.filter(|sent| sent.expires > now) {
+            held.share = sent.share;
+            held.lifetime = sent.expires - now;
+            let reached = sent.at + settle;
+            if let Some(earlier) = self
+                .earlier
+                .filter(|earlier| earlier.expires > now && reached > now)
+            {
+                held.prior = earlier.share;
+                held.prior_lifetime = Instant::min(earlier.expires, reached) - now;
+            }
+        }
+        held
     }
 }
 
@@ -86,11 +93,14 @@ pub(super) struct QuotaStream {
     domain: String,
     holdings: HashMap<String, Holding>,
     next_holding: u64,
+    /// See [`step_of`].
+    step: Duration,
 }
 
 impl QuotaStream {
     pub(super) fn new(shared: Arc<Shared>, id: u64) -> QuotaStream {
         QuotaStream {
+            step: step_of(&shared.gateway.current().config),
             shared,
             id,
             domain: String::new(),
@@ -149,7 +159,7 @@ impl QuotaStream {
             return Vec::new();
         };
         let now = Instant::now();
-        let renew_within = settings.report_interval + TICK;
+        let renew_within = settings.report_interval + self.step;
         let due: Vec<String> = self
             .holdings
             .iter()
@@ -267,12 +277,19 @@ impl QuotaStream {
         if !always && !changed {
             return None;
         }
+        // An identical assignment only extends the one in force (Envoy keeps its tokens):
+        // it is still the one sent at `at`.
+        let at = match holding.sent {
+            Some(sent) if !changed => sent.at,
+            _ => now,
+        };
         if changed {
             holding.earlier = holding.sent;
         }
         holding.sent = Some(Sent {
             strategy,
             share,
+            at,
             expires: now + ttl,
         });
         metrics::counter!("floodgate_rlqs_assignments_total", "domain" => domain, "strategy" => strategy.label())
@@ -296,19 +313,20 @@ impl QuotaStream {
             Target::Limit { key, limit, .. } => (key, *limit),
         };
         let holding = self.holdings.get(name)?;
-        let in_force = holding.in_force(now).map_or(0, |(share, _)| share);
-        let lifetime = settings.assignment_ttl() + SETTLE;
+        let held = holding.in_force(now, self.step);
+        let in_force = held.share.max(held.prior);
+        let lifetime = settings.assignment_ttl() + self.step;
         let claim = Claim {
             key,
             holder: &holding.holder,
             limit: limit.rate_milli,
             floor: limit.rate_milli / 25,
-            want: (holding.demand_milli.saturating_mul(5) / 4)
-                .max(limit.rate_milli / 100)
-                .max(1),
+            // Its demand as reported (denials included); the board adds room to grow from
+            // what the others leave. An idle holder still wants a hundredth of the limit.
+            want: holding.demand_milli.max(limit.rate_milli / 100).max(1),
             in_force,
             lifetime,
-            settle: SETTLE,
+            settle: self.step,
         };
         match self.shared.board.claim(&claim).await {
             Ok(grant) => {
@@ -324,7 +342,8 @@ impl QuotaStream {
                 holding.pressed = false;
                 // Keep what the Envoy has until it nears its end (SPEC §10a).
                 if holding.sent.is_some_and(|sent| {
-                    sent.expires.saturating_duration_since(now) >= settings.report_interval + TICK
+                    sent.expires.saturating_duration_since(now)
+                        >= settings.report_interval + self.step
                 }) {
                     return None;
                 }
@@ -386,24 +405,19 @@ impl QuotaStream {
             let Some(key) = holding.target.key() else {
                 continue;
             };
-            match holding.in_force(now) {
-                Some((share, until)) => {
-                    // Told TTL 0, the Envoy falls back once that reaches it.
-                    let left = if expired {
-                        SETTLE
-                    } else {
-                        until.saturating_duration_since(now) + SETTLE
-                    };
-                    if let Err(error) = self
-                        .shared
-                        .board
-                        .hold(key, &holding.holder, share, left)
-                        .await
-                    {
-                        tracing::warn!(%error, "rlqs: could not hand a departed Envoy's share to the board");
-                    }
-                }
-                None => self.release(key, &holding.holder).await,
+            let mut held = holding.in_force(now, self.step);
+            if expired {
+                // Told TTL 0, the Envoy falls back once that reaches it.
+                held = Held {
+                    share: held.share.max(held.prior),
+                    lifetime: self.step.min(held.lifetime),
+                    ..Held::default()
+                };
+            }
+            if held.share == 0 && held.prior == 0 {
+                self.release(key, &holding.holder).await;
+            } else if let Err(error) = self.shared.board.hold(key, &holding.holder, held).await {
+                tracing::warn!(%error, "rlqs: could not hand a departed Envoy's share to the board");
             }
         }
         self.shared.views.remove(self.id);
@@ -471,7 +485,7 @@ pub(super) async fn run(
 ) {
     let mut shutdown = shared.shutdown.subscribe();
     let mut stream = QuotaStream::new(shared.clone(), id);
-    let mut ticks = tokio::time::interval(TICK);
+    let mut ticks = tokio::time::interval(stream.step);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let send = |actions: Vec<BucketAction>| {
         let outbound = outbound.clone();

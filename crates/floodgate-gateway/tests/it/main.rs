@@ -20,6 +20,7 @@ mod overrides;
 mod per_core;
 mod regions;
 mod reload;
+mod rlqs;
 mod rls;
 mod rollout;
 mod security;

@@ -10,7 +10,7 @@ use floodgate_test_support as support;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use floodgate::store::quota::{Claim, Grant, QuotaBoard};
+use floodgate::store::quota::{Claim, Grant, Held, QuotaBoard};
 use support::RedisServer;
 
 const LIMIT: u64 = 100_000;
@@ -77,12 +77,18 @@ async fn a_held_share_counts_until_released_on_both_boards() {
         QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap(),
     ];
     for board in &boards {
-        board.hold("k", "gone", 60_000, MINUTE).await.unwrap();
+        let held = Held {
+            share: 50_000,
+            lifetime: MINUTE,
+            prior: 60_000,
+            prior_lifetime: MINUTE,
+        };
+        board.hold("k", "gone", held).await.unwrap();
         let squeezed = board.claim(&claim("k", "new", LIMIT, 0)).await.unwrap();
         assert_eq!(
             squeezed.share,
             LIMIT - 60_000 - LIMIT / 25,
-            "{}: a departed holder's share still counts",
+            "{}: a departed holder's share (the larger of the two) still counts",
             board.backend()
         );
         board.release("k", "gone").await.unwrap();

@@ -54,6 +54,20 @@ pub struct Grant {
     pub pressed: bool,
 }
 
+/// What a holder that no longer claims may still enforce: `share` for `lifetime`, and, while
+/// a lower assignment is on its way to it, `prior` for `prior_lifetime`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// What it was last sent.
+    pub share: u64,
+    /// Until that ends.
+    pub lifetime: Duration,
+    /// What it had before, if that may still be in force.
+    pub prior: u64,
+    /// Until the last assignment has surely reached it.
+    pub prior_lifetime: Duration,
+}
+
 /// Where holders claim their shares: in memory or in Redis.
 pub struct QuotaBoard {
     board: Board,
@@ -169,27 +183,23 @@ impl QuotaBoard {
         }
     }
 
-    /// Records that `holder` may enforce `share` for `lifetime`, whatever it wants: a holder
-    /// whose stream ended keeps what it was last sent until that expires.
+    /// Records what `holder` may still enforce, whatever it wants: a holder whose stream ended
+    /// keeps what it was last sent until that expires.
     ///
     /// # Errors
     ///
     /// The Redis board's failures.
-    pub async fn hold(
-        &self,
-        key: &str,
-        holder: &str,
-        share: u64,
-        lifetime: Duration,
-    ) -> Result<(), StoreError> {
+    pub async fn hold(&self, key: &str, holder: &str, held: Held) -> Result<(), StoreError> {
         match &self.board {
             Board::Memory(memory) => {
                 let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
                 let now = memory.now_ms();
                 let record = Record {
-                    share,
-                    until_ms: now + millis(lifetime),
-                    ..Record::default()
+                    share: held.share,
+                    until_ms: now + millis(held.lifetime),
+                    want: 0,
+                    prior: held.prior,
+                    prior_until_ms: now + millis(held.prior_lifetime),
                 };
                 memory
                     .limits
@@ -199,7 +209,7 @@ impl QuotaBoard {
                 Ok(())
             }
             #[cfg(feature = "redis")]
-            Board::Redis(board) => board.hold(key, holder, share, millis(lifetime)).await,
+            Board::Redis(board) => board.hold(key, holder, held).await,
         }
     }
 
@@ -247,8 +257,8 @@ mod redis {
 
     use deadpool_redis::redis::Script;
 
-    use super::Grant;
     use super::fair::ClaimArgs;
+    use super::{Grant, Held};
     use crate::store::StoreError;
     use crate::store::link::{Link, reply};
 
@@ -302,14 +312,15 @@ mod redis {
             &self,
             key: &str,
             holder: &str,
-            share: u64,
-            lifetime_ms: u64,
+            held: Held,
         ) -> Result<(), StoreError> {
             let arguments = [
                 "hold".to_owned(),
                 holder.to_owned(),
-                share.to_string(),
-                lifetime_ms.to_string(),
+                held.share.to_string(),
+                super::millis(held.lifetime).to_string(),
+                held.prior.to_string(),
+                super::millis(held.prior_lifetime).to_string(),
             ];
             self.link
                 .run(&SHARE, &[key.to_owned()], &arguments)
