@@ -23,6 +23,8 @@
 --    or 'hold', holder, share, for (ms), prior, for (ms): the holder may enforce `share` (and
 --       `prior`) that long, whatever its want (a holder whose stream ended keeps what it was
 --       last sent until it expires)
+--    or 'settle', holder, for (ms): a lowered holder's prior share counts that long from now at
+--       least (its lower assignment has just been sent)
 --    or 'release', holder: the holder enforces nothing any more.
 -- Reply (claim): { grant, fair level, 1 if some holder has less than min(want, fair) }; else
 -- { 0, 0, 0 }.
@@ -97,6 +99,12 @@ local function target_of(wants, want, shared)
   return math.min(want, level) + math.min(room, math.floor(want / 4)), level
 end
 
+-- Whether a holder with `held` is short of min(`want`, `fair`) by more than the tenth a raise
+-- must exceed to be made.
+local function short(held, want, fair)
+  return held * 11 < math.min(want, fair) * 10
+end
+
 -- The live records but `holder`'s, each ended one deleted; and `holder`'s own.
 local function load(key, holder, now)
   local flat = redis.call('HGETALL', key)
@@ -153,11 +161,11 @@ local function claim(key, holder, limit, floor, want, in_force, lifetime, settle
     share = grant, until_ms = now + lifetime, want = want, prior = prior, prior_until = prior_until,
   })
   local pressed = 0
-  if grant < math.min(want, fair) then
+  if short(grant, want, fair) then
     pressed = 1
   end
   for _, record in ipairs(others) do
-    if record.until_ms > now and counted(record, now) < math.min(record.want, fair) then
+    if record.until_ms > now and short(counted(record, now), record.want, fair) then
       pressed = 1
     end
   end
@@ -170,10 +178,29 @@ if operation == 'claim' then
     tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]))
 elseif operation == 'hold' then
   local now = now_ms()
-  store(KEYS[1], holder, {
-    share = tonumber(ARGV[3]), until_ms = now + tonumber(ARGV[4]), want = 0,
-    prior = tonumber(ARGV[5]), prior_until = now + tonumber(ARGV[6]),
-  })
+  local record = parse(redis.call('HGET', KEYS[1], holder) or '') or {
+    share = 0, until_ms = 0, want = 0, prior = 0, prior_until = 0,
+  }
+  -- Alive, a part is kept whole: the larger share, to the later end.
+  local function merge(part, until_ms, new, new_until)
+    if until_ms > now then
+      return math.max(part, new), math.max(until_ms, new_until)
+    end
+    return new, new_until
+  end
+  record.share, record.until_ms =
+    merge(record.share, record.until_ms, tonumber(ARGV[3]), now + tonumber(ARGV[4]))
+  record.prior, record.prior_until =
+    merge(record.prior, record.prior_until, tonumber(ARGV[5]), now + tonumber(ARGV[6]))
+  record.want = 0
+  store(KEYS[1], holder, record)
+elseif operation == 'settle' then
+  local now = now_ms()
+  local record = parse(redis.call('HGET', KEYS[1], holder) or '')
+  if record ~= nil and record.prior > 0 and record.prior_until > now then
+    record.prior_until = math.max(record.prior_until, now + tonumber(ARGV[3]))
+    store(KEYS[1], holder, record)
+  end
 elseif operation == 'release' then
   redis.call('HDEL', KEYS[1], holder)
 end

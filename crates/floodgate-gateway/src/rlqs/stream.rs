@@ -60,9 +60,12 @@ struct Holding {
     sent: Option<Sent>,
     /// The assignment before `sent`, which the Envoy enforces until `sent` reaches it.
     earlier: Option<Sent>,
-    /// The board said some holder of this limit is short.
+    /// The board said some holder of this limit is short (or the board failed): claim again
+    /// at the next step.
     pressed: bool,
     fair_milli: u64,
+    /// When the Envoy last reported it.
+    reported: Instant,
 }
 
 impl Holding {
@@ -95,7 +98,16 @@ pub(super) struct QuotaStream {
     next_holding: u64,
     /// See [`step_of`].
     step: Duration,
+    /// The configuration the holdings were last decided under (its address).
+    config_seen: usize,
+    /// Holdings lowered by the last decisions, whose lower assignment is about to be sent.
+    lowered: Vec<(String, String)>,
 }
+
+/// The most buckets one stream holds: a report of more is answered for these only (the others
+/// follow the Envoy's no-assignment behaviour), so that one client cannot hold the server's
+/// memory without bound.
+const MOST_HOLDINGS: usize = 50_000;
 
 impl QuotaStream {
     pub(super) fn new(shared: Arc<Shared>, id: u64) -> QuotaStream {
@@ -106,6 +118,8 @@ impl QuotaStream {
             domain: String::new(),
             holdings: HashMap::new(),
             next_holding: 0,
+            config_seen: 0,
+            lowered: Vec::new(),
         }
     }
 
@@ -125,6 +139,7 @@ impl QuotaStream {
         };
         let domain_label = self.domain_label(settings);
         let mut actions = Vec::new();
+        let mut abandoned = false;
         for usage in reports.bucket_quota_usages {
             let Some(name) = self.record_usage(&usage, &domain_label) else {
                 continue;
@@ -140,18 +155,23 @@ impl QuotaStream {
                 if let Some(key) = holding.target.key() {
                     self.release(key, &holding.holder).await;
                 }
+                abandoned = true;
                 continue;
             }
             if let Some(action) = self.assign(&name, config, settings, true).await {
                 actions.push(action);
             }
         }
-        self.publish();
+        // New and renewed holdings show at the next step; a bucket let go shows at once.
+        if abandoned {
+            self.publish();
+        }
         actions
     }
 
     /// The actions of a tick: holdings whose limit is pressed claim again (sent only if their
-    /// assignment changes), and any assignment about to end is renewed.
+    /// assignment changes), any assignment about to end is renewed, every holding is decided
+    /// again after a reload, and a bucket the Envoy stopped reporting is let go.
     pub(super) async fn on_tick(&mut self) -> Vec<BucketAction> {
         let current = self.shared.gateway.current();
         let config = &current.config;
@@ -159,31 +179,47 @@ impl QuotaStream {
             return Vec::new();
         };
         let now = Instant::now();
+        self.forget_unreported(settings, now).await;
+        let reloaded = std::mem::replace(&mut self.config_seen, Arc::as_ptr(&current) as usize)
+            != Arc::as_ptr(&current) as usize;
         let renew_within = settings.report_interval + self.step;
-        let due: Vec<String> = self
+        let renewing = |holding: &Holding| {
+            holding
+                .sent
+                .is_none_or(|sent| sent.expires.saturating_duration_since(now) < renew_within)
+        };
+        let due: Vec<(String, bool)> = self
             .holdings
             .iter()
-            .filter(|(_, holding)| {
-                holding.pressed
-                    || holding.sent.is_none_or(|sent| {
-                        sent.expires.saturating_duration_since(now) < renew_within
-                    })
-            })
-            .map(|(name, _)| name.clone())
+            .filter(|(_, holding)| reloaded || holding.pressed || renewing(holding))
+            .map(|(name, holding)| (name.clone(), renewing(holding)))
             .collect();
         let mut actions = Vec::new();
-        for name in due {
-            let renewing = self.holdings[&name]
-                .sent
-                .is_none_or(|sent| sent.expires.saturating_duration_since(now) < renew_within);
+        for (name, renewing) in due {
             if let Some(action) = self.assign(&name, config, settings, renewing).await {
                 actions.push(action);
             }
         }
-        if !actions.is_empty() {
-            self.publish();
-        }
+        self.publish();
         actions
+    }
+
+    /// Lets go of the buckets the Envoy has not reported for two intervals and a step (an
+    /// Envoy reports every cached bucket every interval): they are no longer renewed, and the
+    /// board counts what they were sent until it ends.
+    async fn forget_unreported(&mut self, settings: &QuotaSettings, now: Instant) {
+        let silence = settings.report_interval * 2 + self.step;
+        let gone: Vec<String> = self
+            .holdings
+            .iter()
+            .filter(|(_, holding)| now.saturating_duration_since(holding.reported) > silence)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in gone {
+            if let Some(holding) = self.holdings.remove(&name) {
+                self.hand_over_one(&holding, now).await;
+            }
+        }
     }
 
     /// Counts one bucket's usage: the holding created on its first report (its subscription),
@@ -215,8 +251,13 @@ impl QuotaStream {
             metrics::counter!("floodgate_rlqs_requests_total", "domain" => domain_label.to_owned(), "decision" => decision)
                 .increment(count);
         }
+        let full = self.holdings.len() >= MOST_HOLDINGS;
         let holding = match self.holdings.entry(name.clone()) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(_) if full => {
+                metrics::counter!("floodgate_rlqs_buckets_refused_total").increment(1);
+                return None;
+            }
             std::collections::hash_map::Entry::Vacant(entry) => {
                 self.next_holding += 1;
                 entry.insert(Holding {
@@ -230,10 +271,12 @@ impl QuotaStream {
                     earlier: None,
                     pressed: false,
                     fair_milli: 0,
+                    reported: Instant::now(),
                 })
             }
         };
         holding.demand_milli = (requests as f64 * 1000.0 / elapsed) as u64;
+        holding.reported = Instant::now();
         if requests == 0 {
             holding.idle_reports += 1;
         } else {
@@ -274,6 +317,12 @@ impl QuotaStream {
         holding.target = target;
         let (strategy, share) = decided?;
         let changed = holding.sent.is_none_or(|sent| sent.strategy != strategy);
+        let in_force = holding.in_force(now, self.step);
+        if let Some(key) = holding.target.key()
+            && share < in_force.share.max(in_force.prior)
+        {
+            self.lowered.push((key.to_owned(), holding.holder.clone()));
+        }
         if !always && !changed {
             return None;
         }
@@ -322,8 +371,9 @@ impl QuotaStream {
             limit: limit.rate_milli,
             floor: limit.rate_milli / 25,
             // Its demand as reported (denials included); the board adds room to grow from
-            // what the others leave. An idle holder still wants a hundredth of the limit.
-            want: holding.demand_milli.max(limit.rate_milli / 100).max(1),
+            // what the others leave. An idle holder wants a thousandth of the limit: enough
+            // to admit a request or so before its next report raises it.
+            want: holding.demand_milli.max(limit.rate_milli / 1000).max(1),
             in_force,
             lifetime,
             settle: self.step,
@@ -338,8 +388,9 @@ impl QuotaStream {
             Err(error) => {
                 metrics::counter!("floodgate_rlqs_store_errors_total").increment(1);
                 tracing::warn!(%error, "rlqs: the quota board failed");
+                // Claim again at the next step: a claim that timed out may yet be applied.
                 let holding = self.holdings.get_mut(name)?;
-                holding.pressed = false;
+                holding.pressed = true;
                 // Keep what the Envoy has until it nears its end (SPEC §10a).
                 if holding.sent.is_some_and(|sent| {
                     sent.expires.saturating_duration_since(now)
@@ -396,31 +447,40 @@ impl QuotaStream {
         actions
     }
 
-    /// The stream ended. Each Envoy keeps what it was last sent until that ends (or, told TTL
-    /// 0 by `expire_all`, until that reaches it), and the board counts it till then.
-    pub(super) async fn hand_over(&mut self, expired: bool) {
+    /// The stream ended: each Envoy keeps what it was last sent until that ends (told TTL 0 by
+    /// `expire_all`, it falls back at once, but nothing says the message left), and the board
+    /// counts it till then, and a step more.
+    pub(super) async fn hand_over(&mut self) {
         let now = Instant::now();
         let holdings: Vec<Holding> = self.holdings.drain().map(|(_, holding)| holding).collect();
-        for holding in holdings {
-            let Some(key) = holding.target.key() else {
-                continue;
-            };
-            let mut held = holding.in_force(now, self.step);
-            if expired {
-                // Told TTL 0, the Envoy falls back once that reaches it.
-                held = Held {
-                    share: held.share.max(held.prior),
-                    lifetime: self.step.min(held.lifetime),
-                    ..Held::default()
-                };
-            }
-            if held.share == 0 && held.prior == 0 {
-                self.release(key, &holding.holder).await;
-            } else if let Err(error) = self.shared.board.hold(key, &holding.holder, held).await {
-                tracing::warn!(%error, "rlqs: could not hand a departed Envoy's share to the board");
-            }
+        for holding in &holdings {
+            self.hand_over_one(holding, now).await;
         }
         self.shared.views.remove(self.id);
+    }
+
+    /// Hands one holding the Envoy no longer reports on this stream to the board.
+    async fn hand_over_one(&self, holding: &Holding, now: Instant) {
+        let Some(key) = holding.target.key() else {
+            return;
+        };
+        let mut held = holding.in_force(now, self.step);
+        held.lifetime += self.step;
+        if held.share == 0 && held.prior == 0 {
+            self.release(key, &holding.holder).await;
+        } else if let Err(error) = self.shared.board.hold(key, &holding.holder, held).await {
+            tracing::warn!(%error, "rlqs: could not hand a departed Envoy's share to the board");
+        }
+    }
+
+    /// After the answer left: each holding lowered by it counts at what it had for a step from
+    /// now (the claim's own settle ran from the claim).
+    pub(super) async fn settle_lowered(&mut self) {
+        for (key, holder) in std::mem::take(&mut self.lowered) {
+            if let Err(error) = self.shared.board.settle(&key, &holder, self.step).await {
+                tracing::debug!(%error, "rlqs: could not extend a lowered share's settle");
+            }
+        }
     }
 
     async fn release(&self, key: &str, holder: &str) {
@@ -487,6 +547,10 @@ pub(super) async fn run(
     let mut stream = QuotaStream::new(shared.clone(), id);
     let mut ticks = tokio::time::interval(stream.step);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // An Envoy that does not read its answers within a report interval is let go, rather than
+    // holding this task (and its shares' renewals) forever.
+    let patience = quota_settings(&shared.gateway.current().config)
+        .map_or(Duration::from_secs(5), |settings| settings.report_interval);
     let send = |actions: Vec<BucketAction>| {
         let outbound = outbound.clone();
         async move {
@@ -496,30 +560,29 @@ pub(super) async fn run(
             let response = RateLimitQuotaResponse {
                 bucket_action: actions,
             };
-            outbound.send(Ok(response)).await.is_ok()
+            matches!(
+                tokio::time::timeout(patience, outbound.send(Ok(response))).await,
+                Ok(Ok(()))
+            )
         }
     };
-    let expired = loop {
+    loop {
         if *shutdown.borrow() {
-            break true;
+            send(stream.expire_all()).await;
+            break;
         }
         let actions = tokio::select! {
             message = inbound.message() => match message {
                 Ok(Some(reports)) => stream.on_reports(reports).await,
-                Ok(None) | Err(_) => break false,
+                Ok(None) | Err(_) => break,
             },
             _ = ticks.tick() => stream.on_tick().await,
             _ = shutdown.changed() => continue,
         };
         if !send(actions).await {
-            break false;
+            break;
         }
-    };
-    if expired {
-        let actions = stream.expire_all();
-        let told = send(actions).await;
-        stream.hand_over(told).await;
-    } else {
-        stream.hand_over(false).await;
+        stream.settle_lowered().await;
     }
+    stream.hand_over().await;
 }

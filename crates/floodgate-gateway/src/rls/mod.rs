@@ -61,7 +61,11 @@ pub(crate) async fn serve(
     let incoming = tonic::codegen::tokio_stream::StreamExt::map(incoming, move |accepted| {
         accepted.map(|connection| batched_writes::BatchedWrites::new(connection, calls.clone()))
     });
+    // HTTP/2 keepalive: a quota stream whose Envoy vanished (a crash, a partition) ends
+    // within 40 s instead of at the TCP retransmission timeout, and its shares with it.
     let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(counted)
         .add_optional_service(quota.map(RateLimitQuotaServiceServer::from_arc))
         .serve_with_incoming(incoming)

@@ -40,25 +40,30 @@ impl Link {
         })
     }
 
-    /// Runs `script` with `keys` and `args`, within the link's timeout.
+    /// Runs `script` with `keys` and `args`, within the link's timeout (waiting for the
+    /// connection included). Calls share the multiplexed connection at once: the lock is held
+    /// only to take a handle to it, not for the call.
     pub(crate) async fn run(
         &self,
         script: &Script,
         keys: &[String],
         args: &[String],
     ) -> Result<Value, StoreError> {
-        let mut slot = self.connection.lock().await;
         let call = async {
-            if slot.is_none() {
-                *slot = Some(
-                    self.client
-                        .get_multiplexed_async_connection()
-                        .await
-                        .map_err(unavailable)?,
-                );
-            }
-            let Some(connection) = slot.as_mut() else {
-                unreachable!("connected above")
+            let mut connection = {
+                let mut slot = self.connection.lock().await;
+                match slot.as_ref() {
+                    Some(connection) => connection.clone(),
+                    None => {
+                        let connection = self
+                            .client
+                            .get_multiplexed_async_connection()
+                            .await
+                            .map_err(unavailable)?;
+                        *slot = Some(connection.clone());
+                        connection
+                    }
+                }
             };
             let mut invocation = script.prepare_invoke();
             for key in keys {
@@ -68,7 +73,7 @@ impl Link {
                 invocation.arg(arg);
             }
             invocation
-                .invoke_async::<Value>(connection)
+                .invoke_async::<Value>(&mut connection)
                 .await
                 .map_err(unavailable)
         };
@@ -77,7 +82,9 @@ impl Link {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         };
         if result.is_err() {
-            *slot = None;
+            // A call that timed out may still be applied later on this stream: no call goes
+            // out on it again.
+            *self.connection.lock().await = None;
         }
         result
     }

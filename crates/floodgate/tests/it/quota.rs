@@ -119,3 +119,32 @@ async fn an_unreachable_board_fails_the_claim_within_its_timeout() {
     assert!(started.elapsed() < Duration::from_secs(2));
     redis.thaw();
 }
+
+#[tokio::test]
+async fn an_absurd_demand_takes_no_more_than_the_limit_and_breaks_no_record() {
+    let redis = RedisServer::start();
+    let boards = [
+        QuotaBoard::memory(),
+        QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap(),
+    ];
+    for board in &boards {
+        let honest = board.claim(&claim("absurd", "honest", LIMIT / 2, 0)).await.unwrap();
+        // The want is the client's report; what is in force is the server's own record.
+        let greedy = board
+            .claim(&claim("absurd", "greedy", u64::MAX, 0))
+            .await
+            .unwrap();
+        assert!(
+            honest.share + greedy.share <= LIMIT,
+            "{}: {honest:?} {greedy:?}",
+            board.backend()
+        );
+        // The greedy record is still counted: the honest holder cannot be granted it again.
+        let again = board
+            .claim(&claim("absurd", "honest", LIMIT, honest.share))
+            .await
+            .unwrap();
+        assert!(again.share + greedy.share <= LIMIT, "{}: {again:?}", board.backend());
+    }
+    assert!(recorded_total(&redis, "absurd") <= LIMIT);
+}

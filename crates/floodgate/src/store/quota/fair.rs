@@ -66,13 +66,19 @@ pub(super) struct Target {
 /// The target of a holder wanting `want` among `wants` (its own included) of `shared`.
 pub(super) fn target(wants: &[u64], want: u64, shared: u64) -> Target {
     let level = fair_level(wants.to_vec(), shared);
-    let met: u64 = wants.iter().map(|other| (*other).min(level)).sum();
-    let wanted: u64 = wants.iter().sum();
+    let met = wants
+        .iter()
+        .fold(0u64, |sum, other| sum.saturating_add((*other).min(level)));
+    let wanted = wants
+        .iter()
+        .fold(0u64, |sum, other| sum.saturating_add(*other));
     let left = shared.saturating_sub(met);
+    // In floating point as `lua/quota_share.lua` computes it (Redis' Lua has only doubles), so
+    // that both boards grant alike.
     let room = if wanted == 0 {
         0
     } else {
-        (u128::from(left) * u128::from(want) / u128::from(wanted)) as u64
+        (left as f64 * want as f64 / wanted as f64).floor() as u64
     };
     Target {
         share: want.min(level) + room.min(want / 4),
@@ -99,6 +105,49 @@ pub(super) struct Claimed {
     pub pressed: bool,
 }
 
+/// Whether a holder with `held` is short of min(`want`, `fair`) by more than the tenth a raise
+/// must exceed to be made: then claiming again moves shares to it. (Within the tenth, a raise
+/// would not be made, and calling it short would only make every holder claim again, forever.)
+pub(super) fn short(held: u64, want: u64, fair: u64) -> bool {
+    u128::from(held) * 11 < u128::from(want.min(fair)) * 10
+}
+
+/// Records that `holder` may still enforce `share` for `lifetime_ms` and `prior` for
+/// `prior_ms`, whatever it wants; never shortening what its record already counts.
+pub(super) fn hold(records: &mut HashMap<String, Record>, holder: &str, held: [u64; 4], now: u64) {
+    let [share, lifetime_ms, prior, prior_ms] = held;
+    let record = records.entry(holder.to_owned()).or_default();
+    // Alive, a part is kept whole: the larger share, to the later end (never less than it was).
+    let merge = |part: u64, until: u64, new: u64, new_until: u64| {
+        if until > now {
+            (part.max(new), until.max(new_until))
+        } else {
+            (new, new_until)
+        }
+    };
+    (record.share, record.until_ms) =
+        merge(record.share, record.until_ms, share, now + lifetime_ms);
+    (record.prior, record.prior_until_ms) =
+        merge(record.prior, record.prior_until_ms, prior, now + prior_ms);
+    record.want = 0;
+}
+
+/// Counts `holder`'s prior share (a lowered one) for `settle_ms` from `now` at least: its lower
+/// assignment has just been sent.
+pub(super) fn settle(
+    records: &mut HashMap<String, Record>,
+    holder: &str,
+    settle_ms: u64,
+    now: u64,
+) {
+    if let Some(record) = records.get_mut(holder)
+        && record.prior > 0
+        && record.prior_until_ms > now
+    {
+        record.prior_until_ms = record.prior_until_ms.max(now + settle_ms);
+    }
+}
+
 /// Claims for `holder` among `records` (one limit's) at `now`, dropping ended records.
 pub(super) fn claim(
     records: &mut HashMap<String, Record>,
@@ -109,7 +158,9 @@ pub(super) fn claim(
     records.retain(|_, record| record.lives(now));
     let own = records.get(holder).copied();
     let others = || records.iter().filter(|(name, _)| name.as_str() != holder);
-    let held: u64 = others().map(|(_, record)| record.counted(now)).sum();
+    let held = others().fold(0u64, |sum, (_, record)| {
+        sum.saturating_add(record.counted(now))
+    });
     let mut wants: Vec<u64> = others()
         .filter(|(_, record)| record.until_ms > now)
         .map(|(_, record)| record.want)
@@ -137,9 +188,9 @@ pub(super) fn claim(
     {
         (prior, prior_until_ms) = (own.prior, own.prior_until_ms);
     }
-    let pressed = grant < args.want.min(fair)
+    let pressed = short(grant, args.want, fair)
         || others().any(|(_, record)| {
-            record.until_ms > now && record.counted(now) < record.want.min(fair)
+            record.until_ms > now && short(record.counted(now), record.want, fair)
         });
     records.insert(
         holder.to_owned(),
@@ -256,5 +307,32 @@ mod tests {
         // Wants of 10 and 20 of 96: each gets a quarter more.
         assert_eq!(target(&[10, 20], 20, 96).share, 25);
         assert_eq!(target(&[10, 20], 10, 96).share, 12);
+    }
+
+    #[test]
+    fn a_raise_held_back_by_the_tenth_does_not_leave_the_limit_pressed_forever() {
+        let mut records = HashMap::new();
+        claim(&mut records, "a", args(1000, 5000, 0), 0);
+        claim(&mut records, "b", args(1000, 5000, 0), 10);
+        claim(&mut records, "a", args(1000, 5000, 960), 20);
+        let b = claim(&mut records, "b", args(1000, 5000, 40), 2_000);
+        assert_eq!(b.grant, 480);
+        // b's want drops, then comes back a little: a's raise would be under a tenth.
+        claim(&mut records, "b", args(1000, 440, 480), 2_010);
+        let a = claim(&mut records, "a", args(1000, 5000, 480), 2_020);
+        assert_eq!(a.grant, 480, "520 is less than a tenth more than 480: not made");
+        assert!(!a.pressed, "and nobody is short for it");
+    }
+
+    #[test]
+    fn a_hold_never_shortens_what_a_record_counts() {
+        let mut records = HashMap::new();
+        claim(&mut records, "a", args(1000, 5000, 0), 0);
+        hold(&mut records, "a", [500, 1_000, 0, 0], 100);
+        let record = records["a"];
+        assert_eq!((record.share, record.until_ms), (960, 15_000));
+        hold(&mut records, "a", [500, 20_000, 0, 0], 16_000);
+        let record = records["a"];
+        assert_eq!((record.share, record.until_ms), (500, 36_000), "an ended part is replaced");
     }
 }

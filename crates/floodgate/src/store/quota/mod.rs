@@ -154,11 +154,13 @@ impl QuotaBoard {
     ///
     /// The Redis board's failures (unreachable, timed out, a malformed reply).
     pub async fn claim(&self, claim: &Claim<'_>) -> Result<Grant, StoreError> {
+        // A want or a share above the whole limit means no more than the limit: clamped, no
+        // client-reported count can overflow the board's sums.
         let args = ClaimArgs {
             limit: claim.limit,
             floor: claim.floor.min(claim.limit),
-            want: claim.want,
-            in_force: claim.in_force,
+            want: claim.want.min(claim.limit),
+            in_force: claim.in_force.min(claim.limit),
             lifetime_ms: millis(claim.lifetime),
             settle_ms: millis(claim.settle),
         };
@@ -184,7 +186,7 @@ impl QuotaBoard {
     }
 
     /// Records what `holder` may still enforce, whatever it wants: a holder whose stream ended
-    /// keeps what it was last sent until that expires.
+    /// keeps what it was last sent until that expires. Never shortens what the record counts.
     ///
     /// # Errors
     ///
@@ -194,22 +196,45 @@ impl QuotaBoard {
             Board::Memory(memory) => {
                 let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
                 let now = memory.now_ms();
-                let record = Record {
-                    share: held.share,
-                    until_ms: now + millis(held.lifetime),
-                    want: 0,
-                    prior: held.prior,
-                    prior_until_ms: now + millis(held.prior_lifetime),
-                };
-                memory
-                    .limits
-                    .entry(key.to_owned())
-                    .or_default()
-                    .insert(holder.to_owned(), record);
+                let held = [
+                    held.share,
+                    millis(held.lifetime),
+                    held.prior,
+                    millis(held.prior_lifetime),
+                ];
+                let records = memory.limits.entry(key.to_owned()).or_default();
+                fair::hold(records, holder, held, now);
                 Ok(())
             }
             #[cfg(feature = "redis")]
             Board::Redis(board) => board.hold(key, holder, held).await,
+        }
+    }
+
+    /// Counts `holder`'s lowered share at what it had for `settle` from now at least: the
+    /// lower assignment has just been sent (a claim's own settle runs from the claim, which
+    /// may be a while before the answer leaves).
+    ///
+    /// # Errors
+    ///
+    /// The Redis board's failures.
+    pub async fn settle(
+        &self,
+        key: &str,
+        holder: &str,
+        settle: Duration,
+    ) -> Result<(), StoreError> {
+        match &self.board {
+            Board::Memory(memory) => {
+                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let now = memory.now_ms();
+                if let Some(records) = memory.limits.get_mut(key) {
+                    fair::settle(records, holder, millis(settle), now);
+                }
+                Ok(())
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(board) => board.settle(key, holder, millis(settle)).await,
         }
     }
 
@@ -321,6 +346,23 @@ mod redis {
                 super::millis(held.lifetime).to_string(),
                 held.prior.to_string(),
                 super::millis(held.prior_lifetime).to_string(),
+            ];
+            self.link
+                .run(&SHARE, &[key.to_owned()], &arguments)
+                .await
+                .map(drop)
+        }
+
+        pub(super) async fn settle(
+            &self,
+            key: &str,
+            holder: &str,
+            settle_ms: u64,
+        ) -> Result<(), StoreError> {
+            let arguments = [
+                "settle".to_owned(),
+                holder.to_owned(),
+                settle_ms.to_string(),
             ];
             self.link
                 .run(&SHARE, &[key.to_owned()], &arguments)
