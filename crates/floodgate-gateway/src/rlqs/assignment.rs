@@ -47,18 +47,21 @@ const LONGEST_FILL_SECS: u64 = 3600;
 const FINEST_FILL_SECS: u64 = 60;
 
 /// `tokens_per_fill` and `fill_interval` (whole seconds) whose rate is the closest to `share`
-/// (thousandths per second) without exceeding it, the shortest interval among equals; `None`
-/// below one request per [`LONGEST_FILL_SECS`].
+/// (thousandths per second) without exceeding it, the shortest interval among equals: within
+/// a sixtieth of a request per second (0.96 per second is 24 every 25 s, not 1 every 2 s).
+/// `None` below one request per [`LONGEST_FILL_SECS`].
 fn fill_of(share: u64) -> Option<(u64, u64)> {
     if share == 0 {
         return None;
     }
-    if share < 1000 {
+    if share * FINEST_FILL_SECS < 1000 {
+        // Below one request per the finest interval: one token per as many seconds as it
+        // takes.
         let interval = 1000u64.div_ceil(share);
         return (interval <= LONGEST_FILL_SECS).then_some((1, interval));
     }
-    let mut best = (share / 1000, 1);
-    for interval in 2..=FINEST_FILL_SECS {
+    let mut best = (0, 1);
+    for interval in 1..=FINEST_FILL_SECS {
         let tokens = share * interval / 1000;
         // tokens / interval > best.0 / best.1, in integers.
         if tokens * best.1 > best.0 * interval {
@@ -172,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_share_becomes_a_bucket_whose_rate_never_exceeds_it() {
-        for share in [1, 7, 999, 1000, 1001, 33_333, 50_000, 99_999, 100_000] {
+        for share in [1, 7, 16, 17, 400, 960, 999, 1000, 1001, 33_333, 50_000, 99_999, 100_000] {
             let (max_tokens, per_fill, interval) = bucket_of(Strategy::for_share(share, LIMIT));
             assert!(interval >= 1 && per_fill >= 1 && max_tokens >= 1);
             let (per_fill, interval) = (u64::from(per_fill), u64::from(interval));
@@ -180,7 +183,7 @@ mod tests {
                 per_fill * 1000 <= share * interval,
                 "{share}: {per_fill}/{interval}s"
             );
-            if share >= 1000 {
+            if share * 60 >= 1000 {
                 // Within a sixtieth of a request per second.
                 assert!(
                     share * interval - per_fill * 1000 <= 1000 * interval / 60,
@@ -190,7 +193,9 @@ mod tests {
         }
         assert_eq!(bucket_of(Strategy::for_share(50_000, LIMIT)), (25, 50, 1));
         assert_eq!(bucket_of(Strategy::for_share(9_600, LIMIT)), (4, 48, 5));
-        assert_eq!(bucket_of(Strategy::for_share(400, LIMIT)), (1, 1, 3));
+        assert_eq!(bucket_of(Strategy::for_share(400, LIMIT)), (1, 2, 5));
+        assert_eq!(bucket_of(Strategy::for_share(960, LIMIT)), (1, 24, 25));
+        assert_eq!(bucket_of(Strategy::for_share(10, LIMIT)), (1, 1, 100));
         assert_eq!(Strategy::for_share(0, LIMIT), Strategy::DenyAll);
         assert_eq!(Strategy::for_share(0, LIMIT).label(), "deny_all");
     }

@@ -43,7 +43,7 @@ const TTL: Duration = Duration::from_secs(3);
 struct QuotaServer {
     gateway: Gateway,
     address: SocketAddr,
-    _directory: TempDir,
+    directory: TempDir,
 }
 
 impl QuotaServer {
@@ -60,7 +60,7 @@ impl QuotaServer {
         QuotaServer {
             gateway: Gateway::start(&path, listen, admin),
             address,
-            _directory: directory,
+            directory,
         }
     }
 
@@ -449,4 +449,53 @@ async fn a_store_outage_follows_on_store_error_once_assignments_end() {
         traffic.abort();
         assert_clean(&[envoy]);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_lowers_a_limit_reaches_the_envoys_within_a_few_steps() {
+    let server = QuotaServer::start("");
+    let envoy = envoy(&[&server]).await;
+    let shared = bucket(&[("name", "shared")]);
+    let traffic = tokio::spawn(offer(
+        envoy.clone(),
+        shared.clone(),
+        200.0,
+        Instant::now(),
+        secs(12.0),
+    ));
+    let rate_at_most = |most: u32| {
+        move |enforced: &Enforced| {
+            matches!(enforced, Enforced::TokenBucket { tokens_per_fill, fill_interval_secs, .. }
+                if u64::from(*tokens_per_fill) <= u64::from(most) * fill_interval_secs)
+        }
+    };
+    let near_whole = |enforced: &Enforced| {
+        matches!(enforced, Enforced::TokenBucket { tokens_per_fill, fill_interval_secs, .. }
+            if u64::from(*tokens_per_fill) >= 90 * fill_interval_secs)
+    };
+    assert!(
+        envoy.wait_for(&shared, secs(4.0), near_whole).await,
+        "{:?}",
+        envoy.enforced(&shared)
+    );
+    let path = server.directory.file("floodgate.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lowered = text.replace(
+        "limit: { limit: 100, window: 1s, burst: 50 }",
+        "limit: { limit: 20, window: 1s, burst: 10 }",
+    );
+    assert_ne!(text, lowered);
+    support::write_atomically(&path, &lowered);
+    let (status, body) = support::admin_reload(&client(), &server.gateway).await;
+    assert_eq!(status, 200, "{body}");
+    let reloaded = Instant::now();
+    // Every holding is decided again at the stream's next step (200 ms here).
+    assert!(
+        envoy.wait_for(&shared, secs(2.0), rate_at_most(20)).await,
+        "{:?}",
+        envoy.enforced(&shared)
+    );
+    assert!(reloaded.elapsed() < secs(2.0));
+    traffic.abort();
+    assert_clean(&[envoy]);
 }

@@ -128,7 +128,10 @@ async fn an_absurd_demand_takes_no_more_than_the_limit_and_breaks_no_record() {
         QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap(),
     ];
     for board in &boards {
-        let honest = board.claim(&claim("absurd", "honest", LIMIT / 2, 0)).await.unwrap();
+        let honest = board
+            .claim(&claim("absurd", "honest", LIMIT / 2, 0))
+            .await
+            .unwrap();
         // The want is the client's report; what is in force is the server's own record.
         let greedy = board
             .claim(&claim("absurd", "greedy", u64::MAX, 0))
@@ -144,7 +147,11 @@ async fn an_absurd_demand_takes_no_more_than_the_limit_and_breaks_no_record() {
             .claim(&claim("absurd", "honest", LIMIT, honest.share))
             .await
             .unwrap();
-        assert!(again.share + greedy.share <= LIMIT, "{}: {again:?}", board.backend());
+        assert!(
+            again.share + greedy.share <= LIMIT,
+            "{}: {again:?}",
+            board.backend()
+        );
     }
     assert!(recorded_total(&redis, "absurd") <= LIMIT);
 }

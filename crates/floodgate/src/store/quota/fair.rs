@@ -320,7 +320,10 @@ mod tests {
         // b's want drops, then comes back a little: a's raise would be under a tenth.
         claim(&mut records, "b", args(1000, 440, 480), 2_010);
         let a = claim(&mut records, "a", args(1000, 5000, 480), 2_020);
-        assert_eq!(a.grant, 480, "520 is less than a tenth more than 480: not made");
+        assert_eq!(
+            a.grant, 480,
+            "520 is less than a tenth more than 480: not made"
+        );
         assert!(!a.pressed, "and nobody is short for it");
     }
 
@@ -333,6 +336,10 @@ mod tests {
         assert_eq!((record.share, record.until_ms), (960, 15_000));
         hold(&mut records, "a", [500, 20_000, 0, 0], 16_000);
         let record = records["a"];
-        assert_eq!((record.share, record.until_ms), (500, 36_000), "an ended part is replaced");
+        assert_eq!(
+            (record.share, record.until_ms),
+            (500, 36_000),
+            "an ended part is replaced"
+        );
     }
 }
