@@ -6,11 +6,11 @@
 # crates/floodgate-gateway/examples/rlqs_bench.rs), the servers' CPU per report, and memory
 # per bucket (the servers' RSS and Redis' used_memory near the run's end, against idle).
 #
-#   bash bench/rlqs.sh [SECONDS] [ENVOYS] [BUCKETS]
+#   bash bench/rlqs.sh [SECONDS] [ENVOYS] [BUCKETS] [BURST]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}; envoys=${2:-100}; buckets=${3:-1000}
-limit=10; burst=10; per_bucket=10
+limit=10; burst=${4:-10}; per_bucket=10
 for tool in redis-server redis-cli curl; do
     command -v "$tool" >/dev/null || { echo "$tool is missing: apt-get install redis-server redis-tools curl" >&2; exit 1; }
 done

@@ -17,6 +17,8 @@
 -- The same arithmetic runs in memory (`store/quota/fair.rs`); a differential test holds them
 -- together.
 --
+-- `fair_level` is `lua/max_min.lua`'s, which precedes this file in the script.
+--
 -- KEYS: the limit's hash.
 -- ARGV: 'claim', holder, limit, floor, want, in force (what the holder enforces now), the
 --       grant's lifetime (ms), how long a lowered holder may still enforce what it had (ms)
@@ -61,25 +63,6 @@ local function counted(record, now)
     held = record.prior
   end
   return held
-end
-
--- The level of a max-min fair split of `limit` among `wants`: every want at or under it is
--- met, the others get it.
-local function fair_level(unsorted, limit)
-  local wants = {}
-  for i, want in ipairs(unsorted) do
-    wants[i] = want
-  end
-  table.sort(wants)
-  local left = limit
-  for i, want in ipairs(wants) do
-    local even = math.floor(left / (#wants - i + 1))
-    if want > even then
-      return even
-    end
-    left = left - want
-  end
-  return limit
 end
 
 -- What a holder wanting `want` among `wants` (its own included) of `shared` should have: its

@@ -30,6 +30,8 @@
 -- has reported (a trade by its trader) since `born`, a window's spec keeps settling for a window
 -- after `born` (two for a sliding window counter), and a margin.
 --
+-- `fair_level` is `lua/max_min.lua`'s, which precedes this file in the script.
+--
 -- KEYS: the record of each item, then the pressure set (a sorted set of "<limit key>\n<spec>"
 -- for the keys some region wants more of than its fixed share or than it got, scored by
 -- when), then the `born` key, then the generation key, then the set of regions that reported
@@ -48,21 +50,6 @@
 local function now_ms()
   local time = redis.call('TIME')
   return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-end
-
--- The level of a max-min fair split of `limit` among `wants`: every want at or under it is
--- met, the others get it.
-local function fair_level(wants, limit)
-  table.sort(wants)
-  local left = limit
-  for i, want in ipairs(wants) do
-    local even = math.floor(left / (#wants - i + 1))
-    if want > even then
-      return even
-    end
-    left = left - want
-  end
-  return limit
 end
 
 -- How long a window's count may outlive a loss of the store's records: a window (two for a

@@ -175,7 +175,9 @@ mod tests {
 
     #[test]
     fn a_share_becomes_a_bucket_whose_rate_never_exceeds_it() {
-        for share in [1, 7, 16, 17, 400, 960, 999, 1000, 1001, 33_333, 50_000, 99_999, 100_000] {
+        for share in [
+            1, 7, 16, 17, 400, 960, 999, 1000, 1001, 33_333, 50_000, 99_999, 100_000,
+        ] {
             let (max_tokens, per_fill, interval) = bucket_of(Strategy::for_share(share, LIMIT));
             assert!(interval >= 1 && per_fill >= 1 && max_tokens >= 1);
             let (per_fill, interval) = (u64::from(per_fill), u64::from(interval));

@@ -437,7 +437,12 @@ async fn a_global_store_restored_from_an_older_snapshot_grants_nothing_twice() {
 #[test]
 fn a_store_behind_a_region_s_generation_settles_before_it_grants() {
     let global = support::RedisServer::start();
-    let script = include_str!("../../lua/region_global.lua");
+    // As the store runs it: after the max-min split it uses.
+    let script = concat!(
+        include_str!("../../lua/max_min.lua"),
+        "\n",
+        include_str!("../../lua/region_global.lua")
+    );
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

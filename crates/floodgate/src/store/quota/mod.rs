@@ -287,8 +287,14 @@ mod redis {
     use crate::store::StoreError;
     use crate::store::link::{Link, reply};
 
-    static SHARE: LazyLock<Script> =
-        LazyLock::new(|| Script::new(include_str!("../../../lua/quota_share.lua")));
+    /// `lua/quota_share.lua`, after `lua/max_min.lua` (whose max-min split it uses).
+    static SHARE: LazyLock<Script> = LazyLock::new(|| {
+        Script::new(concat!(
+            include_str!("../../../lua/max_min.lua"),
+            "\n",
+            include_str!("../../../lua/quota_share.lua")
+        ))
+    });
 
     /// The board in Redis: one hash per limit, one field per holder.
     pub(super) struct RedisBoard {

@@ -10,6 +10,12 @@ use deadpool_redis::redis::Script;
 pub(super) static REGIONAL: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../../../lua/region_local.lua")));
 
-/// `lua/region_global.lua`: a region's trade with the global store.
-pub(super) static GLOBAL: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/region_global.lua")));
+/// `lua/region_global.lua`: a region's trade with the global store (after `lua/max_min.lua`,
+/// whose max-min split it uses).
+pub(super) static GLOBAL: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../../../lua/max_min.lua"),
+        "\n",
+        include_str!("../../../lua/region_global.lua")
+    ))
+});
