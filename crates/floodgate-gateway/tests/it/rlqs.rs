@@ -499,3 +499,53 @@ async fn a_reload_that_lowers_a_limit_reaches_the_envoys_within_a_few_steps() {
     traffic.abort();
     assert_clean(&[envoy]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_dies_leaves_its_shares_counted_until_they_end() {
+    let redis = redis_support::RedisServer::start();
+    let store = support::redis_store(&redis.url());
+    let mut first = QuotaServer::start(&store);
+    let second = QuotaServer::start(&store);
+    let shared = bucket(&[("name", "shared")]);
+    let moving = envoy(&[&first, &second]).await;
+    let staying = envoy(&[&second]).await;
+    let start = Instant::now();
+    let run = secs(14.0);
+    let traffic = [moving.clone(), staying.clone()]
+        .map(|envoy| tokio::spawn(offer(envoy, shared.clone(), 100.0, start, run)));
+    let half = |enforced: &Enforced| {
+        matches!(enforced, Enforced::TokenBucket { tokens_per_fill, fill_interval_secs, .. }
+            if u64::from(*tokens_per_fill) >= 40 * fill_interval_secs)
+    };
+    assert!(
+        moving.wait_for(&shared, secs(5.0), half).await,
+        "{:?}",
+        moving.enforced(&shared)
+    );
+    // No graceful stop: the Envoy keeps what it was sent until its TTL, and the board counts
+    // it till then, whoever it reconnects to.
+    first.gateway.child.kill().unwrap();
+    first.gateway.child.wait().unwrap();
+    let died = start.elapsed();
+    let mut admitted = Vec::new();
+    for task in traffic {
+        admitted.push(task.await.unwrap());
+    }
+    assert!(moving.streams_opened() >= 2, "{:?}", moving.disconnects());
+    // From the death on: at most the limit over the rest of the run, 2 % and the burst.
+    let total: usize = admitted.iter().map(|times| between(times, died, run)).sum();
+    let allowed = (run - died).as_secs_f64() * 100.0 * 1.02 + 50.0;
+    assert!(
+        (total as f64) <= allowed,
+        "{total} admitted in {:?} after the death",
+        run - died
+    );
+    // And the moved Envoy gets its half back once the dead server's claim ends (a TTL and a
+    // step), within the run.
+    assert!(
+        half(&moving.enforced(&shared)),
+        "{:?}",
+        moving.enforced(&shared)
+    );
+    assert_clean(&[moving, staying]);
+}
