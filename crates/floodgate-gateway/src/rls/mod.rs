@@ -61,12 +61,23 @@ pub(crate) async fn serve(
     let incoming = tonic::codegen::tokio_stream::StreamExt::map(incoming, move |accepted| {
         accepted.map(|connection| batched_writes::BatchedWrites::new(connection, calls.clone()))
     });
+    // gRPC health (`grpc.health.v1.Health`): the server as a whole and each service served.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<RateLimitServiceServer<RlsService>>()
+        .await;
+    if quota.is_some() {
+        health
+            .set_serving::<RateLimitQuotaServiceServer<QuotaService>>()
+            .await;
+    }
     // HTTP/2 keepalive: a quota stream whose Envoy vanished (a crash, a partition) ends
     // within 40 s instead of at the TCP retransmission timeout, and its shares with it.
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(counted)
+        .add_service(health_service)
         .add_optional_service(quota.map(RateLimitQuotaServiceServer::from_arc))
         .serve_with_incoming(incoming)
         .await;

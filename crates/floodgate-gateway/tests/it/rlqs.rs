@@ -338,6 +338,41 @@ async fn per_user_buckets_each_hold_their_own_limit_and_idle_ones_are_abandoned(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_reports_both_services() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    let server = QuotaServer::start("");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    for service in [
+        "",
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "envoy.service.rate_limit_quota.v3.RateLimitQuotaService",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    let unknown = health
+        .check(HealthCheckRequest {
+            service: "no.such.Service".to_owned(),
+        })
+        .await;
+    assert_eq!(unknown.unwrap_err().code(), tonic::Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blanket_rule_and_an_unmatched_bucket_are_answered_as_written() {
     let server = QuotaServer::start("");
     let envoy = envoy(&[&server]).await;
