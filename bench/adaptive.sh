@@ -45,7 +45,9 @@ YAML
 run_arm none ""
 run_arm static 'global:
   "GET /": [ { name: ceiling, algorithm: concurrency, limit: 19, window: 30s } ]'
-run_arm adaptive 'adaptive_concurrency:
+run_arm adaptive 'identity:
+  trusted_proxies: ["127.0.0.1/32"]
+adaptive_concurrency:
   class_header: x-priority
   default_class: default
   classes:

@@ -253,4 +253,21 @@ mod tests {
         assert_eq!(limiter.class_index(None), 1, "the lowest by default");
         assert!(parse("").unwrap().adaptive.is_none());
     }
+
+    #[test]
+    fn a_class_header_without_a_trusted_proxy_is_warned_of() {
+        let warned = |text: &str| {
+            parse(text)
+                .unwrap()
+                .warnings(false)
+                .iter()
+                .any(|warning| warning.starts_with("adaptive_concurrency.class_header"))
+        };
+        assert!(warned(&format!(
+            "{PLANS}adaptive_concurrency:\n  class_header: x-priority\n"
+        )));
+        assert!(!warned(&format!(
+            "{PLANS}identity:\n  trusted_proxies: [\"10.0.0.0/8\"]\nadaptive_concurrency:\n  class_header: x-priority\n"
+        )));
+    }
 }

@@ -245,6 +245,22 @@ impl Config {
                 ));
             }
         }
+        let no_trusted_proxy = self
+            .identity
+            .identifier
+            .client_ip()
+            .trusted_proxies()
+            .is_empty();
+        if no_trusted_proxy
+            && self
+                .adaptive
+                .as_ref()
+                .is_some_and(|adaptive| adaptive.class_header.is_some())
+        {
+            warnings.push(
+                "adaptive_concurrency.class_header: read only from identity.trusted_proxies, and none is set: the header is never read".to_owned(),
+            );
+        }
         if !self.admin_listen.ip().is_loopback() && !admin_token_set {
             warnings.push(format!(
                 "admin.listen: {} is not a loopback address; `serve` refuses it unless FLOODGATE_ADMIN_TOKEN is set",

@@ -255,6 +255,14 @@ impl Proxy {
 }
 
 /// The upstream `request` goes to: its route's, else the default.
+/// Whether `request` came from one of `identity.trusted_proxies`.
+fn trusted_peer<B>(config: &Config, request: &Request<B>) -> bool {
+    request
+        .extensions()
+        .get::<PeerAddr>()
+        .is_some_and(|PeerAddr(peer)| config.identity.identifier.client_ip().is_trusted(peer.ip()))
+}
+
 fn upstream_of<'c, B>(config: &'c Config, request: &Request<B>) -> &'c Upstream {
     ResolvedClient::route_of(
         &config.routes,
@@ -617,7 +625,11 @@ impl Service<Request<Incoming>> for Proxy {
         let (clients, config) = (self.clients.clone(), self.config.clone());
         let permit = match &self.shedding {
             None => None,
-            Some(shedding) => match shedding.admit(upstream_of(&config, &request), &request) {
+            Some(shedding) => match shedding.admit(
+                upstream_of(&config, &request),
+                &request,
+                trusted_peer(&config, &request),
+            ) {
                 Ok(permit) => Some(permit),
                 Err(shed) => {
                     let answer = shed.response(floodgate::adaptive::is_grpc(request.headers()));

@@ -1,8 +1,8 @@
 //! `adaptive_concurrency` in the proxy: one [`AdaptiveLimiter`] per upstream, made at the
 //! upstream's first request and kept across reloads that leave the settings as they were (the
-//! limit and the round trip it learned go on). A request is classed by the trusted class
-//! header, else its plan, else the default class; its client, for fairness within a class, is
-//! its identity.
+//! limit and the round trip it learned go on). A request is classed by the class header when
+//! a trusted proxy sent it (`identity.trusted_proxies`), else its plan, else the default class;
+//! its client, for fairness within a class, is its identity.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -37,11 +37,13 @@ impl Shedding {
     }
 
     /// Admits `request` to `upstream`: a permit to hold until the upstream answers, or why
-    /// it is shed.
+    /// it is shed. The class header is read only from a trusted proxy (`trusted_peer`), as the
+    /// plan header is: a client that names its own class would call itself critical.
     pub(crate) fn admit<B>(
         &self,
         upstream: &Upstream,
         request: &Request<B>,
+        trusted_peer: bool,
     ) -> Result<AdaptivePermit, ShedDecision> {
         let limiter = self.limiter(upstream);
         let resolved = request.extensions().get::<ResolvedClient>();
@@ -49,6 +51,7 @@ impl Shedding {
             .settings
             .class_header
             .as_ref()
+            .filter(|_| trusted_peer)
             .and_then(|header| request.headers().get(header)?.to_str().ok())
             .filter(|name| limiter.classes().iter().any(|known| **known == **name))
             .or_else(|| {
@@ -129,7 +132,7 @@ mod tests {
             .unwrap()
             .upstream;
         let request = Request::new(());
-        let permit = first.admit(&upstream, &request).unwrap();
+        let permit = first.admit(&upstream, &request, false).unwrap();
         let kept = carried_over(Some(&first), Some(&settings(20))).unwrap();
         assert!(Arc::ptr_eq(&first, &kept));
         assert_eq!(kept.snapshots()[0].1.gate.in_flight, 1, "the same limiter");
@@ -141,5 +144,37 @@ mod tests {
             "new limiters, made on first use"
         );
         assert!(carried_over(Some(&first), None).is_none());
+    }
+
+    #[test]
+    fn the_class_header_counts_only_from_a_trusted_proxy() {
+        let settings = parse(
+            "adaptive_concurrency:\n  class_header: x-priority\n  default_class: default\n  \
+             classes:\n    - { name: critical, reserve: 0.2 }\n    - { name: default }\n",
+        )
+        .unwrap()
+        .adaptive
+        .unwrap();
+        let shedding = Shedding::new(settings);
+        let upstream = crate::config::parse("upstream: \"http://127.0.0.1:9\"\n")
+            .unwrap()
+            .upstream;
+        let claiming = Request::builder()
+            .header("x-priority", "critical")
+            .body(())
+            .unwrap();
+        let admitted = |class: &str| {
+            let snapshot = &shedding.snapshots()[0].1;
+            let class = snapshot.gate.classes.iter().find(|c| &*c.name == class);
+            class.map_or(0, |class| class.admitted)
+        };
+        let _from_a_client = shedding.admit(&upstream, &claiming, false).unwrap();
+        assert_eq!(
+            (admitted("critical"), admitted("default")),
+            (0, 1),
+            "a client's own claim is not a class"
+        );
+        let _through_a_trusted_proxy = shedding.admit(&upstream, &claiming, true).unwrap();
+        assert_eq!((admitted("critical"), admitted("default")), (1, 1));
     }
 }

@@ -52,13 +52,15 @@ async fn limited_upstream() -> (String, tokio::task::JoinHandle<()>) {
     (url, task)
 }
 
-/// A gateway shedding by class in front of `upstream`, logging refused requests to `log`.
+/// A gateway shedding by class in front of `upstream`, logging refused requests to `log`. The
+/// test's callers stand for a trusted proxy that sets `x-priority` (loopback is trusted).
 fn gateway(upstream: &str, shadow: bool, log: &std::path::Path) -> (Gateway, TempDir) {
     let rest = format!(
         "adaptive_concurrency:\n  shadow: {shadow}\n  initial_limit: 40\n  min_limit: 2\n  \
          window: 200ms\n  min_samples: 10\n  class_header: x-priority\n  default_class: default\n  \
          classes:\n    - {{ name: critical, reserve: 0.3 }}\n    - {{ name: default }}\n    - {{ name: sheddable }}\n\
          per_ip: [ {{ name: generous, algorithm: token_bucket, limit: 1000000, window: 1s }} ]\n\
+         identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n\
          access_log:\n  path: \"{}\"\n  format: json\n  only: limited\n",
         log.display()
     );
