@@ -218,7 +218,7 @@ struct TopQuery {
 /// The quota service's streams and the shares their Envoys hold on this server.
 async fn quota(State(state): State<AdminState>) -> Response {
     match &state.quota {
-        Some(quota) => Json(quota.snapshot()).into_response(),
+        Some(quota) => Json(quota.snapshot().await).into_response(),
         None => (
             StatusCode::NOT_FOUND,
             Json(serde_json::json!({"error": "rls.quota is not configured"})),

@@ -92,8 +92,11 @@ impl QuotaService {
         .await;
     }
 
-    /// This server's holdings, grouped by bucket, for `GET /admin/rlqs`.
-    pub(crate) fn snapshot(&self) -> QuotaSnapshot {
+    /// This server's holdings, grouped by bucket, for `GET /admin/rlqs`: every stream asked
+    /// for them, each answering at its next step (a stream that does not within two seconds
+    /// shows what it last published).
+    pub(crate) async fn snapshot(&self) -> QuotaSnapshot {
+        self.shared.views.refresh(Duration::from_secs(2)).await;
         self.shared.views.snapshot(self.shared.board.backend())
     }
 }
@@ -120,7 +123,7 @@ impl RateLimitQuotaService for QuotaService {
         }
         let id = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
         let (outbound, answers) = mpsc::channel(16);
-        self.shared.views.set(id, Vec::new());
+        self.shared.views.open(id);
         tokio::spawn(stream::run(
             request.into_inner(),
             outbound,
@@ -167,27 +170,48 @@ fn strategy_label<S: serde::Serializer>(
     }
 }
 
-/// Every stream's holdings, as last published.
+/// Every stream's holdings, as last published. Streams publish only when asked (the admin API
+/// raises `requested`; each stream answers at its next step), so that nothing is copied while
+/// nobody looks.
 #[derive(Default)]
 struct Views {
-    streams: Mutex<HashMap<u64, Vec<HoldingView>>>,
+    /// Per stream: the request it last answered, and its holdings then.
+    streams: Mutex<HashMap<u64, (u64, Vec<HoldingView>)>>,
+    /// The last request for fresh views.
+    requested: AtomicU64,
+    /// A stream published or ended.
     changed: tokio::sync::Notify,
 }
 
 impl Views {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<HoldingView>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (u64, Vec<HoldingView>)>> {
         self.streams
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
-    fn set(&self, stream: u64, holdings: Vec<HoldingView>) {
+    /// A stream starts (and has nothing to show).
+    fn open(&self, stream: u64) {
         let streams = {
             let mut views = self.lock();
-            views.insert(stream, holdings);
+            views.insert(stream, (0, Vec::new()));
             views.len()
         };
         metrics::gauge!("floodgate_rlqs_streams").set(streams as f64);
+    }
+
+    /// Whether fresh views were asked for since `stream` last published.
+    fn wanted(&self, stream: u64) -> bool {
+        let requested = self.requested.load(Ordering::Acquire);
+        self.lock()
+            .get(&stream)
+            .is_some_and(|(answered, _)| *answered < requested)
+    }
+
+    fn set(&self, stream: u64, holdings: Vec<HoldingView>) {
+        let requested = self.requested.load(Ordering::Acquire);
+        self.lock().insert(stream, (requested, holdings));
+        self.changed.notify_waiters();
     }
 
     fn remove(&self, stream: u64) {
@@ -204,10 +228,29 @@ impl Views {
         self.lock().len()
     }
 
+    /// Asks every stream for its holdings and waits, up to `within`, for all to answer.
+    async fn refresh(&self, within: Duration) {
+        let request = self.requested.fetch_add(1, Ordering::AcqRel) + 1;
+        let _ = tokio::time::timeout(within, async {
+            loop {
+                let changed = self.changed.notified();
+                if self
+                    .lock()
+                    .values()
+                    .all(|(answered, _)| *answered >= request)
+                {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await;
+    }
+
     fn snapshot(&self, board: &'static str) -> QuotaSnapshot {
         let views = self.lock();
         let mut buckets: BTreeMap<String, BucketSnapshot> = BTreeMap::new();
-        for view in views.values().flatten() {
+        for view in views.values().flat_map(|(_, holdings)| holdings) {
             let name = view
                 .key
                 .clone()

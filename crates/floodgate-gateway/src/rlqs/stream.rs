@@ -49,7 +49,6 @@ struct Sent {
 /// One reported bucket of this stream.
 struct Holding {
     bucket: BucketId,
-    entries: BTreeMap<String, String>,
     /// The board's name for this Envoy's use of the bucket.
     holder: String,
     target: Target,
@@ -139,7 +138,6 @@ impl QuotaStream {
         };
         let domain_label = self.domain_label(settings);
         let mut actions = Vec::new();
-        let mut abandoned = false;
         for usage in reports.bucket_quota_usages {
             let Some(name) = self.record_usage(&usage, &domain_label) else {
                 continue;
@@ -155,16 +153,11 @@ impl QuotaStream {
                 if let Some(key) = holding.target.key() {
                     self.release(key, &holding.holder).await;
                 }
-                abandoned = true;
                 continue;
             }
             if let Some(action) = self.assign(&name, config, settings, true).await {
                 actions.push(action);
             }
-        }
-        // New and renewed holdings show at the next step; a bucket let go shows at once.
-        if abandoned {
-            self.publish();
         }
         actions
     }
@@ -226,12 +219,7 @@ impl QuotaStream {
     /// its demand and idleness updated. `None` for a usage without a bucket.
     fn record_usage(&mut self, usage: &BucketQuotaUsage, domain_label: &str) -> Option<String> {
         let bucket = usage.bucket_id.as_ref()?;
-        let entries: BTreeMap<String, String> = bucket
-            .bucket
-            .iter()
-            .map(|(key, value)| (key.clone(), value.clone()))
-            .collect();
-        let name = buckets::canonical(&borrowed(&entries));
+        let name = buckets::canonical(&borrowed(bucket));
         let requests = usage
             .num_requests_allowed
             .saturating_add(usage.num_requests_denied);
@@ -262,7 +250,6 @@ impl QuotaStream {
                 self.next_holding += 1;
                 entry.insert(Holding {
                     bucket: bucket.clone(),
-                    entries,
                     holder: format!("{}.{}.{}", self.shared.server, self.id, self.next_holding),
                     target: Target::Unmatched,
                     demand_milli: 0,
@@ -302,7 +289,7 @@ impl QuotaStream {
                 settings,
                 &config.store.prefix,
                 &self.domain,
-                &borrowed(&holding.entries),
+                &borrowed(&holding.bucket),
             )
         };
         let previous_key = self.holdings[name].target.key().map(str::to_owned);
@@ -500,15 +487,21 @@ impl QuotaStream {
         }
     }
 
-    /// Writes this stream's holdings where `GET /admin/rlqs` reads them.
+    /// Writes this stream's holdings where `GET /admin/rlqs` reads them, when it asked.
     fn publish(&self) {
+        if !self.shared.views.wanted(self.id) {
+            return;
+        }
         let now = Instant::now();
         let views = self
             .holdings
             .values()
             .map(|holding| HoldingView {
                 domain: self.domain.clone(),
-                bucket: holding.entries.clone(),
+                bucket: borrowed(&holding.bucket)
+                    .into_iter()
+                    .map(|(key, value)| (key.to_owned(), value.to_owned()))
+                    .collect(),
                 rule: holding.target.rule().map(str::to_owned),
                 key: holding.target.key().map(str::to_owned),
                 holder: holding.holder.clone(),
@@ -529,8 +522,10 @@ fn quota_settings(config: &Config) -> Option<&QuotaSettings> {
     config.rls.as_ref()?.quota.as_ref()
 }
 
-fn borrowed(entries: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
-    entries
+/// A bucket's entries, sorted by key.
+fn borrowed(bucket: &BucketId) -> BTreeMap<&str, &str> {
+    bucket
+        .bucket
         .iter()
         .map(|(key, value)| (key.as_str(), value.as_str()))
         .collect()
