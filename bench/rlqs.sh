@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Envoy's Rate Limit Quota Service (issue 46, SPEC §10a): ENVOYS emulated Envoys reporting
 # every 5 s (as Envoy's filter does) to two floodgate servers sharing one Redis, BUCKETS
-# per-user buckets of LIMIT per second (burst BURST), each requested by 10 Envoys (one at 5x
-# the others, together twice the limit), for SECONDS. Prints the client's figures (see
+# per-user buckets of LIMIT per second (burst BURST), each requested by ENVOYS_PER_BUCKET
+# Envoys (10 by default; one at 5x the others, together twice the limit), for SECONDS. Prints the client's figures (see
 # crates/floodgate-gateway/examples/rlqs_bench.rs), the servers' CPU per report, and memory
 # per bucket (the servers' RSS and Redis' used_memory near the run's end, against idle).
 #
-#   bash bench/rlqs.sh [SECONDS] [ENVOYS] [BUCKETS] [BURST]
+#   bash bench/rlqs.sh [SECONDS] [ENVOYS] [BUCKETS] [BURST] [LIMIT] [ENVOYS_PER_BUCKET]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}; envoys=${2:-100}; buckets=${3:-1000}
-limit=10; burst=${4:-10}; per_bucket=10
+limit=${5:-10}; burst=${4:-10}; per_bucket=${6:-10}
 for tool in redis-server redis-cli curl; do
     command -v "$tool" >/dev/null || { echo "$tool is missing: apt-get install redis-server redis-tools curl" >&2; exit 1; }
 done
@@ -61,13 +61,13 @@ wait "$client"
 cpu_after=$(cpu_ticks); reports_after=$(reports)
 hz=$(getconf CLK_TCK)
 echo "client: $(cat "$work/client.json")"
-python3 - "$cpu_before" "$cpu_after" "$hz" "$reports_before" "$reports_after" "$idle_rss" "$busy_rss" "$idle_redis" "$busy_redis" "$buckets" "$envoys" <<'PY'
+python3 - "$cpu_before" "$cpu_after" "$hz" "$reports_before" "$reports_after" "$idle_rss" "$busy_rss" "$idle_redis" "$busy_redis" "$buckets" "$per_bucket" <<'PY'
 import sys
-cpu0, cpu1, hz, r0, r1, rss0, rss1, red0, red1, buckets, envoys = map(float, sys.argv[1:])
+cpu0, cpu1, hz, r0, r1, rss0, rss1, red0, red1, buckets, per_bucket = map(float, sys.argv[1:])
 reports = r1 - r0
 cpu = (cpu1 - cpu0) / hz
 print(f"servers: {reports:.0f} bucket reports, {cpu:.2f} s of CPU: {cpu / max(reports, 1) * 1e6:.1f} us per bucket report")
-holdings = buckets * 10
+holdings = buckets * per_bucket
 print(f"memory: servers' RSS +{(rss1 - rss0):.0f} KiB for {holdings:.0f} holdings ({(rss1 - rss0) * 1024 / holdings:.0f} B each); "
       f"Redis +{(red1 - red0) / 1024:.0f} KiB for {buckets:.0f} limits ({(red1 - red0) / buckets:.0f} B per limit)")
 PY

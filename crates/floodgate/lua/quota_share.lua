@@ -11,8 +11,9 @@
 -- in the limit less `floor`), and room to grow from what the wants together leave, out of
 -- what the others hold; beyond `floor` it takes only what leaves `floor` free for a newcomer,
 -- which then gets up to `floor` at once. So the shares together never exceed the
--- limit. A raise smaller than a tenth of what the holder has in force is not worth a new
--- assignment (Envoy starts a replaced token bucket full), and is not made.
+-- limit. A change smaller than a tenth of what the holder has in force is not worth a new
+-- assignment (Envoy starts a replaced token bucket full), and is not made: a raise never, a
+-- cut while no holder is short.
 --
 -- The same arithmetic runs in memory (`store/quota/fair.rs`); a differential test holds them
 -- together.
@@ -130,7 +131,18 @@ local function claim(key, holder, limit, floor, want, in_force, lifetime, settle
   local target, fair = target_of(wants, want, math.max(limit - floor, 0))
   local available = math.max(limit - held, 0)
   local grant = math.min(target, math.max(math.min(floor, available), available - floor))
-  if grant > in_force and grant * 10 < in_force * 11 then
+  local others_short = false
+  for _, record in ipairs(others) do
+    if record.until_ms > now and short(counted(record, now), record.want, fair) then
+      others_short = true
+    end
+  end
+  -- A change by less than a tenth of what is in force is not made: not a raise, nor a cut
+  -- while nobody is short and what is in force still fits beside the others.
+  local small_raise = grant > in_force and grant * 10 < in_force * 11
+  local small_cut = grant < in_force and grant * 10 >= in_force * 9 and in_force <= available
+    and not others_short
+  if small_raise or small_cut then
     grant = in_force
   end
   local prior, prior_until = 0, 0
@@ -144,13 +156,8 @@ local function claim(key, holder, limit, floor, want, in_force, lifetime, settle
     share = grant, until_ms = now + lifetime, want = want, prior = prior, prior_until = prior_until,
   })
   local pressed = 0
-  if short(grant, want, fair) then
+  if short(grant, want, fair) or others_short then
     pressed = 1
-  end
-  for _, record in ipairs(others) do
-    if record.until_ms > now and short(counted(record, now), record.want, fair) then
-      pressed = 1
-    end
   end
   return { grant, fair, pressed }
 end

@@ -175,7 +175,18 @@ pub(super) fn claim(
             .min(available)
             .max(available.saturating_sub(args.floor)),
     );
-    if grant > args.in_force && grant * 10 < args.in_force * 11 {
+    let others_short = others().any(|(_, record)| {
+        record.until_ms > now && short(record.counted(now), record.want, fair)
+    });
+    // A change by less than a tenth of what is in force is not made (the Envoy would start a
+    // fresh, full bucket for it): not a raise, nor a cut while nobody is short and what is in
+    // force still fits beside the others.
+    let small_raise = grant > args.in_force && grant * 10 < args.in_force * 11;
+    let small_cut = grant < args.in_force
+        && grant * 10 >= args.in_force * 9
+        && args.in_force <= available
+        && !others_short;
+    if small_raise || small_cut {
         grant = args.in_force;
     }
     let (mut prior, mut prior_until_ms) = (0, 0);
@@ -188,10 +199,7 @@ pub(super) fn claim(
     {
         (prior, prior_until_ms) = (own.prior, own.prior_until_ms);
     }
-    let pressed = short(grant, args.want, fair)
-        || others().any(|(_, record)| {
-            record.until_ms > now && short(record.counted(now), record.want, fair)
-        });
+    let pressed = short(grant, args.want, fair) || others_short;
     records.insert(
         holder.to_owned(),
         Record {
@@ -341,5 +349,16 @@ mod tests {
             (500, 36_000),
             "an ended part is replaced"
         );
+    }
+
+    #[test]
+    fn a_small_cut_is_not_made_unless_someone_is_short() {
+        let mut records = HashMap::new();
+        assert_eq!(claim(&mut records, "a", args(1000, 500, 0), 0).grant, 625);
+        let kept = claim(&mut records, "a", args(1000, 480, 625), 10);
+        assert_eq!(kept.grant, 625, "600 is less than a tenth below: not worth a fresh bucket");
+        claim(&mut records, "b", args(1000, 5000, 0), 20);
+        let cut = claim(&mut records, "a", args(1000, 480, 625), 30);
+        assert_eq!(cut.grant, 480, "b is short: a goes to its fair level");
     }
 }
