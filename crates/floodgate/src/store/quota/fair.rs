@@ -175,9 +175,8 @@ pub(super) fn claim(
             .min(available)
             .max(available.saturating_sub(args.floor)),
     );
-    let others_short = others().any(|(_, record)| {
-        record.until_ms > now && short(record.counted(now), record.want, fair)
-    });
+    let others_short = others()
+        .any(|(_, record)| record.until_ms > now && short(record.counted(now), record.want, fair));
     // A change by less than a tenth of what is in force is not made (the Envoy would start a
     // fresh, full bucket for it): not a raise, nor a cut while nobody is short and what is in
     // force still fits beside the others.
@@ -356,7 +355,10 @@ mod tests {
         let mut records = HashMap::new();
         assert_eq!(claim(&mut records, "a", args(1000, 500, 0), 0).grant, 625);
         let kept = claim(&mut records, "a", args(1000, 480, 625), 10);
-        assert_eq!(kept.grant, 625, "600 is less than a tenth below: not worth a fresh bucket");
+        assert_eq!(
+            kept.grant, 625,
+            "600 is less than a tenth below: not worth a fresh bucket"
+        );
         claim(&mut records, "b", args(1000, 5000, 0), 20);
         let cut = claim(&mut records, "a", args(1000, 480, 625), 30);
         assert_eq!(cut.grant, 480, "b is short: a goes to its fair level");
