@@ -41,6 +41,20 @@ pub(crate) const RLS_LIMIT_OVERRIDES_TOTAL: &str = "floodgate_rls_limit_override
 /// `floodgate_rls_override_evictions_total`: limits of Envoy's `limit` overrides evicted
 /// (least recently used) to make room for a new override value past the bound.
 pub(crate) const RLS_OVERRIDE_EVICTIONS_TOTAL: &str = "floodgate_rls_override_evictions_total";
+/// The quota service's streams open (SPEC §10a).
+pub(crate) const RLQS_STREAMS: &str = "floodgate_rlqs_streams";
+/// Bucket usage reports received, by domain.
+pub(crate) const RLQS_REPORTS_TOTAL: &str = "floodgate_rlqs_reports_total";
+/// Requests the Envoys reported, by domain and decision.
+pub(crate) const RLQS_REQUESTS_TOTAL: &str = "floodgate_rlqs_requests_total";
+/// Assignments sent, by domain and strategy.
+pub(crate) const RLQS_ASSIGNMENTS_TOTAL: &str = "floodgate_rlqs_assignments_total";
+/// Buckets abandoned, by domain.
+pub(crate) const RLQS_ABANDONED_TOTAL: &str = "floodgate_rlqs_abandoned_total";
+/// Failed calls to the quota board.
+pub(crate) const RLQS_STORE_ERRORS_TOTAL: &str = "floodgate_rlqs_store_errors_total";
+/// Buckets not answered because a stream held its most.
+pub(crate) const RLQS_BUCKETS_REFUSED_TOTAL: &str = "floodgate_rlqs_buckets_refused_total";
 
 const fn counter(name: &'static str, help: &'static str) -> MetricDescription {
     MetricDescription {
@@ -121,6 +135,36 @@ pub const GATEWAY_METRICS: &[MetricDescription] = &[
     counter(
         RLS_OVERRIDE_EVICTIONS_TOTAL,
         "Limits of Envoy's limit overrides evicted (least recently used) for a new override value past the bound of 1,024",
+    ),
+    MetricDescription {
+        name: RLQS_STREAMS,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "Rate limit quota service streams open (one per Envoy and domain)",
+    },
+    counter(
+        RLQS_REPORTS_TOTAL,
+        "Bucket usage reports the quota service received, by domain",
+    ),
+    counter(
+        RLQS_REQUESTS_TOTAL,
+        "Requests the Envoys reported to the quota service, by domain and decision (allowed, denied)",
+    ),
+    counter(
+        RLQS_ASSIGNMENTS_TOTAL,
+        "Quota assignments sent, by domain and strategy (token_bucket, allow_all, deny_all)",
+    ),
+    counter(
+        RLQS_ABANDONED_TOTAL,
+        "Quota buckets abandoned after reports without a request, by domain",
+    ),
+    counter(
+        RLQS_STORE_ERRORS_TOTAL,
+        "Calls to the quota board (memory or Redis) that failed",
+    ),
+    counter(
+        RLQS_BUCKETS_REFUSED_TOTAL,
+        "Quota buckets not answered because their stream held its most (50,000)",
     ),
 ];
 

@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, watch};
 use self::assignment::Strategy;
 use crate::config::{Backend, StoreSettings};
 use crate::gateway::Gateway;
+use crate::telemetry;
 
 /// What every stream of this server shares.
 pub(crate) struct Shared {
@@ -197,7 +198,7 @@ impl Views {
             views.insert(stream, (0, Vec::new()));
             views.len()
         };
-        metrics::gauge!("floodgate_rlqs_streams").set(streams as f64);
+        metrics::gauge!(telemetry::RLQS_STREAMS).set(streams as f64);
     }
 
     /// Whether fresh views were asked for since `stream` last published.
@@ -220,7 +221,7 @@ impl Views {
             views.remove(&stream);
             views.len()
         };
-        metrics::gauge!("floodgate_rlqs_streams").set(streams as f64);
+        metrics::gauge!(telemetry::RLQS_STREAMS).set(streams as f64);
         self.changed.notify_waiters();
     }
 

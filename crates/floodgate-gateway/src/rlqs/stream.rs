@@ -26,6 +26,7 @@ use super::assignment::{self, Strategy};
 use super::buckets::{self, Target};
 use super::{HoldingView, Shared};
 use crate::config::{Config, QuotaSettings};
+use crate::telemetry;
 
 /// How often a stream looks at its holdings between reports, and how long a lowered Envoy is
 /// still counted at what it had (the lower assignment's way to it): a fifth of the report
@@ -148,7 +149,7 @@ impl QuotaStream {
             if holding.idle_reports >= settings.abandon_after {
                 let holding = self.holdings.remove(&name).expect("present above");
                 actions.push(assignment::abandon(&holding.bucket));
-                metrics::counter!("floodgate_rlqs_abandoned_total", "domain" => domain_label.clone())
+                metrics::counter!(telemetry::RLQS_ABANDONED_TOTAL, "domain" => domain_label.clone())
                     .increment(1);
                 if let Some(key) = holding.target.key() {
                     self.release(key, &holding.holder).await;
@@ -230,20 +231,20 @@ impl QuotaStream {
                 elapsed.seconds as f64 + f64::from(elapsed.nanos) / 1e9
             })
             .max(1.0);
-        metrics::counter!("floodgate_rlqs_reports_total", "domain" => domain_label.to_owned())
+        metrics::counter!(telemetry::RLQS_REPORTS_TOTAL, "domain" => domain_label.to_owned())
             .increment(1);
         for (decision, count) in [
             ("allowed", usage.num_requests_allowed),
             ("denied", usage.num_requests_denied),
         ] {
-            metrics::counter!("floodgate_rlqs_requests_total", "domain" => domain_label.to_owned(), "decision" => decision)
+            metrics::counter!(telemetry::RLQS_REQUESTS_TOTAL, "domain" => domain_label.to_owned(), "decision" => decision)
                 .increment(count);
         }
         let full = self.holdings.len() >= MOST_HOLDINGS;
         let holding = match self.holdings.entry(name.clone()) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::hash_map::Entry::Vacant(_) if full => {
-                metrics::counter!("floodgate_rlqs_buckets_refused_total").increment(1);
+                metrics::counter!(telemetry::RLQS_BUCKETS_REFUSED_TOTAL).increment(1);
                 return None;
             }
             std::collections::hash_map::Entry::Vacant(entry) => {
@@ -328,7 +329,7 @@ impl QuotaStream {
             at,
             expires: now + ttl,
         });
-        metrics::counter!("floodgate_rlqs_assignments_total", "domain" => domain, "strategy" => strategy.label())
+        metrics::counter!(telemetry::RLQS_ASSIGNMENTS_TOTAL, "domain" => domain, "strategy" => strategy.label())
             .increment(1);
         Some(assignment::assign(&holding.bucket, strategy, ttl))
     }
@@ -373,7 +374,7 @@ impl QuotaStream {
                 Some((Strategy::for_share(grant.share, limit), grant.share))
             }
             Err(error) => {
-                metrics::counter!("floodgate_rlqs_store_errors_total").increment(1);
+                metrics::counter!(telemetry::RLQS_STORE_ERRORS_TOTAL).increment(1);
                 tracing::warn!(%error, "rlqs: the quota board failed");
                 // Claim again at the next step: a claim that timed out may yet be applied.
                 let holding = self.holdings.get_mut(name)?;
