@@ -490,15 +490,8 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
         raw.rls.as_ref(),
         &[("listen", proxy_listen), ("admin.listen", admin_listen)],
     );
-    if let (Some(rls), Some(store)) = (&rls_settings, &store)
-        && rls.quota.is_some()
-        && !matches!(store.backend, Backend::Memory | Backend::Redis { .. })
-    {
-        errors.push(
-            "rls.quota",
-            "the quota service shares its limits in memory (one server) or on one Redis \
-             (`store.backend: redis`); a cluster, sharded or Sentinel store is not supported yet",
-        );
+    if let (Some(rls), Some(store)) = (&rls_settings, &store) {
+        quota::check_store(&mut errors, rls, store);
     }
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
