@@ -345,7 +345,7 @@ impl DefaultIdentifier {
     /// The well-formed API key a request presents, verified or not.
     fn presented_api_key<'r>(&self, request: &RequestInfo<'r>) -> Option<&'r str> {
         if let Some(name) = &self.api_key_header
-            && let Some(value) = request.headers.get(name)
+            && let Some(value) = self.only_value(request, name)
         {
             match self.well_formed(value.as_bytes()) {
                 Some(key) => return Some(key),
@@ -353,7 +353,7 @@ impl DefaultIdentifier {
             }
         }
         if self.bearer {
-            let value = request.headers.get(AUTHORIZATION)?.as_bytes();
+            let value = self.only_value(request, &AUTHORIZATION)?.as_bytes();
             // `Bearer<TAB>key` and `BEARER  key` too: the upstream reads them as the key.
             let token = super::bearer_credential(value)?;
             match self.well_formed(token) {
@@ -362,6 +362,23 @@ impl DefaultIdentifier {
             }
         }
         None
+    }
+
+    /// The value of `name` when the request carries it once. Carried twice, a credential is
+    /// ambiguous (the application behind may read the other copy) and counts as malformed: no
+    /// key, rather than a key the client may not be.
+    fn only_value<'r>(
+        &self,
+        request: &RequestInfo<'r>,
+        name: &HeaderName,
+    ) -> Option<&'r http::HeaderValue> {
+        let mut values = request.headers.get_all(name).iter();
+        let first = values.next()?;
+        if values.next().is_some() {
+            self.count_malformed();
+            return None;
+        }
+        Some(first)
     }
 
     /// The user id of a request: the [`UserId`] extension, or the user header if the peer is a

@@ -190,6 +190,44 @@ async fn oversized_or_malformed_keys_are_treated_as_absent() {
 }
 
 #[tokio::test]
+async fn a_credential_header_sent_twice_identifies_no_key() {
+    // An application behind the layer may read either copy (many frameworks keep the last):
+    // a client sending a victim's key first and its own second would be counted on the
+    // victim's budget while the application serves it as itself. Ambiguous, it is no key.
+    let identify = Arc::new(DefaultIdentifier::new());
+    let counting = identify.clone();
+    let layer = RateLimitLayer::builder()
+        .limit(per_second(1))
+        .identify(move |request: &RequestInfo<'_>| {
+            use floodgate::key::IdentifyClient;
+            counting.identify(request)
+        })
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(ok_handler));
+    let victim = from_peer("198.51.100.7:1").header("x-api-key", "victim-key");
+    assert_eq!(send(&service, victim).await.status(), StatusCode::OK);
+    // The attacker, from elsewhere: victim's key first, its own second.
+    let twice = from_peer("203.0.113.9:1")
+        .header("x-api-key", "victim-key")
+        .header("x-api-key", "attacker-key");
+    assert_eq!(
+        send(&service, twice).await.status(),
+        StatusCode::OK,
+        "counted on its own address, not on the victim's spent budget"
+    );
+    let two_bearers = from_peer("203.0.113.9:1")
+        .header("authorization", "Bearer victim-key")
+        .header("authorization", "Bearer attacker-key");
+    assert_eq!(
+        send(&service, two_bearers).await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the same address's budget, already spent"
+    );
+    assert_eq!(identify.malformed_count(), 2);
+}
+
+#[tokio::test]
 async fn user_ids_come_from_the_extension_or_a_trusted_header() {
     let identify = DefaultIdentifier::new()
         .user_header(Some("x-user-id"))
