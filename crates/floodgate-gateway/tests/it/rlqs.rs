@@ -584,3 +584,63 @@ async fn a_server_that_dies_leaves_its_shares_counted_until_they_end() {
     );
     assert_clean(&[moving, staying]);
 }
+
+/// Offers `first` per second until `switch`, then `then` per second until `run`.
+async fn offer_changing(
+    envoy: Arc<Envoy>,
+    bucket: Bucket,
+    (first, then): (f64, f64),
+    start: Instant,
+    (switch, run): (Duration, Duration),
+) -> Vec<Duration> {
+    let mut admitted = offer(envoy.clone(), bucket.clone(), first, start, switch).await;
+    let later = offer(envoy, bucket, then, start + switch, run - switch).await;
+    admitted.extend(later.into_iter().map(|at| at + switch));
+    admitted
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_demand_shifts_each_envoy_has_its_fair_share_within_two_intervals() {
+    let server = QuotaServer::start("");
+    let shared = bucket(&[("name", "shared")]);
+    let envoys = [
+        envoy(&[&server]).await,
+        envoy(&[&server]).await,
+        envoy(&[&server]).await,
+    ];
+    // Before the shift: 80, 10, 10 per second; after it, at 5 s: 10, 80, 10. The holders share
+    // 96 per second (the rest is kept for a newcomer): after the shift the second is owed 76.
+    let demands = [(80.0, 10.0), (10.0, 80.0), (10.0, 10.0)];
+    let start = Instant::now();
+    let (switch, run) = (secs(5.0), secs(10.0));
+    let tasks: Vec<_> = envoys
+        .iter()
+        .zip(demands)
+        .map(|(envoy, demand)| {
+            tokio::spawn(offer_changing(
+                envoy.clone(),
+                shared.clone(),
+                demand,
+                start,
+                (switch, run),
+            ))
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in tasks {
+        admitted.push(task.await.unwrap());
+    }
+    // From two report intervals after the shift to the end: three seconds.
+    let from = switch + REPORT * 2;
+    let rate =
+        |index: usize| between(&admitted[index], from, run) as f64 / (run - from).as_secs_f64();
+    let rates: Vec<f64> = (0..3).map(rate).collect();
+    assert!(rates[1] >= 0.9 * 76.0, "the one that rose: {rates:?}");
+    assert!(
+        rates[0] >= 9.0 && rates[2] >= 9.0,
+        "the others get their 10: {rates:?}"
+    );
+    let total: usize = admitted.iter().map(|times| between(times, from, run)).sum();
+    assert!(total as f64 <= 3.0 * 100.0 * 1.02 + 50.0, "{total} in 3 s");
+    assert_clean(&envoys);
+}
