@@ -224,13 +224,9 @@ impl QuotaStream {
         let requests = usage
             .num_requests_allowed
             .saturating_add(usage.num_requests_denied);
-        let elapsed = usage
-            .time_elapsed
-            .as_ref()
-            .map_or(1.0, |elapsed| {
-                elapsed.seconds as f64 + f64::from(elapsed.nanos) / 1e9
-            })
-            .max(1.0);
+        let reported_elapsed = usage.time_elapsed.as_ref().map_or(1.0, |elapsed| {
+            elapsed.seconds as f64 + f64::from(elapsed.nanos) / 1e9
+        });
         metrics::counter!(telemetry::RLQS_REPORTS_TOTAL, "domain" => domain_label.to_owned())
             .increment(1);
         for (decision, count) in [
@@ -263,8 +259,20 @@ impl QuotaStream {
                 })
             }
         };
+        // Envoy sends whole seconds (truncated: a 5 s interval is often 4), which would swing
+        // the demand by a quarter from one report to the next, and every change of assignment
+        // restarts the Envoy's bucket full. After the first report, the time since the last
+        // one as this server measured it is the interval.
+        let now = Instant::now();
+        let elapsed = if holding.sent.is_none() {
+            reported_elapsed
+        } else {
+            now.saturating_duration_since(holding.reported)
+                .as_secs_f64()
+        }
+        .max(1.0);
         holding.demand_milli = (requests as f64 * 1000.0 / elapsed) as u64;
-        holding.reported = Instant::now();
+        holding.reported = now;
         if requests == 0 {
             holding.idle_reports += 1;
         } else {
