@@ -53,8 +53,12 @@ struct Holding {
     /// The board's name for this Envoy's use of the bucket.
     holder: String,
     target: Target,
-    /// Thousandths of a request per second, from the last report.
+    /// Thousandths of a request per second: the larger of the last two reports' (a few
+    /// requests per interval are a noisy count, and a drop that lasts one report is not worth
+    /// a new assignment).
     demand_milli: u64,
+    /// The last report's alone.
+    last_demand_milli: u64,
     /// Reports in a row without a request.
     idle_reports: u32,
     sent: Option<Sent>,
@@ -250,6 +254,7 @@ impl QuotaStream {
                     holder: format!("{}.{}.{}", self.shared.server, self.id, self.next_holding),
                     target: Target::Unmatched,
                     demand_milli: 0,
+                    last_demand_milli: 0,
                     idle_reports: 0,
                     sent: None,
                     earlier: None,
@@ -271,7 +276,9 @@ impl QuotaStream {
                 .as_secs_f64()
         }
         .max(1.0);
-        holding.demand_milli = (requests as f64 * 1000.0 / elapsed) as u64;
+        let demand = (requests as f64 * 1000.0 / elapsed) as u64;
+        holding.demand_milli = demand.max(holding.last_demand_milli);
+        holding.last_demand_milli = demand;
         holding.reported = now;
         if requests == 0 {
             holding.idle_reports += 1;
