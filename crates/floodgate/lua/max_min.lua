@@ -2,12 +2,8 @@
 -- `quota_share.lua`): each is run with this file before it.
 
 -- The level of a max-min fair split of `limit` among `wants`: every want at or under it is
--- met, the others get it.
-local function fair_level(unsorted, limit)
-  local wants = {}
-  for i, want in ipairs(unsorted) do
-    wants[i] = want
-  end
+-- met, the others get it. Sorts `wants` in place (the callers only sum them afterwards).
+local function fair_level(wants, limit)
   table.sort(wants)
   local left = limit
   for i, want in ipairs(wants) do
