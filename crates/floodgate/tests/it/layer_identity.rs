@@ -132,8 +132,16 @@ async fn api_keys_and_bearer_tokens_identify_clients() {
     );
 }
 
-#[tokio::test]
-async fn oversized_or_malformed_keys_are_treated_as_absent() {
+/// A layer of one request per second per client, identified by a `DefaultIdentifier` the test
+/// keeps (to read its malformed count), around `ok_handler`.
+fn one_per_second_by_default_identity() -> (
+    Arc<DefaultIdentifier>,
+    impl Service<
+        Request<()>,
+        Response = Response<impl Body<Data = Bytes, Error: std::fmt::Debug>>,
+        Error = Infallible,
+    > + Clone,
+) {
     let identify = Arc::new(DefaultIdentifier::new());
     let counting = identify.clone();
     let layer = RateLimitLayer::builder()
@@ -144,7 +152,12 @@ async fn oversized_or_malformed_keys_are_treated_as_absent() {
         })
         .build()
         .unwrap();
-    let service = layer.layer(service_fn(ok_handler));
+    (identify, layer.layer(service_fn(ok_handler)))
+}
+
+#[tokio::test]
+async fn oversized_or_malformed_keys_are_treated_as_absent() {
+    let (identify, service) = one_per_second_by_default_identity();
     let peer = "203.0.113.1:1";
     let oversized = "k".repeat(300);
     // Each falls back to the peer IP: one budget for all of them.
@@ -194,17 +207,7 @@ async fn a_credential_header_sent_twice_identifies_no_key() {
     // An application behind the layer may read either copy (many frameworks keep the last):
     // a client sending a victim's key first and its own second would be counted on the
     // victim's budget while the application serves it as itself. Ambiguous, it is no key.
-    let identify = Arc::new(DefaultIdentifier::new());
-    let counting = identify.clone();
-    let layer = RateLimitLayer::builder()
-        .limit(per_second(1))
-        .identify(move |request: &RequestInfo<'_>| {
-            use floodgate::key::IdentifyClient;
-            counting.identify(request)
-        })
-        .build()
-        .unwrap();
-    let service = layer.layer(service_fn(ok_handler));
+    let (identify, service) = one_per_second_by_default_identity();
     let victim = from_peer("198.51.100.7:1").header("x-api-key", "victim-key");
     assert_eq!(send(&service, victim).await.status(), StatusCode::OK);
     // The attacker, from elsewhere: victim's key first, its own second.

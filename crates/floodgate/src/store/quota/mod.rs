@@ -110,6 +110,11 @@ impl Memory {
     }
 }
 
+/// The memory board, whatever a panic left it in (each use changes it in one step).
+fn lock(memory: &Mutex<Memory>) -> std::sync::MutexGuard<'_, Memory> {
+    memory.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
@@ -166,7 +171,7 @@ impl QuotaBoard {
         };
         match &self.board {
             Board::Memory(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut memory = lock(memory);
                 let now = memory.now_ms();
                 memory.claims += 1;
                 if memory.claims.is_multiple_of(SWEEP_EVERY) {
@@ -194,7 +199,7 @@ impl QuotaBoard {
     pub async fn hold(&self, key: &str, holder: &str, held: Held) -> Result<(), StoreError> {
         match &self.board {
             Board::Memory(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut memory = lock(memory);
                 let now = memory.now_ms();
                 let held = [
                     held.share,
@@ -226,7 +231,7 @@ impl QuotaBoard {
     ) -> Result<(), StoreError> {
         match &self.board {
             Board::Memory(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut memory = lock(memory);
                 let now = memory.now_ms();
                 if let Some(records) = memory.limits.get_mut(key) {
                     fair::settle(records, holder, millis(settle), now);
@@ -246,7 +251,7 @@ impl QuotaBoard {
     pub async fn release(&self, key: &str, holder: &str) -> Result<(), StoreError> {
         match &self.board {
             Board::Memory(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut memory = lock(memory);
                 if let Some(records) = memory.limits.get_mut(key) {
                     records.remove(holder);
                     if records.is_empty() {
@@ -264,7 +269,7 @@ impl QuotaBoard {
     pub fn limits_held(&self) -> usize {
         match &self.board {
             Board::Memory(memory) => {
-                let mut memory = memory.lock().unwrap_or_else(|poison| poison.into_inner());
+                let mut memory = lock(memory);
                 let now = memory.now_ms();
                 memory.sweep(now);
                 memory.limits.len()
