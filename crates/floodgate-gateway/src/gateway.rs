@@ -124,13 +124,18 @@ impl Gateway {
     /// Asks the store in service whether it answers, once at start, and says so loudly if not:
     /// a store that refuses the gateway (a wrong password) or cannot be reached is logged at
     /// ERROR with the reason. The gateway still starts; requests follow `on_store_error`.
+    ///
+    /// The regions' global store is looked at beside the serving gateway, not before it: no
+    /// request waits on the global store (SPEC §5), not even the first one.
     pub(crate) async fn check_store_at_start(&self) {
+        if let Some(region) = self.current().region().cloned() {
+            tokio::spawn(warn_of_an_evicting_global_store(region));
+        }
         let store = self.store();
         match store.probe().await {
             Ok(()) => {
                 tracing::debug!(backend = store.backend(), "the store answers");
                 self.warn_of_quotas_lost_on_restart(&*store).await;
-                self.warn_of_an_evicting_global_store().await;
             }
             Err(error) => tracing::error!(
                 backend = store.backend(),
@@ -161,25 +166,6 @@ impl Gateway {
              (for Redis: appendonly yes, or save snapshots; see README \"Running Redis for \
              quotas\"): every client would get these again after a restart"
         );
-    }
-
-    /// Warns when the regions' global store may evict any key (`maxmemory-policy allkeys-*`):
-    /// an evicted record or generation is detected only by settling for a lifetime, during
-    /// which shares stop following demand (SPEC §5: `noeviction` or `volatile-*`).
-    async fn warn_of_an_evicting_global_store(&self) {
-        let Some(region) = self.current().region().cloned() else {
-            return;
-        };
-        if let Some(policy) = region.global_eviction_policy().await
-            && policy.starts_with("allkeys")
-        {
-            tracing::warn!(
-                global = %floodgate::store::redact_url(&region.settings().global_url),
-                policy = %policy,
-                "the regions' global store may evict floodgate's keys (maxmemory-policy \
-                 allkeys-*): set noeviction or a volatile-* policy (SPEC §5)"
-            );
-        }
     }
 
     /// The name of the key file the version in service reads (`identity.jwt`), when it is in
@@ -368,6 +354,30 @@ pub(crate) async fn handle(
     let mut line = PendingLine::new(log, RequestLine::of(request.method(), request.headers()));
     let response = current.handle(request, Some(line.facts())).await;
     Ok(line.answered(response))
+}
+
+/// Warns when the regions' global store may evict any key (`maxmemory-policy allkeys-*`): an
+/// evicted record or generation is detected only by settling for a lifetime, during which
+/// shares stop following demand (SPEC §5: `noeviction` or `volatile-*`). A policy that cannot
+/// be read (`CONFIG` refused, as managed Redis services do, or no answer) is said at INFO.
+async fn warn_of_an_evicting_global_store(region: floodgate::store::region::RegionalStore) {
+    let global = floodgate::store::redact_url(&region.settings().global_url);
+    match region.global_eviction_policy().await {
+        Some(policy) if policy.starts_with("allkeys") => tracing::warn!(
+            %global,
+            policy = %policy,
+            "the regions' global store may evict floodgate's keys (maxmemory-policy \
+             allkeys-*): set noeviction or a volatile-* policy (SPEC §5)"
+        ),
+        Some(policy) => {
+            tracing::info!(%global, policy = %policy, "the regions' global store keeps floodgate's keys")
+        }
+        None => tracing::info!(
+            %global,
+            "the regions' global store's maxmemory-policy could not be read: it should be \
+             noeviction or volatile-* (SPEC §5)"
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -17,13 +17,15 @@ use support::{TempDir, Upstream, admin_call, admin_reload, client, get, start_ga
 
 const RATE: u64 = 20; // per second, burst 20
 
-fn rest(region: &str, local: &RedisServer, global: &RedisServer, regions: &str) -> String {
+/// The `store:` and plans of a gateway of `region`, trading through the global store at
+/// `global` (a Redis URL).
+fn rest(region: &str, local: &RedisServer, global: &str, regions: &str) -> String {
     format!(
         "store:\n  backend: redis\n  url: \"{}\"\n  timeout: 2s\n  region: {{ name: {region}, regions: [{regions}], global: \"{}\", sync_interval: 200ms }}\n\
          clients:\n  api_keys:\n    \"hot-client\": free\n\
          plans:\n  free:\n    limits: [ {{ name: per-second, algorithm: token_bucket, limit: {RATE}, window: 1s }} ]\n  anonymous: {{}}\n",
         local.url(),
-        global.url(),
+        global,
     )
 }
 
@@ -32,9 +34,14 @@ async fn two_regions_share_one_limit_through_the_gateway() {
     let global = RedisServer::start();
     let (eu_store, us_store) = (RedisServer::start(), RedisServer::start());
     let upstream = Upstream::start().await;
-    let (eu, eu_dir): (_, TempDir) =
-        start_gateway(&upstream.url(), &rest("eu", &eu_store, &global, "eu, us"));
-    let (_us, _us_dir) = start_gateway(&upstream.url(), &rest("us", &us_store, &global, "eu, us"));
+    let (eu, eu_dir): (_, TempDir) = start_gateway(
+        &upstream.url(),
+        &rest("eu", &eu_store, &global.url(), "eu, us"),
+    );
+    let (_us, _us_dir) = start_gateway(
+        &upstream.url(),
+        &rest("us", &us_store, &global.url(), "eu, us"),
+    );
 
     let checked = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
         .args(["check", "--config"])
@@ -129,7 +136,7 @@ async fn two_regions_share_one_limit_through_the_gateway() {
             eu.listen,
             eu.admin,
             &upstream.url(),
-            &rest("eu", &eu_store, &global, "eu, us, ap"),
+            &rest("eu", &eu_store, &global.url(), "eu, us, ap"),
         ),
     )
     .unwrap();
@@ -174,18 +181,25 @@ async fn a_global_store_that_may_evict_any_key_is_warned_of_at_start() {
     let keeping = RedisServer::start();
     let (eu_store, us_store) = (RedisServer::start(), RedisServer::start());
     let upstream = Upstream::start().await;
-    let (eu, _eu_dir) = start_gateway(&upstream.url(), &rest("eu", &eu_store, &evicting, "eu, us"));
+    let (eu, _eu_dir) = start_gateway(
+        &upstream.url(),
+        &rest("eu", &eu_store, &evicting.url(), "eu, us"),
+    );
     let line = eu.wait_for_log(
         |line| line.contains("may evict floodgate's keys"),
         "warning of the evicting global store",
     );
     assert!(line.contains("allkeys-lru"), "{line}");
-    let (us, _us_dir) = start_gateway(&upstream.url(), &rest("us", &us_store, &keeping, "eu, us"));
-    // The start-up checks are awaited before "floodgate serving" is logged.
-    us.wait_for_log(
-        |line| line.contains("floodgate serving"),
-        "the gateway serving",
+    let (us, _us_dir) = start_gateway(
+        &upstream.url(),
+        &rest("us", &us_store, &keeping.url(), "eu, us"),
     );
+    // The policy is read beside the serving gateway: its line says the look is done.
+    let line = us.wait_for_log(
+        |line| line.contains("global store keeps floodgate's keys"),
+        "the policy read",
+    );
+    assert!(line.contains("noeviction"), "{line}");
     assert!(
         !us.log
             .lock()
@@ -194,4 +208,49 @@ async fn a_global_store_that_may_evict_any_key_is_warned_of_at_start() {
             .any(|line| line.contains("may evict")),
         "no warning for noeviction"
     );
+}
+
+/// A gateway starts serving without waiting on the global store (SPEC §5: the request path
+/// never waits on it): with the global store black-holed, the gateway says it serves within
+/// half a second of its first log line (the configuration's warnings, written as it starts)
+/// and answers. The start-up look at the global store's eviction policy, which held the
+/// listener until the Redis client gave up (about a second), runs beside the serving gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_global_store_does_not_hold_the_start() {
+    let global = RedisServer::start();
+    let proxy = redis_support::faults::FaultProxy::start(global.port());
+    proxy.set(redis_support::faults::Fault::BlackHole);
+    let eu_store = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let (eu, _dir) = start_gateway(
+        &upstream.url(),
+        &rest("eu", &eu_store, &proxy.url(), "eu, us"),
+    );
+    let response = get(&client(), &eu.url("/"), &[]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+
+    let log = eu.log.lock().unwrap().clone();
+    let first = logged_at(&log[0]);
+    let serving = log
+        .iter()
+        .find(|line| line.contains("floodgate serving"))
+        .map(|line| logged_at(line))
+        .unwrap();
+    // Generous: the start takes tens of milliseconds here; the wait it must not have is the
+    // Redis client's own connection deadline (a second) or the region's timeout (2 s).
+    let start = (serving - first).rem_euclid(86_400.0);
+    assert!(
+        start < 0.5,
+        "serving {start:.3} s after the first line: the start waited on the global store\n{log:#?}"
+    );
+}
+
+/// The time of day a JSON log line was written, in seconds.
+fn logged_at(line: &str) -> f64 {
+    let parsed: serde_json::Value = serde_json::from_str(line).unwrap();
+    let timestamp = parsed["timestamp"].as_str().unwrap();
+    let time = timestamp.split('T').nth(1).unwrap().trim_end_matches('Z');
+    time.split(':')
+        .map(|part| part.parse::<f64>().unwrap())
+        .fold(0.0, |seconds, part| seconds * 60.0 + part)
 }
