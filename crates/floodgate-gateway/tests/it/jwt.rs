@@ -389,6 +389,13 @@ async fn a_bearer_token_in_any_spelling_is_verified_and_two_credentials_are_refu
             ],
         ),
         (
+            "an expired bearer, then Basic",
+            vec![
+                ("authorization", bearer(&expired)),
+                ("authorization", basic.clone()),
+            ],
+        ),
+        (
             "an expired bearer, then a valid one",
             vec![
                 ("authorization", bearer(&expired)),
@@ -481,23 +488,37 @@ async fn an_expired_token_limited_as_anonymous_is_not_forwarded() {
     assert!(!forwarded.contains_key("x-api-key"), "{forwarded:?}");
 
     let basic = "Basic dXNlcjpwYXNz".to_owned();
-    let answer = get_with(
-        &client,
-        &url,
-        &[
-            ("authorization", basic),
-            ("authorization", bearer(&expired)),
-        ],
-    )
-    .await;
-    assert_invalid_request(&answer, "Basic, then an expired bearer");
-    let answer = get(
-        &client,
-        &gateway.url(&format!("/v1/x?access_token={expired}")),
-        &[],
-    )
-    .await;
-    assert_invalid_request(&answer, "an expired access_token");
+    for (what, headers) in [
+        (
+            "Basic, then an expired bearer",
+            [basic.clone(), bearer(&expired)],
+        ),
+        ("an expired bearer, then Basic", [bearer(&expired), basic]),
+    ] {
+        let headers = headers.map(|value| ("authorization", value));
+        let answer = get_with(&client, &url, &headers).await;
+        assert_invalid_request(&answer, what);
+    }
+    for (what, query, headers) in [
+        (
+            "an expired access_token",
+            format!("access_token={expired}"),
+            vec![],
+        ),
+        (
+            "Authorization and an expired access_token",
+            format!("access_token={expired}"),
+            vec![("authorization", bearer(&valid))],
+        ),
+        (
+            "an expired bearer and a valid access_token",
+            format!("access_token={valid}"),
+            vec![("authorization", bearer(&expired))],
+        ),
+    ] {
+        let answer = get_with(&client, &gateway.url(&format!("/v1/x?{query}")), &headers).await;
+        assert_invalid_request(&answer, what);
+    }
 }
 
 /// Regression (issue 45, item 3): with `unknown_keys: default_plan`, a tenant at 429 that
