@@ -9,7 +9,8 @@ trap cleanup EXIT
 wait_for() { for _ in $(seq 100); do curl -kfs "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; exit 1; }
 
 # Starts `floodgate serve` with the given YAML (a `store:` section, a `listen_tls:`); sets
-# $started_port. With `https` as second argument, readiness is checked over TLS.
+# $started_port. With `https` as second argument, readiness is checked over TLS. Runs
+# $floodgate_bin when set (another build), else target/release/floodgate.
 start_floodgate() { # yaml [scheme]
     local port admin; port=$(free_port); admin=$(free_port)
     cat > "$work/floodgate-$port.yaml" <<YAML
@@ -23,7 +24,7 @@ plans:
   free:
     limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
 YAML
-    RUST_LOG=warn target/release/floodgate serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
+    RUST_LOG=warn "${floodgate_bin:-target/release/floodgate}" serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
     pids+=($!)
     wait_for "${2:-http}://127.0.0.1:$port/"
     started_port=$port
