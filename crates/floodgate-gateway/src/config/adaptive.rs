@@ -1,5 +1,5 @@
 //! `adaptive_concurrency:`: shedding when an upstream slows down (SPEC §11), one limit per
-//! upstream, requests classed by their plan or a trusted header.
+//! upstream, requests classed by a trusted header, their route or their plan.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -112,6 +112,29 @@ impl AdaptiveSettings {
             builder = builder.default_class(default.clone());
         }
         builder
+    }
+}
+
+/// `routes[].class`: only with `adaptive_concurrency`, and one of its classes when it names
+/// them.
+pub(super) fn route_classes(
+    errors: &mut Errors,
+    raw: Option<&RawAdaptive>,
+    routes: &[super::routes::RawRoute],
+) {
+    for (index, route) in routes.iter().enumerate() {
+        let Some(class) = &route.class else { continue };
+        let path = format!("routes[{index}].class");
+        match raw {
+            None => errors.push(path, "needs adaptive_concurrency"),
+            Some(raw)
+                if !raw.classes.is_empty()
+                    && !raw.classes.iter().any(|known| known.name == *class) =>
+            {
+                errors.push(path, format!("`{class}` is not one of the classes"));
+            }
+            Some(_) => {}
+        }
     }
 }
 
@@ -232,6 +255,25 @@ mod tests {
             let errors = errors_of(&format!("adaptive_concurrency:\n  {setting}\n"));
             assert_eq!(errors, [expected.to_owned()], "{setting}");
         }
+    }
+
+    #[test]
+    fn a_route_s_class_is_one_of_the_classes_and_needs_adaptive_concurrency() {
+        let routes = "routes:\n  - { match: \"/checkout\", class: critical }\n  \
+                      - { match: \"/export\", class: bronze }\n";
+        assert_eq!(
+            errors_of(&format!(
+                "{routes}adaptive_concurrency:\n  classes: [ {{ name: critical }}, {{ name: rest }} ]\n"
+            )),
+            ["routes[1].class: `bronze` is not one of the classes".to_owned()]
+        );
+        assert_eq!(
+            errors_of(routes),
+            [
+                "routes[0].class: needs adaptive_concurrency".to_owned(),
+                "routes[1].class: needs adaptive_concurrency".to_owned(),
+            ]
+        );
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub(crate) struct RawRoute {
     /// The most an estimate charges up front.
     #[serde(default)]
     pub estimate_max: Option<u64>,
+    /// The `adaptive_concurrency` class of its requests (SPEC §11), over their plan's.
+    #[serde(default)]
+    pub class: Option<String>,
 }
 
 /// Where requests go upstream.
@@ -57,6 +60,8 @@ pub(crate) struct RouteTarget {
     /// The up-front estimate read from the request (`cost` without one), settled against
     /// `cost_header`.
     pub estimate: Option<EstimateHeader>,
+    /// The `adaptive_concurrency` class of its requests, checked against the classes.
+    pub class: Option<String>,
 }
 
 impl RouteTarget {
@@ -185,6 +190,7 @@ pub(super) fn routes(errors: &mut Errors, raw: &[RawRoute]) -> RouteTable<RouteT
                 cost: route.cost,
                 cost_header,
                 estimate,
+                class: route.class.clone(),
             };
             errors.ok(format!("{path}.match"), routes.insert(endpoint, target));
         }

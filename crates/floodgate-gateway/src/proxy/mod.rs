@@ -37,7 +37,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tower_service::Service;
 
 use crate::client::ResolvedClient;
-use crate::config::{Config, Upstream, UpstreamProtocol};
+use crate::config::{Config, RouteTarget, Upstream, UpstreamProtocol};
 use crate::error::GatewayError;
 use crate::tls::{TlsError, UpstreamTls, upstream_client_config};
 use client_body::{BodyWatch, ClientBody, ClientFault};
@@ -263,15 +263,21 @@ fn trusted_peer<B>(config: &Config, request: &Request<B>) -> bool {
         .is_some_and(|PeerAddr(peer)| config.identity.identifier.client_ip().is_trusted(peer.ip()))
 }
 
-fn upstream_of<'c, B>(config: &'c Config, request: &Request<B>) -> &'c Upstream {
+/// The request's route, if one matches.
+fn route_of<'c, B>(config: &'c Config, request: &Request<B>) -> Option<&'c RouteTarget> {
     ResolvedClient::route_of(
         &config.routes,
         request.extensions(),
         request.method(),
         request.uri().path(),
     )
-    .and_then(|route| route.upstream.as_ref())
-    .unwrap_or(&config.upstream)
+}
+
+/// Where a request of `route` goes: the route's upstream, else the default one.
+fn upstream_of_route<'c>(config: &'c Config, route: Option<&'c RouteTarget>) -> &'c Upstream {
+    route
+        .and_then(|route| route.upstream.as_ref())
+        .unwrap_or(&config.upstream)
 }
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -441,15 +447,8 @@ async fn forward(
     config: Arc<Config>,
     mut request: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    let route = ResolvedClient::route_of(
-        &config.routes,
-        request.extensions(),
-        request.method(),
-        request.uri().path(),
-    );
-    let upstream = route
-        .and_then(|route| route.upstream.as_ref())
-        .unwrap_or(&config.upstream);
+    let route = route_of(&config, &request);
+    let upstream = upstream_of_route(&config, route);
     // Kept to be written as the upstream request's target (hyper-util's client wants it
     // absolute, an HTTP/1.1 connection origin-form).
     let origin = request
@@ -540,7 +539,7 @@ fn answered(
     upstream: &Upstream,
     config: &Config,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-    route: Option<&crate::config::RouteTarget>,
+    route: Option<&RouteTarget>,
 ) -> Response<ProxyBody> {
     if result.as_ref().map_or(true, Result::is_err)
         && let Some(fault) = client_fault(watch, result.is_err())
@@ -623,10 +622,12 @@ impl Service<Request<Incoming>> for Proxy {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let (clients, config) = (self.clients.clone(), self.config.clone());
+        let route = route_of(&config, &request);
         let permit = match &self.shedding {
             None => None,
             Some(shedding) => match shedding.admit(
-                upstream_of(&config, &request),
+                upstream_of_route(&config, route),
+                route,
                 &request,
                 trusted_peer(&config, &request),
             ) {

@@ -1,8 +1,8 @@
 //! `adaptive_concurrency` in the proxy: one [`AdaptiveLimiter`] per upstream, made at the
 //! upstream's first request and kept across reloads that leave the settings as they were (the
 //! limit and the round trip it learned go on). A request is classed by the class header when
-//! a trusted proxy sent it (`identity.trusted_proxies`), else its plan, else the default class;
-//! its client, for fairness within a class, is its identity.
+//! a trusted proxy sent it (`identity.trusted_proxies`), else its route's `class`, else its
+//! plan's, else the default class; its client, for fairness within a class, is its identity.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -13,7 +13,7 @@ use floodgate::adaptive::{
 use http::Request;
 
 use crate::client::ResolvedClient;
-use crate::config::{AdaptiveSettings, Upstream};
+use crate::config::{AdaptiveSettings, RouteTarget, Upstream};
 
 /// The limiters of the upstreams, under one set of settings.
 #[derive(Debug)]
@@ -38,10 +38,12 @@ impl Shedding {
 
     /// Admits `request` to `upstream`: a permit to hold until the upstream answers, or why
     /// it is shed. The class header is read only from a trusted proxy (`trusted_peer`), as the
-    /// plan header is: a client that names its own class would call itself critical.
+    /// plan header is: a client that names its own class would call itself critical. The
+    /// operator's own words come next: the request's route's class, then its plan's.
     pub(crate) fn admit<B>(
         &self,
         upstream: &Upstream,
+        route: Option<&RouteTarget>,
         request: &Request<B>,
         trusted_peer: bool,
     ) -> Result<AdaptivePermit, ShedDecision> {
@@ -54,6 +56,7 @@ impl Shedding {
             .filter(|_| trusted_peer)
             .and_then(|header| request.headers().get(header)?.to_str().ok())
             .filter(|name| limiter.classes().iter().any(|known| **known == **name))
+            .or_else(|| route?.class.as_deref())
             .or_else(|| {
                 let plan = &resolved?.plan;
                 self.settings.plan_classes.get(&**plan).map(String::as_str)
@@ -132,7 +135,7 @@ mod tests {
             .unwrap()
             .upstream;
         let request = Request::new(());
-        let permit = first.admit(&upstream, &request, false).unwrap();
+        let permit = first.admit(&upstream, None, &request, false).unwrap();
         let kept = carried_over(Some(&first), Some(&settings(20))).unwrap();
         assert!(Arc::ptr_eq(&first, &kept));
         assert_eq!(kept.snapshots()[0].1.gate.in_flight, 1, "the same limiter");
@@ -168,13 +171,76 @@ mod tests {
             let class = snapshot.gate.classes.iter().find(|c| &*c.name == class);
             class.map_or(0, |class| class.admitted)
         };
-        let _from_a_client = shedding.admit(&upstream, &claiming, false).unwrap();
+        let _from_a_client = shedding.admit(&upstream, None, &claiming, false).unwrap();
         assert_eq!(
             (admitted("critical"), admitted("default")),
             (0, 1),
             "a client's own claim is not a class"
         );
-        let _through_a_trusted_proxy = shedding.admit(&upstream, &claiming, true).unwrap();
+        let _through_a_trusted_proxy = shedding.admit(&upstream, None, &claiming, true).unwrap();
         assert_eq!((admitted("critical"), admitted("default")), (1, 1));
+    }
+
+    #[test]
+    fn a_trusted_header_then_the_route_then_the_plan_class_a_request() {
+        let config = parse(
+            "identity: { trusted_proxies: [\"127.0.0.1/32\"] }\n\
+             plans:\n  free: {}\n  anonymous: {}\n\
+             routes:\n  - { match: \"/checkout\", class: critical }\n\
+             adaptive_concurrency:\n  class_header: x-priority\n  plan_classes: { free: sheddable }\n  \
+             classes:\n    - { name: critical, reserve: 0.2 }\n    - { name: default }\n    - { name: sheddable }\n",
+        )
+        .unwrap();
+        let shedding = Shedding::new(config.adaptive.clone().unwrap());
+        let admitted = || {
+            let snapshot = &shedding.snapshots()[0].1;
+            let count = |name: &str| {
+                let class = snapshot.gate.classes.iter().find(|c| &*c.name == name);
+                class.map_or(0, |class| class.admitted)
+            };
+            (count("critical"), count("default"), count("sheddable"))
+        };
+        let request = |path: &str, priority: Option<&str>| {
+            let mut request = Request::builder().uri(path);
+            if let Some(priority) = priority {
+                request = request.header("x-priority", priority);
+            }
+            let mut request = request.body(()).unwrap();
+            request.extensions_mut().insert(ResolvedClient {
+                identity: floodgate::Identity::ApiKey("k".to_owned()),
+                plan: "free".into(),
+                client_ip: None,
+                bypass: false,
+                route: config.routes.find_index(&http::Method::GET, path),
+                anonymized: false,
+                token_verified: false,
+            });
+            request
+        };
+        let route_of = |request: &Request<()>| {
+            let index = request.extensions().get::<ResolvedClient>()?.route?;
+            config.routes.entry(index).map(|(_, route)| route)
+        };
+        let mut permits = Vec::new();
+        let mut admit = |request: Request<()>, trusted: bool| {
+            let route = route_of(&request);
+            permits.push(
+                shedding
+                    .admit(&config.upstream, route, &request, trusted)
+                    .unwrap(),
+            );
+        };
+        admit(request("/other", None), false);
+        assert_eq!(admitted(), (0, 0, 1), "the plan's class");
+        admit(request("/checkout", None), false);
+        assert_eq!(admitted(), (1, 0, 1), "the route's class over the plan's");
+        admit(request("/checkout", Some("sheddable")), false);
+        assert_eq!(admitted(), (2, 0, 1), "a client's own header is not read");
+        admit(request("/checkout", Some("default")), true);
+        assert_eq!(
+            admitted(),
+            (2, 1, 1),
+            "a trusted proxy's header over the route's"
+        );
     }
 }

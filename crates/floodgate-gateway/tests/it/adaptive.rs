@@ -244,3 +244,45 @@ async fn a_request_a_concurrency_ceiling_refuses_is_told_to_come_back_within_two
     assert!((1..=2).contains(&retry_after), "Retry-After: {retry_after}");
     assert_eq!(holder.await.unwrap().status(), 200);
 }
+
+/// A route's `class` places its requests (SPEC §11, amended): through the binary, requests to
+/// `/checkout` are counted in `critical`, the others in the default class, and a client's own
+/// `x-priority` (no trusted proxy here) changes neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_s_class_places_its_requests() {
+    let upstream = support::Upstream::start().await;
+    let rest = "routes:\n  - { match: \"/checkout\", class: critical }\n\
+                adaptive_concurrency:\n  class_header: x-priority\n  default_class: default\n  \
+                classes:\n    - { name: critical, reserve: 0.2 }\n    - { name: default }\n    - { name: sheddable }\n";
+    let (gateway, _directory) = support::start_gateway(&upstream.url(), rest);
+    let client = client();
+    for path in ["/checkout", "/checkout", "/checkout", "/", "/other"] {
+        let response = get(&client, &gateway.url(path), &[("x-priority", "sheddable")]).await;
+        assert_eq!(response.status(), 200, "{path}");
+    }
+    let (status, answer) = admin_call(
+        &client,
+        &gateway,
+        http::Method::GET,
+        "/admin/adaptive",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let admitted: Vec<_> = answer["upstreams"][0]["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|class| (class["name"].clone(), class["admitted"].clone()))
+        .collect();
+    assert_eq!(
+        admitted,
+        [
+            ("critical".into(), 3.into()),
+            ("default".into(), 2.into()),
+            ("sheddable".into(), 0.into()),
+        ],
+        "{answer}"
+    );
+}
