@@ -155,16 +155,7 @@ async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_o
         "{sheddable_share} ≥ {critical_share}"
     );
 
-    let (status, answer) = admin_call(
-        &client(),
-        &gateway,
-        http::Method::GET,
-        "/admin/adaptive",
-        None,
-        None,
-    )
-    .await;
-    assert_eq!(status, 200);
+    let answer = adaptive_status(&gateway).await;
     let only = &answer["upstreams"][0];
     assert_eq!(only["upstream"], upstream.as_str());
     // 40 at the start: the controller brought it toward the upstream's 4 workers.
@@ -178,6 +169,21 @@ async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_o
     let line: serde_json::Value = serde_json::from_str(&first).unwrap();
     assert_eq!(line["decision"], "shed", "{line}");
     assert_eq!(line["status"], 503, "{line}");
+}
+
+/// `GET /admin/adaptive`, answered 200.
+async fn adaptive_status(gateway: &Gateway) -> serde_json::Value {
+    let (status, answer) = admin_call(
+        &client(),
+        gateway,
+        http::Method::GET,
+        "/admin/adaptive",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    answer
 }
 
 /// The log's first line, once its writer has written it (off the request path; 5 s at most).
@@ -204,15 +210,7 @@ async fn in_shadow_nothing_is_refused_and_what_would_be_is_counted() {
     let ((_, critical_shed), (_, sheddable_shed)) =
         overload(&gateway, Duration::from_secs(2)).await;
     assert_eq!((critical_shed, sheddable_shed), (0, 0));
-    let (_, answer) = admin_call(
-        &client(),
-        &gateway,
-        http::Method::GET,
-        "/admin/adaptive",
-        None,
-        None,
-    )
-    .await;
+    let answer = adaptive_status(&gateway).await;
     let would_have = answer["upstreams"][0]["classes"][2]["refused"]
         .as_u64()
         .unwrap();
@@ -260,16 +258,7 @@ async fn a_route_s_class_places_its_requests() {
         let response = get(&client, &gateway.url(path), &[("x-priority", "sheddable")]).await;
         assert_eq!(response.status(), 200, "{path}");
     }
-    let (status, answer) = admin_call(
-        &client,
-        &gateway,
-        http::Method::GET,
-        "/admin/adaptive",
-        None,
-        None,
-    )
-    .await;
-    assert_eq!(status, 200);
+    let answer = adaptive_status(&gateway).await;
     let admitted: Vec<_> = answer["upstreams"][0]["classes"]
         .as_array()
         .unwrap()
