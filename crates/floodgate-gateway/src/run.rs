@@ -187,7 +187,7 @@ fn spawn_periodic_tasks(gateway: &Arc<Gateway>) {
             }
         }
     });
-    // The status page's decision rates: one sample a second. Hot identities that went quiet
+    // The status page's decision rates and adaptive limits: one sample a second. Hot identities that went quiet
     // are demoted on the same tick (recording demotes them only where traffic still flows).
     let board = gateway.observers.status.clone();
     let sweeping = gateway.clone();
@@ -196,6 +196,12 @@ fn spawn_periodic_tasks(gateway: &Arc<Gateway>) {
         loop {
             ticks.tick().await;
             board.sample();
+            let shedding = sweeping.current().shedding.clone();
+            board.sample_adaptive(
+                shedding
+                    .map(|shedding| shedding.snapshots())
+                    .unwrap_or_default(),
+            );
             if let Some(hot) = sweeping.current().hot_identities() {
                 for identity in hot.sweep() {
                     tracing::info!(identity, "hot identity went quiet: decided exactly again");

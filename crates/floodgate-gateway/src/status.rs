@@ -1,13 +1,15 @@
 //! What the status page shows (SPEC §7 `GET /`): decisions per second by outcome over the last
-//! minute, the 429 share of the last ten seconds with the baseline's anomaly flag, and the
-//! recent reload errors. Sampled once a second from the process's decision totals; bounded
-//! memory. And [`Observers`]: everything the configuration versions report into, kept across
+//! minute, the 429 share of the last ten seconds with the baseline's anomaly flag, the recent
+//! reload errors, and each upstream's adaptive concurrency limit, in flight and sampled
+//! latency over the last minute. Sampled once a second from the process's decision totals and
+//! the limiters; bounded memory. And [`Observers`]: everything the configuration versions report into, kept across
 //! reloads, that the admin API reads.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use floodgate::adaptive::AdaptiveSnapshot;
 use floodgate::telemetry::{DecisionLabel, LimitedRateBaseline, decision_totals};
 use floodgate::top::TopClients;
 use serde::Serialize;
@@ -18,6 +20,9 @@ const SAMPLES: usize = 61;
 const RATE_WINDOW: usize = 10;
 /// Reload errors kept.
 const RELOAD_ERRORS: usize = 10;
+/// Upstreams whose adaptive limits are kept (one limiter each; a bound against a
+/// configuration with many routes' upstreams).
+const ADAPTIVE_UPSTREAMS: usize = 32;
 
 /// The page's shared state; the gateway keeps one across configuration versions.
 #[derive(Debug)]
@@ -27,6 +32,20 @@ pub(crate) struct StatusBoard {
     /// Whether the 429 share of the baseline's last interval was an anomaly.
     anomaly: std::sync::atomic::AtomicBool,
     reload_errors: Mutex<VecDeque<(u64, String)>>,
+    /// Each upstream's adaptive limit, second by second (the last minute).
+    adaptive: Mutex<BTreeMap<String, VecDeque<AdaptivePoint>>>,
+}
+
+/// One second of an upstream's adaptive concurrency limiter.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct AdaptivePoint {
+    at: u64,
+    limit: u32,
+    in_flight: u32,
+    /// The last window's sampled latency, in milliseconds.
+    latency_ms: Option<f64>,
+    /// Requests refused (or, in shadow, that would have been) so far, every class.
+    refused: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -42,6 +61,7 @@ impl Default for StatusBoard {
             samples: Mutex::new(VecDeque::with_capacity(SAMPLES)),
             anomaly: std::sync::atomic::AtomicBool::new(false),
             reload_errors: Mutex::new(VecDeque::with_capacity(RELOAD_ERRORS)),
+            adaptive: Mutex::new(BTreeMap::new()),
         }
     }
 }
@@ -66,6 +86,40 @@ impl StatusBoard {
         });
     }
 
+    /// Takes this second's sample of the adaptive limiters in service, by upstream (called
+    /// once a second, after [`StatusBoard::sample`]). An upstream no limiter reports any more
+    /// (a reload without `adaptive_concurrency`, or another upstream) is forgotten.
+    pub(crate) fn sample_adaptive(&self, snapshots: Vec<(String, AdaptiveSnapshot)>) {
+        let at = unix_now();
+        let mut kept = self.adaptive.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.retain(|upstream, _| snapshots.iter().any(|(name, _)| name == upstream));
+        for (upstream, snapshot) in snapshots {
+            if !kept.contains_key(&upstream) && kept.len() == ADAPTIVE_UPSTREAMS {
+                continue;
+            }
+            let points = kept
+                .entry(upstream)
+                .or_insert_with(|| VecDeque::with_capacity(SAMPLES));
+            if points.len() == SAMPLES {
+                points.pop_front();
+            }
+            points.push_back(AdaptivePoint {
+                at,
+                limit: snapshot.gate.limit,
+                in_flight: snapshot.gate.in_flight,
+                latency_ms: snapshot
+                    .sample_latency
+                    .map(|latency| (latency.as_secs_f64() * 10_000.0).round() / 10.0),
+                refused: snapshot
+                    .gate
+                    .classes
+                    .iter()
+                    .map(|class| class.refused)
+                    .sum(),
+            });
+        }
+    }
+
     /// Records whether the 429 share of the baseline's interval that just closed is an
     /// anomaly (more than 2σ from its trailing five minutes).
     pub(crate) fn record_anomaly(&self, anomaly: bool) {
@@ -85,8 +139,8 @@ impl StatusBoard {
         errors.push_back((unix_now(), error));
     }
 
-    /// The `decisions`, `limited_share`, `reload_errors` and `uptime_seconds` parts of
-    /// `/admin/status`.
+    /// The `decisions`, `limited_share`, `reload_errors`, `adaptive` and `uptime_seconds`
+    /// parts of `/admin/status`.
     pub(crate) fn report(&self) -> Observed {
         let samples: Vec<Sample> = self
             .samples
@@ -156,6 +210,16 @@ impl StatusBoard {
                 anomaly: self.anomaly.load(std::sync::atomic::Ordering::Relaxed),
             },
             reload_errors,
+            adaptive: self
+                .adaptive
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(upstream, points)| AdaptiveSeries {
+                    upstream: upstream.clone(),
+                    series: points.iter().copied().collect(),
+                })
+                .collect(),
         }
     }
 }
@@ -177,6 +241,16 @@ pub(crate) struct Observed {
     limited_share: LimitedShare,
     /// The last ten, oldest first.
     reload_errors: Vec<ReloadError>,
+    /// Each upstream's adaptive limiter over the last minute (none without
+    /// `adaptive_concurrency`).
+    adaptive: Vec<AdaptiveSeries>,
+}
+
+/// An upstream's adaptive limiter, second by second.
+#[derive(Debug, Serialize)]
+struct AdaptiveSeries {
+    upstream: String,
+    series: Vec<AdaptivePoint>,
 }
 
 /// Decisions per second by outcome: the mean of the last ten seconds, and each second of the
@@ -248,5 +322,43 @@ mod tests {
             report["decisions"]["series"].as_array().unwrap().len(),
             SAMPLES - 1
         );
+    }
+
+    #[test]
+    fn each_upstream_s_adaptive_limit_is_kept_a_minute_and_forgotten_with_its_limiter() {
+        let settings = crate::config::parse("adaptive_concurrency:\n  initial_limit: 20\n")
+            .unwrap()
+            .adaptive
+            .unwrap();
+        let limiter = settings.limiter("http://127.0.0.1:9");
+        let _held = limiter.admit(0, None);
+        let board = StatusBoard::default();
+        for _ in 0..100 {
+            board.sample_adaptive(vec![("http://127.0.0.1:9".to_owned(), limiter.snapshot())]);
+        }
+        let report = serde_json::to_value(board.report()).unwrap();
+        let adaptive = report["adaptive"].as_array().unwrap();
+        assert_eq!(adaptive.len(), 1);
+        assert_eq!(adaptive[0]["upstream"], "http://127.0.0.1:9");
+        let series = adaptive[0]["series"].as_array().unwrap();
+        assert_eq!(series.len(), SAMPLES);
+        assert_eq!(series[0]["limit"], 20);
+        assert_eq!(series[0]["in_flight"], 1);
+        assert_eq!(series[0]["refused"], 0);
+
+        // Many upstreams: a bounded number is kept.
+        let many = (0..100)
+            .map(|index| (format!("http://127.0.0.1:{index}"), limiter.snapshot()))
+            .collect();
+        board.sample_adaptive(many);
+        let report = serde_json::to_value(board.report()).unwrap();
+        assert_eq!(
+            report["adaptive"].as_array().unwrap().len(),
+            ADAPTIVE_UPSTREAMS
+        );
+        // A reload without adaptive_concurrency: nothing is shown any more.
+        board.sample_adaptive(Vec::new());
+        let report = serde_json::to_value(board.report()).unwrap();
+        assert_eq!(report["adaptive"], serde_json::json!([]));
     }
 }

@@ -197,6 +197,10 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
     assert_eq!(text_of(&dom, "version"), "1");
     assert_eq!(text_of(&dom, "backend"), "memory");
     assert_eq!(text_of(&dom, "mode"), "enforce");
+    assert!(
+        tag_of(&dom, "adaptive-card").contains("hidden"),
+        "no adaptive_concurrency: no adaptive section"
+    );
     let rate: f64 = text_of(&dom, "rate-total").parse().expect("a rate");
     assert!(rate > 0.0, "a non-zero decision rate: {rate}");
     assert!(
@@ -250,4 +254,63 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
         std::fs::copy(&screenshot, target).unwrap();
     }
     traffic.abort();
+}
+
+/// With `adaptive_concurrency` (issue 49), the page draws each upstream's limit, in flight and
+/// sampled latency over the last minute; without it, the section stays hidden (the test
+/// above's gateway has none: its DOM has the card hidden).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_draws_the_adaptive_limit_over_time() {
+    let upstream = Upstream::start().await;
+    let directory = TempDir::new("page-adaptive");
+    let (listen, admin) = addresses();
+    let path = directory.file("floodgate.yaml");
+    let rest = "adaptive_concurrency:\n  initial_limit: 25\n  min_samples: 1\n  window: 100ms\n";
+    std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
+    let gateway =
+        Gateway::start_with_env(&path, listen, admin, &[("FLOODGATE_ADMIN_TOKEN", TOKEN)]);
+    // Traffic until the status board holds two seconds of the upstream's limiter.
+    let client = client();
+    let started = Instant::now();
+    loop {
+        get(&client, &gateway.url("/"), &[]).await;
+        let status = get(
+            &client,
+            &gateway.admin_url("/admin/status"),
+            &[("authorization", &format!("Bearer {TOKEN}"))],
+        )
+        .await;
+        let body: serde_json::Value = serde_json::from_slice(status.body()).unwrap();
+        let points = body["adaptive"][0]["series"].as_array().map_or(0, Vec::len);
+        if points >= 2 {
+            assert_eq!(body["adaptive"][0]["upstream"], upstream.url().as_str());
+            assert!(body["adaptive"][0]["series"][0]["limit"].as_u64() >= Some(1));
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no adaptive samples after 10 s: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let profile = TempDir::new("chromium-adaptive");
+    let url = format!("{}#token={TOKEN}", gateway.admin_url("/"));
+    let dom = tokio::task::spawn_blocking(move || {
+        run_chromium(&profile.file("with"), &url, &["--dump-dom"])
+    })
+    .await
+    .unwrap();
+    assert!(dom.contains("data-state=\"ok\""), "rendered:\n{dom}");
+    assert!(!tag_of(&dom, "adaptive-card").contains("hidden"), "{dom}");
+    assert!(
+        dom.contains(&format!("{}: limit ", upstream.url())),
+        "the upstream's line:\n{dom}"
+    );
+    for series in ["limit", "in_flight"] {
+        assert!(
+            dom.contains(&format!("data-series=\"{series}\"")),
+            "no {series} line:\n{dom}"
+        );
+    }
 }
