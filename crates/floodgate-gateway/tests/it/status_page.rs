@@ -69,6 +69,28 @@ fn tag_of<'d>(dom: &'d str, id: &str) -> &'d str {
     &dom[open..=close]
 }
 
+/// A gateway on `rest` in front of `upstream`, its admin API guarded by [`TOKEN`].
+fn start_with_token(upstream: &Upstream, rest: &str) -> (Gateway, TempDir) {
+    let directory = TempDir::new("page");
+    let (listen, admin) = addresses();
+    let path = directory.file("floodgate.yaml");
+    std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
+    let gateway =
+        Gateway::start_with_env(&path, listen, admin, &[("FLOODGATE_ADMIN_TOKEN", TOKEN)]);
+    (gateway, directory)
+}
+
+/// `GET /admin/status` with the token.
+async fn admin_status(client: &support::TestClient, gateway: &Gateway) -> serde_json::Value {
+    let status = get(
+        client,
+        &gateway.admin_url("/admin/status"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await;
+    serde_json::from_slice(status.body()).unwrap()
+}
+
 /// Requests until `/admin/status` reports a non-zero decision rate (the gateway samples once
 /// a second, so this takes two samples).
 async fn wait_for_a_decision_rate(gateway: &Gateway) {
@@ -78,13 +100,7 @@ async fn wait_for_a_decision_rate(gateway: &Gateway) {
         for key in ["page-a", "page-b", "page-c"] {
             get(&client, &gateway.url("/v1/things"), &[("x-api-key", key)]).await;
         }
-        let status = get(
-            &client,
-            &gateway.admin_url("/admin/status"),
-            &[("authorization", &format!("Bearer {TOKEN}"))],
-        )
-        .await;
-        let body: serde_json::Value = serde_json::from_slice(status.body()).unwrap();
+        let body = admin_status(&client, gateway).await;
         if body["decisions"]["per_second"]["allowed"].as_f64() > Some(0.0) {
             return;
         }
@@ -99,13 +115,8 @@ async fn wait_for_a_decision_rate(gateway: &Gateway) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token() {
     let upstream = Upstream::start().await;
-    let directory = TempDir::new("page");
-    let (listen, admin) = addresses();
-    let path = directory.file("floodgate.yaml");
     let rest = "plans:\n  free:\n    limits:\n      - { name: per-second, algorithm: token_bucket, limit: 2, window: 1s }\n      - { name: daily, algorithm: fixed_window, limit: 1000000, period: day }\n  anonymous: {}\n";
-    std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
-    let gateway =
-        Gateway::start_with_env(&path, listen, admin, &[("FLOODGATE_ADMIN_TOKEN", TOKEN)]);
+    let (gateway, directory) = start_with_token(&upstream, rest);
 
     // The page itself is open (it holds no data); its data calls are not.
     let client = client();
@@ -262,25 +273,14 @@ async fn the_status_page_shows_the_gateway_under_traffic_and_asks_for_the_token(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_draws_the_adaptive_limit_over_time() {
     let upstream = Upstream::start().await;
-    let directory = TempDir::new("page-adaptive");
-    let (listen, admin) = addresses();
-    let path = directory.file("floodgate.yaml");
     let rest = "adaptive_concurrency:\n  initial_limit: 25\n  min_samples: 1\n  window: 100ms\n";
-    std::fs::write(&path, config_text(listen, admin, &upstream.url(), rest)).unwrap();
-    let gateway =
-        Gateway::start_with_env(&path, listen, admin, &[("FLOODGATE_ADMIN_TOKEN", TOKEN)]);
+    let (gateway, _directory) = start_with_token(&upstream, rest);
     // Traffic until the status board holds two seconds of the upstream's limiter.
     let client = client();
     let started = Instant::now();
     loop {
         get(&client, &gateway.url("/"), &[]).await;
-        let status = get(
-            &client,
-            &gateway.admin_url("/admin/status"),
-            &[("authorization", &format!("Bearer {TOKEN}"))],
-        )
-        .await;
-        let body: serde_json::Value = serde_json::from_slice(status.body()).unwrap();
+        let body = admin_status(&client, &gateway).await;
         let points = body["adaptive"][0]["series"].as_array().map_or(0, Vec::len);
         if points >= 2 {
             assert_eq!(body["adaptive"][0]["upstream"], upstream.url().as_str());
