@@ -7,6 +7,8 @@
 # per bucket (the servers' RSS and Redis' used_memory near the run's end, against idle).
 #
 #   bash bench/rlqs.sh [SECONDS] [ENVOYS] [BUCKETS] [BURST] [LIMIT] [ENVOYS_PER_BUCKET]
+#   MODE=rls bash bench/rlqs.sh ...    the same demand and limits through ShouldRateLimit, one
+#                                      call per request (the same rule in an RLS domain file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}; envoys=${2:-100}; buckets=${3:-1000}
@@ -17,7 +19,7 @@ done
 cargo build --release -p floodgate-gateway --bin floodgate --example rlqs_bench >/dev/null 2>&1
 source bench/common.sh
 echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), redis $(redis-server --version | awk '{print $3}'), $(date -u +%FT%TZ), $(git rev-parse --short HEAD)"
-echo "run: $seconds s, $envoys Envoys, $buckets buckets of $limit/s (burst $burst), $per_bucket Envoys per bucket"
+echo "run: ${MODE:-rlqs}, $seconds s, $envoys Envoys, $buckets buckets of $limit/s (burst $burst), $per_bucket Envoys per bucket"
 
 redis_port=$(free_port)
 redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null &
@@ -28,6 +30,14 @@ servers=(); admins=(); server_pids=()
 for _ in 1 2; do
     rls=$(free_port); admin=$(free_port); listen=$(free_port)
     mkdir -p "$work/rls-$rls"
+    cat > "$work/rls-$rls/bench.yaml" <<YAML
+domain: bench
+descriptors:
+  - key: user
+    rate_limit: { unit: second, requests_per_unit: $limit }
+    algorithm: token_bucket
+    burst: $burst
+YAML
     cat > "$work/floodgate-$rls.yaml" <<YAML
 listen: "127.0.0.1:$listen"
 admin: { listen: "127.0.0.1:$admin" }
@@ -53,7 +63,7 @@ reports() { local total=0; for admin in "${admins[@]}"; do
     total=$((total + $(curl -fs "http://127.0.0.1:$admin/metrics" | awk '/^floodgate_rlqs_reports_total/ {sum += $2} END {print sum + 0}'))); done; echo "$total"; }
 
 idle_rss=$(rss_kib); idle_redis=$(redis_bytes); cpu_before=$(cpu_ticks); reports_before=$(reports)
-target/release/examples/rlqs_bench "$(IFS=,; echo "${servers[*]}")" "$seconds" "$envoys" "$buckets" "$per_bucket" "$limit" "$burst" > "$work/client.json" &
+target/release/examples/rlqs_bench "$(IFS=,; echo "${servers[*]}")" "$seconds" "$envoys" "$buckets" "$per_bucket" "$limit" "$burst" "${MODE:-rlqs}" > "$work/client.json" &
 client=$!
 sleep "$(python3 -c "print($seconds * 0.9)")"
 busy_rss=$(rss_kib); busy_redis=$(redis_bytes)

@@ -4,17 +4,29 @@
 //! `PER_BUCKET` Envoys: one of them at five times the others' rate, together twice the
 //! bucket's limit. Prints one JSON line: the worst 10 s window of any bucket against
 //! `limit × 10 × 1.02 + burst`, and how many (Envoy, bucket) pairs got at least 90 % of
-//! min(their demand, their max-min fair share) over the last half of the run.
+//! min(their demand, their max-min fair share) over the last half of the run, and what every
+//! bucket admitted per second after the first 10 s against its limit.
 //!
-//!   rlqs_bench SERVERS(comma-separated) SECONDS ENVOYS BUCKETS PER_BUCKET LIMIT BURST
+//! With `MODE` `rls`, the same demand goes through the rate limit service instead: every
+//! request is a `ShouldRateLimit` call (domain `bench`, descriptor `user: u<n>`) to the
+//! server the Envoy would have reported to, deciding the same limit there: the RLS deployment
+//! of the same rules, for the comparison of what each admits.
+//!
+//!   rlqs_bench SERVERS(comma-separated) SECONDS ENVOYS BUCKETS PER_BUCKET LIMIT BURST [MODE]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use floodgate_test_support::rlqs::{Bucket, Envoy, EnvoySettings, bucket};
 use tokio::time::Instant;
+use tonic::transport::Channel;
 
 /// How often each Envoy offers its requests.
 const STEP: Duration = Duration::from_millis(50);
@@ -27,6 +39,8 @@ struct Args {
     per_bucket: usize,
     limit: f64,
     burst: f64,
+    /// Through the rate limit service (one call per request) instead of the quota service.
+    rls: bool,
 }
 
 fn args() -> Args {
@@ -47,6 +61,11 @@ fn args() -> Args {
         per_bucket: number(5) as usize,
         limit: number(6),
         burst: number(7),
+        rls: match argv.get(8).map(String::as_str) {
+            None | Some("rlqs") => false,
+            Some("rls") => true,
+            Some(other) => panic!("MODE is rlqs or rls, not {other}"),
+        },
     }
 }
 
@@ -90,11 +109,44 @@ fn fair_shares(wants: &[f64], shared: f64) -> Vec<f64> {
     shares
 }
 
+/// Who decides one Envoy's requests: its quota service assignments, or the rate limit service.
+#[derive(Clone)]
+enum Decider {
+    Quota(Arc<Envoy>),
+    Service(RateLimitServiceClient<Channel>),
+}
+
+impl Decider {
+    /// Whether a request of `user`'s bucket is admitted.
+    async fn admits(&mut self, bucket: &Bucket, user: &str) -> bool {
+        match self {
+            Decider::Quota(envoy) => envoy.request(bucket),
+            Decider::Service(client) => {
+                let request = RateLimitRequest {
+                    domain: "bench".to_owned(),
+                    descriptors: vec![RateLimitDescriptor {
+                        entries: vec![Entry {
+                            key: "user".to_owned(),
+                            value: user.to_owned(),
+                        }],
+                        ..RateLimitDescriptor::default()
+                    }],
+                    hits_addend: 0,
+                };
+                client
+                    .should_rate_limit(request)
+                    .await
+                    .is_ok_and(|answer| answer.into_inner().overall_code == Code::Ok as i32)
+            }
+        }
+    }
+}
+
 /// Offers one Envoy's demands for the run; returns, per demand index, when each admitted
 /// request was (ms from start).
 async fn offer(
-    envoy: Arc<Envoy>,
-    mine: Vec<(usize, Bucket, f64)>,
+    mut decider: Decider,
+    mine: Vec<(usize, Bucket, String, f64)>,
     start: Instant,
     run: Duration,
 ) -> Vec<(usize, Vec<u32>)> {
@@ -107,18 +159,18 @@ async fn offer(
         if at >= run {
             break;
         }
-        for (slot, (_, bucket, per_second)) in mine.iter().enumerate() {
+        for (slot, (_, bucket, user, per_second)) in mine.iter().enumerate() {
             owed[slot] += per_second * STEP.as_secs_f64();
             while owed[slot] >= 1.0 {
                 owed[slot] -= 1.0;
-                if envoy.request(bucket) {
+                if decider.admits(bucket, user).await {
                     admitted[slot].push(at.as_millis() as u32);
                 }
             }
         }
     }
     mine.iter()
-        .map(|(index, _, _)| *index)
+        .map(|(index, _, _, _)| *index)
         .zip(admitted)
         .collect()
 }
@@ -128,16 +180,26 @@ async fn main() {
     let args = args();
     let demands = demands(&args);
     let mut envoys = Vec::new();
+    let mut deciders = Vec::new();
     for index in 0..args.envoys {
         let server = args.servers[index % args.servers.len()];
-        envoys.push(Arc::new(
-            Envoy::start(EnvoySettings::new("bench", vec![server])).await,
-        ));
+        if args.rls {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{server}"))
+                .expect("an address")
+                .connect()
+                .await
+                .expect("the rate limit service answers");
+            deciders.push(Decider::Service(RateLimitServiceClient::new(channel)));
+        } else {
+            let envoy = Arc::new(Envoy::start(EnvoySettings::new("bench", vec![server])).await);
+            deciders.push(Decider::Quota(envoy.clone()));
+            envoys.push(envoy);
+        }
     }
     let start = Instant::now() + Duration::from_millis(200);
     let run = Duration::from_secs(args.seconds);
     let mut tasks = Vec::new();
-    for (index, envoy) in envoys.iter().enumerate() {
+    for (index, decider) in deciders.iter().enumerate() {
         let mine = demands
             .iter()
             .enumerate()
@@ -147,11 +209,12 @@ async fn main() {
                 (
                     at,
                     bucket(&[("name", "user"), ("user", &name)]),
+                    name,
                     demand.per_second,
                 )
             })
             .collect();
-        tasks.push(tokio::spawn(offer(envoy.clone(), mine, start, run)));
+        tasks.push(tokio::spawn(offer(decider.clone(), mine, start, run)));
     }
     let mut admitted: HashMap<usize, Vec<u32>> = HashMap::new();
     for task in tasks {
@@ -216,8 +279,19 @@ fn report(
         }
     }
     let violations: usize = envoys.iter().map(|envoy| envoy.violations().len()).sum();
+    // What a bucket admitted per second once the first two report intervals are over.
+    let steady: usize = admitted
+        .values()
+        .map(|times| times.iter().filter(|at| **at >= 10_000).count())
+        .sum();
+    let per_bucket_second =
+        steady as f64 / args.buckets as f64 / (f64::from(run_ms) / 1000.0 - 10.0);
     println!(
-        "{{\"envoys\": {}, \"buckets\": {}, \"seconds\": {}, \"worst_10s_window\": {worst}, \"bound\": {bound:.0}, \"buckets_over_bound\": {over}, \"pairs_at_90pct_of_fair\": {fair_pairs}, \"pairs\": {pairs}, \"least_ratio_to_fair\": {least:.3}, \"wire_violations\": {violations}}}",
-        args.envoys, args.buckets, args.seconds
+        "{{\"mode\": \"{}\", \"envoys\": {}, \"buckets\": {}, \"seconds\": {}, \"worst_10s_window\": {worst}, \"bound\": {bound:.0}, \"buckets_over_bound\": {over}, \"pairs_at_90pct_of_fair\": {fair_pairs}, \"pairs\": {pairs}, \"least_ratio_to_fair\": {least:.3}, \"admitted_per_bucket_second_after_10s\": {per_bucket_second:.3}, \"of_limit\": {:.3}, \"wire_violations\": {violations}}}",
+        if args.rls { "rls" } else { "rlqs" },
+        args.envoys,
+        args.buckets,
+        args.seconds,
+        per_bucket_second / args.limit,
     );
 }

@@ -77,14 +77,17 @@ fn fill_of(share: u64) -> Option<(u64, u64)> {
 impl Strategy {
     /// The token bucket of `share` (thousandths of a request per second) of `limit`. Its rate
     /// never exceeds the share, and comes within a sixtieth of a request per second of it; its
-    /// bucket holds the share's part of the limit's burst (at least one token), so that the
-    /// buckets of shares within the limit hold no more than its burst together.
+    /// bucket holds the share's part of the limit's burst rounded to the nearest token (at
+    /// least one), so that the buckets of shares within the limit hold about its burst
+    /// together: no more than half a token each above it. Rounded down, a share's bucket of
+    /// one token where its part was nearly two wasted the refill of requests at about its rate
+    /// (admitting 62 % of the limit where the rate limit service admitted all of it).
     pub(crate) fn for_share(share: u64, limit: QuotaLimit) -> Strategy {
         let Some((tokens_per_fill, fill_interval_secs)) = fill_of(share) else {
             return Strategy::DenyAll;
         };
-        let burst_part = (u128::from(limit.burst) * u128::from(share)
-            / u128::from(limit.rate_milli.max(1))) as u64;
+        let rate = u128::from(limit.rate_milli.max(1));
+        let burst_part = ((u128::from(limit.burst) * u128::from(share) + rate / 2) / rate) as u64;
         let clamp = |value: u64| u32::try_from(value).unwrap_or(u32::MAX);
         Strategy::TokenBucket {
             max_tokens: clamp(burst_part.max(1)),
@@ -194,12 +197,33 @@ mod tests {
             }
         }
         assert_eq!(bucket_of(Strategy::for_share(50_000, LIMIT)), (25, 50, 1));
-        assert_eq!(bucket_of(Strategy::for_share(9_600, LIMIT)), (4, 48, 5));
+        assert_eq!(bucket_of(Strategy::for_share(9_600, LIMIT)), (5, 48, 5), "4.8 tokens: 5");
         assert_eq!(bucket_of(Strategy::for_share(400, LIMIT)), (1, 2, 5));
         assert_eq!(bucket_of(Strategy::for_share(960, LIMIT)), (1, 24, 25));
         assert_eq!(bucket_of(Strategy::for_share(10, LIMIT)), (1, 1, 100));
         assert_eq!(Strategy::for_share(0, LIMIT), Strategy::DenyAll);
         assert_eq!(Strategy::for_share(0, LIMIT).label(), "deny_all");
+    }
+
+    /// Regression (found by `MODE=rls bench/rlqs.sh`): five Envoys sharing 10/s with a burst of
+    /// 10 each held 1.92/s in a bucket of one token (the burst's part, 1.92, rounded down).
+    /// Requests at about the rate then find the single token spent and refill wasted while the
+    /// bucket sat full: each Envoy admitted about 1.1/s of its 1.92 (62 % of the limit, where
+    /// the rate limit service admitted 100 %). Rounded to the nearest token, the five hold two
+    /// each: the whole burst.
+    #[test]
+    fn a_share_s_part_of_the_burst_is_rounded_to_the_nearest_token() {
+        let limit = QuotaLimit {
+            rate_milli: 10_000,
+            burst: 10,
+        };
+        assert_eq!(bucket_of(Strategy::for_share(1_920, limit)).0, 2);
+        assert_eq!(bucket_of(Strategy::for_share(1_400, limit)).0, 1);
+        assert_eq!(bucket_of(Strategy::for_share(100, limit)).0, 1, "at least one");
+        let five: u32 = (0..5)
+            .map(|_| bucket_of(Strategy::for_share(1_920, limit)).0)
+            .sum();
+        assert_eq!(five, 10, "the whole burst, no more");
     }
 
     #[test]
