@@ -197,7 +197,11 @@ mod tests {
             }
         }
         assert_eq!(bucket_of(Strategy::for_share(50_000, LIMIT)), (25, 50, 1));
-        assert_eq!(bucket_of(Strategy::for_share(9_600, LIMIT)), (5, 48, 5), "4.8 tokens: 5");
+        assert_eq!(
+            bucket_of(Strategy::for_share(9_600, LIMIT)),
+            (5, 48, 5),
+            "4.8 tokens: 5"
+        );
         assert_eq!(bucket_of(Strategy::for_share(400, LIMIT)), (1, 2, 5));
         assert_eq!(bucket_of(Strategy::for_share(960, LIMIT)), (1, 24, 25));
         assert_eq!(bucket_of(Strategy::for_share(10, LIMIT)), (1, 1, 100));
@@ -219,7 +223,11 @@ mod tests {
         };
         assert_eq!(bucket_of(Strategy::for_share(1_920, limit)).0, 2);
         assert_eq!(bucket_of(Strategy::for_share(1_400, limit)).0, 1);
-        assert_eq!(bucket_of(Strategy::for_share(100, limit)).0, 1, "at least one");
+        assert_eq!(
+            bucket_of(Strategy::for_share(100, limit)).0,
+            1,
+            "at least one"
+        );
         let five: u32 = (0..5)
             .map(|_| bucket_of(Strategy::for_share(1_920, limit)).0)
             .sum();
