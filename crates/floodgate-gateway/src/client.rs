@@ -30,6 +30,8 @@ pub(crate) struct ResolvedClient {
     /// Identified by a verified token: an API key beside it, which the token won over, is
     /// taken off before it is forwarded.
     pub token_verified: bool,
+    /// The `adaptive_concurrency` class the verified token names (`identity.jwt.class_claim`).
+    pub token_class: Option<Arc<str>>,
 }
 
 /// What to do with a request.
@@ -177,7 +179,7 @@ pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution 
     }
     let parts = match &token {
         // A verified token names the client (as a user: SPEC §3) and, signed, its plan.
-        Token::Verified { client, plan } => ClientParts {
+        Token::Verified { client, plan, .. } => ClientParts {
             api_key: None,
             user: Some(client),
             exact_ip,
@@ -230,6 +232,10 @@ pub(crate) fn resolve(config: &Config, request: &RequestInfo<'_>) -> Resolution 
         route: config.routes.find_index(request.method, request.uri.path()),
         anonymized: matches!(token, Token::Refused(_)),
         token_verified: matches!(token, Token::Verified { .. }),
+        token_class: match &token {
+            Token::Verified { class, .. } => class.as_deref().map(Arc::from),
+            _ => None,
+        },
     })
 }
 
@@ -280,6 +286,7 @@ mod tests {
             route: chat,
             anonymized: false,
             token_verified: false,
+            token_class: None,
         });
         let resolved = ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x");
         assert_eq!(resolved.and_then(|route| route.cost), Some(5));
@@ -291,6 +298,7 @@ mod tests {
             route: None,
             anonymized: false,
             token_verified: false,
+            token_class: None,
         });
         assert!(
             ResolvedClient::route_of(routes, &extensions, &http::Method::GET, "/v1/x").is_none()

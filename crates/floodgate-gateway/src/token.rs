@@ -59,6 +59,7 @@ pub(crate) struct TokenVerifier {
     validations: Vec<Validation>,
     client_claim: String,
     plan_claim: Option<String>,
+    class_claim: Option<String>,
     /// What a refused token's request gets.
     pub(crate) invalid: InvalidToken,
 }
@@ -83,6 +84,7 @@ impl std::fmt::Debug for TokenVerifier {
             )
             .field("client_claim", &self.client_claim)
             .field("plan_claim", &self.plan_claim)
+            .field("class_claim", &self.class_claim)
             .field("invalid", &self.invalid)
             .finish()
     }
@@ -110,6 +112,8 @@ pub(crate) struct TokenRules {
     pub client_claim: String,
     /// The claim that names the plan, if any.
     pub plan_claim: Option<String>,
+    /// The claim that names the `adaptive_concurrency` class, if any.
+    pub class_claim: Option<String>,
     /// Seconds of clock skew allowed on `exp` and `nbf`.
     pub leeway_seconds: u64,
     /// What a refused token's request gets.
@@ -181,12 +185,14 @@ impl TokenProblem {
 pub(crate) enum Token {
     /// The request carries none in the configured header.
     Absent,
-    /// A trusted token: the client it names, and the plan claim's value if any.
+    /// A trusted token: the client it names, and the plan and class claims' values if any.
     Verified {
         /// The client claim's value.
         client: String,
         /// The plan claim's value.
         plan: Option<String>,
+        /// The class claim's value (`identity.jwt.class_claim`).
+        class: Option<String>,
     },
     /// A token that is not trusted, and why.
     Refused(TokenProblem),
@@ -280,6 +286,7 @@ impl TokenVerifier {
             validations,
             client_claim: rules.client_claim,
             plan_claim: rules.plan_claim,
+            class_claim: rules.class_claim,
             invalid: rules.invalid,
         })
     }
@@ -389,7 +396,7 @@ impl TokenVerifier {
         }
     }
 
-    /// The client and plan a verified token's claims name.
+    /// The client, plan and class a verified token's claims name.
     fn named(&self, claims: &Map<String, Value>) -> Token {
         let client = match claims.get(&self.client_claim) {
             Some(Value::String(text)) => text.clone(),
@@ -399,13 +406,18 @@ impl TokenVerifier {
         if client.is_empty() || client.len() > MAX_CLIENT_BYTES {
             return Token::Refused(TokenProblem::Claims);
         }
-        let plan = self
-            .plan_claim
-            .as_ref()
-            .and_then(|name| claims.get(name))
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-        Token::Verified { client, plan }
+        let text_of = |claim: &Option<String>| {
+            claim
+                .as_ref()
+                .and_then(|name| claims.get(name))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        Token::Verified {
+            client,
+            plan: text_of(&self.plan_claim),
+            class: text_of(&self.class_claim),
+        }
     }
 }
 
@@ -520,6 +532,7 @@ mod tests {
             audience: Some("api".to_owned()),
             client_claim: "sub".to_owned(),
             plan_claim: Some("plan".to_owned()),
+            class_claim: Some("priority".to_owned()),
             leeway_seconds: 5,
             invalid: InvalidToken::Reject,
         }
@@ -591,13 +604,24 @@ mod tests {
     }
 
     #[test]
-    fn a_valid_token_names_its_client_and_plan() {
+    fn a_valid_token_names_its_client_plan_and_class() {
         let verifier = secret_verifier();
         assert_eq!(
             verifier.verify(&hs256(&claims("tenant-7"), SECRET)),
             Token::Verified {
                 client: "tenant-7".to_owned(),
-                plan: Some("gold".to_owned())
+                plan: Some("gold".to_owned()),
+                class: None,
+            }
+        );
+        let mut critical = claims("tenant-7");
+        critical["priority"] = json!("critical");
+        assert_eq!(
+            verifier.verify(&hs256(&critical, SECRET)),
+            Token::Verified {
+                client: "tenant-7".to_owned(),
+                plan: Some("gold".to_owned()),
+                class: Some("critical".to_owned()),
             }
         );
         // A numeric client claim is a name too; a token without the plan claim has none.
@@ -608,7 +632,8 @@ mod tests {
             verifier.verify(&hs256(&numeric, SECRET)),
             Token::Verified {
                 client: "42".to_owned(),
-                plan: None
+                plan: None,
+                class: None,
             }
         );
     }

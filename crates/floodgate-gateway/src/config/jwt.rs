@@ -36,6 +36,8 @@ pub(crate) struct RawJwt {
     pub client_claim: String,
     /// The claim that names the client's plan.
     pub plan_claim: Option<String>,
+    /// The claim that names the client's `adaptive_concurrency` class.
+    pub class_claim: Option<String>,
     /// What a request with a refused token gets: `reject` (401) or `anonymous`.
     pub invalid_token: String,
     /// Clock skew allowed on `exp` and `nbf`.
@@ -54,6 +56,7 @@ impl Default for RawJwt {
             audience: None,
             client_claim: "sub".to_owned(),
             plan_claim: None,
+            class_claim: None,
             invalid_token: "reject".to_owned(),
             leeway: "60s".to_owned(),
         }
@@ -119,6 +122,7 @@ pub(super) fn verifier(
     for (field, value) in [
         ("identity.jwt.client_claim", Some(&raw.client_claim)),
         ("identity.jwt.plan_claim", raw.plan_claim.as_ref()),
+        ("identity.jwt.class_claim", raw.class_claim.as_ref()),
         ("identity.jwt.issuer", raw.issuer.as_ref()),
         ("identity.jwt.audience", raw.audience.as_ref()),
     ] {
@@ -138,6 +142,7 @@ pub(super) fn verifier(
         audience: raw.audience.clone(),
         client_claim: raw.client_claim.clone(),
         plan_claim: raw.plan_claim.clone(),
+        class_claim: raw.class_claim.clone(),
         leeway_seconds: leeway?,
         invalid: invalid?,
     };
@@ -282,7 +287,7 @@ mod tests {
         );
         assert_eq!(both.len(), 1, "{both:?}");
         let all = errors_of(
-            "    secret_file: secret\n    algorithms: [HS256, none]\n    invalid_token: ignore\n    leeway: 1h\n    header: \"bad header\"\n    client_claim: \"\"\n",
+            "    secret_file: secret\n    algorithms: [HS256, none]\n    invalid_token: ignore\n    leeway: 1h\n    header: \"bad header\"\n    client_claim: \"\"\n    class_claim: \"\"\n",
             &directory,
         );
         for expected in [
@@ -291,6 +296,7 @@ mod tests {
             "identity.jwt.leeway: at most 600s",
             "identity.jwt.header: `bad header` is not a header name",
             "identity.jwt.client_claim: must not be empty",
+            "identity.jwt.class_claim: must not be empty",
         ] {
             assert!(
                 all.iter().any(|error| error.starts_with(expected)),

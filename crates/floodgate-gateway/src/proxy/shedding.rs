@@ -1,8 +1,9 @@
 //! `adaptive_concurrency` in the proxy: one [`AdaptiveLimiter`] per upstream, made at the
 //! upstream's first request and kept across reloads that leave the settings as they were (the
 //! limit and the round trip it learned go on). A request is classed by the class header when
-//! a trusted proxy sent it (`identity.trusted_proxies`), else its route's `class`, else its
-//! plan's, else the default class; its client, for fairness within a class, is its identity.
+//! a trusted proxy sent it (`identity.trusted_proxies`), else its route's `class`, else the
+//! class its verified token names (`identity.jwt.class_claim`), else its plan's, else the
+//! default class; its client, for fairness within a class, is its identity.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -39,7 +40,8 @@ impl Shedding {
     /// Admits `request` to `upstream`: a permit to hold until the upstream answers, or why
     /// it is shed. The class header is read only from a trusted proxy (`trusted_peer`), as the
     /// plan header is: a client that names its own class would call itself critical. The
-    /// operator's own words come next: the request's route's class, then its plan's.
+    /// operator's own words come next: the request's route's class, then the class a verified
+    /// token names, then its plan's.
     pub(crate) fn admit<B>(
         &self,
         upstream: &Upstream,
@@ -49,14 +51,16 @@ impl Shedding {
     ) -> Result<AdaptivePermit, ShedDecision> {
         let limiter = self.limiter(upstream);
         let resolved = request.extensions().get::<ResolvedClient>();
+        let known = |name: &&str| limiter.classes().iter().any(|known| **known == **name);
         let class = self
             .settings
             .class_header
             .as_ref()
             .filter(|_| trusted_peer)
             .and_then(|header| request.headers().get(header)?.to_str().ok())
-            .filter(|name| limiter.classes().iter().any(|known| **known == **name))
+            .filter(known)
             .or_else(|| route?.class.as_deref())
+            .or_else(|| resolved?.token_class.as_deref().filter(known))
             .or_else(|| {
                 let plan = &resolved?.plan;
                 self.settings.plan_classes.get(&**plan).map(String::as_str)
@@ -182,7 +186,7 @@ mod tests {
     }
 
     #[test]
-    fn a_trusted_header_then_the_route_then_the_plan_class_a_request() {
+    fn a_trusted_header_then_the_route_then_the_token_then_the_plan_class_a_request() {
         let config = parse(
             "identity: { trusted_proxies: [\"127.0.0.1/32\"] }\n\
              plans:\n  free: {}\n  anonymous: {}\n\
@@ -200,7 +204,7 @@ mod tests {
             };
             (count("critical"), count("default"), count("sheddable"))
         };
-        let request = |path: &str, priority: Option<&str>| {
+        let request = |path: &str, priority: Option<&str>, token_class: Option<&str>| {
             let mut request = Request::builder().uri(path);
             if let Some(priority) = priority {
                 request = request.header("x-priority", priority);
@@ -213,7 +217,8 @@ mod tests {
                 bypass: false,
                 route: config.routes.find_index(&http::Method::GET, path),
                 anonymized: false,
-                token_verified: false,
+                token_verified: token_class.is_some(),
+                token_class: token_class.map(Arc::from),
             });
             request
         };
@@ -230,16 +235,20 @@ mod tests {
                     .unwrap(),
             );
         };
-        admit(request("/other", None), false);
+        admit(request("/other", None, None), false);
         assert_eq!(admitted(), (0, 0, 1), "the plan's class");
-        admit(request("/checkout", None), false);
-        assert_eq!(admitted(), (1, 0, 1), "the route's class over the plan's");
-        admit(request("/checkout", Some("sheddable")), false);
-        assert_eq!(admitted(), (2, 0, 1), "a client's own header is not read");
-        admit(request("/checkout", Some("default")), true);
+        admit(request("/other", None, Some("default")), false);
+        assert_eq!(admitted(), (0, 1, 1), "the token's class over the plan's");
+        admit(request("/other", None, Some("platinum")), false);
+        assert_eq!(admitted(), (0, 1, 2), "a token's unknown class: the plan's");
+        admit(request("/checkout", None, Some("default")), false);
+        assert_eq!(admitted(), (1, 1, 2), "the route's class over the token's");
+        admit(request("/checkout", Some("sheddable"), None), false);
+        assert_eq!(admitted(), (2, 1, 2), "a client's own header is not read");
+        admit(request("/checkout", Some("default"), None), true);
         assert_eq!(
             admitted(),
-            (2, 1, 1),
+            (2, 2, 2),
             "a trusted proxy's header over the route's"
         );
     }

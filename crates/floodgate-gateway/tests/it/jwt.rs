@@ -61,6 +61,18 @@ fn bearer(token: &str) -> String {
 /// A gateway whose `identity.jwt` reads the JWKS `keys` from a file beside its configuration
 /// (a relative path: resolved from the configuration's directory).
 fn gateway_with_keys(upstream: &Upstream, keys: &[&Value], invalid: &str) -> (Gateway, TempDir) {
+    gateway_with_keys_and(upstream, keys, invalid, "", "")
+}
+
+/// [`gateway_with_keys`], with `jwt_extra` (indented settings) added to `identity.jwt` and
+/// `extra` (top-level sections) to the configuration.
+fn gateway_with_keys_and(
+    upstream: &Upstream,
+    keys: &[&Value],
+    invalid: &str,
+    jwt_extra: &str,
+    extra: &str,
+) -> (Gateway, TempDir) {
     let directory = TempDir::new("jwt");
     std::fs::write(
         directory.file("jwks.json"),
@@ -69,7 +81,7 @@ fn gateway_with_keys(upstream: &Upstream, keys: &[&Value], invalid: &str) -> (Ga
     .unwrap();
     let (listen, admin) = addresses();
     let rest = format!(
-        "identity:\n  jwt:\n    jwks_file: jwks.json\n    issuer: \"https://auth.test\"\n    audience: api\n    plan_claim: plan\n    invalid_token: {invalid}\n{PLANS}"
+        "identity:\n  jwt:\n    jwks_file: jwks.json\n    issuer: \"https://auth.test\"\n    audience: api\n    plan_claim: plan\n{jwt_extra}    invalid_token: {invalid}\n{PLANS}{extra}"
     );
     let path = directory.file("floodgate.yaml");
     std::fs::write(&path, config_text(listen, admin, &upstream.url(), &rest)).unwrap();
@@ -562,4 +574,45 @@ async fn a_tenant_at_its_limit_gets_nothing_from_an_invented_api_key() {
         statuses.chunks(2).all(|pair| pair == [429, 400]),
         "{statuses:?}"
     );
+}
+
+/// `identity.jwt.class_claim` (SPEC §11, amended): a verified token's claim places its
+/// requests in an `adaptive_concurrency` class; a request without a token gets the default.
+/// Here the plan claim doubles as the class claim, with classes named after plans.
+#[tokio::test]
+async fn a_verified_token_s_class_claim_places_its_requests() {
+    let upstream = Upstream::start().await;
+    let (key, jwk) = es256_key("k1");
+    let extra = "adaptive_concurrency:\n  default_class: other\n  \
+                 classes: [ { name: gold, reserve: 0.2 }, { name: other } ]\n";
+    let (gateway, _directory) = gateway_with_keys_and(
+        &upstream,
+        &[&jwk],
+        "reject",
+        "    class_claim: plan\n",
+        extra,
+    );
+    let client = client();
+    let valid = token(&key, "k1", "tenant-c", "gold", 3600);
+    for headers in [vec![("authorization", bearer(&valid))], vec![]] {
+        let answer = get_with(&client, &gateway.url("/v1/x"), &headers).await;
+        assert_eq!(answer.status(), 200, "{headers:?}");
+    }
+    let (status, answer) = support::admin_call(
+        &client,
+        &gateway,
+        http::Method::GET,
+        "/admin/adaptive",
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let classes = &answer["upstreams"][0]["classes"];
+    assert_eq!(
+        (&classes[0]["name"], &classes[0]["admitted"]),
+        (&json!("gold"), &json!(1)),
+        "{answer}"
+    );
+    assert_eq!(classes[1]["admitted"], 1, "{answer}");
 }
