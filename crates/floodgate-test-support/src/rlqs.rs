@@ -1052,6 +1052,16 @@ mod tests {
         Buckets::new(policy(Fallback::AllowAll, Expired::NoAssignment, 15))
     }
 
+    /// An [`allow_all`] cache whose bucket `k: v` has been requested (so reported) once, at
+    /// the instant returned.
+    fn reported() -> (Buckets, Bucket, Instant) {
+        let mut buckets = allow_all();
+        let start = Instant::now();
+        let key = bucket(&[("k", "v")]);
+        buckets.request(&key, start);
+        (buckets, key, start)
+    }
+
     fn at(start: Instant, millis: u64) -> Instant {
         start + Duration::from_millis(millis)
     }
@@ -1097,10 +1107,7 @@ mod tests {
 
     #[test]
     fn a_token_bucket_starts_full_and_refills_at_its_rate() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(&assign(&key, secs(3600), token_bucket(5, 2, 10)), start);
         assert_eq!(
             buckets.enforced(&key, start),
@@ -1127,10 +1134,7 @@ mod tests {
 
     #[test]
     fn an_identical_token_bucket_keeps_its_tokens_and_a_different_one_starts_full() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(&assign(&key, secs(2), token_bucket(3, 1, 60)), start);
         assert_eq!(allowed_in_a_row(&mut buckets, &key, start), 3);
         let resend = at(start, 1_000);
@@ -1151,10 +1155,7 @@ mod tests {
 
     #[test]
     fn a_ttl_is_read_in_whole_seconds() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         let ttl = Some(WireDuration {
             seconds: 3,
             nanos: 900_000_000,
@@ -1178,10 +1179,7 @@ mod tests {
 
     #[test]
     fn a_missing_or_zero_ttl_expires_at_once() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(&assign(&key, secs(0), blanket(BlanketRule::DenyAll)), start);
         assert_eq!(buckets.enforced(&key, start), Enforced::NoAssignment);
         assert!(buckets.violations.is_empty());
@@ -1284,10 +1282,7 @@ mod tests {
 
     #[test]
     fn abandon_forgets_the_bucket_and_a_later_request_subscribes_again() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(
             &assign(&key, secs(60), blanket(BlanketRule::DenyAll)),
             start,
@@ -1324,10 +1319,7 @@ mod tests {
 
     #[test]
     fn requests_per_time_unit_is_dropped_and_recorded() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(
             &assign(&key, secs(60), blanket(BlanketRule::DenyAll)),
             start,
@@ -1367,10 +1359,7 @@ mod tests {
 
     #[test]
     fn token_bucket_pitfalls_are_recorded() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         let bad = |max_tokens, tokens_per_fill, fill_interval| RateLimitStrategy {
             strategy: Some(Strategy::TokenBucket(WireTokenBucket {
                 max_tokens,
@@ -1416,10 +1405,7 @@ mod tests {
 
     #[test]
     fn degenerate_token_buckets_behave_as_in_envoy() {
-        let mut buckets = allow_all();
-        let start = Instant::now();
-        let key = bucket(&[("k", "v")]);
-        buckets.request(&key, start);
+        let (mut buckets, key, start) = reported();
         buckets.apply(&assign(&key, secs(60), token_bucket(0, 1, 1)), start);
         assert!(!buckets.request(&key, start).0, "max_tokens 0 denies");
         buckets.apply(&assign(&key, secs(60), token_bucket(1, 1, 0)), start);
