@@ -622,22 +622,24 @@ impl Service<Request<Incoming>> for Proxy {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let (clients, config) = (self.clients.clone(), self.config.clone());
-        let route = route_of(&config, &request);
         let permit = match &self.shedding {
             None => None,
-            Some(shedding) => match shedding.admit(
-                upstream_of_route(&config, route),
-                route,
-                &request,
-                trusted_peer(&config, &request),
-            ) {
-                Ok(permit) => Some(permit),
-                Err(shed) => {
-                    let answer = shed.response(floodgate::adaptive::is_grpc(request.headers()));
-                    let answer = answer.map(|body| Either::Right(Full::new(body)));
-                    return Box::pin(std::future::ready(Ok(answer)));
+            Some(shedding) => {
+                // Looked up here only when something sheds (forwarding finds it again by the
+                // index the client's resolution kept).
+                let route = route_of(&config, &request);
+                let upstream = upstream_of_route(&config, route);
+                match shedding.admit(upstream, route, &request, trusted_peer(&config, &request)) {
+                    Ok(permit) => Some(permit),
+                    Err(shed) => {
+                        let grpc = floodgate::adaptive::is_grpc(request.headers());
+                        let answer = shed
+                            .response(grpc)
+                            .map(|body| Either::Right(Full::new(body)));
+                        return Box::pin(std::future::ready(Ok(answer)));
+                    }
                 }
-            },
+            }
         };
         Box::pin(async move {
             let response = forward(clients, config, request).await;
