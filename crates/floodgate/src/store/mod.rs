@@ -59,7 +59,9 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// `None`, always there). **A store that wraps another** ([`split::SplitStore`] around its
 /// exact store, [`region::RegionalStore`] around its own, `Arc<S>`) must forward every one of
 /// them: a default would silently answer in the wrapped store's place (its breaker, its
-/// overrides, its pending counts at shutdown).
+/// overrides, its pending counts at shutdown). The library's `tests/it/store_wrappers.rs`
+/// asks each of these wrappers every method and checks that the wrapped store answered; a
+/// method added here belongs there too.
 pub trait Store: Send + Sync + 'static {
     /// Checks `checks` and consumes from all of them if all admit. `now` overrides the store's
     /// clock (tests); `None` uses the store's own time.

@@ -45,4 +45,5 @@ mod redis_faults;
 mod redis_fixed_window;
 mod redis_persistence;
 mod regions;
+mod store_wrappers;
 mod tiered_plan;
