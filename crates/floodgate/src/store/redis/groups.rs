@@ -111,8 +111,8 @@ async fn decide_folded<'s>(
 /// that runs its call. When a group denies, what earlier groups took is refunded, and every
 /// group not charged is reported as it stands (SPEC §1's order-and-refund rule).
 ///
-/// With the server's clock, a decision that the nodes' deny caches can deny is denied without
-/// a call, and a denial's states are remembered for the next ones (see [`deny_cache`]).
+/// With the server's clock, the nodes' deny caches are asked first (a decision they can deny
+/// is denied without a call), then told what the calls decided (see [`deny_cache`]).
 pub(super) async fn decide_groups(
     groups: &[Group<'_>],
     checks: &[Check],
@@ -126,8 +126,42 @@ pub(super) async fn decide_groups(
             Vec::new(),
         ));
     }
-    let mut probing = None;
-    let resets_before: Vec<u64> = if now.is_none() {
+    // A caller's own clock (tests, replays) is not the servers': the memories stay out of it.
+    let memories = match now {
+        Some(_) => None,
+        None => match Memories::ask(groups, checks) {
+            Asked::Denied(denied) => return Ok(denied),
+            Asked::Call(memories) => Some(memories),
+        },
+    };
+    let called = decide_by_calls(groups, checks, now).await?;
+    if let Some(memories) = memories {
+        memories.tell(&called);
+    }
+    Ok(called.decision)
+}
+
+/// The nodes' deny caches around one decision by calls: asked before it, told after it.
+struct Memories<'a> {
+    groups: &'a [Group<'a>],
+    checks: &'a [Check],
+    /// Set when the memories admitted a probe and counted it: forgotten unless decided.
+    probing: Option<ForgetUnlessDecided<'a>>,
+    /// Each group's cache resets when the calls were sent: a reset since makes their answer
+    /// stale.
+    resets_before: Vec<u64>,
+}
+
+/// What the memories answered before the calls.
+enum Asked<'a> {
+    /// Denied without a call.
+    Denied(Decision),
+    /// The calls decide; the memories learn from them.
+    Call(Memories<'a>),
+}
+
+impl<'a> Memories<'a> {
+    fn ask(groups: &'a [Group<'a>], checks: &'a [Check]) -> Asked<'a> {
         for group in groups {
             group.node.ensure_listening();
         }
@@ -139,27 +173,36 @@ pub(super) async fn decide_groups(
                 .filter(|group| !group.node.is_refused(&checks[index].key))
                 .and_then(|group| group.node.deny_cache())
         };
-        match deny_cache::decide_locally(checks, cache_of) {
-            deny_cache::Local::Denied(denied) => return Ok(denied),
-            deny_cache::Local::Probing => probing = Some(ForgetUnlessDecided { groups, checks }),
-            deny_cache::Local::Unknown => {}
-        }
-        groups
+        let probing = match deny_cache::decide_locally(checks, cache_of) {
+            deny_cache::Local::Denied(denied) => return Asked::Denied(denied),
+            deny_cache::Local::Probing => Some(ForgetUnlessDecided { groups, checks }),
+            deny_cache::Local::Unknown => None,
+        };
+        let resets_before = groups
             .iter()
             .map(|group| group.node.deny_cache().map_or(0, |cache| cache.resets()))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let decision = decide_by_calls(groups, checks, now).await?;
-    if now.is_none() {
-        // A probe's admission is already counted in the memories.
-        let counted = std::mem::take(&mut probing).is_some_and(ForgetUnlessDecided::decided);
-        if !(counted && decision.decision.is_allowed()) {
-            remember(groups, checks, &decision, Instant::now(), &resets_before);
+            .collect();
+        Asked::Call(Memories {
+            groups,
+            checks,
+            probing,
+            resets_before,
+        })
+    }
+
+    /// Tells the memories what the calls decided (a probe's admission is already counted).
+    fn tell(self, called: &Called) {
+        let counted = self.probing.is_some_and(ForgetUnlessDecided::decided);
+        if !(counted && called.decision.is_allowed()) {
+            remember(
+                self.groups,
+                self.checks,
+                called,
+                Instant::now(),
+                &self.resets_before,
+            );
         }
     }
-    Ok(decision.decision)
 }
 
 /// The keys of a decision whose admission the memories counted before its call: forgotten
