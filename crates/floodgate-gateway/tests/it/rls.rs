@@ -820,6 +820,11 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
             .overall_code,
         Code::OverLimit as i32
     );
+    let counted_before = series_total(&metrics_text(&closed).await, "floodgate_decisions_total");
+    assert!(
+        counted_before > 0.0,
+        "the decision before the kill is counted"
+    );
 
     redis.kill();
     for _ in 0..3 {
@@ -866,6 +871,31 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
         assert_eq!(described["currentLimit"]["requestsPerUnit"], 1, "{text}");
         assert!(described.get("limitRemaining").is_none(), "{text}");
     }
+    // Nothing was decided under `closed`: no decision counted (as the layer counts its 503s),
+    // every failure counted as a store error.
+    let metrics = metrics_text(&closed).await;
+    assert_eq!(
+        series_total(&metrics, "floodgate_decisions_total"),
+        counted_before,
+        "{metrics}"
+    );
+    assert!(
+        series_total(&metrics, "floodgate_store_errors_total") >= 6.0,
+        "{metrics}"
+    );
+}
+
+async fn metrics_text(rls: &Rls) -> String {
+    let metrics = get(&client_http(), &rls.gateway.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(metrics.body()).into_owned()
+}
+
+/// The sum of every sample of `series` in a Prometheus exposition.
+fn series_total(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|line| line.starts_with(series))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// Three processes on `store` (a configuration's `store:` section and failure policy) share
