@@ -303,6 +303,14 @@ mod tests {
                 "{expected} in {all:?}"
             );
         }
+        // A class claim nothing reads: no adaptive_concurrency to place its requests in.
+        assert_eq!(
+            errors_of(
+                "    secret_file: secret\n    class_claim: tier\n",
+                &directory
+            ),
+            ["identity.jwt.class_claim: needs adaptive_concurrency"]
+        );
         let missing = errors_of("    jwks_file: absent.json\n", &directory);
         assert!(
             missing[0].starts_with("identity.jwt.jwks_file: cannot read"),

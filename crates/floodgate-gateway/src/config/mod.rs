@@ -496,7 +496,7 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
     let adaptive = adaptive::adaptive(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.plans);
-    adaptive::route_classes(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.routes);
+    adaptive::classes_named(&mut errors, &raw);
 
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
