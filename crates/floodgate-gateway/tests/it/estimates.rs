@@ -3,7 +3,9 @@
 //! (an h2c upstream, as streaming LLM APIs are), `fixed_window 1000/h`. A client that leaves
 //! before the trailer, an upstream that never sends one, and lowballed estimates in flight
 //! together serve no client more than the limit plus one `estimate_max` in a window; on the
-//! memory store, Redis exact and Redis batched.
+//! memory store, Redis exact and Redis batched. The same on the memory store and Redis exact
+//! with every other algorithm a post-charge settles (`token_bucket`, `gcra`,
+//! `sliding_window_counter`), over 1,000 hours so that nothing refills or slides during a test.
 
 use crate::support;
 
@@ -95,7 +97,7 @@ async fn h2c_upstream() -> SocketAddr {
     addr
 }
 
-fn config(store: &str) -> String {
+fn config(store: &str, limit: &str) -> String {
     let estimated = |path: &str| {
         format!(
             "  - {{ match: \"GET {path}\", cost_header: \"x-tokens-used\", estimate_header: \"x-max-tokens\", estimate_max: {ESTIMATE_MAX} }}\n"
@@ -105,7 +107,7 @@ fn config(store: &str) -> String {
         "clients:\n  api_keys: {{ \"k-leaves\": free, \"k-silent\": free, \"k-ten\": free, \"k-hundred\": free, \"k-honest\": free }}\n\
          {store}upstream_protocol: http2\n\
          routes:\n{}{}{}  - {{ match: \"GET /spend\", cost_header: \"x-tokens-used\" }}\n\
-         plans:\n  free:\n    limits: [ {{ name: tokens, algorithm: fixed_window, limit: {LIMIT}, window: 1h }} ]\n  anonymous: {{}}\n",
+         plans:\n  free:\n    limits: [ {{ name: tokens, {limit} }} ]\n  anonymous: {{}}\n",
         estimated("/stream"),
         estimated("/silent"),
         estimated("/hang"),
@@ -179,9 +181,17 @@ async fn lowballed_in_flight(
     );
 }
 
-async fn estimates_cannot_be_lowballed(store: &str) {
+/// The limit of 1,000 per hour most tests use.
+const FIXED_WINDOW: &str = "algorithm: fixed_window, limit: 1000, window: 1h";
+
+/// `algorithm`'s limit of 1,000, over 1,000 hours.
+fn slow(algorithm: &str) -> String {
+    format!("algorithm: {algorithm}, limit: {LIMIT}, window: 1000h")
+}
+
+async fn estimates_cannot_be_lowballed(store: &str, limit: &str) {
     let upstream = h2c_upstream().await;
-    let (gateway, _directory) = start_gateway(&format!("http://{upstream}"), &config(store));
+    let (gateway, _directory) = start_gateway(&format!("http://{upstream}"), &config(store, limit));
     let client = client();
 
     // Item 1: the whole completion read, and gone before its trailer.
@@ -236,13 +246,13 @@ async fn estimates_cannot_be_lowballed(store: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn estimates_cannot_be_lowballed_on_memory() {
-    estimates_cannot_be_lowballed("").await;
+    estimates_cannot_be_lowballed("", FIXED_WINDOW).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn estimates_cannot_be_lowballed_on_redis() {
     let redis = RedisServer::start();
-    estimates_cannot_be_lowballed(&support::redis_store(&redis.url())).await;
+    estimates_cannot_be_lowballed(&support::redis_store(&redis.url()), FIXED_WINDOW).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,5 +262,21 @@ async fn estimates_cannot_be_lowballed_on_redis_batched() {
         "store: {{ backend: redis, url: \"{}\", timeout: 2s, sync_interval: 100ms }}\n",
         redis.url()
     );
-    estimates_cannot_be_lowballed(&store).await;
+    estimates_cannot_be_lowballed(&store, FIXED_WINDOW).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn estimates_cannot_be_lowballed_on_memory_with_every_settled_algorithm() {
+    for algorithm in ["token_bucket", "gcra", "sliding_window_counter"] {
+        estimates_cannot_be_lowballed("", &slow(algorithm)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn estimates_cannot_be_lowballed_on_redis_with_every_settled_algorithm() {
+    for algorithm in ["token_bucket", "gcra", "sliding_window_counter"] {
+        // A Redis of its own: the keys are named alike whatever the algorithm.
+        let redis = RedisServer::start();
+        estimates_cannot_be_lowballed(&support::redis_store(&redis.url()), &slow(algorithm)).await;
+    }
 }
