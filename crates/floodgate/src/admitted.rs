@@ -126,9 +126,18 @@ pub(crate) fn complete<ResBody>(
         headers.apply_within(&mut response, admitted.outer_layer);
     }
     // A nested rate limit layer's outcome stays when it binds (it refused the request, or
-    // its limit has less room left than ours).
+    // its limit has less room left than ours). A request shed inside this layer is told as
+    // shed, with our binding limit (the shedding decided against none).
     let inner = response.extensions().get::<RequestOutcome>();
-    if inner.is_none_or(|inner| admitted.outcome.supersedes(inner)) {
+    let shed_inside =
+        inner.is_some_and(|inner| inner.outcome == Outcome::Shed && inner.binding.is_none());
+    if shed_inside {
+        let outcome = RequestOutcome {
+            outcome: Outcome::Shed,
+            binding: admitted.outcome.binding,
+        };
+        response.extensions_mut().insert(outcome);
+    } else if inner.is_none_or(|inner| admitted.outcome.supersedes(inner)) {
         response.extensions_mut().insert(admitted.outcome);
     }
     response.map(|body| RateLimitBody::inner(body, admitted.leases, settlement))

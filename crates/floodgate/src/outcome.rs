@@ -29,6 +29,11 @@ pub enum Outcome {
     Unidentified,
     /// No limit applies to it.
     Unlimited,
+    /// Adaptive concurrency ([`crate::adaptive`]) refused it, 503, after any rate limits let
+    /// it through: the rate limits counted their own decision (`allowed`), the shedding counts
+    /// it in `floodgate_adaptive_shed_total`. A rate limit layer around the shedding keeps its
+    /// binding limit on the outcome.
+    Shed,
 }
 
 impl Outcome {
@@ -74,6 +79,7 @@ impl Outcome {
             Outcome::Denylisted => "denylisted",
             Outcome::Unidentified => "unidentified",
             Outcome::Unlimited => "unlimited",
+            Outcome::Shed => "shed",
         }
     }
 
@@ -86,6 +92,7 @@ impl Outcome {
                 | Outcome::Unavailable
                 | Outcome::Denylisted
                 | Outcome::Unidentified
+                | Outcome::Shed
         )
     }
 
@@ -100,7 +107,9 @@ impl Outcome {
             Outcome::FallbackLimited => DecisionLabel::FallbackLimited,
             Outcome::Bypassed => DecisionLabel::Bypassed,
             Outcome::Denylisted => DecisionLabel::Denylisted,
-            Outcome::Unavailable | Outcome::Unidentified | Outcome::Unlimited => return None,
+            Outcome::Unavailable | Outcome::Unidentified | Outcome::Unlimited | Outcome::Shed => {
+                return None;
+            }
         })
     }
 }
@@ -168,7 +177,7 @@ impl RequestOutcome {
 mod tests {
     use super::*;
 
-    const ALL: [Outcome; 10] = [
+    const ALL: [Outcome; 11] = [
         Outcome::Allowed,
         Outcome::Limited,
         Outcome::ShadowLimited,
@@ -179,6 +188,7 @@ mod tests {
         Outcome::Denylisted,
         Outcome::Unidentified,
         Outcome::Unlimited,
+        Outcome::Shed,
     ];
 
     #[test]
@@ -209,7 +219,8 @@ mod tests {
                 Outcome::FallbackLimited,
                 Outcome::Unavailable,
                 Outcome::Denylisted,
-                Outcome::Unidentified
+                Outcome::Unidentified,
+                Outcome::Shed
             ]
         );
     }

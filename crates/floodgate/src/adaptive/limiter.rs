@@ -13,6 +13,7 @@ use http::{HeaderName, Response, StatusCode};
 use super::controller::{Gradient, GradientSettings, WindowSample};
 use super::gate::{Class, Gate, GateSnapshot, Refusal};
 use crate::headers::{retry_after_secs, write_retry_after};
+use crate::outcome::{Outcome, RequestOutcome};
 use crate::time::{Clock, Timestamp};
 
 /// The IETF RateLimit draft's problem type for a service that sheds load.
@@ -306,6 +307,11 @@ impl ShedDecision {
         response.extensions_mut().insert(Shed {
             class: self.class.clone(),
         });
+        // The typed outcome, for a rate limit layer around this one (it adds its binding
+        // limit) or, with none, for whatever reports on requests.
+        response
+            .extensions_mut()
+            .insert(RequestOutcome::undecided(Outcome::Shed));
         response
     }
 }

@@ -407,6 +407,11 @@ mod tests {
                 class: Arc::from("default")
             })
         );
+        // The typed outcome, without a rate limit layer around.
+        assert_eq!(
+            shed.extensions().get::<crate::RequestOutcome>(),
+            Some(&crate::RequestOutcome::undecided(crate::Outcome::Shed))
+        );
         let body = http_body_util::BodyExt::collect(shed.into_body())
             .await
             .unwrap();

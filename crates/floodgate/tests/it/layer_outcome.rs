@@ -198,3 +198,61 @@ async fn nested_layers_keep_the_binding_outcome() {
         .expect("a denial carries its decision for a logging layer outside");
     assert!(!decision.is_allowed());
 }
+
+/// Adaptive concurrency inside the rate limits (issue 49): a request it sheds is told as
+/// `shed`, a refusal, carrying the rate limit's binding limit (the shedding decided against
+/// none); the request it let through keeps the rate limit's own outcome.
+#[tokio::test]
+async fn a_request_shed_inside_the_layer_is_told_as_shed_with_the_binding_limit() {
+    use floodgate::adaptive::{AdaptiveConcurrencyLayer, GradientSettings};
+    let adaptive = AdaptiveConcurrencyLayer::builder()
+        .gradient(GradientSettings {
+            initial_limit: 1,
+            min_limit: 1,
+            ..GradientSettings::default()
+        })
+        .build()
+        .unwrap();
+    // The first request is held at the service until released: it fills the limit of one.
+    let (release, held) = tokio::sync::oneshot::channel::<()>();
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Some(held)));
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel();
+    let inner = service_fn(move |request: http::Request<()>| {
+        let held = held.lock().unwrap().take();
+        let arrived = arrived_tx.clone();
+        async move {
+            if let Some(held) = held {
+                arrived.send(()).unwrap();
+                let _ = held.await;
+            }
+            ok_handler(request).await
+        }
+    });
+    let rate_limits = RateLimitLayer::builder()
+        .limit(per_second(100))
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let service = rate_limits.layer(adaptive.layer(inner));
+
+    let first = tokio::spawn({
+        let service = service.clone();
+        async move { send(&service, from_peer("198.51.100.1:1")).await }
+    });
+    arrived.recv().await.unwrap();
+    let shed = send(&service, from_peer("198.51.100.2:1")).await;
+    assert_eq!(shed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let outcome = outcome_of(&shed);
+    assert_eq!(outcome.outcome, Outcome::Shed);
+    assert!(outcome.outcome.is_refused());
+    let binding = outcome
+        .binding
+        .as_ref()
+        .expect("the rate limit's binding limit");
+    assert_eq!((&*binding.name, binding.remaining), ("per-second", 99));
+
+    release.send(()).unwrap();
+    let first = first.await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(outcome_of(&first).outcome, Outcome::Allowed);
+}
