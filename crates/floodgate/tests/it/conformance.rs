@@ -894,6 +894,47 @@ pub async fn calendar_periods_end_at_the_periods_real_end(store: impl Store) {
     assert_eq!(next.limits()[0].reset_after, secs(31 * 86_400));
 }
 
+/// Daily periods across New York's daylight-saving changes (issue 45): the day the clocks go
+/// back lasts 25 hours, the day they go forward 23, so a request half an hour after midnight
+/// waits 24.5 and 22.5 hours for the next one, and the next day is 24 hours long again.
+pub async fn calendar_days_of_a_daylight_saving_change_last_25_or_23_hours(store: impl Store) {
+    use floodgate::calendar::{CalendarPeriod, Period};
+    let day = CalendarPeriod::new(Period::Day, "America/New_York").expect("a calendar period");
+    let limit = Arc::new(
+        Limit::builder("daily")
+            .algorithm(Algorithm::FixedWindow)
+            .limit(1)
+            .calendar(day)
+            .build()
+            .expect("a calendar limit"),
+    );
+    // (00:30 local on the day of the change, the next midnight, how long till then, in UTC
+    // seconds): 2026-11-01T00:30-04:00, 2026-11-02T00:00-05:00; 2026-03-08T00:30-05:00,
+    // 2026-03-09T00:00-04:00.
+    let changes = [
+        ("back", 1_793_507_400, 1_793_595_600, 24 * 3600 + 1800),
+        ("forward", 1_772_947_800, 1_773_028_800, 22 * 3600 + 1800),
+    ];
+    for (change, half_past_midnight, next_midnight, wait) in changes {
+        let checks = [Check::new(key(change, "daily"), limit.clone(), 1)];
+        let at = Timestamp::from_secs(half_past_midnight);
+        let admitted = hit_all(&store, &checks, at).await;
+        assert!(admitted.is_allowed(), "{change}");
+        assert_eq!(admitted.limits()[0].reset_after, secs(wait), "{change}");
+        let denied = hit_all(&store, &checks, at).await;
+        assert!(!denied.is_allowed(), "{change}");
+        assert_eq!(denied.retry_after(), Some(secs(wait)), "{change}");
+        let just_before = Timestamp::from_micros(next_midnight * 1_000_000 - 1);
+        assert!(
+            !hit_all(&store, &checks, just_before).await.is_allowed(),
+            "{change}"
+        );
+        let next = hit_all(&store, &checks, Timestamp::from_secs(next_midnight)).await;
+        assert!(next.is_allowed(), "{change}: a new day at midnight");
+        assert_eq!(next.limits()[0].reset_after, secs(24 * 3600), "{change}");
+    }
+}
+
 /// The token bucket case of SPEC §9 in figures: 100 tokens, requests that turn out to
 /// cost 40: three admitted (the third leaves 20 tokens of debt), the fourth told to wait for 21
 /// tokens at one a second.
@@ -974,6 +1015,7 @@ macro_rules! batchable_conformance_suite {
             batchable_refunds_settle_estimates_and_never_exceed_the_limit,
             a_refund_never_reaches_into_the_next_window,
             calendar_periods_end_at_the_periods_real_end,
+            calendar_days_of_a_daylight_saving_change_last_25_or_23_hours,
         );
     };
 }
