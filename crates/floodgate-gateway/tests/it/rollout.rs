@@ -290,7 +290,8 @@ async fn metrics_match_the_traffic_and_identities_add_no_series() {
             .any(|(name, _)| name.starts_with("floodgate_check_duration_seconds_bucket")),
         "a histogram"
     );
-    let series_before = samples.len();
+    let series_before: std::collections::HashSet<String> =
+        samples.iter().map(|(name, _)| name.clone()).collect();
 
     // 10,000 distinct identities: counts grow, series do not.
     let mut statuses = 0;
@@ -313,10 +314,19 @@ async fn metrics_match_the_traffic_and_identities_add_no_series() {
         .filter(|name| name.contains("identity"))
         .collect();
     assert!(new_series.is_empty(), "{new_series:?}");
+    let added: Vec<&String> = samples
+        .iter()
+        .map(|(name, _)| name)
+        .filter(|name| !series_before.contains(*name))
+        .collect();
+    // Series that come with time are not the identities': the 429-rate baseline's two after
+    // its first 10 s (`floodgate_limited_ratio`, `_anomaly`), and under load (the 10,000
+    // requests then take longer) a third was seen. 10,000 identities adding a series each
+    // would add 10,000; the bound leaves the timing out and keeps that in.
     assert!(
-        samples.len() <= series_before + 2,
-        "{} series before, {} after",
-        series_before,
+        added.len() <= 10,
+        "{} series before, {} after: {added:?}",
+        series_before.len(),
         samples.len()
     );
 }
