@@ -134,7 +134,9 @@ impl Fleet {
         )];
         let calls_before = self.script_calls();
         let started = Instant::now();
-        let (requests, admitted) = match shape {
+        // The instant the first request could be decided: a cold burst's refill runs from its
+        // release, not from the spawning before it.
+        let (requests, admitted, began) = match shape {
             Shape::ColdBurst { per_node } => {
                 // Every request waits until all are spawned, so that they arrive at once, as
                 // the shape says, and not spread over the spawning while earlier ones' trades
@@ -155,12 +157,13 @@ impl Fleet {
                     }
                 }
                 start.wait().await;
+                let released = Instant::now();
                 let mut admitted = 0;
                 let requests = tasks.len() as u64;
                 for task in tasks {
                     admitted += u64::from(task.await.unwrap_or(false));
                 }
-                (requests, admitted)
+                (requests, admitted, released)
             }
             Shape::Uniform { rate } | Shape::Skewed { rate, .. } | Shape::Moving { rate } => {
                 let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
@@ -187,10 +190,10 @@ impl Fleet {
                     let decision = self.nodes[node].check_and_consume(&checks, None).await;
                     admitted += u64::from(decision.is_ok_and(|decision| decision.is_allowed()));
                 }
-                (total, admitted)
+                (total, admitted, started)
             }
         };
-        let elapsed = started.elapsed();
+        let elapsed = began.elapsed();
         let rate = limit.limit() as f64 / limit.window().as_secs_f64();
         let allowance = limit.capacity() as f64 + rate * elapsed.as_secs_f64();
         // Every node's next round: the calls the run's leases cost.

@@ -83,7 +83,7 @@ async fn every_shape_on_twenty_nodes_stays_within_its_allowance() {
     check_cold_burst(shape, &report, &limit);
 }
 
-/// A cold burst never takes more than the bucket (+10%), and never grossly less (−40%): the
+/// A cold burst never takes more than the bucket and its refill (+10%), and never grossly less (−40%): the
 /// nodes' top-ups ask for the requests queued behind their calls and no more, so a burst that
 /// arrives at once leaves no node holding units another's burst lacks. Returns what it admitted.
 ///
@@ -93,15 +93,22 @@ async fn every_shape_on_twenty_nodes_stays_within_its_allowance() {
 /// bursts took 71 to 100 of 100 in suite runs; `bench/fleet.sh` (release, nothing else
 /// running) took 100 of 100 at 4 and 20 nodes. The 4-node test holds the median of its bursts
 /// to −10%.
+///
+/// Above, the bound is the bucket and what it refilled while the burst was decided (the
+/// report's allowance, from the burst's release to its last answer): on a quiet machine a few
+/// units, under two busy loops 118 admitted were seen where the bucket holds 100, with the
+/// burst's answers spread over its refill.
 fn check_cold_burst(shape: Shape, report: &Report, limit: &Limit) -> u64 {
     let capacity = limit.capacity() as f64;
     let admitted = report.admitted as f64;
     assert!(
-        (0.60 * capacity..=1.10 * capacity).contains(&admitted),
-        "{}: admitted {} where the bucket holds {}",
+        (0.60 * capacity..=1.10 * report.allowance).contains(&admitted),
+        "{}: admitted {} where the bucket holds {} (allowance {:.1} over {:?})",
         shape.name(),
         report.admitted,
-        limit.capacity()
+        limit.capacity(),
+        report.allowance,
+        report.elapsed
     );
     report.admitted
 }
