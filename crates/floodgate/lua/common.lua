@@ -73,9 +73,16 @@ end
 
 -- Milliseconds for PEXPIRE / SET PX: keys live until their state equals a fresh key's; a
 -- relative TTL keeps this right even when tests pass an explicit `now` far from the server's
--- clock.
+-- clock. With the caller's clock, at least a second: the TTL runs in the server's real time,
+-- and the few ms a window's last moments leave ran out, on a loaded machine, between two calls
+-- the caller put at the same instant. Every script reads its state by the time it is given (a
+-- window's start, a bucket's refill), so a key kept longer decides as a fresh one would.
 local function ttl_ms(micros)
-  return max(1, ceil(micros / 1000))
+  local ms = max(1, ceil(micros / 1000))
+  if not SERVER_CLOCK and ms < 1000 then
+    return 1000
+  end
+  return ms
 end
 
 -- A window's bounds at `now`: aligned to multiples of `window` since the epoch, or, for a

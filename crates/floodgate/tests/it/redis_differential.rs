@@ -125,14 +125,6 @@ fn single_limit_cases_agree(runtime: &tokio::runtime::Runtime, served: &ServedSt
                 let decision = runtime
                     .block_on(served.check_and_consume(&checks, Some(Timestamp::from_micros(now))))
                     .expect("redis decides");
-                // The key's TTL was set from the test's clock but runs in Redis's real time: a
-                // step near the end of a window leaves a TTL of a few ms, which a loaded machine
-                // let run out before the next step at the same test instant (seen under two busy
-                // loops: a fixed window of 628 ms answered 16 left, the model 15). The model
-                // never forgets state: neither may Redis. Every script reads its state by the
-                // time it is given (a window's id, a bucket's refill), so a key kept past its TTL
-                // decides as a fresh one would.
-                let _: i64 = served.servers[0].command(&["PERSIST", &key]);
                 let got = &decision.limits()[0];
                 let context = format!(
                     "{} step {index} at +{}µs cost {cost}",

@@ -502,3 +502,33 @@ async fn a_library_lost_under_load_is_reloaded_and_no_decision_is_lost_or_double
     let libraries: deadpool_redis::redis::Value = server.command(&["FUNCTION", "LIST"]);
     assert!(format!("{libraries:?}").contains(floodgate::store::redis::function_library().1));
 }
+
+/// A caller's own clock at a fixed window's last millisecond: the key's TTL, counted from that
+/// clock, runs in Redis's real time. Two calls at the same caller instant, 50 ms apart in real
+/// time, count in one window (seen failing under load: the 1 ms TTL ran out between them and
+/// the second call found a fresh window). The wait here is the real time under test, not a
+/// synchronization.
+#[tokio::test]
+async fn two_calls_at_a_window_s_last_moment_by_the_caller_s_clock_count_together() {
+    let server = RedisServer::start();
+    let store = node(&server, ConnectionMode::Multiplexed);
+    let limit = Arc::new(Limit::fixed_window("last", 10, Duration::from_secs(1)).unwrap());
+    let checks = [Check::new("fg:{ip:last}:r:last", limit, 1)];
+    // NOW is on a whole second: one millisecond before the next window.
+    let last_moment = Timestamp::from_micros(NOW.as_micros() + 999_000);
+    let first = store
+        .check_and_consume(&checks, Some(last_moment))
+        .await
+        .unwrap();
+    assert_eq!(first.limits()[0].remaining, 9);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = store
+        .check_and_consume(&checks, Some(last_moment))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.limits()[0].remaining,
+        8,
+        "the first call's count was kept"
+    );
+}
