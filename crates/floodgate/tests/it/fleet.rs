@@ -96,8 +96,8 @@ async fn every_shape_on_twenty_nodes_stays_within_its_allowance() {
 ///
 /// Above, the bound is the bucket and what it refilled while the burst was decided (the
 /// report's allowance, from the burst's release to its last answer): on a quiet machine a few
-/// units, under two busy loops 118 admitted were seen where the bucket holds 100, with the
-/// burst's answers spread over its refill.
+/// units. Under two busy loops 118 were admitted where the bucket holds 100, and the bound
+/// then counted no refill at all (how long that burst took was not recorded).
 fn check_cold_burst(shape: Shape, report: &Report, limit: &Limit) -> u64 {
     let capacity = limit.capacity() as f64;
     let admitted = report.admitted as f64;
