@@ -118,9 +118,13 @@ impl AdaptiveSettings {
 /// `routes[].class` and `identity.jwt.class_claim`: only with `adaptive_concurrency` (a class
 /// nothing reads is a setting that silently does nothing), and a route's class one of its
 /// classes when it names them.
-pub(super) fn classes_named(errors: &mut Errors, raw: &super::raw::RawConfig) {
-    let adaptive = raw.adaptive_concurrency.as_ref();
-    for (index, route) in raw.routes.iter().enumerate() {
+pub(super) fn classes_named(
+    errors: &mut Errors,
+    adaptive: Option<&RawAdaptive>,
+    routes: &[super::routes::RawRoute],
+    class_claim: Option<&str>,
+) {
+    for (index, route) in routes.iter().enumerate() {
         let Some(class) = &route.class else { continue };
         let path = format!("routes[{index}].class");
         match adaptive {
@@ -134,11 +138,6 @@ pub(super) fn classes_named(errors: &mut Errors, raw: &super::raw::RawConfig) {
             Some(_) => {}
         }
     }
-    let class_claim = raw
-        .identity
-        .jwt
-        .as_ref()
-        .and_then(|jwt| jwt.class_claim.as_ref());
     // An empty claim is an error of its own (`identity.jwt.class_claim: must not be empty`).
     if class_claim.is_some_and(|claim| !claim.is_empty()) && adaptive.is_none() {
         errors.push("identity.jwt.class_claim", "needs adaptive_concurrency");

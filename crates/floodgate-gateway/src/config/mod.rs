@@ -455,6 +455,17 @@ fn checked<T>(section: Option<T>) -> Result<T, ConfigErrors> {
 }
 
 /// Validates a parsed file into a [`Config`], collecting every error.
+/// The classes routes and verified tokens name ([`adaptive::classes_named`]).
+fn classes_named(errors: &mut Errors, raw: &RawConfig) {
+    let class_claim = raw
+        .identity
+        .jwt
+        .as_ref()
+        .and_then(|jwt| jwt.class_claim.as_deref());
+    let adaptive = raw.adaptive_concurrency.as_ref();
+    adaptive::classes_named(errors, adaptive, &raw.routes, class_claim);
+}
+
 pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config, ConfigErrors> {
     let mut errors = Errors::default();
     let listen = errors.ok("listen", socket_addr(&raw.listen));
@@ -496,7 +507,7 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
     let adaptive = adaptive::adaptive(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.plans);
-    adaptive::classes_named(&mut errors, &raw);
+    classes_named(&mut errors, &raw);
 
     if !errors.0.is_empty() {
         return Err(ConfigErrors(errors.0));
