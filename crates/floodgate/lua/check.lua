@@ -32,7 +32,8 @@
 --   'refund' and 'charge': 0, each limit's outcome evaluated after the change without charging,
 --     then each limit's state after it.
 --   'sync' (cost: the units to add): each limit's state.
---   'lease': per limit the units granted and its state after the grant (see `lease` below).
+--   'lease': the time its grants were made, then per limit the units granted and its state
+--     after the grant (see `lease` below: the last KEY is the node's trade record).
 
 -- Specs parsed so far: { algorithm table, a, b }. Bounded like NUMBERS.
 local SPECS, specs_kept = {}, 0
@@ -279,6 +280,24 @@ local function sync(keys, args, n, now, reply, r)
   return r
 end
 
+-- How long a node's trade record is kept: far longer than a call's answer can be late or its
+-- node take to ask again.
+local TRADE_RECORD_MS = 60000
+
+-- The states of the n limits after `at` as they stand, each after its grant from `grants`
+-- (the units the first run of a trade granted, or none).
+local function lease_states(keys, args, n, now, grants, reply, r)
+  local at = 3
+  for i = 1, n do
+    local spec = SPECS[args[at + 1]]
+    at = at + 5
+    local s1, s2, s3 = spec[1].load(keys[i], now, spec[3])
+    reply[r + 1] = grants and tonumber(grants[i]) or 0
+    r = append_state(reply, r + 1, spec[1], s1, s2, s3)
+  end
+  return r
+end
+
 -- 'lease' (batched mode) of one call's limits: per limit its spec and four numbers: units
 -- to give back (a lease's unused part), units wanted, units to charge unconditionally (a
 -- node's post-charges beyond its lease), and for a window algorithm the start of the window the
@@ -286,8 +305,21 @@ end
 -- the window they were leased in: a trade that reaches Redis after that window ended gives
 -- nothing back (they were counted in a window that no longer counts). Grants at most what the
 -- limit has left, consuming it (a lease is counted as used from the moment it is granted).
+--
+-- Applied at most once per trade: ARGV[3] is the trade's number on its node (increasing), and
+-- the last KEY the node's trade record on this slot, "<number> <time> <grant>...": the last
+-- trade applied through it. A trade whose answer was lost is asked again with its number: if
+-- the record holds it, the first run's grants are answered (with its time, the window they
+-- belong to) and nothing is applied again. A number below the record's is a trade that arrived
+-- after a later one of its node (a late copy, or a call reordered on another connection): it
+-- is not applied, and its grants are answered as none with time 0 (whether an earlier run
+-- applied it is not known here). Reply: { now, granted at (now, the first run's, or 0), per
+-- limit: the units granted and its state }.
 local function lease(keys, args, n, now, reply, r)
-  local at = 2
+  n = n - 1
+  local record_key = keys[n + 1]
+  local trade = tonumber(args[3])
+  local at = 3
   for _ = 1, n do
     local text = args[at + 1]
     local spec = SPECS[text] or parse_spec(text)
@@ -299,7 +331,34 @@ local function lease(keys, args, n, now, reply, r)
     end
     at = at + 5
   end
-  at = 2
+  if not trade then
+    return nil, 'floodgate: a lease trade without its number'
+  end
+  local record = redis.pcall('GET', record_key)
+  local recorded, recorded_at, recorded_grants
+  if type(record) == 'string' then
+    recorded, recorded_at, recorded_grants = match(record, '^(%d+) (%d+)(.*)$')
+    recorded = tonumber(recorded)
+  end
+  if recorded and recorded >= trade then
+    if recorded > trade then
+      reply[r + 1] = 0
+      return lease_states(keys, args, n, now, nil, reply, r + 1)
+    end
+    local grants = {}
+    for grant in string.gmatch(recorded_grants, '%d+') do
+      grants[#grants + 1] = grant
+    end
+    if #grants ~= n then
+      return nil, 'floodgate: a lease trade asked again with other limits'
+    end
+    reply[r + 1] = tonumber(recorded_at)
+    return lease_states(keys, args, n, now, grants, reply, r + 1)
+  end
+  reply[r + 1] = now
+  r = r + 1
+  local written = { format_int(trade), ' ', format_int(now) }
+  at = 3
   for i = 1, n do
     local spec = SPECS[args[at + 1]]
     local algorithm, a, b = spec[1], spec[2], spec[3]
@@ -326,9 +385,11 @@ local function lease(keys, args, n, now, reply, r)
         s1, s2, s3 = algorithm.load(key, now, b)
       end
     end
+    written[#written + 1] = ' ' .. format_int(grant)
     reply[r + 1] = grant
     r = append_state(reply, r + 1, algorithm, s1, s2, s3)
   end
+  redis.call('SET', record_key, table.concat(written), 'PX', TRADE_RECORD_MS)
   return r
 end
 

@@ -9,6 +9,9 @@
 //! deadpool-redis's cluster pool) sent the call again on a new connection: a decision counted
 //! twice, answered 200.
 //!
+//! A lease trade is numbered: asked again after its answer was lost, Redis answers the first
+//! run's grant and applies nothing twice, so the node keeps what it was granted.
+//!
 //! No timing: the fault is one-shot and the counts are read back after the call returned.
 
 use floodgate_test_support as support;
@@ -147,6 +150,24 @@ async fn a_trade_gives_back_once(target: &Target<'_>, tag: &str) {
         94,
         "{tag}: the trade whose answer was lost gave back once (answered {:?})",
         leased.grants
+    );
+    // Asked again by its number, the trade is answered: its grant is not lost with the answer.
+    assert!(leased.grants[0].is_ok(), "{tag}: {:?}", leased.grants);
+    let take = trade(0, 10);
+    let leased = target
+        .with_dropped_answer(&key, target.store.lease(&take, None))
+        .await;
+    let grant = leased.grants[0].as_ref();
+    assert_eq!(
+        grant.map(|grant| grant.granted).ok(),
+        Some(10),
+        "{tag}: a grant whose answer was lost is answered when asked again ({:?})",
+        leased.grants
+    );
+    assert_eq!(
+        target.remaining(&key, &limit).await,
+        84,
+        "{tag}: and granted once"
     );
 }
 

@@ -37,8 +37,10 @@
 //! **Partial failures.** A store of several nodes (or slots) answers each node's part of a
 //! trade apart ([`Leased`]): the identities of the nodes that answered are traded as usual, and
 //! only the others' are marked as failing (per key), so that only their requests short of lease
-//! go to the failure policy. A trade whose answer was lost ([`Unanswered::Lost`]: Redis may have
-//! applied it) has its given-back units and its grant dropped, never spent or given back again,
+//! go to the failure policy. A trade whose answer was lost is asked again once by the store
+//! (Redis's trades are numbered and applied once: SPEC §1); one still unanswered after that
+//! ([`Unanswered::Lost`]: Redis may have applied it) has its given-back units and its grant
+//! dropped, never spent or given back again,
 //! and its debt sent again (counted twice at worst: capacity lost, never an admission above the
 //! limit); a trade never sent ([`Unanswered::NotSent`]) is kept whole. A grant belongs to the
 //! window of the shared store's time when it was granted. A reset heard from another node (the
@@ -152,9 +154,13 @@ impl Leased {
 /// The shared store's answer to one request of a lease trade.
 #[derive(Debug)]
 pub struct Grant {
-    /// The shared store's clock when it granted (the call's own time): the window a
-    /// window's lease belongs to, and the start of the lease's lifetime.
+    /// The shared store's clock when it answered (the call's own time).
     pub now: Timestamp,
+    /// The shared store's clock when it granted: the window a window's lease belongs to, and
+    /// the start of the lease's lifetime. The call's own time, except for a trade asked again
+    /// after its answer was lost, which the store had applied the first time: its grant is
+    /// of the first run.
+    pub granted_at: Timestamp,
     /// The units granted.
     pub granted: u64,
     /// The limit's state after the trade (every lease counted as used).
@@ -576,7 +582,7 @@ impl Entry {
     /// time when the answer arrived: a window's lease granted just before its window ended
     /// is of that window, and is not spent in the next one (`now`, the decisions' time).
     fn adopt(&mut self, grant: Grant, wanted: u64, now: u64) {
-        let granted_at = grant.now.as_micros();
+        let granted_at = grant.granted_at.as_micros();
         self.unanswered = false;
         self.starved |= grant.granted < wanted;
         self.shared = grant.state;

@@ -193,6 +193,7 @@ impl RedisStoreBuilder {
                 coalescer: coalesce::Coalescer::default(),
                 coalesce_in_flight: self.coalesce_in_flight,
                 server_clock: server_clock::ServerClock::new(self.clock),
+                trades: Trades::new(),
             }),
         })
     }
@@ -263,6 +264,24 @@ struct Inner {
     coalesce_in_flight: usize,
     /// The server's time as replies show it: where calendar boundaries are computed.
     server_clock: server_clock::ServerClock,
+    /// This node's lease trades, numbered so that Redis applies each once.
+    trades: Trades,
+}
+
+/// A node's lease trades: its name in the trade records (random, one per store) and the next
+/// trade's number.
+struct Trades {
+    node: String,
+    last: AtomicU64,
+}
+
+impl Trades {
+    fn new() -> Trades {
+        Trades {
+            node: format!("{:016x}", fastrand::u64(..)),
+            last: AtomicU64::new(0),
+        }
+    }
 }
 
 const DISPATCH_UNKNOWN: u8 = 0;
@@ -614,18 +633,51 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<Vec<Grant>, StoreError> {
         let key = requests.first().map_or("", |request| &*request.check.key);
-        self.guarded(key, async {
-            let calendar = requests
-                .iter()
-                .any(|request| request.check.limit.calendar().is_some());
-            let spec_time = self.spec_time(calendar, now).await;
-            let value = self
-                .run_library(|dispatch| script::lease_command(dispatch, requests, now, spec_time))
-                .await?;
-            self.inner.server_clock.observe_reply(&value);
-            script::decode_lease(value, requests)
+        let trades = &self.inner.trades;
+        let record = script::trade_record_key(key, &trades.node);
+        let trade = script::TradeId {
+            number: trades.last.fetch_add(1, Ordering::Relaxed) + 1,
+            record: &record,
+        };
+        let lost = match self
+            .guarded(key, self.lease_once(requests, trade, now))
+            .await
+        {
+            Err(error @ (StoreError::Timeout(_) | StoreError::Unavailable(_))) => error,
+            answered => return answered,
+        };
+        // The trade may have been applied and its answer lost. Asked again by its number,
+        // Redis applies it only if it was not, and answers its grants either way.
+        match self
+            .guarded(key, self.lease_once(requests, trade, now))
+            .await
+        {
+            Ok(grants) => Ok(grants),
+            Err(_) => Err(lost),
+        }
+    }
+
+    /// One run of lease trade `trade`. A trade superseded by a later one of this node (a
+    /// late copy, or its run unknown) fails as a lost answer would: it may have been applied.
+    async fn lease_once(
+        &self,
+        requests: &[&LeaseRequest],
+        trade: script::TradeId<'_>,
+        now: Option<Timestamp>,
+    ) -> Result<Vec<Grant>, StoreError> {
+        let calendar = requests
+            .iter()
+            .any(|request| request.check.limit.calendar().is_some());
+        let spec_time = self.spec_time(calendar, now).await;
+        let value = self
+            .run_library(|dispatch| {
+                script::lease_command(dispatch, requests, trade, now, spec_time)
+            })
+            .await?;
+        self.inner.server_clock.observe_reply(&value);
+        script::decode_lease(value, requests)?.ok_or_else(|| {
+            StoreError::Unavailable("a lease trade was superseded by a later one".into())
         })
-        .await
     }
 
     /// One library call of `decisions`, and their replies.
@@ -924,5 +976,96 @@ mod tests {
         let decision = groups::decide_groups(&groups, &checks, None);
         let size = std::mem::size_of_val(&decision);
         assert!(size <= 8 * 1024, "a decision's future takes {size} bytes");
+    }
+}
+
+#[cfg(test)]
+mod trade_tests {
+    use super::*;
+    use crate::Limit;
+    use floodgate_test_support::RedisServer;
+
+    fn trade(key: &str, limit: &Arc<Limit>, want: u64) -> LeaseRequest {
+        LeaseRequest {
+            check: Check::new(key.to_owned(), limit.clone(), 0),
+            give_back: 0,
+            leased_in: None,
+            want,
+            charge: 0,
+        }
+    }
+
+    async fn remaining(store: &RedisStore, key: &str, limit: &Arc<Limit>) -> u64 {
+        let check = [Check::new(key.to_owned(), limit.clone(), 0)];
+        store.peek(&check, None).await.unwrap().limits()[0].remaining
+    }
+
+    /// A trade asked again by its number is answered its first run's grant (and time) and
+    /// applied once; one older than the node's last recorded trade is applied never.
+    #[tokio::test]
+    async fn a_trade_is_applied_once_by_its_number_and_never_after_a_later_one() {
+        let server = RedisServer::start();
+        let store = RedisStore::builder(server.url()).build().unwrap();
+        let hours = Duration::from_secs(3600 * 100);
+        let limit = Arc::new(Limit::token_bucket("l", 100, hours).unwrap());
+        let key = "fg:{client:once}:r:l";
+        let request = trade(key, &limit, 10);
+        let record = script::trade_record_key(key, "node");
+        let number = |number| script::TradeId {
+            number,
+            record: &record,
+        };
+        let first = store
+            .lease_once(&[&request], number(5), None)
+            .await
+            .unwrap();
+        assert_eq!(first[0].granted, 10);
+        assert_eq!(first[0].granted_at, first[0].now);
+        assert_eq!(remaining(&store, key, &limit).await, 90);
+
+        let again = store
+            .lease_once(&[&request], number(5), None)
+            .await
+            .unwrap();
+        assert_eq!(again[0].granted, 10, "the first run's grant");
+        assert_eq!(again[0].granted_at, first[0].granted_at, "granted then");
+        assert!(again[0].now >= first[0].now);
+        assert_eq!(remaining(&store, key, &limit).await, 90, "applied once");
+
+        let late = store.lease_once(&[&request], number(4), None).await;
+        assert!(matches!(late, Err(StoreError::Unavailable(_))), "{late:?}");
+        assert_eq!(remaining(&store, key, &limit).await, 90, "never applied");
+
+        let next = store
+            .lease_once(&[&request], number(6), None)
+            .await
+            .unwrap();
+        assert_eq!(next[0].granted, 10);
+        assert_eq!(remaining(&store, key, &limit).await, 80);
+    }
+
+    /// The record shares its call's slot, whatever the first key looks like.
+    #[test]
+    fn a_trade_record_is_on_the_slot_of_its_call() {
+        for key in [
+            "fg:{client:a}:r:l",
+            "plain",
+            "foo{}{bar}",
+            "a}b",
+            "{}",
+            "x{y}z{w}",
+        ] {
+            let record = script::trade_record_key(key, "0123456789abcdef");
+            assert_eq!(
+                slot::hash_slot(&record),
+                slot::hash_slot(key),
+                "{key} -> {record}"
+            );
+            assert!(record.ends_with(":trade:0123456789abcdef"), "{record}");
+        }
+        assert_eq!(
+            script::trade_record_key("fg:{client:a}:r:l", "n"),
+            "fg:{client:a}:trade:n"
+        );
     }
 }

@@ -300,24 +300,28 @@ fn invoking(dispatch: Dispatch, function: &str, script_hash: &str) -> redis::Cmd
     command
 }
 
-/// The `lease` call of `requests` (batched mode's trade; see `lua/check.lua`).
+/// The `lease` call of `requests` (batched mode's trade; see `lua/check.lua`): trade number
+/// `trade` of its node, recorded at `record` ([`trade_record_key`]) so that Redis applies it
+/// once however often it is sent.
 pub(crate) fn lease_command(
     dispatch: Dispatch,
     requests: &[&crate::store::batched::LeaseRequest],
+    trade: TradeId<'_>,
     now: Option<Timestamp>,
     spec_time: Timestamp,
 ) -> redis::Cmd {
     let library = &*LIBRARY;
     let mut command = invoking(dispatch, &library.check_function, &library.check_script.1);
-    command.arg(requests.len());
+    command.arg(requests.len() + 1);
     for request in requests {
         command.arg(&*request.check.key);
     }
-    command.arg("lease");
+    command.arg(trade.record).arg("lease");
     match now {
         Some(now) => command.arg(now.as_micros()),
         None => command.arg(""),
     };
+    command.arg(trade.number);
     for request in requests {
         command
             .arg(script_spec(&request.check.limit, spec_time))
@@ -329,14 +333,48 @@ pub(crate) fn lease_command(
     command
 }
 
-/// Decodes a lease reply, `{ now, (granted, present, field, field, field)* }`: each request's
-/// grant, stamped with the call's time.
+/// One lease trade of a node: its number (increasing on the node) and the key of the node's
+/// trade record on the trade's slot.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TradeId<'a> {
+    pub(crate) number: u64,
+    pub(crate) record: &'a str,
+}
+
+/// The key where `node` records its last trade through a call whose first key is `first_key`:
+/// on the key's cluster slot, so that one call may hold both. A key with a hash tag (every
+/// storage key) gives its prefix and tag; a key without one is the tag itself where it can be
+/// (it holds no `}`), else the first `fg-slot-<n>` tag on its slot.
+pub(crate) fn trade_record_key(first_key: &str, node: &str) -> String {
+    let tag = crate::key::storage::hash_tag(first_key);
+    if tag.len() < first_key.len()
+        && let Some(open) = first_key.find('{')
+    {
+        let close = open + 1 + tag.len();
+        return format!("{}:trade:{node}", &first_key[..=close]);
+    }
+    if !first_key.contains('}') {
+        return format!("{{{first_key}}}:trade:{node}");
+    }
+    let slot = super::slot::hash_slot(first_key);
+    let on_slot = (0u32..)
+        .map(|n| format!("fg-slot-{n}"))
+        .find(|tag| super::slot::hash_slot(tag) == slot)
+        .expect("every slot has a tag");
+    format!("{{{on_slot}}}:trade:{node}")
+}
+
+/// Decodes a lease reply, `{ now, granted_at, (granted, present, field, field, field)* }`:
+/// each request's grant, stamped with the time it was granted. `None` when the trade was
+/// superseded (a later trade of its node was recorded first: this run applied nothing, and an
+/// earlier run may have).
 pub(crate) fn decode_lease(
     value: Value,
     requests: &[&crate::store::batched::LeaseRequest],
-) -> Result<Vec<crate::store::batched::Grant>, StoreError> {
+) -> Result<Option<Vec<crate::store::batched::Grant>>, StoreError> {
     let mut fields = Fields::of(value)?;
     let now = Timestamp::from_micros(fields.non_negative()?);
+    let granted_at = fields.non_negative()?;
     let grants = requests
         .iter()
         .map(|request| {
@@ -352,13 +390,14 @@ pub(crate) fn decode_lease(
             };
             Ok(crate::store::batched::Grant {
                 now,
+                granted_at: Timestamp::from_micros(granted_at),
                 granted,
                 state,
             })
         })
-        .collect::<Result<_, StoreError>>()?;
+        .collect::<Result<Vec<_>, StoreError>>()?;
     fields.finish()?;
-    Ok(grants)
+    Ok((granted_at > 0).then_some(grants))
 }
 
 /// The command that releases `members` of `keys` (one each).
