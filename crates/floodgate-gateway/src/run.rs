@@ -111,12 +111,34 @@ fn listen_tls(
 struct RlsRunning {
     _watcher: notify::RecommendedWatcher,
     serving: tokio::task::JoinHandle<()>,
+    /// Asks the gRPC server to stop gracefully.
+    stop: tokio::sync::oneshot::Sender<()>,
     quota: Option<Arc<QuotaService>>,
+}
+
+impl RlsRunning {
+    /// Stops the service: the quota streams first (each Envoy told its assignments end), then
+    /// the gRPC server, gracefully (what the streams said is written before their connections
+    /// close), each within its bound.
+    async fn stop(self) {
+        if let Some(quota) = &self.quota {
+            quota.shut_down(QUOTA_SHUTDOWN).await;
+        }
+        let _ = self.stop.send(());
+        let mut serving = self.serving;
+        if tokio::time::timeout(RLS_DRAIN, &mut serving).await.is_err() {
+            serving.abort();
+        }
+    }
 }
 
 /// How long a graceful stop waits for the quota service's Envoys to be told their
 /// assignments end.
 const QUOTA_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a graceful stop waits for the rate limit service's calls under way, and the
+/// quota streams' last answers, to be written.
+const RLS_DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Loads the rate limit service's rules, watches their directory and serves it (and the quota
 /// service, when configured).
@@ -149,6 +171,7 @@ async fn start_rls(
         }
         None => None,
     };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(rls::serve(
         listener,
         http_listener,
@@ -156,11 +179,16 @@ async fn start_rls(
         rules,
         settings.clone(),
         quota.clone(),
+        async move {
+            // A sender dropped (the service going without a graceful stop) stops it too.
+            let _ = stopped.await;
+        },
     ));
     tracing::info!(listen = %settings.listen, http_listen = ?settings.http_listen, directory = %directory.display(), quota = quota.is_some(), "rls: serving Envoy's rate limit service");
     Ok(RlsRunning {
         _watcher: watcher,
         serving,
+        stop,
         quota,
     })
 }
@@ -288,10 +316,7 @@ pub async fn serve(path: PathBuf) -> Result<(), GatewayError> {
     };
     admin.abort();
     if let Some(rls) = rls {
-        if let Some(quota) = &rls.quota {
-            quota.shut_down(QUOTA_SHUTDOWN).await;
-        }
-        rls.serving.abort();
+        rls.stop().await;
     }
     served?;
     tracing::info!("stopped");

@@ -34,9 +34,12 @@ use crate::gateway::Gateway;
 use crate::rlqs::QuotaService;
 
 /// Serves the rate limit service on `listener` (gRPC) and, when given, `http_listener`
-/// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped; and
-/// the quota service (`quota`, when configured) on the same gRPC listener. The domain rules
-/// must have been loaded (and their watcher started) by the caller.
+/// (`POST /json`), both deciding through one [`RlsService`], until the task is dropped or
+/// `stop` completes; and the quota service (`quota`, when configured) on the same gRPC
+/// listener. The domain rules must have been loaded (and their watcher started) by the caller.
+/// On `stop` the gRPC server takes no new connection and ends when the calls and streams under
+/// way have ended, their last answers written: the quota streams' TTL-0 assignments reach
+/// their Envoys before the connection closes.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     http_listener: Option<tokio::net::TcpListener>,
@@ -44,6 +47,7 @@ pub(crate) async fn serve(
     rules: Arc<RulesHandle>,
     settings: RlsSettings,
     quota: Option<Arc<QuotaService>>,
+    stop: impl std::future::Future<Output = ()>,
 ) {
     let service = Arc::new(RlsService::new(gateway, rules, settings.response_headers));
     // Dropped (and so stopped) with this task.
@@ -79,7 +83,7 @@ pub(crate) async fn serve(
         .add_service(counted)
         .add_service(health_service)
         .add_optional_service(quota.map(RateLimitQuotaServiceServer::from_arc))
-        .serve_with_incoming(incoming)
+        .serve_with_incoming_shutdown(incoming, stop)
         .await;
     if let Err(error) = served {
         tracing::error!(%error, "rls: the rate limit service failed");
