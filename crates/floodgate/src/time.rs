@@ -126,6 +126,54 @@ impl Clock for SystemClock {
     }
 }
 
+/// A clock that never steps: the wall clock's time when it was made, advanced since by the
+/// CPU's monotonic counter alone (through `quanta`, as [`SystemClock`]).
+///
+/// For what measures elapsed time against another clock: a batched node adds the offset to
+/// the shared store's clock it measured at its last trade. [`SystemClock`] re-takes the wall
+/// clock every second, so a step of the host's clock (NTP stepping it, a resumed virtual
+/// machine, an operator's `date`) would reach such a node between two trades: a step back
+/// would hold its idea of the shared store's time behind, and it could spend an ended window's
+/// lease in the next one. This clock lets the node's next trade measure the offset again
+/// instead. It drifts from the wall clock as the counter does (parts per million).
+#[derive(Clone, Copy, Debug)]
+pub struct MonotonicClock {
+    /// The wall clock's micros when the clock was made, minus the counter's micros then.
+    offset_micros: i64,
+}
+
+impl MonotonicClock {
+    /// A clock that starts at the wall clock's time now.
+    pub fn new() -> Self {
+        MonotonicClock::starting_at(Timestamp::now())
+    }
+
+    /// A clock that starts at `start` and advances with the monotonic counter.
+    pub fn starting_at(start: Timestamp) -> Self {
+        MonotonicClock {
+            offset_micros: start.as_micros() as i64 - counter_micros() as i64,
+        }
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        MonotonicClock::new()
+    }
+}
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> Timestamp {
+        Timestamp((counter_micros() as i64 + self.offset_micros).max(0) as u64)
+    }
+}
+
+/// Micros of the monotonic counter since the process first read it.
+fn counter_micros() -> u64 {
+    let anchor = anchor();
+    duration_to_micros(anchor.counter.now().duration_since(anchor.start))
+}
+
 /// A clock that moves only when told to. Clones share one time, so a test can keep a handle
 /// while the store owns another.
 #[derive(Clone, Debug, Default)]
@@ -168,6 +216,29 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A monotonic clock starts where it is told and moves only with the counter: a start far
+    /// from the wall clock (as after the host's clock stepped) stays that far, never re-taken.
+    #[test]
+    fn a_monotonic_clock_keeps_its_start_and_never_steps_back() {
+        let wall = Timestamp::now().as_micros();
+        let start = Timestamp::from_micros(wall - 30_000_000);
+        let clock = MonotonicClock::starting_at(start);
+        let mut last = clock.now().as_micros();
+        assert!(last >= start.as_micros() && last - start.as_micros() < 50_000);
+        let until = std::time::Instant::now() + Duration::from_millis(1_100);
+        // Across a second, when SystemClock re-takes the wall clock.
+        while std::time::Instant::now() < until {
+            let now = clock.now().as_micros();
+            assert!(now >= last, "stepped back from {last} to {now}");
+            last = now;
+        }
+        let behind = Timestamp::now().as_micros() - last;
+        assert!(
+            (29_900_000..30_100_000).contains(&behind),
+            "still 30 s behind the wall clock: {behind} µs"
+        );
+    }
 
     #[test]
     fn system_clock_tracks_the_wall_clock() {

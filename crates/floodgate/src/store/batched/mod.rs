@@ -87,7 +87,7 @@ use crate::algorithm::{self, LimitOutcome, State};
 use crate::decision::{Decision, Folded};
 use crate::limit::{Algorithm, Limit};
 use crate::telemetry;
-use crate::time::{Clock, SystemClock, Timestamp};
+use crate::time::{Clock, MonotonicClock, Timestamp};
 
 /// How long a lease may be spent after its grant, and the most a bucket's lease may take:
 /// what the limit refills in this time (so that a dead node's lease comes back within it).
@@ -308,8 +308,10 @@ impl<T: SyncTarget> BatchedStoreBuilder<T> {
         self
     }
 
-    /// The local clock (default: the system clock). Decisions use it plus the measured offset
-    /// to the shared store's clock; leases expire by it.
+    /// The local clock (default: a [`MonotonicClock`], which a step of the host's wall clock
+    /// does not reach). Decisions use it plus the offset to the shared store's clock measured
+    /// at the last trade; leases expire by it. A clock that steps back between two trades
+    /// holds the node's time behind the shared store's until the next.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
@@ -658,7 +660,7 @@ impl<T: SyncTarget> BatchedStore<T> {
             interval: Duration::from_millis(100),
             idle_after: Duration::from_secs(2),
             max_keys: 1_000_000,
-            clock: Arc::new(SystemClock),
+            clock: Arc::new(MonotonicClock::new()),
         }
     }
 
