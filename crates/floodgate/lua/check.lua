@@ -280,9 +280,11 @@ local function sync(keys, args, n, now, reply, r)
   return r
 end
 
--- How long a node's trade record is kept: far longer than a call's answer can be late or its
--- node take to ask again.
+-- How long a node's trade record is kept (every trade renews it), and how many of its trades
+-- it keeps: far longer than a call's answer can be late or its node take to ask again, and
+-- more than one node's trades on one hash tag can be under way at once.
 local TRADE_RECORD_MS = 60000
+local TRADES_KEPT = 8
 
 -- The states of the n limits after `at` as they stand, each after its grant from `grants`
 -- (the units the first run of a trade granted, or none).
@@ -307,18 +309,18 @@ end
 -- limit has left, consuming it (a lease is counted as used from the moment it is granted).
 --
 -- Applied at most once per trade: ARGV[3] is the trade's number on its node (increasing), and
--- the last KEY the node's trade record on this slot, "<number> <time> <grant>...": the last
--- trade applied through it. A trade whose answer was lost is asked again with its number: if
--- the record holds it, the first run's grants are answered (with its time, the window they
--- belong to) and nothing is applied again. A number below the record's is a trade that arrived
--- after a later one of its node (a late copy, or a call reordered on another connection): it
--- is not applied, and its grants are answered as none with time 0 (whether an earlier run
--- applied it is not known here). Reply: { now, granted at (now, the first run's, or 0), per
--- limit: the units granted and its state }.
+-- the last KEY the node's trade record on the call's hash tag, a hash of the last
+-- TRADES_KEPT trades applied through it: number -> "<time> <grant>...". A trade whose answer
+-- was lost is asked again with its number: if the record holds it, the first run's grants are
+-- answered (with its time, the window they belong to) and nothing is applied again. A number
+-- the record does not hold, below every number of a full record, may have been applied and
+-- dropped from it: it is not applied, and its grants are answered as none with time 0. Reply:
+-- { now, granted at (now, the first run's, or 0), per limit: the units granted and its state }.
 local function lease(keys, args, n, now, reply, r)
   n = n - 1
   local record_key = keys[n + 1]
-  local trade = tonumber(args[3])
+  local trade_text = args[3]
+  local trade = tonumber(trade_text)
   local at = 3
   for _ = 1, n do
     local text = args[at + 1]
@@ -334,17 +336,9 @@ local function lease(keys, args, n, now, reply, r)
   if not trade then
     return nil, 'floodgate: a lease trade without its number'
   end
-  local record = redis.pcall('GET', record_key)
-  local recorded, recorded_at, recorded_grants
-  if type(record) == 'string' then
-    recorded, recorded_at, recorded_grants = match(record, '^(%d+) (%d+)(.*)$')
-    recorded = tonumber(recorded)
-  end
-  if recorded and recorded >= trade then
-    if recorded > trade then
-      reply[r + 1] = 0
-      return lease_states(keys, args, n, now, nil, reply, r + 1)
-    end
+  local recorded = redis.call('HGET', record_key, trade_text)
+  if recorded then
+    local recorded_at, recorded_grants = match(recorded, '^(%d+)(.*)$')
     local grants = {}
     for grant in string.gmatch(recorded_grants, '%d+') do
       grants[#grants + 1] = grant
@@ -355,9 +349,23 @@ local function lease(keys, args, n, now, reply, r)
     reply[r + 1] = tonumber(recorded_at)
     return lease_states(keys, args, n, now, grants, reply, r + 1)
   end
+  -- The lowest number a full record holds: it goes to make room for this trade.
+  local lowest
+  if redis.call('HLEN', record_key) >= TRADES_KEPT then
+    for _, number in ipairs(redis.call('HKEYS', record_key)) do
+      number = tonumber(number)
+      if number and (not lowest or number < lowest) then
+        lowest = number
+      end
+    end
+    if lowest and trade < lowest then
+      reply[r + 1] = 0
+      return lease_states(keys, args, n, now, nil, reply, r + 1)
+    end
+  end
   reply[r + 1] = now
   r = r + 1
-  local written = { format_int(trade), ' ', format_int(now) }
+  local written = { format_int(now) }
   at = 3
   for i = 1, n do
     local spec = SPECS[args[at + 1]]
@@ -389,7 +397,11 @@ local function lease(keys, args, n, now, reply, r)
     reply[r + 1] = grant
     r = append_state(reply, r + 1, algorithm, s1, s2, s3)
   end
-  redis.call('SET', record_key, table.concat(written), 'PX', TRADE_RECORD_MS)
+  redis.call('HSET', record_key, trade_text, table.concat(written))
+  if lowest then
+    redis.call('HDEL', record_key, format_int(lowest))
+  end
+  redis.call('PEXPIRE', record_key, TRADE_RECORD_MS)
   return r
 end
 

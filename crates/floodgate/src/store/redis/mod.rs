@@ -647,7 +647,11 @@ impl RedisStore {
             answered => return answered,
         };
         // The trade may have been applied and its answer lost. Asked again by its number,
-        // Redis applies it only if it was not, and answers its grants either way.
+        // Redis applies it only if it was not, and answers its grants either way. Not while
+        // the breaker refuses calls: that would only count a refusal.
+        if self.is_refused(key) {
+            return Err(lost);
+        }
         match self
             .guarded(key, self.lease_once(requests, trade, now))
             .await
@@ -657,8 +661,10 @@ impl RedisStore {
         }
     }
 
-    /// One run of lease trade `trade`. A trade superseded by a later one of this node (a
-    /// late copy, or its run unknown) fails as a lost answer would: it may have been applied.
+    /// One run of lease trade `trade`. A trade its node's record can no longer tell about (a
+    /// number below all of a full record's: dropped from it, perhaps applied) fails as a lost
+    /// answer would, with an error that is the call's, not the store's: it is not asked again
+    /// and does not count against the breaker.
     async fn lease_once(
         &self,
         requests: &[&LeaseRequest],
@@ -676,7 +682,7 @@ impl RedisStore {
             .await?;
         self.inner.server_clock.observe_reply(&value);
         script::decode_lease(value, requests)?.ok_or_else(|| {
-            StoreError::Unavailable("a lease trade was superseded by a later one".into())
+            StoreError::Protocol("a lease trade older than its node's trade record".into())
         })
     }
 
@@ -1001,47 +1007,60 @@ mod trade_tests {
     }
 
     /// A trade asked again by its number is answered its first run's grant (and time) and
-    /// applied once; one older than the node's last recorded trade is applied never.
+    /// applied once, also when it came after a later trade of its node; one that a full record
+    /// no longer holds (below all its numbers) is applied never.
     #[tokio::test]
-    async fn a_trade_is_applied_once_by_its_number_and_never_after_a_later_one() {
+    async fn a_trade_is_applied_once_by_its_number() {
         let server = RedisServer::start();
         let store = RedisStore::builder(server.url()).build().unwrap();
         let hours = Duration::from_secs(3600 * 100);
         let limit = Arc::new(Limit::token_bucket("l", 100, hours).unwrap());
         let key = "fg:{client:once}:r:l";
-        let request = trade(key, &limit, 10);
         let record = script::trade_record_key(key, "node");
-        let number = |number| script::TradeId {
-            number,
-            record: &record,
+        let lease = |number, want| {
+            let request = trade(key, &limit, want);
+            let trade = script::TradeId {
+                number,
+                record: &record,
+            };
+            let store = &store;
+            async move { store.lease_once(&[&request], trade, None).await }
         };
-        let first = store
-            .lease_once(&[&request], number(5), None)
-            .await
-            .unwrap();
+        let first = lease(5, 10).await.unwrap();
         assert_eq!(first[0].granted, 10);
         assert_eq!(first[0].granted_at, first[0].now);
         assert_eq!(remaining(&store, key, &limit).await, 90);
 
-        let again = store
-            .lease_once(&[&request], number(5), None)
-            .await
-            .unwrap();
+        let again = lease(5, 10).await.unwrap();
         assert_eq!(again[0].granted, 10, "the first run's grant");
         assert_eq!(again[0].granted_at, first[0].granted_at, "granted then");
         assert!(again[0].now >= first[0].now);
         assert_eq!(remaining(&store, key, &limit).await, 90, "applied once");
 
-        let late = store.lease_once(&[&request], number(4), None).await;
-        assert!(matches!(late, Err(StoreError::Unavailable(_))), "{late:?}");
-        assert_eq!(remaining(&store, key, &limit).await, 90, "never applied");
-
-        let next = store
-            .lease_once(&[&request], number(6), None)
-            .await
-            .unwrap();
-        assert_eq!(next[0].granted, 10);
+        // Sent before 5, arrived after it (another connection): applied, once.
+        assert_eq!(lease(4, 10).await.unwrap()[0].granted, 10);
+        assert_eq!(lease(4, 10).await.unwrap()[0].granted, 10);
         assert_eq!(remaining(&store, key, &limit).await, 80);
+
+        // The record keeps eight: 4 to 11.
+        for number in 6..=11 {
+            assert_eq!(lease(number, 1).await.unwrap()[0].granted, 1);
+        }
+        assert_eq!(remaining(&store, key, &limit).await, 74);
+        let older = lease(3, 10).await;
+        assert!(matches!(older, Err(StoreError::Protocol(_))), "{older:?}");
+        assert_eq!(remaining(&store, key, &limit).await, 74, "never applied");
+
+        // 12 takes 4's place: 4 asked again now may have been applied, so it is not.
+        assert_eq!(lease(12, 1).await.unwrap()[0].granted, 1);
+        let dropped = lease(4, 10).await;
+        assert!(
+            matches!(dropped, Err(StoreError::Protocol(_))),
+            "{dropped:?}"
+        );
+        assert_eq!(remaining(&store, key, &limit).await, 73, "4 applied once");
+        assert_eq!(lease(5, 10).await.unwrap()[0].granted, 10, "5 still held");
+        assert_eq!(remaining(&store, key, &limit).await, 73);
     }
 
     /// The record shares its call's slot, whatever the first key looks like.
