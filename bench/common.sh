@@ -80,3 +80,30 @@ load() { # name port [scheme]
     non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
     printf '%-26s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
 }
+
+# The Lua function library of REVISION ("work": the working tree) as script.rs assembles it
+# (the files its include_str! lines name, in their order) under the header of library NAME, with
+# its check function registered as NAME_check. FILTER, when given, is a command each file goes
+# through as `FILTER path` (reading the file from stdin).
+lua_library() { # revision name [filter]
+    local revision=$1 name=$2 filter=${3:-as_is} file
+    show() { if [ "$revision" = work ]; then cat "$1"; else git show "$revision:$1"; fi; }
+    echo "#!lua name=$name"
+    for file in $(show crates/floodgate/src/store/redis/script.rs | sed -n '/^fn library_body/,/^}/p' |
+        grep -oE 'lua/[a-z_]+\.lua'); do
+        show "crates/floodgate/$file" | "$filter" "$file"
+        echo
+    done
+    echo "redis.register_function('${name}_check', floodgate_check)"
+}
+
+as_is() { cat; }
+
+# Starts a redis-server on a free port with no persistence; sets $redis_port and rcli.
+start_redis() {
+    redis_port=$(free_port)
+    redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null &
+    pids+=($!)
+    for _ in $(seq 50); do redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+}
+rcli() { redis-cli -p "$redis_port" "$@"; }

@@ -24,25 +24,8 @@ for tool in redis-server redis-cli redis-benchmark; do
 done
 source bench/common.sh
 
-# library REVISION NAME: the function library of REVISION ("work": the working tree) as NAME,
-# with its check function registered as NAME_check.
-library() {
-    local revision=$1 name=$2 file
-    show() { if [ "$revision" = work ]; then cat "$1"; else git show "$revision:$1"; fi; }
-    echo "#!lua name=$name"
-    for file in $(show crates/floodgate/src/store/redis/script.rs | sed -n '/^fn library_body/,/^}/p' |
-        grep -oE 'lua/[a-z_]+\.lua'); do
-        show "crates/floodgate/$file"
-        echo
-    done
-    echo "redis.register_function('${name}_check', floodgate_check)"
-}
-
-redis_port=$(free_port)
-redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no --daemonize no --logfile '' >/dev/null &
-pids+=($!)
-for _ in $(seq 50); do redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break; sleep 0.1; done
-rcli() { redis-cli -p "$redis_port" "$@"; }
+start_redis
+library() { lua_library "$@"; }
 library "$before" before | rcli -x function load replace >/dev/null
 library work after | rcli -x function load replace >/dev/null
 # The floor of any script that decides as the lean path does: TIME, then per key one HGET and
