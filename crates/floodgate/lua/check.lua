@@ -107,8 +107,9 @@ end
 local S_ALGORITHM, S_A, S_B, S_COST, S_TOKEN = {}, {}, {}, {}, {}
 local S1, S2, S3 = {}, {}, {}
 local S_OK, S_REMAINING, S_RESET, S_RETRY, S_DELAY = {}, {}, {}, {}, {}
--- fixed_windows_at_once's: each limit's spec, and its cost as its argument's text.
-local S_SPEC, S_COST_TEXT = {}, {}
+-- fixed_windows_at_once's: each limit's spec, its cost as its argument's text, and whether its
+-- window begins with this decision (its key holds nothing).
+local S_SPEC, S_COST_TEXT, S_BEGINS = {}, {}, {}
 
 -- One decision of n limits (keys after `key_at`, arguments after `arg_at`): evaluates every
 -- limit, consumes from all if all admit and `consume` is set, and appends the reply. Returns
@@ -416,11 +417,14 @@ end
 
 -- A decision of fixed windows only, decided without the general machinery of `decide` where
 -- every limit admits. Each hash's window is read (`HGET f`: only a fixed window's hash has
--- it); if all are the current window's, each count is incremented (`HINCRBY`, which replies
--- the count: it is never read or parsed before). If a count then exceeds its limit, or
--- `HINCRBY` refuses one (a count this library did not write), every count this call
--- incremented is decremented again, back to the digits it had (Redis takes an integer only in
--- its own digits). nil, with nothing changed, where a window begins, a cost exceeds a limit, a
+-- it); a key without it whose window begins now must hold nothing at all (`HLEN` 0: no other
+-- algorithm's state, no hash of a version before `f`). If every key is the current window's
+-- or empty, each count is incremented (`HINCRBY`, which replies the count: it is never read or
+-- parsed before). If a count then exceeds its limit, or `HINCRBY` refuses one (a count this
+-- library did not write), every count this call incremented is decremented again, back to the
+-- digits it had (Redis takes an integer only in its own digits). Last, each empty key begins
+-- its window with the cost (`HSET`, then its expiry, as `fixed_window` writes it: a cost at
+-- most the limit always fits). nil, with nothing changed, where a cost exceeds a limit, a
 -- limit would deny, a key holds anything else, or a key comes twice: `decide` then decides it
 -- in full (and replies with the states the deny cache needs), reading each hash again.
 local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, r)
@@ -448,7 +452,7 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
     end
     -- The cost goes to HINCRBY as the caller wrote it: Redis formats a Lua number argument with
     -- printf, and takes a text as it is (refusing one that is no integer: then `decide`).
-    S_SPEC[i], S_COST_TEXT[i] = spec, cost_text
+    S_SPEC[i], S_COST_TEXT[i], S_COST[i] = spec, cost_text, cost
     at = at + 2
   end
   for i = 1, n do
@@ -461,26 +465,46 @@ local function fixed_windows_at_once(keys, args, key_at, arg_at, n, now, reply, 
     -- `f`: the window a fixed window's hash counts, in the digits of format_int (see
     -- fixed_window.lua). A key of another type replies an error (a table), a hash without it
     -- false: neither is the window's text, nor a number.
-    local stored = redis.pcall('HGET', keys[key_at + i], 'f')
+    local key = keys[key_at + i]
+    local stored = redis.pcall('HGET', key, 'f')
+    local begins = false
     if stored ~= spec[6] and tonumber(stored) ~= spec[5] then
-      return nil
+      -- `false`: a hash without `f`, or no key (HLEN tells which, and a hash cannot be
+      -- another type's); an error: another type.
+      if stored ~= false or redis.call('HLEN', key) ~= 0 then
+        return nil
+      end
+      begins = true
     end
+    S_BEGINS[i] = begins
     S_RESET[i] = spec[7] - now
   end
   for i = 1, n do
-    local key = keys[key_at + i]
-    local count = redis.pcall('HINCRBY', key, 'c', S_COST_TEXT[i])
-    local counted = type(count) == 'number'
-    if not counted or count > S_SPEC[i][2] then
-      if counted then
-        uncount(key, S_COST_TEXT[i])
+    if not S_BEGINS[i] then
+      local key = keys[key_at + i]
+      local count = redis.pcall('HINCRBY', key, 'c', S_COST_TEXT[i])
+      local counted = type(count) == 'number'
+      if not counted or count > S_SPEC[i][2] then
+        if counted then
+          uncount(key, S_COST_TEXT[i])
+        end
+        for j = 1, i - 1 do
+          if not S_BEGINS[j] then
+            uncount(keys[key_at + j], S_COST_TEXT[j])
+          end
+        end
+        return nil
       end
-      for j = 1, i - 1 do
-        uncount(keys[key_at + j], S_COST_TEXT[j])
-      end
-      return nil
+      S_REMAINING[i] = S_SPEC[i][2] - count
     end
-    S_REMAINING[i] = S_SPEC[i][2] - count
+  end
+  for i = 1, n do
+    if S_BEGINS[i] then
+      local spec, key = S_SPEC[i], keys[key_at + i]
+      redis.call('HSET', key, 'w', spec[6], 'f', spec[6], 'c', S_COST[i])
+      expire_after(key, spec[7] - now)
+      S_REMAINING[i] = spec[2] - S_COST[i]
+    end
   end
   reply[r + 1] = 1
   r = r + 1

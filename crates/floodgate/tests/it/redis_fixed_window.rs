@@ -136,6 +136,76 @@ async fn an_admitted_decision_of_fixed_windows_reads_and_counts_each_limit_once(
     assert_eq!(count_of(&server, "fgtest:{a}:r:z"), Some(21));
 }
 
+/// What a window's first decision costs where its key holds nothing: `TIME`, and per limit
+/// the `HGET` that finds no window, an `HLEN` that finds the key empty, one `HSET` and its
+/// `PEXPIRE`; no `HMGET` and no `DEL` (the full decision's read, and its clearing of another
+/// algorithm's state). The hash and its expiry are what the full decision writes, and a key
+/// that holds something else still goes the full way (`keys_of_other_shapes_go_the_full_way`).
+#[tokio::test]
+async fn a_window_that_begins_on_an_empty_key_is_written_at_once() {
+    clear_of_window_end(HOUR, Duration::from_secs(60));
+    let server = RedisServer::start();
+    let store = store(&server);
+    let keys = ["fgtest:{b}:r:x", "fgtest:{b}:r:y", "fgtest:{b}:r:z"];
+    let three: Vec<Check> = keys
+        .iter()
+        .zip(["x", "y", "z"])
+        .map(|(key, name)| Check::new(*key, fixed_window(name, 1000), 2))
+        .collect();
+    // The library loaded, and nothing of these keys.
+    assert!(
+        admitted(
+            &store,
+            &[Check::new("fgtest:{b}:r:w", fixed_window("w", 9), 1)]
+        )
+        .await
+    );
+    let _: () = server.command(&["CONFIG", "RESETSTAT"]);
+    let decision = store.check_and_consume(&three, None).await.unwrap();
+    assert!(decision.is_allowed());
+    assert!(decision.limits().iter().all(|limit| limit.remaining == 998));
+    let counted = calls(
+        &server,
+        &[
+            "time", "hget", "hlen", "hset", "pexpire", "hmget", "del", "hincrby",
+        ],
+    );
+    let expected: Vec<(String, u64)> = [
+        ("time", 1),
+        ("hget", 3),
+        ("hlen", 3),
+        ("hset", 3),
+        ("pexpire", 3),
+        ("hmget", 0),
+        ("del", 0),
+        ("hincrby", 0),
+    ]
+    .iter()
+    .map(|(name, calls)| ((*name).to_owned(), *calls))
+    .collect();
+    assert_eq!(counted, expected);
+    let window_start = server_now(&server) / 3_600_000_000 * 3_600_000_000;
+    for key in keys {
+        let fields: Vec<Option<String>> = server.command(&["HMGET", key, "w", "f", "c"]);
+        let start = Some(window_start.to_string());
+        assert_eq!(
+            fields,
+            vec![start.clone(), start, Some("2".to_owned())],
+            "{key}"
+        );
+        let ttl: i64 = server.command(&["PTTL", key]);
+        let until_end = (window_start + 3_600_000_000 - server_now(&server)) as i64 / 1000;
+        assert!(
+            (until_end - 1000..=until_end + 1000).contains(&ttl),
+            "{key}: {ttl}"
+        );
+    }
+    // The next decision counts on them: the count path.
+    let decision = store.check_and_consume(&three, None).await.unwrap();
+    assert!(decision.limits().iter().all(|limit| limit.remaining == 996));
+    assert_eq!(server.command_calls("hincrby"), 3);
+}
+
 /// Remaining and reset as the full path reports them: the count down to zero, then a denial
 /// whose wait is the window's rest, and a peek (the full path) that agrees with the last
 /// admission.
