@@ -10,6 +10,9 @@
 #
 #   bash bench/rls.sh [seconds per point] [rounds]
 #
+# RLS_UNIT=second gives the domain's limits per-second windows (default: minute), so that the
+# 1,000 users' windows begin often (issue 47's case).
+#
 # Before/after in one run: FLOODGATE_BINARIES="before=/path/to/floodgate after=target/release/floodgate"
 # starts one gateway per binary on the same Redis and runs every point against each in turn.
 # POINTS="regex" runs only the points whose label matches. Each round starts with the next
@@ -84,14 +87,14 @@ cat > "$work/rls/bench.yaml" <<YAML
 domain: bench
 descriptors:
   - key: user
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+    rate_limit: { unit: ${RLS_UNIT:-minute}, requests_per_unit: 1000000000 }
   - key: user
     value: over
-    rate_limit: { unit: minute, requests_per_unit: 10 }
+    rate_limit: { unit: ${RLS_UNIT:-minute}, requests_per_unit: 10 }
   - key: org
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+    rate_limit: { unit: ${RLS_UNIT:-minute}, requests_per_unit: 1000000000 }
   - key: route
-    rate_limit: { unit: minute, requests_per_unit: 1000000000 }
+    rate_limit: { unit: ${RLS_UNIT:-minute}, requests_per_unit: 1000000000 }
 YAML
 ticks=$(getconf CLK_TCK)
 binaries=${FLOODGATE_BINARIES:-floodgate=$target/release/floodgate}
