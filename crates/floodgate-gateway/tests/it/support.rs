@@ -237,10 +237,20 @@ impl Gateway {
 
     /// Peak resident memory of the gateway process, in KiB.
     pub fn peak_rss_kib(&self) -> u64 {
+        self.memory_kib("VmHWM:")
+    }
+
+    /// Resident memory of the gateway process now, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        self.memory_kib("VmRSS:")
+    }
+
+    /// The `field` line of the process's `/proc/<pid>/status`, in KiB.
+    fn memory_kib(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         status
             .lines()
-            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .find_map(|line| line.strip_prefix(field))
             .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap()
     }
