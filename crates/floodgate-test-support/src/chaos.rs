@@ -25,7 +25,9 @@
 //! clear of its edges (a node cuts a lease's window by its measure of the store's clock). A store that lost its
 //! data (a Redis restarted empty: the documented loss of a store without persistence) adds one
 //! limit to every window or interval it falls in or precedes by at most a lease's lifetime (a
-//! batched node spends what it was leased before); no other fault adds anything. Refunds whose
+//! batched node spends what it was leased before); no other fault adds anything, a node
+//! restarted included (a batched node's lease is counted in the store before it is spent, so
+//! a restart loses capacity, never a count). Refunds whose
 //! answer was lost count as applied: the bound only grows, so a refund applied twice (a
 //! client library sending it again) shows as an admission above the limit. Once the faults
 //! heal, a fresh identity must be admitted up to 90 % of its limit.
@@ -35,8 +37,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use floodgate::store::batched::LEASE_LIFETIME;
@@ -106,6 +108,11 @@ pub enum FaultKind {
     RestoredFromSnapshot,
     /// A region cut off from the global store for a while (regions).
     Partition,
+    /// A batched node (a gateway) killed and started again at once: the leases it held, its
+    /// numbered trades and the settlements of the requests it was serving are lost with it,
+    /// and a new node with a new identity on the store takes its traffic (batched, cluster
+    /// batched).
+    NodeRestarted,
 }
 
 /// One fault of a schedule.
@@ -203,6 +210,18 @@ impl Schedule {
                 target: 0,
                 lasts: Duration::ZERO,
             });
+        }
+        if matches!(deployment, Deployment::Batched | Deployment::ClusterBatched) {
+            // Drawn after every fault above, so that the restarts, added later, left the
+            // schedules of earlier seeds otherwise as they were.
+            for _ in 0..rng.usize(0..=2) {
+                faults.push(FaultEvent {
+                    at: Duration::from_millis(rng.u64(300..2_000)),
+                    kind: FaultKind::NodeRestarted,
+                    target: rng.usize(..6),
+                    lasts: Duration::ZERO,
+                });
+            }
         }
         faults.sort_by_key(|fault| fault.at);
         Schedule {
@@ -381,9 +400,55 @@ fn limits(deployment: Deployment) -> (Vec<Arc<Limit>>, Arc<Limit>) {
     )
 }
 
+/// One node of the fleet: a gateway's store, which a restart replaces by a new one built the
+/// same way (what the old one held in memory is lost; a call it had in flight still ends, as
+/// a call a killed process sent may still be applied).
+struct Node {
+    /// How many times it was restarted, and the store it decides with now.
+    current: Mutex<(u64, Arc<dyn Store>)>,
+    /// Builds the store of a restarted node (none: the node cannot be restarted).
+    start: Option<Box<dyn Fn() -> Arc<dyn Store> + Send + Sync>>,
+}
+
+impl Node {
+    /// A node that restarts by calling `start` again.
+    fn restartable(start: impl Fn() -> Arc<dyn Store> + Send + Sync + 'static) -> Node {
+        Node {
+            current: Mutex::new((0, start())),
+            start: Some(Box::new(start)),
+        }
+    }
+
+    /// A node that is never restarted (a region's gateway, whose harness owns it; a sharded
+    /// node, which holds nothing a restart would lose).
+    fn fixed(store: Arc<dyn Store>) -> Node {
+        Node {
+            current: Mutex::new((0, store)),
+            start: None,
+        }
+    }
+
+    /// Its restarts so far, and its store now.
+    fn current(&self) -> (u64, Arc<dyn Store>) {
+        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        (current.0, current.1.clone())
+    }
+
+    /// Replaces the store by a new one; whether the node could be restarted.
+    fn restart(&self) -> bool {
+        let Some(start) = &self.start else {
+            return false;
+        };
+        let fresh = start();
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        *current = (current.0 + 1, fresh);
+        true
+    }
+}
+
 /// The servers and proxies of a deployment, kept alive for the run, and the fault switches.
 struct Fleet {
-    nodes: Vec<Arc<dyn Store>>,
+    nodes: Vec<Arc<Node>>,
     /// Per node, whether it decides from leases (batched).
     leasing: Vec<bool>,
     /// Links a fault can be set on.
@@ -401,6 +466,10 @@ fn redis_store(url: String, mode: ConnectionMode) -> RedisStore {
         .breaker(5, Duration::from_millis(200))
         .build()
         .expect("a Redis store")
+}
+
+fn exact(store: RedisStore) -> Arc<dyn Store> {
+    Arc::new(store)
 }
 
 fn batched(store: RedisStore) -> Arc<dyn Store> {
@@ -423,14 +492,17 @@ fn fleet(deployment: Deployment) -> Fleet {
     match deployment {
         Deployment::Exact | Deployment::Batched => {
             let server = RedisServer::start();
+            let kind = if deployment == Deployment::Batched {
+                batched
+            } else {
+                exact
+            };
             for _ in 0..3 {
                 let proxy = Arc::new(FaultProxy::start(server.port()));
-                let store = redis_store(proxy.url(), ConnectionMode::Multiplexed);
-                fleet.nodes.push(if deployment == Deployment::Batched {
-                    batched(store)
-                } else {
-                    Arc::new(store)
-                });
+                let url = proxy.url();
+                fleet.nodes.push(Arc::new(Node::restartable(move || {
+                    kind(redis_store(url.clone(), ConnectionMode::Multiplexed))
+                })));
                 fleet.proxies.push(proxy);
             }
             fleet.servers.push(server);
@@ -447,42 +519,43 @@ fn fleet(deployment: Deployment) -> Fleet {
                     ));
                     fleet.proxies.push(proxy);
                 }
-                fleet
-                    .nodes
-                    .push(Arc::new(ShardedRedisStore::new(shards).expect("shards")));
+                let store: Arc<dyn Store> =
+                    Arc::new(ShardedRedisStore::new(shards).expect("shards"));
+                fleet.nodes.push(Arc::new(Node::fixed(store)));
             }
             fleet.servers.extend(servers);
         }
         Deployment::Cluster | Deployment::ClusterBatched => {
             let cluster = RedisCluster::start_proxied(3, 0);
-            let cluster_store = |mode| {
-                RedisStore::cluster(cluster.urls())
-                    .connection_mode(mode)
-                    .timeout(Duration::from_millis(100))
-                    .breaker(5, Duration::from_millis(200))
-                    .build()
-                    .expect("a cluster store")
+            let kind = if deployment == Deployment::ClusterBatched {
+                batched
+            } else {
+                exact
             };
             for mode in [
                 ConnectionMode::Pool(4),
                 ConnectionMode::Multiplexed,
                 ConnectionMode::Pool(2),
             ] {
-                let store = cluster_store(mode);
-                fleet
-                    .nodes
-                    .push(if deployment == Deployment::ClusterBatched {
-                        batched(store)
-                    } else {
-                        Arc::new(store)
-                    });
+                let urls = cluster.urls();
+                fleet.nodes.push(Arc::new(Node::restartable(move || {
+                    kind(
+                        RedisStore::cluster(urls.clone())
+                            .connection_mode(mode)
+                            .timeout(Duration::from_millis(100))
+                            .breaker(5, Duration::from_millis(200))
+                            .build()
+                            .expect("a cluster store"),
+                    )
+                })));
             }
             fleet._cluster = Some(cluster);
         }
         Deployment::Regions => {
             let regions = Regions::start(Mode::Traded, 2, 1, Duration::from_millis(100));
             for gateway in regions.gateways.iter().flatten() {
-                fleet.nodes.push(gateway.clone());
+                let store: Arc<dyn Store> = gateway.clone();
+                fleet.nodes.push(Arc::new(Node::fixed(store)));
             }
             fleet.regions = Some(regions);
         }
@@ -524,10 +597,11 @@ impl Fleet {
 
 /// Drives the workload on `node` until `stop`: decisions as fast as the node answers (a
 /// pause of 2 ms between them), identities and costs drawn from `seed`, every few admitted
-/// decisions given a unit back.
+/// decisions given a unit back (by the same run of the node: a restart loses the
+/// settlements of what it was serving, whose charge stands).
 async fn drive(
     (node_index, leased): (usize, bool),
-    node: Arc<dyn Store>,
+    node: Arc<Node>,
     identities: Arc<Vec<Arc<Limit>>>,
     all: Arc<Limit>,
     seed: u64,
@@ -541,16 +615,20 @@ async fn drive(
     // a response's real cost is known when it ends, a refund goes 20 to 400 ms after its
     // decision (a streamed answer), so that faults find refunds in flight, several per node,
     // as they find decisions.
-    let mut settlements: std::collections::VecDeque<(Instant, usize, Timestamp, u64)> =
+    let mut settlements: std::collections::VecDeque<(Instant, u64, usize, Timestamp, u64)> =
         std::collections::VecDeque::new();
     while !stop.load(Ordering::Relaxed) {
+        let (run, store) = node.current();
         while settlements
             .front()
             .is_some_and(|(due, ..)| *due <= Instant::now())
         {
-            let Some((_, index, decided_at, units)) = settlements.pop_front() else {
+            let Some((_, decided_by, index, decided_at, units)) = settlements.pop_front() else {
                 break;
             };
+            if decided_by != run {
+                continue;
+            }
             let refund: Vec<Check> = history[index]
                 .keys
                 .iter()
@@ -558,7 +636,7 @@ async fn drive(
                 .collect();
             // Counted as applied whatever it answers (see the module docs).
             let sent = epoch_micros();
-            let _ = node.refund(&refund, decided_at, None).await;
+            let _ = store.refund(&refund, decided_at, None).await;
             history[index].refund = Some(Refund {
                 units,
                 sent,
@@ -580,14 +658,14 @@ async fn drive(
             .map(|(key, limit)| Check::new(key.clone(), limit.clone(), cost))
             .collect();
         let sent = epoch_micros();
-        let result = node.check_and_consume(&checks, None).await;
+        let result = store.check_and_consume(&checks, None).await;
         let answered = epoch_micros();
         let answer = match &result {
             Ok(decision) if decision.is_allowed() => {
                 if cost > 1 && rng.bool() {
                     let due = Instant::now() + Duration::from_millis(rng.u64(20..400));
                     let units = rng.u64(1..cost);
-                    settlements.push_back((due, history.len(), decision.decided_at(), units));
+                    settlements.push_back((due, run, history.len(), decision.decided_at(), units));
                 }
                 Answer::Admitted
             }
@@ -780,6 +858,10 @@ impl Injector<'_> {
                     None => false,
                 }
             }
+            FaultKind::NodeRestarted => {
+                let nodes = &self.fleet.nodes;
+                nodes[event.target % nodes.len()].restart()
+            }
             FaultKind::RestoredFromSnapshot => {
                 match (self.fleet.regions.as_mut(), self.snapshot.as_ref()) {
                     (Some(regions), Some(snapshot)) => {
@@ -816,9 +898,9 @@ async fn fresh_identity(fleet: &Fleet, deployment: Deployment) -> (u64, u64) {
     while asked < limit.limit() && healed.elapsed() < Duration::from_secs(5) {
         // Regions: spread, as shares start at the fixed ones; elsewhere one node, whose first
         // sight of the identity is the only one (a batched node denies while it leases).
-        let node = match deployment {
-            Deployment::Regions => &fleet.nodes[asked as usize % fleet.nodes.len()],
-            _ => &fleet.nodes[0],
+        let (_, node) = match deployment {
+            Deployment::Regions => fleet.nodes[asked as usize % fleet.nodes.len()].current(),
+            _ => fleet.nodes[0].current(),
         };
         match node.check_and_consume(&checks, None).await {
             Ok(decision) => {
