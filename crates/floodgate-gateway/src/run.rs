@@ -10,7 +10,7 @@ use crate::admin::{self, AdminState};
 use crate::config::{self, Workers};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
-use crate::rlqs::{self, QuotaService};
+use crate::rlqs::QuotaService;
 use crate::rls::{self, RulesHandle};
 use crate::serve::{self, config_watch};
 use crate::tls::ReloadingCertificate;
@@ -166,7 +166,7 @@ async fn start_rls(
     let quota = match &settings.quota {
         Some(_) => {
             let store = &gateway.current().config.store;
-            let board = rlqs::board_for(store).map_err(GatewayError::Store)?;
+            let board = crate::stores::quota_board(store).map_err(GatewayError::Store)?;
             Some(Arc::new(QuotaService::new(gateway.clone(), board)))
         }
         None => None,

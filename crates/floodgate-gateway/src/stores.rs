@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use floodgate::overrides::Overrides;
 use floodgate::store::batched::SyncTarget;
+use floodgate::store::quota::QuotaBoard;
 use floodgate::store::region::RegionalStore;
 use floodgate::store::{
     BatchedStore, Check, ConnectionMode, HotIdentities, RedisStore, RedisStoreBuilder,
@@ -31,29 +32,33 @@ fn tuned(
         .build()
 }
 
-/// The shared store, as both an exact store and a target for batched sync.
-fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>, StoreError> {
-    Ok(Some(match &settings.backend {
-        Backend::Memory => return Ok(None),
-        Backend::Redis { url, pool_size } => Arc::new(tuned(
-            settings,
-            RedisStore::builder(url.clone()),
-            *pool_size,
-        )?),
-        Backend::RedisCluster { nodes, pool_size } => Arc::new(tuned(
-            settings,
-            RedisStore::cluster(nodes.clone()),
-            *pool_size,
-        )?),
+/// The Redis a store's settings name, in its deployment.
+enum SharedRedis {
+    /// One server, a cluster, or a Sentinel's master.
+    One(RedisStore),
+    /// Servers each holding the keys placed on it.
+    Sharded(ShardedRedisStore),
+}
+
+/// The Redis of `settings` (none for the memory store), its connections not yet made.
+fn shared_redis(settings: &StoreSettings) -> Result<Option<SharedRedis>, StoreError> {
+    let one = |builder, pool_size: &Option<usize>| {
+        tuned(settings, builder, *pool_size).map(|store| Some(SharedRedis::One(store)))
+    };
+    match &settings.backend {
+        Backend::Memory => Ok(None),
+        Backend::Redis { url, pool_size } => one(RedisStore::builder(url.clone()), pool_size),
+        Backend::RedisCluster { nodes, pool_size } => {
+            one(RedisStore::cluster(nodes.clone()), pool_size)
+        }
         Backend::RedisSentinel {
             master,
             sentinels,
             pool_size,
-        } => Arc::new(tuned(
-            settings,
+        } => one(
             RedisStore::sentinel(master.clone(), sentinels.clone()),
-            *pool_size,
-        )?),
+            pool_size,
+        ),
         Backend::RedisSharded { nodes, pool_size } => {
             let nodes = nodes
                 .iter()
@@ -62,9 +67,29 @@ fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>,
                     Ok((url.clone(), node))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            Arc::new(ShardedRedisStore::new(nodes)?)
+            Ok(Some(SharedRedis::Sharded(ShardedRedisStore::new(nodes)?)))
+        }
+    }
+}
+
+/// The shared store, as both an exact store and a target for batched sync.
+fn shared_store(settings: &StoreSettings) -> Result<Option<Arc<dyn SyncTarget>>, StoreError> {
+    Ok(shared_redis(settings)?.map(|redis| -> Arc<dyn SyncTarget> {
+        match redis {
+            SharedRedis::One(store) => Arc::new(store),
+            SharedRedis::Sharded(store) => Arc::new(store),
         }
     }))
+}
+
+/// Where the quota service shares its limits among servers (SPEC §10a): in memory for one
+/// server, else on the store's Redis in any deployment, with connections of its own.
+pub(crate) fn quota_board(settings: &StoreSettings) -> Result<QuotaBoard, StoreError> {
+    Ok(match shared_redis(settings)? {
+        None => QuotaBoard::memory(),
+        Some(SharedRedis::One(store)) => QuotaBoard::on_redis(store),
+        Some(SharedRedis::Sharded(store)) => QuotaBoard::on_shards(store),
+    })
 }
 
 /// Whether a store built from `new` would be the one built from `current`: then the reload keeps

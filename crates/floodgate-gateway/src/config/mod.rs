@@ -501,9 +501,6 @@ pub(crate) fn validate(raw: RawConfig, base: &std::path::Path) -> Result<Config,
         raw.rls.as_ref(),
         &[("listen", proxy_listen), ("admin.listen", admin_listen)],
     );
-    if let (Some(rls), Some(store)) = (&rls_settings, &store) {
-        quota::check_store(&mut errors, rls, store);
-    }
     let override_bounds = operations::overrides(&mut errors, &raw.admin.overrides);
     let access_log = operations::access_log(&mut errors, raw.access_log.as_ref());
     let adaptive = adaptive::adaptive(&mut errors, raw.adaptive_concurrency.as_ref(), &raw.plans);

@@ -139,27 +139,6 @@ impl BucketRule {
     }
 }
 
-/// Refuses a quota service on a store it cannot share on: its shares live in memory (one
-/// server) or on one Redis.
-pub(super) fn check_store(
-    errors: &mut Errors,
-    rls: &super::RlsSettings,
-    store: &super::StoreSettings,
-) {
-    if rls.quota.is_some()
-        && !matches!(
-            store.backend,
-            super::Backend::Memory | super::Backend::Redis { .. }
-        )
-    {
-        errors.push(
-            "rls.quota",
-            "the quota service shares its limits in memory (one server) or on one Redis \
-             (`store.backend: redis`); a cluster, sharded or Sentinel store is not supported yet",
-        );
-    }
-}
-
 /// Validates `rls.quota`.
 pub(super) fn quota(errors: &mut Errors, raw: Option<&RawQuota>) -> Option<Option<QuotaSettings>> {
     let Some(raw) = raw else {
@@ -340,15 +319,19 @@ mod tests {
     }
 
     #[test]
-    fn the_shares_live_in_memory_or_on_one_redis() {
-        let text = errors(&format!(
-            "store: {{ backend: redis_cluster, nodes: [\"redis://127.0.0.1:7000\"] }}\n\
-             {HEAD}{{ domains: {{ api: [ {{ blanket: allow }} ] }} }} }}\n"
-        ));
-        assert!(
-            text.contains("rls.quota: the quota service shares its limits"),
-            "{text}"
-        );
+    fn the_shares_live_on_any_store() {
+        for store in [
+            "{ backend: memory }",
+            "{ backend: redis, url: \"redis://127.0.0.1:6379\" }",
+            "{ backend: redis_cluster, nodes: [\"redis://127.0.0.1:7000\"] }",
+            "{ backend: redis_sharded, nodes: [\"redis://127.0.0.1:7000\", \"redis://127.0.0.1:7001\"] }",
+            "{ backend: redis, sentinel: { master: main, nodes: [\"redis://127.0.0.1:26379\"] } }",
+        ] {
+            let parsed = crate::config::parse(&format!(
+                "store: {store}\n{HEAD}{{ domains: {{ api: [ {{ blanket: allow }} ] }} }} }}\n"
+            ));
+            assert!(parsed.is_ok(), "{store}: {:?}", parsed.err());
+        }
     }
 
     #[test]

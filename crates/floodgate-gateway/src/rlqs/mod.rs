@@ -22,13 +22,11 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_serv
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use floodgate::StoreError;
 use floodgate::store::quota::QuotaBoard;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 
 use self::assignment::Strategy;
-use crate::config::{Backend, StoreSettings};
 use crate::gateway::Gateway;
 use crate::telemetry;
 
@@ -47,22 +45,6 @@ pub(crate) struct Shared {
 pub(crate) struct QuotaService {
     shared: Arc<Shared>,
     streams: AtomicU64,
-}
-
-/// The board a store's settings give: in memory, or on its one Redis.
-///
-/// # Errors
-///
-/// A store the quota service cannot share on (the configuration check refuses it first), or
-/// a Redis URL the client cannot read.
-pub(crate) fn board_for(store: &StoreSettings) -> Result<QuotaBoard, StoreError> {
-    match &store.backend {
-        Backend::Memory => Ok(QuotaBoard::memory()),
-        Backend::Redis { url, .. } => QuotaBoard::redis(url, store.timeout),
-        _ => Err(StoreError::Config(
-            "rls.quota: shares are kept in memory or on one Redis".to_owned(),
-        )),
-    }
 }
 
 impl QuotaService {

@@ -442,6 +442,79 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
     assert_clean(&envoys);
 }
 
+/// Two servers on `store` (a cluster, sharded Redis), one Envoy on each, 30 users each
+/// requested through both at their limit (together twice it): every user's limit is shared by
+/// the two servers, whichever node its record lives on.
+async fn per_user_limits_hold_across_two_servers_on(store: &str) {
+    let servers = [QuotaServer::start(store), QuotaServer::start(store)];
+    let envoys = [envoy(&[&servers[0]]).await, envoy(&[&servers[1]]).await];
+    let users: Vec<Bucket> = (0..30)
+        .map(|user| bucket(&[("name", "user"), ("user", &format!("u{user}"))]))
+        .collect();
+    let start = Instant::now();
+    let run = secs(5.0);
+    let step = Duration::from_millis(10);
+    let tasks: Vec<_> = envoys
+        .iter()
+        .map(|envoy| {
+            tokio::spawn(offer_each(
+                envoy.clone(),
+                users.clone(),
+                10.0,
+                start,
+                run,
+                step,
+            ))
+        })
+        .collect();
+    let mut per_user = vec![0; users.len()];
+    for task in tasks {
+        for (user, times) in task.await.unwrap().iter().enumerate() {
+            per_user[user] += between(times, secs(2.0), run);
+        }
+    }
+    for (user, admitted) in per_user.iter().enumerate() {
+        // Three seconds at 10 per second: at most the limit, 2 % and the burst of 10 (two
+        // servers each granting the whole limit would admit about 57); at least 80 %.
+        assert!(*admitted <= 41, "user {user}: {admitted} in 3 s of 10/s");
+        assert!(*admitted >= 24, "user {user}: {admitted} in 3 s of 10/s");
+    }
+    for server in &servers {
+        assert_eq!(server.admin().await["board"], "redis");
+    }
+    assert_clean(&envoys);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_user_limits_hold_across_two_servers_on_a_redis_cluster() {
+    let cluster = redis_support::RedisCluster::start(3);
+    let store = format!(
+        "store: {{ backend: redis_cluster, nodes: [{}], timeout: 2s }}\n",
+        redis_support::yaml_items(&cluster.urls())
+    );
+    per_user_limits_hold_across_two_servers_on(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_user_limits_hold_across_two_servers_on_sharded_redis() {
+    let shards = [
+        redis_support::RedisServer::start(),
+        redis_support::RedisServer::start(),
+    ];
+    let store = format!(
+        "store: {{ backend: redis_sharded, nodes: [{}], timeout: 2s }}\n",
+        redis_support::yaml_items(&[shards[0].url(), shards[1].url()])
+    );
+    per_user_limits_hold_across_two_servers_on(&store).await;
+    // Both shards hold records: the limits are spread as decisions' keys are.
+    for shard in &shards {
+        assert!(
+            shard.command::<i64>(&["DBSIZE"]) > 0,
+            "a shard holds no record"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_health_reports_both_services() {
     use tonic_health::pb::HealthCheckRequest;

@@ -1,6 +1,7 @@
 //! A plain link to one Redis for the scripts that are not decisions: a region's table and its
-//! trades with the global store, the shares of a quota among its holders. Each caller keeps its
-//! own script; the link only runs it, at most once (a call that failed is never sent again).
+//! trades with the global store. Each caller keeps its own script; the link only runs it, at
+//! most once (a call that failed is never sent again). The readers of scripts' replies serve
+//! the quota board too, which runs on a store's own connections (any deployment).
 
 use std::time::Duration;
 

@@ -139,9 +139,30 @@ impl QuotaBoard {
     /// [`StoreError::Config`] for a URL Redis' client cannot read.
     #[cfg(feature = "redis")]
     pub fn redis(url: &str, timeout: Duration) -> Result<QuotaBoard, StoreError> {
-        Ok(QuotaBoard {
-            board: Board::Redis(redis::RedisBoard::new(url, timeout)?),
-        })
+        let store = crate::store::RedisStore::builder(url)
+            .timeout(timeout)
+            .build()?;
+        Ok(QuotaBoard::on_redis(store))
+    }
+
+    /// A board on `store`'s Redis in its deployment (one server, a cluster, a Sentinel's
+    /// master), shared by every server that uses it: each limit's record is one key, on the
+    /// node of its slot. Calls give up after the store's `timeout` (at least 100 ms), go
+    /// outside its breaker, and are never sent twice.
+    #[cfg(feature = "redis")]
+    pub fn on_redis(store: crate::store::RedisStore) -> QuotaBoard {
+        QuotaBoard {
+            board: Board::Redis(redis::RedisBoard::One(store)),
+        }
+    }
+
+    /// A board on sharded Redis: each limit's record on the node its key is placed on, as
+    /// the store places decisions' keys.
+    #[cfg(feature = "redis")]
+    pub fn on_shards(store: crate::store::ShardedRedisStore) -> QuotaBoard {
+        QuotaBoard {
+            board: Board::Redis(redis::RedisBoard::Sharded(store)),
+        }
     }
 
     /// `memory` or `redis`.
@@ -283,34 +304,42 @@ impl QuotaBoard {
 #[cfg(feature = "redis")]
 mod redis {
     use std::sync::LazyLock;
-    use std::time::Duration;
 
-    use deadpool_redis::redis::Script;
+    use deadpool_redis::redis::{Script, Value};
 
     use super::fair::ClaimArgs;
     use super::{Grant, Held};
-    use crate::store::StoreError;
-    use crate::store::link::{Link, reply};
+    use crate::store::link::reply;
+    use crate::store::{RedisStore, ShardedRedisStore, StoreError};
 
-    /// `lua/quota_share.lua`, after `lua/max_min.lua` (whose max-min split it uses).
-    static SHARE: LazyLock<Script> = LazyLock::new(|| {
-        Script::new(concat!(
+    /// `lua/quota_share.lua`, after `lua/max_min.lua` (whose max-min split it uses): its
+    /// source and SHA-1.
+    static SHARE: LazyLock<(String, String)> = LazyLock::new(|| {
+        let source = concat!(
             include_str!("../../../lua/max_min.lua"),
             "\n",
             include_str!("../../../lua/quota_share.lua")
-        ))
+        );
+        (source.to_owned(), Script::new(source).get_hash().to_owned())
     });
 
     /// The board in Redis: one hash per limit, one field per holder.
-    pub(super) struct RedisBoard {
-        link: Link,
+    pub(super) enum RedisBoard {
+        /// On one deployment's Redis (a server, a cluster, a Sentinel's master).
+        One(RedisStore),
+        /// On the node of sharded Redis that the limit's key is placed on.
+        Sharded(ShardedRedisStore),
     }
 
     impl RedisBoard {
-        pub(super) fn new(url: &str, timeout: Duration) -> Result<RedisBoard, StoreError> {
-            Ok(RedisBoard {
-                link: Link::new(url, timeout)?,
-            })
+        /// Runs the share script on `key`'s node with `arguments`.
+        async fn run(&self, key: &str, arguments: &[String]) -> Result<Value, StoreError> {
+            let store = match self {
+                RedisBoard::One(store) => store,
+                RedisBoard::Sharded(shards) => shards.node(shards.node_of(key)),
+            };
+            let (source, hash) = &*SHARE;
+            store.run_keyed_script((source, hash), key, arguments).await
         }
 
         pub(super) async fn claim(
@@ -329,7 +358,7 @@ mod redis {
                 args.lifetime_ms.to_string(),
                 args.settle_ms.to_string(),
             ];
-            let reply = self.link.run(&SHARE, &[key.to_owned()], &arguments).await?;
+            let reply = self.run(key, &arguments).await?;
             let parts = reply::array(reply, "quota claim")?;
             let [share, fair, pressed] = parts.as_slice() else {
                 return Err(StoreError::Protocol(
@@ -358,10 +387,7 @@ mod redis {
                 held.prior.to_string(),
                 super::millis(held.prior_lifetime).to_string(),
             ];
-            self.link
-                .run(&SHARE, &[key.to_owned()], &arguments)
-                .await
-                .map(drop)
+            self.run(key, &arguments).await.map(drop)
         }
 
         pub(super) async fn settle(
@@ -375,18 +401,12 @@ mod redis {
                 holder.to_owned(),
                 settle_ms.to_string(),
             ];
-            self.link
-                .run(&SHARE, &[key.to_owned()], &arguments)
-                .await
-                .map(drop)
+            self.run(key, &arguments).await.map(drop)
         }
 
         pub(super) async fn release(&self, key: &str, holder: &str) -> Result<(), StoreError> {
             let arguments = ["release".to_owned(), holder.to_owned()];
-            self.link
-                .run(&SHARE, &[key.to_owned()], &arguments)
-                .await
-                .map(drop)
+            self.run(key, &arguments).await.map(drop)
         }
     }
 }

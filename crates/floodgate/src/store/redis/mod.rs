@@ -472,6 +472,41 @@ impl RedisStore {
         }
     }
 
+    /// Runs one of floodgate's scripts outside the decisions (a quota's shares) on the node of
+    /// its one key, `key`: `EVALSHA` of the script's `(source, hash)`, and on `NOSCRIPT` (a
+    /// call Redis refused unrun: a restart, a `SCRIPT FLUSH`, a node new to the script) one
+    /// `EVAL` of its source on the same key's node. Within the deadline of commands outside
+    /// decisions, outside the breaker, never sent twice otherwise.
+    pub(crate) async fn run_keyed_script(
+        &self,
+        (source, hash): (&str, &str),
+        key: &str,
+        args: &[String],
+    ) -> Result<Value, StoreError> {
+        let deadline = self.deadline_outside_decisions();
+        let connection = &self.inner.connection;
+        let call = |command: &str, script: &str| {
+            let mut call = redis::cmd(command);
+            call.arg(script).arg(1).arg(key).arg(args);
+            call
+        };
+        let run = async {
+            match connection.run(&call("EVALSHA", hash)).await {
+                Err(ConnectionError::Redis(error))
+                    if error.kind()
+                        == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    connection.run(&call("EVAL", source)).await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(deadline, run).await {
+            Ok(result) => result.map_err(ConnectionError::into_store_error),
+            Err(_) => Err(StoreError::Timeout(deadline)),
+        }
+    }
+
     /// Makes every node's deny cache forget what it denied on `keys` (this node's at once,
     /// the others' through [`RESETS_CHANNEL`]): their limits changed, or were reset. A failed
     /// publish is logged: other nodes keep denying those keys locally until their waits end.
