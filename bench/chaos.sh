@@ -4,7 +4,8 @@
 # every Redis link, a mixed workload (four algorithms, costs 1 to 4, a limit every decision names,
 # refunds after the response) and random faults from the seed (late replies, answers dropped
 # after Redis applied the call, black holes, Redis restarted empty, the global store restored
-# from an older snapshot, a region partitioned). Every decision is checked afterwards: never
+# from an older snapshot, a region partitioned, a batched node restarted, a cluster master killed
+# and its replica promoted). Every decision is checked afterwards: never
 # above the limit. Prints a line per schedule, the summary (schedules, faults per kind,
 # decisions checked, violations), and for each violation the command that replays its seed.
 # crates/floodgate-test-support/src/chaos.rs is the harness; CI runs seeds 1 to 24.

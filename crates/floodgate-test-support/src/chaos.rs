@@ -23,7 +23,8 @@
 //! lifetime earlier (the bound README documents: a bucket's lease held across a refill), so it
 //! counts in the intervals that hold that whole span, and in a window only when it is 100 ms
 //! clear of its edges (a node cuts a lease's window by its measure of the store's clock). A store that lost its
-//! data (a Redis restarted empty: the documented loss of a store without persistence) adds one
+//! data (a Redis restarted empty: the documented loss of a store without persistence; a
+//! cluster master killed, from its death to its replica's promotion) adds one
 //! limit to every window or interval it falls in or precedes by at most a lease's lifetime (a
 //! batched node spends what it was leased before); no other fault adds anything, a node
 //! restarted included (a batched node's lease is counted in the store before it is spent, so
@@ -113,6 +114,11 @@ pub enum FaultKind {
     /// and a new node with a new identity on the store takes its traffic (batched, cluster
     /// batched).
     NodeRestarted,
+    /// A cluster master killed (SIGKILL) and its replica promoted by the cluster: what the
+    /// master had not replicated is lost, as from a Redis restarted empty, and its slots fail
+    /// until the promotion (cluster, cluster batched; such a schedule's cluster has a replica
+    /// per master, and its faults after the kill are injected once the promotion is done).
+    MasterKilled,
 }
 
 /// One fault of a schedule.
@@ -222,6 +228,20 @@ impl Schedule {
                     lasts: Duration::ZERO,
                 });
             }
+        }
+        let mut run = run;
+        if matches!(deployment, Deployment::Cluster | Deployment::ClusterBatched)
+            && rng.usize(..3) == 0
+        {
+            // Drawn last, as the restarts are. A promotion takes the node timeout (1 s) and an
+            // election: the load runs on for a while after it.
+            faults.push(FaultEvent {
+                at: Duration::from_millis(rng.u64(300..1_000)),
+                kind: FaultKind::MasterKilled,
+                target: rng.usize(..3),
+                lasts: Duration::ZERO,
+            });
+            run = Duration::from_millis(5_500);
         }
         faults.sort_by_key(|fault| fault.at);
         Schedule {
@@ -456,7 +476,7 @@ struct Fleet {
     /// Servers that can be restarted empty.
     servers: Vec<RedisServer>,
     regions: Option<Regions>,
-    _cluster: Option<RedisCluster>,
+    cluster: Option<RedisCluster>,
 }
 
 fn redis_store(url: String, mode: ConnectionMode) -> RedisStore {
@@ -480,14 +500,23 @@ fn batched(store: RedisStore) -> Arc<dyn Store> {
     )
 }
 
-fn fleet(deployment: Deployment) -> Fleet {
+/// The fleet of `schedule`'s deployment (a cluster with a replica per master if a master is
+/// killed).
+fn fleet(schedule: &Schedule) -> Fleet {
+    let deployment = schedule.deployment;
+    let replicas = usize::from(
+        schedule
+            .faults
+            .iter()
+            .any(|fault| fault.kind == FaultKind::MasterKilled),
+    );
     let mut fleet = Fleet {
         nodes: Vec::new(),
         leasing: Vec::new(),
         proxies: Vec::new(),
         servers: Vec::new(),
         regions: None,
-        _cluster: None,
+        cluster: None,
     };
     match deployment {
         Deployment::Exact | Deployment::Batched => {
@@ -526,7 +555,7 @@ fn fleet(deployment: Deployment) -> Fleet {
             fleet.servers.extend(servers);
         }
         Deployment::Cluster | Deployment::ClusterBatched => {
-            let cluster = RedisCluster::start_proxied(3, 0);
+            let cluster = RedisCluster::start_proxied(3, replicas);
             let kind = if deployment == Deployment::ClusterBatched {
                 batched
             } else {
@@ -549,7 +578,7 @@ fn fleet(deployment: Deployment) -> Fleet {
                     )
                 })));
             }
-            fleet._cluster = Some(cluster);
+            fleet.cluster = Some(cluster);
         }
         Deployment::Regions => {
             let regions = Regions::start(Mode::Traded, 2, 1, Duration::from_millis(100));
@@ -571,7 +600,7 @@ impl Fleet {
         if let Some(regions) = &self.regions {
             return Some(&regions.links[target % regions.links.len()]);
         }
-        if let Some(cluster) = &self._cluster {
+        if let Some(cluster) = &self.cluster {
             let nodes = cluster.nodes();
             return Some(cluster.proxy(nodes[target % nodes.len()]));
         }
@@ -587,7 +616,7 @@ impl Fleet {
                 link.set(Fault::None);
             }
         }
-        if let Some(cluster) = &self._cluster {
+        if let Some(cluster) = &self.cluster {
             for node in cluster.nodes() {
                 cluster.proxy(node).set(Fault::None);
             }
@@ -692,7 +721,7 @@ async fn drive(
 /// Tokio runtime.
 pub async fn run(schedule: Schedule) -> Outcome {
     let (identities, all) = limits(schedule.deployment);
-    let mut fleet = fleet(schedule.deployment);
+    let mut fleet = fleet(&schedule);
     if let Some(regions) = &fleet.regions {
         for gateway in regions.gateways.iter().flatten() {
             gateway.probe().await.expect("the region's table loads");
@@ -858,6 +887,21 @@ impl Injector<'_> {
                     None => false,
                 }
             }
+            FaultKind::MasterKilled => match self.fleet.cluster.as_mut() {
+                Some(cluster) => {
+                    let master = event.target % 3;
+                    self.losses.push(epoch_micros());
+                    cluster.kill_master(master);
+                    // The injector waits out the promotion (later faults come after it); the
+                    // drivers go on, on the runtime's other workers.
+                    tokio::task::block_in_place(|| {
+                        cluster.wait_for_promotion(master, Duration::from_secs(20));
+                    });
+                    self.losses.push(epoch_micros());
+                    true
+                }
+                None => false,
+            },
             FaultKind::NodeRestarted => {
                 let nodes = &self.fleet.nodes;
                 nodes[event.target % nodes.len()].restart()
