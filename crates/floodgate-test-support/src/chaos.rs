@@ -109,10 +109,10 @@ pub enum FaultKind {
     RestoredFromSnapshot,
     /// A region cut off from the global store for a while (regions).
     Partition,
-    /// A batched node (a gateway) killed and started again at once: the leases it held, its
-    /// numbered trades and the settlements of the requests it was serving are lost with it,
-    /// and a new node with a new identity on the store takes its traffic (batched, cluster
-    /// batched).
+    /// A node (a gateway) stopped and started again at once: the leases it held, its numbered
+    /// trades and the settlements of the requests it was serving are lost with it, and a new
+    /// node with a new identity on the store takes its traffic (batched, cluster batched;
+    /// regions: the region's gateway, whose table its region's store keeps).
     NodeRestarted,
     /// A cluster master killed (SIGKILL) and its replica promoted by the cluster: what the
     /// master had not replicated is lost, as from a Redis restarted empty, and its slots fail
@@ -217,7 +217,10 @@ impl Schedule {
                 lasts: Duration::ZERO,
             });
         }
-        if matches!(deployment, Deployment::Batched | Deployment::ClusterBatched) {
+        if matches!(
+            deployment,
+            Deployment::Batched | Deployment::ClusterBatched | Deployment::Regions
+        ) {
             // Drawn after every fault above, so that the restarts, added later, left the
             // schedules of earlier seeds otherwise as they were.
             for _ in 0..rng.usize(0..=2) {
@@ -439,8 +442,8 @@ impl Node {
         }
     }
 
-    /// A node that is never restarted (a region's gateway, whose harness owns it; a sharded
-    /// node, which holds nothing a restart would lose).
+    /// A node that restarts only as its harness says (a region's gateway), or never (a
+    /// sharded node, which holds nothing a restart would lose).
     fn fixed(store: Arc<dyn Store>) -> Node {
         Node {
             current: Mutex::new((0, store)),
@@ -459,10 +462,14 @@ impl Node {
         let Some(start) = &self.start else {
             return false;
         };
-        let fresh = start();
-        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        *current = (current.0 + 1, fresh);
+        self.restarted_as(start());
         true
+    }
+
+    /// Goes on with `store`, started again elsewhere (a region's gateway).
+    fn restarted_as(&self, store: Arc<dyn Store>) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        *current = (current.0 + 1, store);
     }
 }
 
@@ -903,8 +910,17 @@ impl Injector<'_> {
                 None => false,
             },
             FaultKind::NodeRestarted => {
-                let nodes = &self.fleet.nodes;
-                nodes[event.target % nodes.len()].restart()
+                let index = event.target % self.fleet.nodes.len();
+                match self.fleet.regions.as_mut() {
+                    // One gateway per region: node `index` is region `index`'s.
+                    Some(regions) => {
+                        regions.restart_region(index);
+                        let store: Arc<dyn Store> = regions.gateways[index][0].clone();
+                        self.fleet.nodes[index].restarted_as(store);
+                        true
+                    }
+                    None => self.fleet.nodes[index].restart(),
+                }
             }
             FaultKind::RestoredFromSnapshot => {
                 match (self.fleet.regions.as_mut(), self.snapshot.as_ref()) {
