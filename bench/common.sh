@@ -25,14 +25,14 @@ plans:
     limits: [ { name: per-second, algorithm: token_bucket, limit: 100000000, window: 1s } ]
 YAML
     RUST_LOG=warn "${floodgate_bin:-target/release/floodgate}" serve --config "$work/floodgate-$port.yaml" >/dev/null 2>"$work/floodgate-$port.log" &
-    pids+=($!)
+    pids+=($!); started_pid=$!
     wait_for "${2:-http}://127.0.0.1:$port/"
     started_port=$port
 }
 
 # Starts nginx in front of $upstream_port: proxy_pass with upstream keepalive and a limit_req
 # zone set too high to reject, 2 workers. With a TLS port as argument, also listens there with
-# $work/tls.crt and $work/tls.key. Sets $nginx_port.
+# $work/tls.crt and $work/tls.key. Sets $nginx_port and $nginx_pid (the master's).
 start_nginx() { # [tls_port]
     nginx_port=$(free_port)
     local tls_listen=""
@@ -65,7 +65,7 @@ http {
     }
 }
 NGINX
-    nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!)
+    nginx -c "$work/nginx/nginx.conf" -g 'daemon off;' & pids+=($!); nginx_pid=$!
     wait_for "http://127.0.0.1:$nginx_port/"
 }
 
