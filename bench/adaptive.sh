@@ -5,7 +5,10 @@
 # SECONDS (default 30); in the middle third, half the workers are taken away. Arms: no
 # shedding; a static concurrency ceiling tuned for full capacity (19 in flight); floodgate's
 # adaptive limit (three classes: critical reserving 20 %, default 10 %). See
-# crates/floodgate-gateway/examples/adaptive_bench.rs for what is measured.
+# crates/floodgate-gateway/examples/adaptive_bench.rs for what is measured. The adaptive arm's
+# limit is sampled from /admin/adaptive every 100 ms, and the time it takes to settle after each
+# capacity change is printed (settled: every later sample of the phase within 25 % of the
+# median of its last 3 s).
 #
 #   bash bench/adaptive.sh [SECONDS]
 set -euo pipefail
@@ -14,6 +17,53 @@ seconds=${1:-30}
 cargo build --release -p floodgate-gateway --bin floodgate --example adaptive_bench >/dev/null 2>&1
 source bench/common.sh
 echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), $seconds s per arm, $(date -u +%FT%TZ), $(git rev-parse --short HEAD)"
+
+# The adaptive limit every 100 ms from the admin API on ADMIN_PORT: "seconds limit" lines,
+# seconds from the sampler's start (the bench's, within a few ms). One process, so that sampling
+# costs the machine little.
+sample_limit() { # admin_port
+    python3 -u - "$1" <<'PY'
+import json, sys, time, urllib.request
+port = sys.argv[1]
+start = time.monotonic()
+while True:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/adaptive", timeout=1) as answer:
+            upstreams = json.load(answer)["upstreams"]
+        if upstreams:
+            print(f"{time.monotonic() - start:.2f} {upstreams[0]['limit']}")
+    except OSError:
+        pass
+    time.sleep(0.1)
+PY
+}
+
+# Reads sample_limit's lines; prints how long the limit took to settle after each capacity
+# change (at a third and two thirds of the load). The load starts a second after the bench's
+# first request (its unloaded probe), which is when the first sample finds the upstream.
+settling() {
+    python3 - "$seconds" <<'PY'
+import statistics, sys
+seconds = float(sys.argv[1])
+samples = [tuple(map(float, line.split())) for line in sys.stdin if line.strip()]
+if samples:
+    load_starts = samples[0][0] + 1.0
+    samples = [(at - load_starts, limit) for at, limit in samples]
+phase = seconds / 3
+for name, change in (("halved", phase), ("restored", 2 * phase)):
+    inside = [(at, limit) for at, limit in samples if change <= at < change + phase]
+    tail = [limit for at, limit in inside if at >= change + phase - 3]
+    if not tail:
+        print(f"limit after the capacity {name}: no samples")
+        continue
+    settled = statistics.median(tail)
+    late = [at for at, limit in inside if abs(limit - settled) > 0.25 * settled]
+    took = (max(late) - change + 0.1) if late else 0.0
+    before = [limit for at, limit in samples if change - 3 <= at < change]
+    print(f"limit after the capacity {name}: {statistics.median(before) if before else '?'} "
+          f"before, settled at {settled} within {took:.1f} s")
+PY
+}
 
 run_arm() { # name yaml
     upstream_port=$(free_port)
@@ -36,7 +86,16 @@ plans:
 YAML
     RUST_LOG=warn target/release/floodgate serve --config "$work/$1.yaml" >/dev/null 2>"$work/$1.log" &
     local gateway=$!
+    local sampler=""
+    if [ "$1" = adaptive ]; then
+        sample_limit "$admin" > "$work/limits.txt" &
+        sampler=$!
+    fi
     wait "$bench"
+    if [ -n "$sampler" ]; then
+        kill "$sampler" 2>/dev/null || true
+        settling < "$work/limits.txt"
+    fi
     kill "$gateway" 2>/dev/null || true
     wait "$gateway" 2>/dev/null || true
     echo "$1: $(cat "$work/$1.json")"
