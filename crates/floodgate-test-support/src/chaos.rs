@@ -24,7 +24,7 @@
 //! counts in the intervals that hold that whole span, and in a window only when it is 100 ms
 //! clear of its edges (a node cuts a lease's window by its measure of the store's clock). A store that lost its
 //! data (a Redis restarted empty: the documented loss of a store without persistence; a
-//! cluster master killed, from its death to its replica's promotion) adds one
+//! cluster master killed, from its death to its replica's promotion, on its slots' keys) adds one
 //! limit to every window or interval it falls in or precedes by at most a lease's lifetime (a
 //! batched node spends what it was leased before); no other fault adds anything, a node
 //! restarted included (a batched node's lease is counted in the store before it is spent, so
@@ -38,7 +38,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -48,7 +48,7 @@ use floodgate::time::Timestamp;
 use floodgate::{Algorithm, Limit, Store, store::Check};
 
 use crate::RedisServer;
-use crate::cluster::RedisCluster;
+use crate::cluster::{ClusterNode, RedisCluster};
 use crate::faults::{Fault, FaultProxy};
 use crate::regions::{GlobalSnapshot, Mode, Regions};
 
@@ -115,9 +115,9 @@ pub enum FaultKind {
     /// regions: the region's gateway, whose table its region's store keeps).
     NodeRestarted,
     /// A cluster master killed (SIGKILL) and its replica promoted by the cluster: what the
-    /// master had not replicated is lost, as from a Redis restarted empty, and its slots fail
-    /// until the promotion (cluster, cluster batched; such a schedule's cluster has a replica
-    /// per master, and its faults after the kill are injected once the promotion is done).
+    /// master had not replicated is lost (its slots' keys only, counted as a loss from the
+    /// kill to the promotion), and its slots fail until the promotion (cluster, cluster
+    /// batched; such a schedule's cluster has a replica per master).
     MasterKilled,
 }
 
@@ -373,8 +373,8 @@ pub struct Outcome {
     pub history: Vec<Decided>,
     /// The faults injected, by kind.
     pub faults: BTreeMap<FaultKind, u64>,
-    /// When a store lost its data (µs since the epoch).
-    pub losses: Vec<u64>,
+    /// When a store lost its data.
+    pub losses: Vec<Loss>,
     /// What the fresh identity after the heal got, and of how much.
     pub fresh: (u64, u64),
     /// What the check found.
@@ -724,6 +724,66 @@ async fn drive(
     history
 }
 
+/// A store that lost data: from when (µs since the epoch) to when it served again, and the
+/// slots it lost (none: every key).
+#[derive(Clone, Debug)]
+pub struct Loss {
+    /// When it was killed.
+    pub from: u64,
+    /// When it served again (restarted, or its replica promoted).
+    pub to: u64,
+    /// The slot ranges (first, last) it served, for a cluster master; `None` for a whole store.
+    pub slots: Option<Vec<(u16, u16)>>,
+}
+
+impl Loss {
+    /// Whether it can have lost `key`'s count.
+    fn covers(&self, key: &str) -> bool {
+        let slot = floodgate::store::redis::hash_slot(key);
+        self.slots.as_ref().is_none_or(|ranges| {
+            ranges
+                .iter()
+                .any(|(first, last)| (*first..=*last).contains(&slot))
+        })
+    }
+}
+
+/// A killed master whose replica's promotion a thread of its own watches.
+struct Promotion {
+    master: usize,
+    killed: u64,
+    slots: Vec<(u16, u16)>,
+    /// When the replica first reported itself master (µs since the epoch; 0 until then).
+    promoted: Arc<AtomicU64>,
+}
+
+/// Watches the replica on `port` (directly, not through its proxy) until it reports itself
+/// master, from a thread of its own so that the schedule goes on meanwhile.
+fn watch_promotion(port: u16) -> Arc<AtomicU64> {
+    let promoted = Arc::new(AtomicU64::new(0));
+    let mark = promoted.clone();
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let Ok(client) = deadpool_redis::redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        else {
+            return;
+        };
+        while started.elapsed() < Duration::from_secs(30) {
+            let role = client.get_connection().and_then(|mut connection| {
+                deadpool_redis::redis::cmd("INFO")
+                    .arg("replication")
+                    .query::<String>(&mut connection)
+            });
+            if role.is_ok_and(|info| info.contains("role:master")) {
+                mark.store(epoch_micros(), Ordering::Release);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    promoted
+}
+
 /// Runs `schedule` against a fresh fleet and checks its history. Call inside a multi-thread
 /// Tokio runtime.
 pub async fn run(schedule: Schedule) -> Outcome {
@@ -751,15 +811,38 @@ pub async fn run(schedule: Schedule) -> Outcome {
         faults: BTreeMap::new(),
         losses: Vec::new(),
         healing: Vec::new(),
+        promotions: Vec::new(),
     };
     for event in &schedule.faults {
         injector.heal_due(event.at).await;
         tokio::time::sleep(event.at.saturating_sub(started.elapsed())).await;
         injector.inject(event).await;
     }
-    let Injector { faults, losses, .. } = injector;
+    let Injector {
+        faults,
+        mut losses,
+        promotions,
+        ..
+    } = injector;
     tokio::time::sleep(schedule.run.saturating_sub(started.elapsed())).await;
     fleet.heal();
+    if let Some(cluster) = &fleet.cluster {
+        for promotion in promotions {
+            // Done long before, as a rule: the whole cluster seen well again.
+            tokio::task::block_in_place(|| {
+                cluster.wait_for_promotion(promotion.master, Duration::from_secs(20));
+            });
+            let to = match promotion.promoted.load(Ordering::Acquire) {
+                0 => epoch_micros(),
+                at => at,
+            };
+            losses.push(Loss {
+                from: promotion.killed,
+                to,
+                slots: Some(promotion.slots),
+            });
+        }
+    }
     stop.store(true, Ordering::Relaxed);
     let mut history = Vec::new();
     for driver in drivers {
@@ -815,8 +898,10 @@ struct Injector<'f> {
     snapshot: Option<GlobalSnapshot>,
     /// Faults injected, by kind.
     faults: BTreeMap<FaultKind, u64>,
-    /// Each restart's two marks (killed, back), µs since the epoch.
-    losses: Vec<u64>,
+    /// Each restart's loss.
+    losses: Vec<Loss>,
+    /// Each killed master, until its promotion is read after the run.
+    promotions: Vec<Promotion>,
     /// Faults that last: until when (from the start), on which target.
     healing: Vec<(Duration, usize)>,
 }
@@ -886,9 +971,13 @@ impl Injector<'_> {
                 let count = self.fleet.servers.len().max(1);
                 match self.fleet.servers.get_mut(event.target % count) {
                     Some(server) => {
-                        self.losses.push(epoch_micros());
+                        let from = epoch_micros();
                         server.restart();
-                        self.losses.push(epoch_micros());
+                        self.losses.push(Loss {
+                            from,
+                            to: epoch_micros(),
+                            slots: None,
+                        });
                         true
                     }
                     None => false,
@@ -897,14 +986,17 @@ impl Injector<'_> {
             FaultKind::MasterKilled => match self.fleet.cluster.as_mut() {
                 Some(cluster) => {
                     let master = event.target % 3;
-                    self.losses.push(epoch_micros());
+                    let slots = cluster.slots_of(master);
+                    let replica = ClusterNode::Replica { master, replica: 0 };
+                    let promoted = watch_promotion(cluster.server(replica).port());
+                    let killed = epoch_micros();
                     cluster.kill_master(master);
-                    // The injector waits out the promotion (later faults come after it); the
-                    // drivers go on, on the runtime's other workers.
-                    tokio::task::block_in_place(|| {
-                        cluster.wait_for_promotion(master, Duration::from_secs(20));
+                    self.promotions.push(Promotion {
+                        master,
+                        killed,
+                        slots,
+                        promoted,
                     });
-                    self.losses.push(epoch_micros());
                     true
                 }
                 None => false,
@@ -996,7 +1088,7 @@ fn by_window(admitted: &[&Decided], window_micros: u64) -> BTreeMap<u64, Vec<usi
 pub fn check(
     schedule: &Schedule,
     history: &[Decided],
-    losses: &[u64],
+    losses: &[Loss],
     fresh: (u64, u64),
 ) -> Vec<Violation> {
     let mut violations = Vec::new();
@@ -1010,16 +1102,17 @@ pub fn check(
                 .push(decision);
         }
     }
-    // A restart (killed, back) weighs on what overlaps it or follows it by a lease's
-    // lifetime: a batched node spends what it was leased before the store forgot granting it.
-    let lost_between = |from: u64, to: u64| {
-        let lifetime = LEASE_LIFETIME.as_micros() as u64;
-        losses
-            .chunks(2)
-            .filter(|pair| pair[0] <= to && pair[pair.len() - 1] + lifetime >= from)
-            .count() as u64
-    };
     for (key, (limit, mut admitted)) in per_key {
+        // A loss of this key's count (killed to back) weighs on what overlaps it or follows
+        // it by a lease's lifetime: a batched node spends what it was leased before the store
+        // forgot granting it.
+        let lost_between = |from: u64, to: u64| {
+            let lifetime = LEASE_LIFETIME.as_micros() as u64;
+            losses
+                .iter()
+                .filter(|loss| loss.covers(&key) && loss.from <= to && loss.to + lifetime >= from)
+                .count() as u64
+        };
         admitted.sort_by_key(|decision| decision.sent);
         let over = match limit.algorithm() {
             Algorithm::TokenBucket | Algorithm::Gcra => {

@@ -327,6 +327,15 @@ impl RedisCluster {
         }
     }
 
+    /// The slot ranges (first, last) that master `index` serves now.
+    pub fn slots_of(&self, index: usize) -> Vec<(u16, u16)> {
+        self.slot_ranges()
+            .into_iter()
+            .filter(|(_, _, node)| *node == ClusterNode::Master(index))
+            .map(|(start, end, _)| (start, end))
+            .collect()
+    }
+
     /// How many slots master `index` serves.
     pub fn slots_served_by(&self, index: usize) -> u32 {
         self.slot_ranges()
