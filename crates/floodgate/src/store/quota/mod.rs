@@ -132,7 +132,7 @@ impl QuotaBoard {
     }
 
     /// A board on the Redis at `url`, shared by every server that uses it; calls give up after
-    /// `timeout` and are never sent twice.
+    /// `timeout` (at least 100 ms) and are never sent twice.
     ///
     /// # Errors
     ///
