@@ -153,46 +153,7 @@ impl Schedule {
     pub fn of(seed: u64) -> Schedule {
         let deployment = Deployment::ALL[(seed % Deployment::ALL.len() as u64) as usize];
         let mut rng = fastrand::Rng::with_seed(seed);
-        let run = Duration::from_millis(2_500);
-        let kinds: &[FaultKind] = match deployment {
-            Deployment::Exact | Deployment::Sharded => &[
-                FaultKind::LateReplies,
-                FaultKind::DroppedAnswer,
-                FaultKind::DroppedSettlement,
-                FaultKind::DroppedAnswers,
-                FaultKind::BlackHole,
-                FaultKind::RestartedEmpty,
-            ],
-            Deployment::Batched => &[
-                FaultKind::LateReplies,
-                FaultKind::DroppedAnswer,
-                FaultKind::DroppedTrade,
-                FaultKind::DroppedAnswers,
-                FaultKind::BlackHole,
-                FaultKind::RestartedEmpty,
-            ],
-            Deployment::Cluster => &[
-                FaultKind::LateReplies,
-                FaultKind::DroppedAnswer,
-                FaultKind::DroppedSettlement,
-                FaultKind::DroppedSettlement,
-                FaultKind::DroppedAnswers,
-                FaultKind::BlackHole,
-            ],
-            Deployment::ClusterBatched => &[
-                FaultKind::LateReplies,
-                FaultKind::DroppedAnswer,
-                FaultKind::DroppedTrade,
-                FaultKind::DroppedTrade,
-                FaultKind::DroppedAnswers,
-                FaultKind::BlackHole,
-            ],
-            Deployment::Regions => &[
-                FaultKind::LateReplies,
-                FaultKind::Partition,
-                FaultKind::RestoredFromSnapshot,
-            ],
-        };
+        let kinds = fault_kinds(deployment);
         // A cluster has three links to hit, and its faults are the calls' own: more of them.
         let count = match deployment {
             Deployment::Cluster | Deployment::ClusterBatched => rng.usize(8..=14),
@@ -217,35 +178,7 @@ impl Schedule {
                 lasts: Duration::ZERO,
             });
         }
-        if matches!(
-            deployment,
-            Deployment::Batched | Deployment::ClusterBatched | Deployment::Regions
-        ) {
-            // Drawn after every fault above, so that the restarts, added later, left the
-            // schedules of earlier seeds otherwise as they were.
-            for _ in 0..rng.usize(0..=2) {
-                faults.push(FaultEvent {
-                    at: Duration::from_millis(rng.u64(300..2_000)),
-                    kind: FaultKind::NodeRestarted,
-                    target: rng.usize(..6),
-                    lasts: Duration::ZERO,
-                });
-            }
-        }
-        let mut run = run;
-        if matches!(deployment, Deployment::Cluster | Deployment::ClusterBatched)
-            && rng.usize(..3) == 0
-        {
-            // Drawn last, as the restarts are. A promotion takes the node timeout (1 s) and an
-            // election: the load runs on for a while after it.
-            faults.push(FaultEvent {
-                at: Duration::from_millis(rng.u64(300..1_000)),
-                kind: FaultKind::MasterKilled,
-                target: rng.usize(..3),
-                lasts: Duration::ZERO,
-            });
-            run = Duration::from_millis(5_500);
-        }
+        let run = add_restarts_and_kills(deployment, &mut rng, &mut faults);
         faults.sort_by_key(|fault| fault.at);
         Schedule {
             seed,
@@ -254,6 +187,85 @@ impl Schedule {
             run,
         }
     }
+}
+
+/// The faults a deployment's schedule draws from (a kind listed twice is drawn twice as often).
+fn fault_kinds(deployment: Deployment) -> &'static [FaultKind] {
+    match deployment {
+        Deployment::Exact | Deployment::Sharded => &[
+            FaultKind::LateReplies,
+            FaultKind::DroppedAnswer,
+            FaultKind::DroppedSettlement,
+            FaultKind::DroppedAnswers,
+            FaultKind::BlackHole,
+            FaultKind::RestartedEmpty,
+        ],
+        Deployment::Batched => &[
+            FaultKind::LateReplies,
+            FaultKind::DroppedAnswer,
+            FaultKind::DroppedTrade,
+            FaultKind::DroppedAnswers,
+            FaultKind::BlackHole,
+            FaultKind::RestartedEmpty,
+        ],
+        Deployment::Cluster => &[
+            FaultKind::LateReplies,
+            FaultKind::DroppedAnswer,
+            FaultKind::DroppedSettlement,
+            FaultKind::DroppedSettlement,
+            FaultKind::DroppedAnswers,
+            FaultKind::BlackHole,
+        ],
+        Deployment::ClusterBatched => &[
+            FaultKind::LateReplies,
+            FaultKind::DroppedAnswer,
+            FaultKind::DroppedTrade,
+            FaultKind::DroppedTrade,
+            FaultKind::DroppedAnswers,
+            FaultKind::BlackHole,
+        ],
+        Deployment::Regions => &[
+            FaultKind::LateReplies,
+            FaultKind::Partition,
+            FaultKind::RestoredFromSnapshot,
+        ],
+    }
+}
+
+/// Adds node restarts (batched, cluster batched, regions) and a master kill (a third of the
+/// cluster schedules), drawn after every other fault so that adding them left the schedules
+/// of earlier seeds otherwise as they were; returns how long the load runs (longer with a
+/// kill: a promotion takes the node timeout, 1 s, and an election, and the load runs on for
+/// a while after it).
+fn add_restarts_and_kills(
+    deployment: Deployment,
+    rng: &mut fastrand::Rng,
+    faults: &mut Vec<FaultEvent>,
+) -> Duration {
+    if matches!(
+        deployment,
+        Deployment::Batched | Deployment::ClusterBatched | Deployment::Regions
+    ) {
+        for _ in 0..rng.usize(0..=2) {
+            faults.push(FaultEvent {
+                at: Duration::from_millis(rng.u64(300..2_000)),
+                kind: FaultKind::NodeRestarted,
+                target: rng.usize(..6),
+                lasts: Duration::ZERO,
+            });
+        }
+    }
+    if matches!(deployment, Deployment::Cluster | Deployment::ClusterBatched) && rng.usize(..3) == 0
+    {
+        faults.push(FaultEvent {
+            at: Duration::from_millis(rng.u64(300..1_000)),
+            kind: FaultKind::MasterKilled,
+            target: rng.usize(..3),
+            lasts: Duration::ZERO,
+        });
+        return Duration::from_millis(5_500);
+    }
+    Duration::from_millis(2_500)
 }
 
 /// How far a batched node's view of the shared store's clock may be from it: the node cuts a
