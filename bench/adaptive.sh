@@ -38,14 +38,15 @@ while True:
 PY
 }
 
-# Reads sample_limit's lines; prints how long the limit took to settle after each capacity
+# Reads sample_limit's lines from FILE; prints how long the limit took to settle after each capacity
 # change (at a third and two thirds of the load). The load starts a second after the bench's
 # first request (its unloaded probe), which is when the first sample finds the upstream.
-settling() {
-    python3 - "$seconds" <<'PY'
+settling() { # file
+    python3 - "$seconds" "$1" <<'PY'
 import statistics, sys
 seconds = float(sys.argv[1])
-samples = [tuple(map(float, line.split())) for line in sys.stdin if line.strip()]
+with open(sys.argv[2]) as lines:
+    samples = [tuple(map(float, line.split())) for line in lines if line.strip()]
 if samples:
     load_starts = samples[0][0] + 1.0
     samples = [(at - load_starts, limit) for at, limit in samples]
@@ -94,11 +95,13 @@ YAML
     wait "$bench"
     if [ -n "$sampler" ]; then
         kill "$sampler" 2>/dev/null || true
-        settling < "$work/limits.txt"
     fi
     kill "$gateway" 2>/dev/null || true
     wait "$gateway" 2>/dev/null || true
     echo "$1: $(cat "$work/$1.json")"
+    if [ -n "$sampler" ]; then
+        settling "$work/limits.txt"
+    fi
 }
 
 run_arm none ""
