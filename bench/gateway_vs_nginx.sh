@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # nginx (proxy_pass + a limit_req zone set too high to reject), a bare hyper reverse proxy (the
-# gateway's HTTP stack with nothing of floodgate's: examples/bare_proxy.rs) and floodgate (memory
+# gateway's HTTP stack with nothing of floodgate's, on either of its runtimes:
+# examples/bare_proxy.rs) and floodgate (memory
 # store on the multi-thread runtime, memory store with `server.workers: per_core`, then Redis
 # store) in front of the same upstream, under the same wrk load, in one session; then nginx and
 # floodgate again behind a TLS listener with the same certificate (keep-alive, plain upstream).
@@ -32,8 +33,11 @@ openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 
     -keyout "$work/tls.key" -out "$work/tls.crt" >/dev/null 2>&1
 start_nginx "$nginx_tls_port"
 bare_port=$(free_port)
-target/release/examples/bare_proxy "$bare_port" "$upstream_port" & pids+=($!); bare_pid=$!
+target/release/examples/bare_proxy "$bare_port" "$upstream_port" multi_thread & pids+=($!); bare_pid=$!
 wait_for "http://127.0.0.1:$bare_port/"
+bare_per_core_port=$(free_port)
+target/release/examples/bare_proxy "$bare_per_core_port" "$upstream_port" per_core & pids+=($!); bare_per_core_pid=$!
+wait_for "http://127.0.0.1:$bare_per_core_port/"
 
 
 start_floodgate "store: { backend: memory }
@@ -75,7 +79,8 @@ measure() { # name port scheme pid...
 echo "machine: $(nproc) cores; wrk -t1 -c$connections -d${seconds}s; same upstream (axum hello, examples/overhead.rs)"
 for round in 1 2 3; do
     measure nginx "$nginx_port" http "$nginx_pid"
-    measure bare-hyper "$bare_port" http "$bare_pid"
+    measure bare-hyper-multi-thread "$bare_port" http "$bare_pid"
+    measure bare-hyper-per-core "$bare_per_core_port" http "$bare_per_core_pid"
     measure floodgate-multi-thread "$memory_port" http "$memory_pid"
     measure floodgate-per-core "$per_core_port" http "$per_core_pid"
     measure floodgate-redis-multi "$redis_gateway_port" http "$redis_gateway_pid"
