@@ -3,15 +3,18 @@
 --
 -- KEYS (one hash tag, so one slot): the table (limit key -> "units,ends_ms,version,previous,
 -- spec"), its version, the gateways' acknowledgements (gateway -> "version,at_ms"), the demand
--- gathered since the trader last took it (limit key -> units), the specs of those keys, and
--- the trader's lock.
+-- gathered since the trader last took it (limit key -> units), the specs of those keys, the
+-- trader's lock, and the highest generation of the global store that any of the region's
+-- gateways has seen (so that a gateway started later, a restart, still finds a global store that
+-- lost acknowledged writes behind it).
 -- ARGV[1]: 'sync', 'write' or 'release'; ARGV[2]: this gateway's id; ARGV[3]: how long a gateway stays
 -- live (and the lock held) without syncing (ms).
 --   'sync': ARGV[4]: the table version this gateway has in force; ARGV[5]: the number of
---   demands, then per demand its limit key, units and spec. Adds the demands, records the
---   acknowledgement, takes or keeps the trader's lock. Reply: { now_ms, version, trader (0/1),
---   the table as pairs, and for the trader: the oldest version a live gateway has in force,
---   the demand taken as triples (key, units, spec) }.
+--   demands, then per demand its limit key, units and spec, then (optional) the highest global
+--   generation this gateway has seen. Adds the demands, records the acknowledgement and the
+--   generation, takes or keeps the trader's lock. Reply: { now_ms, version, trader (0/1), the
+--   table as pairs, and for the trader: the oldest version a live gateway has in force, the
+--   demand taken as triples (key, units, spec), the highest generation recorded }.
 --   'release': gives the lock up if this gateway holds it, and its acknowledgement (a gateway
 --   shutting down: another takes over at its next sync). Reply: { now_ms, version }.
 --   'write' (the trader only): ARGV[4]: the number of changes, then per change a limit key and
@@ -26,8 +29,8 @@ local function now_ms()
 end
 
 local function floodgate_region_local(keys, args)
-  local table_key, version_key, acks_key, demand_key, specs_key, lock_key =
-    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
+  local table_key, version_key, acks_key, demand_key, specs_key, lock_key, generation_key =
+    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7]
   local mode, me, live = args[1], args[2], tonumber(args[3])
   local now = now_ms()
   local version = tonumber(redis.call('GET', version_key) or '0')
@@ -61,6 +64,12 @@ local function floodgate_region_local(keys, args)
     redis.call('HSET', specs_key, args[at], args[at + 2])
   end
   redis.call('HSET', acks_key, me, args[4] .. ',' .. now)
+  local generation = tonumber(redis.call('GET', generation_key) or '0')
+  local seen = tonumber(args[6 + 3 * n] or '0') or 0
+  if seen > generation then
+    generation = seen
+    redis.call('SET', generation_key, generation)
+  end
   local trader = 0
   if redis.call('SET', lock_key, me, 'NX', 'PX', live) then
     trader = 1
@@ -96,6 +105,7 @@ local function floodgate_region_local(keys, args)
     redis.call('DEL', demand_key, specs_key)
     reply[5] = oldest
     reply[6] = taken
+    reply[7] = generation
   end
   return reply
 end

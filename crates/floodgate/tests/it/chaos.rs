@@ -1,5 +1,5 @@
 //! The fault-schedule checker (`floodgate_test_support::chaos`) on a fixed set of seeds: 24
-//! schedules, four of each deployment (exact, batched, cluster exact and batched, sharded,
+//! schedules (and the seeds of past findings), four of each deployment (exact, batched, cluster exact and batched, sharded,
 //! regions), each a
 //! fresh fleet against real redis-server processes with random faults, its whole history
 //! checked for an admission above the limit. A violation prints its seed and the command that
@@ -16,8 +16,13 @@ use floodgate_test_support as support;
 
 use support::chaos::{self, Schedule, Summary};
 
-/// The CI set: seeds 1 to 24.
+/// The CI set: seeds 1 to 24, and [`FOUND_SEEDS`].
 const CI_SEEDS: std::ops::RangeInclusive<u64> = 1..=24;
+
+/// Seeds that found a bug, kept in the CI set as its regression tests: 20110 (a region's
+/// gateway restarted after the global store was restored from an older snapshot admitted 87 of
+/// 60: the new gateway's trader had seen no generation, so it could not find the store behind).
+const FOUND_SEEDS: [u64; 1] = [20110];
 
 fn seeds() -> Vec<u64> {
     if let Ok(list) = std::env::var("FLOODGATE_CHAOS_SEEDS") {
@@ -34,7 +39,7 @@ fn seeds() -> Vec<u64> {
             .unwrap_or(1);
         return (from..from + count).collect();
     }
-    CI_SEEDS.collect()
+    CI_SEEDS.chain(FOUND_SEEDS).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

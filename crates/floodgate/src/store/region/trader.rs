@@ -19,10 +19,18 @@ use crate::store::{Check, Store, StoreError};
 /// The keys of the regional script, all under the region's hash tag.
 pub(super) fn regional_keys(region: &str) -> Vec<String> {
     let tag = format!("floodgate:region:{{{region}}}");
-    ["table", "version", "acks", "demand", "specs", "trader"]
-        .iter()
-        .map(|part| format!("{tag}:{part}"))
-        .collect()
+    [
+        "table",
+        "version",
+        "acks",
+        "demand",
+        "specs",
+        "trader",
+        "generation",
+    ]
+    .iter()
+    .map(|part| format!("{tag}:{part}"))
+    .collect()
 }
 
 /// A row of the region's table: `"units,ends_ms,version,previous,spec"`.
@@ -258,6 +266,9 @@ impl Trader {
                 spec.0.clone(),
             ]);
         }
+        // Kept in the region's store, so that the next trader (a restarted gateway among them)
+        // still finds a global store that went back behind it.
+        args.push(self.generation_seen.to_string());
         let synced = self.regional.run(&REGIONAL, &self.keys(), &args).await?;
         let received = Instant::now();
         let mut parts = reply::array(synced, "sync")?.into_iter();
@@ -316,6 +327,8 @@ impl Trader {
         }
         view.oldest_acked = reply::int(&next("oldest acknowledged")?, "oldest")?;
         let taken = reply::array(next("demand")?, "demand")?;
+        let generation = reply::int(&next("generation")?, "generation")?;
+        self.generation_seen = self.generation_seen.max(generation);
         for triple in taken.chunks(3) {
             let [key, units, spec] = triple else { continue };
             let key: Arc<str> = reply::text(key, "demand key")?.into();
