@@ -242,11 +242,11 @@ impl Trader {
         }
     }
 
-    /// Adds this gateway's demand to the region's, puts the region's table in force here and
-    /// acknowledges it; on the trader, takes the region's demand into the estimates.
-    async fn sync(&mut self) -> Result<View, StoreError> {
+    /// The arguments of a `sync` (`lua/region_local.lua`): this gateway, how long it stays
+    /// live, the table version it acknowledges, the demand it saw since the last sync (taken
+    /// here), and the highest global generation it has seen.
+    fn sync_arguments(&mut self) -> Vec<String> {
         let demand = self.shares.take_demand();
-        let sent = Instant::now();
         let mut args = vec![
             "sync".to_owned(),
             self.gateway.clone(),
@@ -269,6 +269,14 @@ impl Trader {
         // Kept in the region's store, so that the next trader (a restarted gateway among them)
         // still finds a global store that went back behind it.
         args.push(self.generation_seen.to_string());
+        args
+    }
+
+    /// Adds this gateway's demand to the region's, puts the region's table in force here and
+    /// acknowledges it; on the trader, takes the region's demand into the estimates.
+    async fn sync(&mut self) -> Result<View, StoreError> {
+        let sent = Instant::now();
+        let args = self.sync_arguments();
         let synced = self.regional.run(&REGIONAL, &self.keys(), &args).await?;
         let received = Instant::now();
         let mut parts = reply::array(synced, "sync")?.into_iter();
