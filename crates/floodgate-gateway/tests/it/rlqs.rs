@@ -427,9 +427,22 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
         );
         loaded_kib.push(server.gateway.rss_kib());
         assert_eq!(server.limits_held().await, USERS, "round {round}");
-        // Idle for three reports: abandoned by the server, erased by the Envoys.
+        // Idle for three reports: abandoned by the server, erased by the Envoys; the server
+        // forgets the limits once their last shares end (a TTL and a step at most after).
         wait_until_abandoned(&envoys, REPORT * 10).await;
-        assert_eq!(server.limits_held().await, 0, "round {round}");
+        let erased = Instant::now();
+        loop {
+            let held = server.limits_held().await;
+            if held == 0 {
+                break;
+            }
+            assert!(
+                erased.elapsed() < TTL * 2,
+                "round {round}: {held} limits held {:?} after the Envoys erased them",
+                erased.elapsed()
+            );
+            tokio::time::sleep(REPORT / 4).await;
+        }
     }
     let holdings = (2 * USERS) as u64;
     let per_holding = (loaded_kib[0] - idle_kib) * 1024 / holdings;
@@ -656,9 +669,12 @@ async fn a_store_outage_follows_on_store_error_once_assignments_end() {
                 "{policy}: the assignment is kept for a while"
             );
         } else {
+            // Past the assignment's end: then a bucket again, the fixed fallback share. A
+            // server whose store calls each take their whole deadline (2 s here) may be late
+            // with it on a loaded machine: a TTL more to deliver it.
             envoy.wait_for(&shared, TTL + REPORT * 2, |_| false).await;
             assert!(
-                wanted(&envoy.enforced(&shared)),
+                envoy.wait_for(&shared, TTL, wanted).await,
                 "{policy}: {:?}",
                 envoy.enforced(&shared)
             );
