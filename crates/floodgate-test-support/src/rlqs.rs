@@ -161,6 +161,18 @@ pub enum Enforced {
     Fallback,
 }
 
+/// How one request was decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Denied (by an assignment or by the Envoy's own behaviour).
+    Denied,
+    /// Allowed by the server's assignment in force.
+    ByAssignment,
+    /// Allowed by the Envoy's own behaviour: no assignment (yet, or any more) or an expired
+    /// one. No server decided it.
+    OnItsOwn,
+}
+
 /// A token bucket's parameters as sent (compared whole to tell a re-send from a change).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct TokenSpec {
@@ -335,6 +347,14 @@ fn later(at: Instant, span: Duration) -> Instant {
 struct BucketState {
     allowed: u64,
     denied: u64,
+    /// Requests allowed by the Envoy's own behaviour (no assignment, or an expired one), over
+    /// the bucket's life: what no server decided.
+    allowed_on_its_own: u64,
+    /// How the last request was decided.
+    last: Admission,
+    /// Each token bucket assignment that started full (a new one, or a different one than
+    /// in force): when, and its `max_tokens`.
+    fresh_fills: Vec<(Instant, u32)>,
     last_report: Instant,
     phase: Phase,
     /// The no-assignment behaviour, with its own tokens.
@@ -346,6 +366,9 @@ impl BucketState {
         BucketState {
             allowed: 0,
             denied: 0,
+            allowed_on_its_own: 0,
+            last: Admission::Denied,
+            fresh_fills: Vec::new(),
             last_report: now,
             phase: Phase::Unassigned,
             default: Active::new(policy.no_assignment, None, now),
@@ -383,17 +406,37 @@ impl BucketState {
             Phase::Unassigned => None,
             Phase::Assigned(active, _) | Phase::Expired(active, _) => Some(active),
         };
+        let kept = match (&previous, rule) {
+            (
+                Some(Active {
+                    rule: Rule::TokenBucket(old),
+                    limiter: Some(_),
+                }),
+                Rule::TokenBucket(new),
+            ) => *old == new,
+            _ => false,
+        };
+        if let (Rule::TokenBucket(spec), false) = (rule, kept) {
+            self.fresh_fills.push((now, spec.max_tokens));
+        }
         self.phase = Phase::Assigned(Active::new(rule, previous, now), later(now, ttl));
     }
 
     /// Decides and counts one request (after [`settle`](Self::settle)).
     fn request(&mut self, now: Instant) -> bool {
-        let allowed = match &mut self.phase {
-            Phase::Unassigned => self.default.allows(now),
-            Phase::Assigned(active, _) | Phase::Expired(active, _) => active.allows(now),
+        let (allowed, on_its_own) = match &mut self.phase {
+            Phase::Unassigned => (self.default.allows(now), true),
+            Phase::Expired(active, _) => (active.allows(now), true),
+            Phase::Assigned(active, _) => (active.allows(now), false),
+        };
+        self.last = match (allowed, on_its_own) {
+            (false, _) => Admission::Denied,
+            (true, false) => Admission::ByAssignment,
+            (true, true) => Admission::OnItsOwn,
         };
         if allowed {
             self.allowed += 1;
+            self.allowed_on_its_own += u64::from(on_its_own);
         } else {
             self.denied += 1;
         }
@@ -462,6 +505,10 @@ struct Buckets {
     violations: Vec<String>,
     ttls: Vec<u64>,
     actions: Vec<(Bucket, String)>,
+    /// When the cache was made: the action log's times count from it.
+    born: Instant,
+    /// How the last request was decided.
+    last: Admission,
 }
 
 impl Buckets {
@@ -472,6 +519,8 @@ impl Buckets {
             violations: Vec::new(),
             ttls: Vec::new(),
             actions: Vec::new(),
+            born: Instant::now(),
+            last: Admission::Denied,
         }
     }
 
@@ -480,10 +529,13 @@ impl Buckets {
     fn request(&mut self, bucket: &Bucket, now: Instant) -> (bool, Option<BucketQuotaUsage>) {
         if let Some(state) = self.map.get_mut(bucket) {
             state.settle(&self.policy, now);
-            return (state.request(now), None);
+            let allowed = state.request(now);
+            self.last = state.last;
+            return (allowed, None);
         }
         let mut state = BucketState::new(&self.policy, now);
         let allowed = state.request(now);
+        self.last = state.last;
         let usage = state.usage(bucket, now);
         self.map.insert(bucket.clone(), state);
         (allowed, Some(usage))
@@ -524,7 +576,8 @@ impl Buckets {
     }
 
     fn log(&mut self, bucket: Bucket, summary: String) {
-        self.actions.push((bucket, summary));
+        let at = self.born.elapsed().as_secs_f64();
+        self.actions.push((bucket, format!("{at:.2}s {summary}")));
     }
 
     /// Applies a response from the server, action by action, as Envoy does.
@@ -775,20 +828,26 @@ impl Envoy {
     /// counted as allowed or denied. Never awaits the server. A bucket not cached is created
     /// and reported at once (on the open stream; with none, the report is lost, as in Envoy).
     pub fn request(&self, bucket: &Bucket) -> bool {
-        let (allowed, created) = {
+        self.request_admission(bucket) != Admission::Denied
+    }
+
+    /// [`request`](Self::request), telling whether the server's assignment or the Envoy's
+    /// own behaviour decided it.
+    pub fn request_admission(&self, bucket: &Bucket) -> Admission {
+        let (admission, created) = {
             let mut inner = self.shared.lock();
-            let (allowed, subscription) = inner.buckets.request(bucket, Instant::now());
+            let (_, subscription) = inner.buckets.request(bucket, Instant::now());
             let created = subscription.is_some();
             if let Some(usage) = subscription {
                 inner.send(vec![usage]);
             }
-            (allowed, created)
+            (inner.buckets.last, created)
         };
         if created {
             self.shared.bucket_created.notify_one();
             self.shared.changed();
         }
-        allowed
+        admission
     }
 
     /// What `bucket` enforces now ([`Enforced::NoAssignment`] if it is not cached).
@@ -845,7 +904,8 @@ impl Envoy {
     }
 
     /// Every bucket action received, in order: its bucket (empty if it had none) and a
-    /// summary (`assign AllowAll ttl=5s`, `abandon`, `dropped: ...`, `empty`).
+    /// summary after the seconds since the Envoy started (`1.25s assign AllowAll ttl=5s`,
+    /// `abandon`, `dropped: ...`, `empty`).
     pub fn action_log(&self) -> Vec<(Bucket, String)> {
         self.shared.lock().buckets.actions.clone()
     }
@@ -860,6 +920,32 @@ impl Envoy {
     /// or cannot enforce.
     pub fn violations(&self) -> Vec<String> {
         self.shared.lock().buckets.violations.clone()
+    }
+
+    /// The requests of `bucket` that this Envoy allowed on its own (without an assignment,
+    /// or by its expired-assignment behaviour), over the bucket's life; 0 if not cached.
+    pub fn allowed_on_its_own(&self, bucket: &Bucket) -> u64 {
+        let shared = self.shared.lock();
+        shared
+            .buckets
+            .map
+            .get(bucket)
+            .map_or(0, |state| state.allowed_on_its_own)
+    }
+
+    /// The tokens `bucket`'s token bucket assignments started with in `[from, to)`: each new
+    /// or changed token bucket starts full (Envoy's `shouldReplaceTokenBucket`), so each is up
+    /// to its `max_tokens` allowed at once beyond what the rates in force refill.
+    pub fn fresh_tokens(&self, bucket: &Bucket, from: Instant, to: Instant) -> u64 {
+        let shared = self.shared.lock();
+        shared.buckets.map.get(bucket).map_or(0, |state| {
+            state
+                .fresh_fills
+                .iter()
+                .filter(|(at, _)| *at >= from && *at < to)
+                .map(|(_, tokens)| u64::from(*tokens))
+                .sum()
+        })
     }
 
     /// The cached buckets, in order.

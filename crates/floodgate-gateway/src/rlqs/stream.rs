@@ -106,6 +106,12 @@ pub(super) struct QuotaStream {
     config_seen: usize,
     /// Holdings lowered by the last decisions, whose lower assignment is about to be sent.
     lowered: Vec<(String, String)>,
+    /// The buckets this stream abandoned lately, and when. A report of one without a request
+    /// is one the Envoy sent before it erased the bucket (still on its way, or queued here
+    /// behind the report that abandoned it), not a subscription: an Envoy subscribes to a
+    /// bucket it erased only with a request for it. Answered, it would be an action for a
+    /// bucket the Envoy no longer has (dropped, with an error) and a holding nobody reports.
+    abandoned: HashMap<String, Instant>,
 }
 
 /// The most buckets one stream holds: a report of more is answered for these only (the others
@@ -124,6 +130,7 @@ impl QuotaStream {
             next_holding: 0,
             config_seen: 0,
             lowered: Vec::new(),
+            abandoned: HashMap::new(),
         }
     }
 
@@ -153,6 +160,7 @@ impl QuotaStream {
             if holding.idle_reports >= settings.abandon_after {
                 let holding = self.holdings.remove(&name).expect("present above");
                 actions.push(assignment::abandon(&holding.bucket));
+                self.abandoned.insert(name, Instant::now());
                 metrics::counter!(telemetry::RLQS_ABANDONED_TOTAL, "domain" => domain_label.clone())
                     .increment(1);
                 if let Some(key) = holding.target.key() {
@@ -178,6 +186,10 @@ impl QuotaStream {
         };
         let now = Instant::now();
         self.forget_unreported(settings, now).await;
+        // Reports sent before the abandon reached the Envoy arrive within an interval or two.
+        let remembered = settings.report_interval * 3;
+        self.abandoned
+            .retain(|_, at| now.saturating_duration_since(*at) < remembered);
         let reloaded = std::mem::replace(&mut self.config_seen, Arc::as_ptr(&current) as usize)
             != Arc::as_ptr(&current) as usize;
         let renew_within = settings.report_interval + self.step;
@@ -247,7 +259,13 @@ impl QuotaStream {
                 metrics::counter!(telemetry::RLQS_BUCKETS_REFUSED_TOTAL).increment(1);
                 return None;
             }
+            std::collections::hash_map::Entry::Vacant(_)
+                if requests == 0 && self.abandoned.contains_key(&name) =>
+            {
+                return None;
+            }
             std::collections::hash_map::Entry::Vacant(entry) => {
+                self.abandoned.remove(entry.key());
                 self.next_holding += 1;
                 entry.insert(Holding {
                     bucket: bucket.clone(),

@@ -15,7 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate_test_support::rlqs::{Bucket, Enforced, Envoy, EnvoySettings, bucket};
+use floodgate_test_support::rlqs::{Admission, Bucket, Enforced, Envoy, EnvoySettings, bucket};
 use support::{Gateway, TempDir, admin_call, client, distinct_addresses};
 use tokio::time::Instant;
 
@@ -49,11 +49,20 @@ struct QuotaServer {
 impl QuotaServer {
     /// Starts floodgate serving the quota rules, `rest` appended to its configuration.
     fn start(rest: &str) -> QuotaServer {
+        QuotaServer::start_reporting_every(REPORT, rest)
+    }
+
+    /// [`start`](Self::start), with Envoys to report every `report` (whole seconds).
+    fn start_reporting_every(report: Duration, rest: &str) -> QuotaServer {
+        let rules = RULES.replace(
+            "report_interval: 1s",
+            &format!("report_interval: {}s", report.as_secs()),
+        );
         let directory = TempDir::new("rlqs");
         std::fs::create_dir_all(directory.file("rls")).unwrap();
         let [listen, admin, address] = distinct_addresses();
         let text = format!(
-            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  config_dir: rls\n  quota:\n{RULES}{rest}"
+            "listen: \"{listen}\"\nadmin:\n  listen: \"{admin}\"\nrls:\n  listen: \"{address}\"\n  config_dir: rls\n  quota:\n{rules}{rest}"
         );
         let path = directory.file("floodgate.yaml");
         std::fs::write(&path, text).unwrap();
@@ -85,9 +94,13 @@ impl QuotaServer {
 }
 
 async fn envoy(servers: &[&QuotaServer]) -> Arc<Envoy> {
+    envoy_reporting_every(servers, REPORT).await
+}
+
+async fn envoy_reporting_every(servers: &[&QuotaServer], report: Duration) -> Arc<Envoy> {
     let mut settings =
         EnvoySettings::new("api", servers.iter().map(|server| server.address).collect());
-    settings.report_interval = REPORT;
+    settings.report_interval = report;
     Arc::new(Envoy::start(settings).await)
 }
 
@@ -102,11 +115,29 @@ async fn offer(
 ) -> Vec<Duration> {
     let step = Duration::from_millis(10);
     let mut admitted = offer_each(envoy, vec![bucket], per_second, start, run, step).await;
-    admitted.pop().unwrap_or_default()
+    admitted
+        .pop()
+        .map(|admitted| admitted.at)
+        .unwrap_or_default()
+}
+
+/// The admitted requests of one bucket: when each was, from the start, and those among them
+/// that the Envoy allowed on its own (no assignment in force: its no-assignment behaviour
+/// allows all in these tests).
+#[derive(Clone, Default)]
+struct Admitted {
+    at: Vec<Duration>,
+    on_its_own: Vec<Duration>,
 }
 
 /// Offers `per_second` requests for each of `buckets` through `envoy` from `start` for `run`,
-/// in steps of `step`; returns, per bucket, when each admitted one was, from `start`.
+/// in steps of `step`; returns, per bucket, the admitted ones.
+///
+/// A request's time is when it was made, not the step it was owed to: on a loaded machine the
+/// steps fall behind and tokio fires the missed ones at once, so a step's time can be a second
+/// before the requests it makes (and the Envoy's buckets refill by the real clock). Counted
+/// by their steps, one user got 59 in a "4 s" window of 10/s with a burst of 10 in a full CI
+/// run: more than 4 s of requests under the window's name.
 async fn offer_each(
     envoy: Arc<Envoy>,
     buckets: Vec<Bucket>,
@@ -114,22 +145,26 @@ async fn offer_each(
     start: Instant,
     run: Duration,
     step: Duration,
-) -> Vec<Vec<Duration>> {
-    let mut admitted = vec![Vec::new(); buckets.len()];
+) -> Vec<Admitted> {
+    let mut admitted = vec![Admitted::default(); buckets.len()];
     let mut ticks = tokio::time::interval_at(start, step);
     let mut owed = 0.0;
     loop {
-        let now = ticks.tick().await;
-        let at = now.duration_since(start);
-        if at >= run {
+        let owed_at = ticks.tick().await;
+        if owed_at.duration_since(start) >= run {
             return admitted;
         }
         owed += per_second * step.as_secs_f64();
         while owed >= 1.0 {
             owed -= 1.0;
-            for (bucket, times) in buckets.iter().zip(&mut admitted) {
-                if envoy.request(bucket) {
-                    times.push(at);
+            for (bucket, admitted) in buckets.iter().zip(&mut admitted) {
+                let admission = envoy.request_admission(bucket);
+                let at = start.elapsed();
+                if admission != Admission::Denied {
+                    admitted.at.push(at);
+                }
+                if admission == Admission::OnItsOwn {
+                    admitted.on_its_own.push(at);
                 }
             }
         }
@@ -150,6 +185,71 @@ async fn wait_until_abandoned(envoys: &[Arc<Envoy>], within: Duration) {
             tokio::time::sleep(REPORT / 4).await;
         }
     }
+}
+
+/// User `user`'s bucket in round `round` of the 10,000-user test.
+fn user_bucket(round: usize, user: usize) -> Bucket {
+    bucket(&[("name", "user"), ("user", &format!("r{round}u{user}"))])
+}
+
+/// Subscribes every Envoy to its buckets and keeps them in use (a request each every 250 ms,
+/// below the limit) until each enforces an assignment: the 10,000-user test measures
+/// how the server shares, not how long 20,000 first answers take on a loaded machine (under a
+/// busy loop, 2 to 3 s; meanwhile the Envoys allow all on their own, as their no-assignment
+/// behaviour says). Kept in use so that none is idle for `abandon_after` reports meanwhile
+/// (one request each, then a wait, had the server abandon them as it should).
+async fn subscribe_all(envoys: &[Arc<Envoy>], buckets: &[Vec<Bucket>], round: usize) {
+    let began = Instant::now();
+    // Generous: unloaded it takes about a second.
+    let within = Duration::from_secs(60);
+    loop {
+        for (envoy, buckets) in envoys.iter().zip(buckets) {
+            for bucket in buckets {
+                envoy.request(bucket);
+            }
+        }
+        let unassigned = envoys
+            .iter()
+            .zip(buckets)
+            .flat_map(|(envoy, buckets)| buckets.iter().map(move |bucket| (envoy, bucket)))
+            .filter(|(envoy, bucket)| envoy.enforced(bucket) == Enforced::NoAssignment)
+            .count();
+        if unassigned == 0 {
+            break;
+        }
+        assert!(
+            began.elapsed() < within,
+            "round {round}: {unassigned} buckets unassigned after {within:?}"
+        );
+        tokio::time::sleep(REPORT / 4).await;
+    }
+    eprintln!(
+        "round {round}: 20,000 subscriptions assigned in {:?}",
+        began.elapsed()
+    );
+}
+
+/// What user `user` of round `round` of the 10,000-user test was told by each of its two
+/// Envoys, and what they allowed on their own: the story of an over-admission.
+fn explain(envoys: &[Arc<Envoy>], user: usize, round: usize) -> String {
+    let bucket = user_bucket(round, user);
+    let mut story = String::new();
+    for index in [user % envoys.len(), (user + 1) % envoys.len()] {
+        let envoy = &envoys[index];
+        let told: Vec<String> = envoy
+            .action_log()
+            .into_iter()
+            .filter(|(of, _)| *of == bucket)
+            .map(|(_, action)| action)
+            .collect();
+        story += &format!(
+            "envoy {index}: allowed {} on its own, streams {}, disconnects {:?}, told {told:?}; ",
+            envoy.allowed_on_its_own(&bucket),
+            envoy.streams_opened(),
+            envoy.disconnects(),
+        );
+    }
+    story
 }
 
 fn between(times: &[Duration], from: Duration, to: Duration) -> usize {
@@ -364,8 +464,11 @@ async fn per_user_buckets_each_hold_their_own_limit_and_idle_ones_are_abandoned(
 
 /// Per-value buckets at the issue's scale: 10,000 users over 10 Envoys, each user's requests
 /// through two of them, each Envoy at the user's limit (together twice it), in two rounds of
-/// different users. Each user's limit holds, and the users together get at least half of their
-/// limits; the server's memory per holding is bounded; once
+/// different users, each counted once every bucket has its first assignment. Each user's
+/// limit holds (what the server's assignments admitted: the Envoys' own no-assignment
+/// behaviour, allow all, must admit under 1 % beside them, so every assignment was renewed in
+/// time), and the users together get at least half of their limits; the server's memory per
+/// holding is bounded; once
 /// idle every bucket is abandoned and the server forgets its limit, so a second round of as
 /// many new users fits in the memory the first round's left (a server that kept them would
 /// need as much again). Measured here: 2.9 KiB per holding, the second round's resident
@@ -374,10 +477,14 @@ async fn per_user_buckets_each_hold_their_own_limit_and_idle_ones_are_abandoned(
 async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgotten_when_idle() {
     const USERS: usize = 10_000;
     const ENVOYS: usize = 10;
-    let server = QuotaServer::start("");
+    // Reports every 2 s, not 1 (Envoy: 5 s): the server, a debug build here, spent a core on
+    // 20,000 reports a second, and under the suite's load fell a TTL behind (assignments ran
+    // out, the Envoys allowed all).
+    const EVERY: Duration = Duration::from_secs(2);
+    let server = QuotaServer::start_reporting_every(EVERY, "");
     let mut envoys = Vec::new();
     for _ in 0..ENVOYS {
-        envoys.push(envoy(&[&server]).await);
+        envoys.push(envoy_reporting_every(&[&server], EVERY).await);
     }
     let idle_kib = server.gateway.rss_kib();
     let mut loaded_kib = Vec::new();
@@ -386,14 +493,17 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
         let mut mine: Vec<Vec<Bucket>> = vec![Vec::new(); ENVOYS];
         let mut whose: Vec<Vec<usize>> = vec![Vec::new(); ENVOYS];
         for user in 0..USERS {
-            let bucket = bucket(&[("name", "user"), ("user", &format!("r{round}u{user}"))]);
+            let bucket = user_bucket(round, user);
             for envoy in [user % ENVOYS, (user + 1) % ENVOYS] {
                 mine[envoy].push(bucket.clone());
                 whose[envoy].push(user);
             }
         }
+        subscribe_all(&envoys, &mine, round).await;
         let start = Instant::now();
-        let run = secs(6.0);
+        let run = secs(7.0);
+        // Four seconds, from when the shares have moved from the warm-up's demand.
+        let from = secs(3.0);
         let step = Duration::from_millis(50);
         let tasks: Vec<_> = envoys
             .iter()
@@ -402,34 +512,57 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
                 tokio::spawn(offer_each(envoy.clone(), buckets, 10.0, start, run, step))
             })
             .collect();
-        let mut per_user = vec![0; USERS];
+        // Per user: admitted by the server's assignments, and by the Envoys on their own.
+        let mut per_user = vec![(0, 0); USERS];
         for (task, users) in tasks.into_iter().zip(&whose) {
-            for (times, user) in task.await.unwrap().iter().zip(users) {
-                per_user[*user] += between(times, secs(2.0), run);
+            for (admitted, user) in task.await.unwrap().iter().zip(users) {
+                let on_its_own = between(&admitted.on_its_own, from, run);
+                per_user[*user].0 += between(&admitted.at, from, run) - on_its_own;
+                per_user[*user].1 += on_its_own;
             }
         }
-        for (user, admitted) in per_user.iter().enumerate() {
-            // Four seconds at 10 per second: at most the limit, 2 % and the burst of 10.
+        for (user, (assigned, _)) in per_user.iter().enumerate() {
+            // Four seconds at 10 per second: at most the limit, 2 % and the burst of 10, and
+            // what each changed assignment in the window started with (a changed token bucket
+            // starts full at the Envoy: SPEC §10a; seen: 51 where its Envoys got three, of 16
+            // tokens, as the shares moved from the warm-up's demand to the test's).
+            let bucket = user_bucket(round, user);
+            let fresh: u64 = [user % ENVOYS, (user + 1) % ENVOYS]
+                .iter()
+                .map(|index| envoys[*index].fresh_tokens(&bucket, start + from, start + run))
+                .sum();
             assert!(
-                *admitted <= 50,
-                "round {round}, user {user}: {admitted} in 4 s of 10/s"
+                *assigned as u64 <= 50 + fresh,
+                "round {round}, user {user}: {assigned} in 4 s of 10/s, {fresh} fresh; {}",
+                explain(&envoys, user, round)
             );
         }
+        let assigned: usize = per_user.iter().map(|(assigned, _)| assigned).sum();
+        let on_their_own: usize = per_user.iter().map(|(_, on_its_own)| on_its_own).sum();
+        eprintln!("round {round}: {assigned} admitted by assignments, {on_their_own} on their own");
+        // Every assignment renewed before it ran out: the Envoys (which allow all without
+        // one) decided next to nothing on their own.
+        let most = (0..USERS).max_by_key(|user| per_user[*user].1).unwrap_or(0);
+        assert!(
+            on_their_own * 100 <= assigned,
+            "round {round}: {on_their_own} allowed by Envoys on their own, {assigned} by \
+             assignments; the most, user {most}: {}",
+            explain(&envoys, most, round)
+        );
         // Served, not starved: at least half the limit over all users (unloaded, every user
         // gets 30 or more of 40). Not per user: on a machine the whole suite loads, the
         // Envoys' own 50 ms ticks bunch, and a bucket refuses a bunched burst (one user got
         // 13 of 40 so in a full run, every user within the bound).
-        let total: usize = per_user.iter().sum();
         assert!(
-            total >= USERS * 20,
-            "round {round}: {total} admitted of {} in 4 s",
+            assigned >= USERS * 20,
+            "round {round}: {assigned} admitted of {} in 4 s",
             USERS * 40
         );
         loaded_kib.push(server.gateway.rss_kib());
         assert_eq!(server.limits_held().await, USERS, "round {round}");
         // Idle for three reports: abandoned by the server, erased by the Envoys; the server
         // forgets the limits once their last shares end (a TTL and a step at most after).
-        wait_until_abandoned(&envoys, REPORT * 10).await;
+        wait_until_abandoned(&envoys, EVERY * 10).await;
         let erased = Instant::now();
         loop {
             let held = server.limits_held().await;
@@ -437,7 +570,7 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
                 break;
             }
             assert!(
-                erased.elapsed() < TTL * 2,
+                erased.elapsed() < EVERY * 6,
                 "round {round}: {held} limits held {:?} after the Envoys erased them",
                 erased.elapsed()
             );
@@ -457,22 +590,9 @@ async fn ten_thousand_users_over_ten_envoys_each_hold_their_limit_and_are_forgot
         loaded_kib[1].saturating_sub(idle_kib) <= (loaded_kib[0] - idle_kib) * 3 / 2,
         "resident {loaded_kib:?} KiB under each round's load, idle {idle_kib} KiB"
     );
-    // Every wire rule holds but one, left open: under a whole suite's load, some Envoys got
-    // actions for buckets the server had already abandoned (Envoy drops them; seen in one full
-    // run of four, none when the test runs alone). Counted and printed, not hidden.
-    for (index, envoy) in envoys.iter().enumerate() {
-        let (late, other): (Vec<String>, Vec<String>) = envoy
-            .violations()
-            .into_iter()
-            .partition(|violation| violation.contains("not reported or already abandoned"));
-        assert_eq!(other, Vec::<String>::new(), "envoy {index}");
-        if !late.is_empty() {
-            eprintln!(
-                "envoy {index}: {} actions after an abandon, dropped",
-                late.len()
-            );
-        }
-    }
+    // Every wire rule holds, actions after an abandon included (see
+    // `a_report_sent_before_the_abandon_arrived_is_not_answered`).
+    assert_clean(&envoys);
 }
 
 /// Two servers on `store` (a cluster, sharded Redis), one Envoy on each, 30 users each
@@ -502,8 +622,8 @@ async fn per_user_limits_hold_across_two_servers_on(store: &str) {
         .collect();
     let mut per_user = vec![0; users.len()];
     for task in tasks {
-        for (user, times) in task.await.unwrap().iter().enumerate() {
-            per_user[user] += between(times, secs(2.0), run);
+        for (user, admitted) in task.await.unwrap().iter().enumerate() {
+            per_user[user] += between(&admitted.at, secs(2.0), run);
         }
     }
     for (user, admitted) in per_user.iter().enumerate() {
@@ -857,4 +977,101 @@ async fn when_demand_shifts_each_envoy_has_its_fair_share_within_two_intervals()
     let total: usize = admitted.iter().map(|times| between(times, from, run)).sum();
     assert!(total as f64 <= 3.0 * 100.0 * 1.02 + 50.0, "{total} in 3 s");
     assert_clean(&envoys);
+}
+
+/// Regression (the 10,000-user test, under load: 4,000 actions for buckets an Envoy had
+/// erased): a report sent before the Envoy received the abandon of its bucket (on its way,
+/// or queued at the server behind the report that abandoned it) is not a subscription. The
+/// server answered it with an assignment Envoy drops, and held a share nobody reported. A
+/// request for the bucket afterwards subscribes to it again, and is answered.
+///
+/// Written as a raw stream, reports sent at once and in order: a subscription of `idle` with
+/// a request, `abandon_after` (3) idle reports (the third abandons it), the late idle report,
+/// then a subscription of `marker`, whose answer shows every report before it was handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_sent_before_the_abandon_arrived_is_not_answered() {
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+    use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+        BucketId, RateLimitQuotaUsageReports,
+    };
+    use tonic::codegen::tokio_stream::{self, StreamExt};
+
+    let server = QuotaServer::start("");
+    let report = |user: &str, requests: u64| RateLimitQuotaUsageReports {
+        domain: "api".to_owned(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(BucketId {
+                bucket: [("name", "user"), ("user", user)]
+                    .into_iter()
+                    .map(|(key, value)| (key.to_owned(), value.to_owned()))
+                    .collect(),
+            }),
+            time_elapsed: Some(envoy_types::pb::google::protobuf::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            num_requests_allowed: requests,
+            num_requests_denied: 0,
+        }],
+    };
+    let (sender, reports) = tokio::sync::mpsc::unbounded_channel();
+    for (user, requests) in [
+        ("idle", 1),
+        ("idle", 0),
+        ("idle", 0),
+        ("idle", 0),
+        ("idle", 0),
+    ] {
+        sender.send(report(user, requests)).unwrap();
+    }
+    sender.send(report("marker", 1)).unwrap();
+    let outbound = tokio_stream::wrappers::UnboundedReceiverStream::new(reports);
+    let mut client = RateLimitQuotaServiceClient::connect(format!("http://{}", server.address))
+        .await
+        .unwrap();
+    let mut answers = client
+        .stream_rate_limit_quotas(outbound)
+        .await
+        .unwrap()
+        .into_inner();
+    // What each bucket was told, in order, until `marker`'s first answer.
+    let mut told: Vec<(String, &str)> = Vec::new();
+    let deadline = Duration::from_secs(10);
+    let heard = |told: &[(String, &str)], user: &str, what: &str| {
+        told.iter().any(|(of, kind)| of == user && *kind == what)
+    };
+    let mut read = async |told: &mut Vec<(String, &str)>| {
+        let answer = tokio::time::timeout(deadline, answers.next())
+            .await
+            .expect("an answer within 10 s")
+            .expect("the stream open")
+            .unwrap();
+        for action in answer.bucket_action {
+            let user = action.bucket_id.unwrap().bucket["user"].clone();
+            let kind = match action.bucket_action {
+                Some(Action::AbandonAction(_)) => "abandon",
+                Some(Action::QuotaAssignmentAction(_)) => "assign",
+                None => "empty",
+            };
+            told.push((user, kind));
+        }
+    };
+    while !heard(&told, "marker", "assign") {
+        read(&mut told).await;
+    }
+    let idle: Vec<&str> = told
+        .iter()
+        .filter(|(user, _)| user == "idle")
+        .map(|(_, kind)| *kind)
+        .collect();
+    assert_eq!(idle, ["assign", "assign", "assign", "abandon"], "{told:?}");
+    // A request for it after the erase subscribes to it again.
+    sender.send(report("idle", 1)).unwrap();
+    let before = told.len();
+    while !told[before..].iter().any(|(user, _)| user == "idle") {
+        read(&mut told).await;
+    }
+    assert_eq!(told[before..][0], ("idle".to_owned(), "assign"), "{told:?}");
 }
