@@ -19,8 +19,9 @@ use floodgate_test_support as support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate::store::batched::{LeaseRequest, SyncTarget};
-use floodgate::store::{Check, ConnectionMode, RedisStore, RedisStoreBuilder};
+use floodgate::store::batched::{LeaseRequest, SyncTarget, Unanswered};
+use floodgate::store::resilience::BreakerState;
+use floodgate::store::{Check, ConnectionMode, RedisStore, RedisStoreBuilder, StoreError};
 use floodgate::{Limit, Store};
 use support::RedisCluster;
 use support::RedisServer;
@@ -294,4 +295,56 @@ async fn redirections_are_followed_to_the_node_named() {
             "{mode:?}: counted once"
         );
     }
+}
+
+/// Regression: a lease trade whose answer comes after the deadline was asked again by its
+/// number, under a second deadline and a second breaker count: a node's top-up (and any
+/// request waiting on it) waited two deadlines, and one late answer counted two failures. A
+/// trade is now one call: asked again only when its connection broke (which spends no
+/// deadline), within the same deadline, counted once.
+///
+/// Replies held 900 ms against a 300 ms deadline: on main the trade took two deadlines and
+/// opened a breaker that opens at two failures. The time bound is generous (a deadline and
+/// two thirds of another, for a loaded machine's timers); the breaker's state is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_trade_costs_one_deadline_and_one_breaker_failure() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let deadline = Duration::from_millis(300);
+    let store = RedisStore::builder(proxy.url())
+        .timeout(deadline)
+        .breaker(2, HOUR)
+        .deny_cache(false)
+        .build()
+        .unwrap();
+    let limit = Arc::new(Limit::token_bucket("late", 100, HOUR).unwrap());
+    let key = "fg:{client:late}:r:late".to_owned();
+    // Warm: the connection made and the library loaded.
+    store
+        .check_and_consume(&[Check::new(key.clone(), limit.clone(), 1)], None)
+        .await
+        .unwrap();
+    proxy.set(Fault::DelayReplies(deadline * 3));
+    let trade = [LeaseRequest {
+        check: Check::new(key.clone(), limit.clone(), 1),
+        give_back: 0,
+        leased_in: None,
+        want: 10,
+        charge: 0,
+    }];
+    let started = std::time::Instant::now();
+    let leased = store.lease(&trade, None).await;
+    let took = started.elapsed();
+    assert_eq!(leased.grants[0].as_ref().err(), Some(&Unanswered::Lost));
+    assert!(
+        matches!(leased.failure, Some(StoreError::Timeout(_))),
+        "{:?}",
+        leased.failure
+    );
+    assert!(took < deadline * 5 / 3, "the trade took {took:?}");
+    assert_eq!(
+        store.breaker_state(),
+        Some(BreakerState::Closed),
+        "one late trade is one failure"
+    );
 }

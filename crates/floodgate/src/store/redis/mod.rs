@@ -674,26 +674,22 @@ impl RedisStore {
             number: trades.last.fetch_add(1, Ordering::Relaxed) + 1,
             record: &record,
         };
-        let lost = match self
-            .guarded(key, self.lease_once(requests, trade, now))
-            .await
-        {
-            Err(error @ (StoreError::Timeout(_) | StoreError::Unavailable(_))) => error,
-            answered => return answered,
+        // A trade whose connection broke may have been applied, its answer lost: asked again
+        // by its number (on a new connection), Redis applies it only if it was not, and
+        // answers its grants either way. Within the same deadline and counted once by the
+        // breaker: one trade, one call. A trade whose answer came late has spent the deadline
+        // already: asking again would make whoever waits for it wait twice (it is
+        // `Unanswered::Lost`: its units are counted as neither given back nor granted).
+        let once_more_if_broken = async {
+            match self.lease_once(requests, trade, now).await {
+                Err(broken @ StoreError::Unavailable(_)) => self
+                    .lease_once(requests, trade, now)
+                    .await
+                    .map_err(|_| broken),
+                answered => answered,
+            }
         };
-        // The trade may have been applied and its answer lost. Asked again by its number,
-        // Redis applies it only if it was not, and answers its grants either way. Not while
-        // the breaker refuses calls: that would only count a refusal.
-        if self.is_refused(key) {
-            return Err(lost);
-        }
-        match self
-            .guarded(key, self.lease_once(requests, trade, now))
-            .await
-        {
-            Ok(grants) => Ok(grants),
-            Err(_) => Err(lost),
-        }
+        self.guarded(key, once_more_if_broken).await
     }
 
     /// One run of lease trade `trade`. A trade its node's record can no longer tell about (a
