@@ -281,15 +281,25 @@ struct Active {
 }
 
 impl Active {
-    /// `rule`, keeping `previous`'s tokens if both are the same token bucket (Envoy's
-    /// `shouldReplaceTokenBucket`), else a full one.
+    /// Whether `rule` after `previous` keeps its tokens: both the same token bucket (Envoy's
+    /// `shouldReplaceTokenBucket`). A token bucket that does not starts full.
+    fn keeps_tokens(previous: Option<&Active>, rule: Rule) -> bool {
+        matches!(
+            (previous, rule),
+            (Some(Active { rule: Rule::TokenBucket(old), limiter: Some(_) }), Rule::TokenBucket(new))
+                if *old == new
+        )
+    }
+
+    /// `rule`, keeping `previous`'s tokens if [`Active::keeps_tokens`], else a full bucket.
     fn new(rule: Rule, previous: Option<Active>, now: Instant) -> Active {
+        let kept = Active::keeps_tokens(previous.as_ref(), rule);
         let limiter = match rule {
             Rule::TokenBucket(spec) => Some(match previous {
                 Some(Active {
-                    rule: Rule::TokenBucket(old),
                     limiter: Some(limiter),
-                }) if old == spec => limiter,
+                    ..
+                }) if kept => limiter,
                 _ => Limiter::full(spec, now),
             }),
             _ => None,
@@ -350,8 +360,6 @@ struct BucketState {
     /// Requests allowed by the Envoy's own behaviour (no assignment, or an expired one), over
     /// the bucket's life: what no server decided.
     allowed_on_its_own: u64,
-    /// How the last request was decided.
-    last: Admission,
     /// Each token bucket assignment that started full (a new one, or a different one than
     /// in force): when, and its `max_tokens`.
     fresh_fills: Vec<(Instant, u32)>,
@@ -367,7 +375,6 @@ impl BucketState {
             allowed: 0,
             denied: 0,
             allowed_on_its_own: 0,
-            last: Admission::Denied,
             fresh_fills: Vec::new(),
             last_report: now,
             phase: Phase::Unassigned,
@@ -406,16 +413,7 @@ impl BucketState {
             Phase::Unassigned => None,
             Phase::Assigned(active, _) | Phase::Expired(active, _) => Some(active),
         };
-        let kept = match (&previous, rule) {
-            (
-                Some(Active {
-                    rule: Rule::TokenBucket(old),
-                    limiter: Some(_),
-                }),
-                Rule::TokenBucket(new),
-            ) => *old == new,
-            _ => false,
-        };
+        let kept = Active::keeps_tokens(previous.as_ref(), rule);
         if let (Rule::TokenBucket(spec), false) = (rule, kept) {
             self.fresh_fills.push((now, spec.max_tokens));
         }
@@ -423,16 +421,11 @@ impl BucketState {
     }
 
     /// Decides and counts one request (after [`settle`](Self::settle)).
-    fn request(&mut self, now: Instant) -> bool {
+    fn request(&mut self, now: Instant) -> Admission {
         let (allowed, on_its_own) = match &mut self.phase {
             Phase::Unassigned => (self.default.allows(now), true),
             Phase::Expired(active, _) => (active.allows(now), true),
             Phase::Assigned(active, _) => (active.allows(now), false),
-        };
-        self.last = match (allowed, on_its_own) {
-            (false, _) => Admission::Denied,
-            (true, false) => Admission::ByAssignment,
-            (true, true) => Admission::OnItsOwn,
         };
         if allowed {
             self.allowed += 1;
@@ -440,7 +433,11 @@ impl BucketState {
         } else {
             self.denied += 1;
         }
-        allowed
+        match (allowed, on_its_own) {
+            (false, _) => Admission::Denied,
+            (true, false) => Admission::ByAssignment,
+            (true, true) => Admission::OnItsOwn,
+        }
     }
 
     /// The usage since the last report, which it resets.
@@ -507,8 +504,6 @@ struct Buckets {
     actions: Vec<(Bucket, String)>,
     /// When the cache was made: the action log's times count from it.
     born: Instant,
-    /// How the last request was decided.
-    last: Admission,
 }
 
 impl Buckets {
@@ -520,25 +515,29 @@ impl Buckets {
             ttls: Vec::new(),
             actions: Vec::new(),
             born: Instant::now(),
-            last: Admission::Denied,
         }
     }
 
     /// Decides and counts one request; for a bucket not cached, creates it and returns its
-    /// first report (the subscription).
+    /// first report (the subscription). The unit tests' view of [`Buckets::admit`].
+    #[cfg(test)]
     fn request(&mut self, bucket: &Bucket, now: Instant) -> (bool, Option<BucketQuotaUsage>) {
+        let (admission, subscription) = self.admit(bucket, now);
+        (admission != Admission::Denied, subscription)
+    }
+
+    /// Decides and counts one request, and how; for a bucket not cached, creates it and
+    /// returns its first report (the subscription).
+    fn admit(&mut self, bucket: &Bucket, now: Instant) -> (Admission, Option<BucketQuotaUsage>) {
         if let Some(state) = self.map.get_mut(bucket) {
             state.settle(&self.policy, now);
-            let allowed = state.request(now);
-            self.last = state.last;
-            return (allowed, None);
+            return (state.request(now), None);
         }
         let mut state = BucketState::new(&self.policy, now);
-        let allowed = state.request(now);
-        self.last = state.last;
+        let admission = state.request(now);
         let usage = state.usage(bucket, now);
         self.map.insert(bucket.clone(), state);
-        (allowed, Some(usage))
+        (admission, Some(usage))
     }
 
     /// The usage of every cached bucket since its last report, which it resets.
@@ -836,12 +835,12 @@ impl Envoy {
     pub fn request_admission(&self, bucket: &Bucket) -> Admission {
         let (admission, created) = {
             let mut inner = self.shared.lock();
-            let (_, subscription) = inner.buckets.request(bucket, Instant::now());
+            let (admission, subscription) = inner.buckets.admit(bucket, Instant::now());
             let created = subscription.is_some();
             if let Some(usage) = subscription {
                 inner.send(vec![usage]);
             }
-            (inner.buckets.last, created)
+            (admission, created)
         };
         if created {
             self.shared.bucket_created.notify_one();

@@ -1,9 +1,8 @@
 //! The fault-schedule checker (`floodgate_test_support::chaos`) on a fixed set of seeds: 24
-//! schedules (and the seeds of past findings), four of each deployment (exact, batched, cluster exact and batched, sharded,
-//! regions), each a
-//! fresh fleet against real redis-server processes with random faults, its whole history
-//! checked for an admission above the limit. A violation prints its seed and the command that
-//! replays it.
+//! schedules (and the seeds of past findings), four of each deployment (exact, batched,
+//! cluster exact and batched, sharded, regions), each a fresh fleet against real redis-server
+//! processes with random faults, its whole history checked for an admission above the limit.
+//! A violation prints its seed and the command that replays it.
 //!
 //! `FLOODGATE_CHAOS_SEEDS=7,12` runs those seeds instead; `FLOODGATE_CHAOS_COUNT=N` with
 //! `FLOODGATE_CHAOS_FROM=S` runs seeds S to S+N-1 (what `bench/chaos.sh N` does).
