@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Adaptive concurrency (issue 49, SPEC §11): the same load through three gateways in one run,
+# Adaptive concurrency (issue 49, SPEC §11): the same load through four gateways in one run,
 # one arm after the other. An upstream of 16 workers x 20 ms (800 requests per second),
 # offered 1,600 per second (20 % critical, 30 % default, 50 % sheddable, 200 clients) for
 # SECONDS (default 30); in the middle third, half the workers are taken away. Arms: no
 # shedding; a static concurrency ceiling tuned for full capacity (19 in flight); floodgate's
-# adaptive limit (three classes: critical reserving 20 %, default 10 %). See
+# adaptive limit (three classes: critical reserving 20 %, default 10 %); the same with
+# critical requests waiting up to 100 ms for a place (`wait`). See
 # crates/floodgate-gateway/examples/adaptive_bench.rs for what is measured. The adaptive arm's
 # limit is sampled from /admin/adaptive every 100 ms, and the time it takes to settle after each
 # capacity change is printed (settled: every later sample of the phase within 25 % of the
@@ -88,8 +89,8 @@ YAML
     RUST_LOG=warn target/release/floodgate serve --config "$work/$1.yaml" >/dev/null 2>"$work/$1.log" &
     local gateway=$!
     local sampler=""
-    if [ "$1" = adaptive ]; then
-        sample_limit "$admin" > "$work/limits.txt" &
+    if [[ "$1" == adaptive* ]]; then
+        sample_limit "$admin" > "$work/$1.limits.txt" &
         sampler=$!
     fi
     wait "$bench"
@@ -100,19 +101,24 @@ YAML
     wait "$gateway" 2>/dev/null || true
     echo "$1: $(cat "$work/$1.json")"
     if [ -n "$sampler" ]; then
-        settling "$work/limits.txt"
+        settling "$work/$1.limits.txt"
     fi
 }
 
 run_arm none ""
 run_arm static 'global:
   "GET /": [ { name: ceiling, algorithm: concurrency, limit: 19, window: 30s } ]'
-run_arm adaptive 'identity:
-  trusted_proxies: ["127.0.0.1/32"]
+adaptive_arm() { # name critical_class
+    run_arm "$1" "identity:
+  trusted_proxies: [\"127.0.0.1/32\"]
 adaptive_concurrency:
   class_header: x-priority
   default_class: default
   classes:
-    - { name: critical, reserve: 0.2 }
+    - $2
     - { name: default, reserve: 0.1 }
-    - { name: sheddable }'
+    - { name: sheddable }"
+}
+adaptive_arm adaptive '{ name: critical, reserve: 0.2 }'
+# The same, critical requests that find the limit full waiting up to 100 ms for a place.
+adaptive_arm adaptive_wait '{ name: critical, reserve: 0.2, wait: 100ms }'

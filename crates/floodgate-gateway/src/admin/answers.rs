@@ -438,6 +438,10 @@ pub(crate) struct AdaptiveClass {
     pub admitted: u64,
     /// Requests shed (or, in shadow, that would have been) since then.
     pub refused: u64,
+    /// Requests waiting for a place now (`classes[].wait`).
+    pub waiting: u32,
+    /// Requests admitted after a wait since then (also in `admitted`).
+    pub waited: u64,
 }
 
 impl AdaptiveUpstream {
@@ -458,6 +462,8 @@ impl AdaptiveUpstream {
                     in_flight: class.in_flight,
                     admitted: class.admitted,
                     refused: class.refused,
+                    waiting: class.waiting,
+                    waited: class.waited,
                 })
                 .collect(),
         }

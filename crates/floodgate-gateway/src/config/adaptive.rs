@@ -52,6 +52,9 @@ pub(crate) struct RawClass {
     /// The share of the limit classes below it never take.
     #[serde(default)]
     pub reserve: f64,
+    /// How long a request that finds the class full waits for a place (none if absent).
+    #[serde(default)]
+    pub wait: Option<String>,
 }
 
 impl Default for RawAdaptive {
@@ -79,7 +82,7 @@ impl Default for RawAdaptive {
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct AdaptiveSettings {
     gradient: GradientSettings,
-    classes: Vec<(String, f64)>,
+    classes: Vec<Class>,
     default_class: Option<String>,
     shadow: bool,
     client_share: f64,
@@ -101,11 +104,7 @@ impl AdaptiveSettings {
     fn builder(&self) -> floodgate::adaptive::AdaptiveConcurrencyBuilder {
         let mut builder = AdaptiveConcurrencyLayer::builder()
             .gradient(self.gradient.clone())
-            .classes(
-                self.classes
-                    .iter()
-                    .map(|(name, reserve)| Class::new(name.as_str()).reserve(*reserve)),
-            )
+            .classes(self.classes.iter().cloned())
             .client_share(self.client_share)
             .shadow(self.shadow);
         if let Some(default) = &self.default_class {
@@ -158,16 +157,27 @@ pub(super) fn adaptive(
             .map_err(|_| super::errors::Problem::from(format!("`{name}` is not a header name")));
         errors.ok(format!("{path}.class_header"), parsed)
     });
-    let classes: Vec<(String, f64)> = raw
+    let classes: Vec<Class> = raw
         .classes
         .iter()
-        .map(|class| (class.name.clone(), class.reserve))
+        .enumerate()
+        .map(|(index, class)| {
+            let wait = class.wait.as_deref().and_then(|wait| {
+                errors.ok(
+                    format!("{path}.classes[{index}].wait"),
+                    parse_duration(wait),
+                )
+            });
+            Class::new(class.name.as_str())
+                .reserve(class.reserve)
+                .wait(wait.unwrap_or_default())
+        })
         .collect();
     for (plan, class) in &raw.plan_classes {
         if !plans.contains_key(plan) {
             errors.push(format!("{path}.plan_classes.{plan}"), "no such plan");
         }
-        if !classes.iter().any(|(name, _)| name == class) && !classes.is_empty() {
+        if !classes.iter().any(|known| **known.name() == **class) && !classes.is_empty() {
             errors.push(
                 format!("{path}.plan_classes.{plan}"),
                 format!("`{class}` is not one of the classes"),
@@ -203,6 +213,10 @@ pub(super) fn adaptive(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use floodgate::adaptive::Class;
+
     use crate::config::parse;
     use crate::config::tests::errors_of;
 
@@ -212,12 +226,13 @@ mod tests {
     fn every_setting_is_checked_with_its_field_path() {
         let errors = errors_of(&format!(
             "{PLANS}adaptive_concurrency:\n  window: soon\n  class_header: \"bad header\"\n  \
-             classes: [ {{ name: critical }}, {{ name: rest }} ]\n  \
+             classes: [ {{ name: critical, wait: soon }}, {{ name: rest }} ]\n  \
              plan_classes: {{ platinum: critical, free: bronze }}\n"
         ));
         let expected = [
             "adaptive_concurrency.window: ",
             "adaptive_concurrency.class_header: `bad header` is not a header name",
+            "adaptive_concurrency.classes[0].wait: ",
             "adaptive_concurrency.plan_classes.free: `bronze` is not one of the classes",
             "adaptive_concurrency.plan_classes.platinum: no such plan",
         ];
@@ -286,7 +301,7 @@ mod tests {
     fn plan_classes_and_a_class_header_are_read() {
         let config = parse(&format!(
             "{PLANS}adaptive_concurrency:\n  class_header: x-priority\n  \
-             classes: [ {{ name: critical, reserve: 0.2 }}, {{ name: rest }} ]\n  \
+             classes: [ {{ name: critical, reserve: 0.2, wait: 50ms }}, {{ name: rest }} ]\n  \
              plan_classes: {{ gold: critical }}\n"
         ))
         .unwrap();
@@ -296,6 +311,8 @@ mod tests {
             "x-priority"
         );
         assert_eq!(adaptive.plan_classes["gold"], "critical");
+        let waits: Vec<_> = adaptive.classes.iter().map(Class::waits).collect();
+        assert_eq!(waits, [Duration::from_millis(50), Duration::ZERO]);
         let limiter = adaptive.limiter("test");
         assert_eq!(limiter.class_index(Some("critical")), 0);
         assert_eq!(limiter.class_index(None), 1, "the lowest by default");

@@ -25,6 +25,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use floodgate::PeerAddr;
+use floodgate::adaptive::{AdaptivePermit, Admission, ShedDecision};
 use floodgate::post_charge::{CostHeader, CostInTrailers, ReportedCost, ResponseCost};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
@@ -622,34 +623,48 @@ impl Service<Request<Incoming>> for Proxy {
 
     fn call(&mut self, request: Request<Incoming>) -> Self::Future {
         let (clients, config) = (self.clients.clone(), self.config.clone());
-        let permit = match &self.shedding {
-            None => None,
-            Some(shedding) => {
-                // Looked up here only when something sheds (forwarding finds it again by the
-                // index the client's resolution kept).
-                let route = route_of(&config, &request);
-                let upstream = upstream_of_route(&config, route);
-                match shedding.admit(upstream, route, &request, trusted_peer(&config, &request)) {
-                    Ok(permit) => Some(permit),
-                    Err(shed) => {
-                        let grpc = floodgate::adaptive::is_grpc(request.headers());
-                        let answer = shed
-                            .response(grpc)
-                            .map(|body| Either::Right(Full::new(body)));
-                        return Box::pin(std::future::ready(Ok(answer)));
-                    }
-                }
-            }
+        let Some(shedding) = &self.shedding else {
+            return Box::pin(forward_holding(clients, config, request, None));
         };
-        Box::pin(async move {
-            let response = forward(clients, config, request).await;
-            // The upstream's answer, or the gateway's 502 or 504 for it: either is its latency.
-            if let Some(permit) = permit {
-                permit.answered();
+        // Looked up here only when something sheds (forwarding finds it again by the index
+        // the client's resolution kept).
+        let route = route_of(&config, &request);
+        let upstream = upstream_of_route(&config, route);
+        match shedding.admit(upstream, route, &request, trusted_peer(&config, &request)) {
+            Admission::Admitted(permit) => {
+                Box::pin(forward_holding(clients, config, request, Some(permit)))
             }
-            Ok(response)
-        })
+            Admission::Shed(shed) => Box::pin(std::future::ready(Ok(shed_answer(&shed, &request)))),
+            Admission::Queued(queued) => Box::pin(async move {
+                match queued.wait().await {
+                    Ok(permit) => forward_holding(clients, config, request, Some(permit)).await,
+                    Err(shed) => Ok(shed_answer(&shed, &request)),
+                }
+            }),
+        }
     }
+}
+
+/// Forwards `request`, holding the shedding's `permit` (if any) until the upstream answers.
+async fn forward_holding(
+    clients: UpstreamClients,
+    config: Arc<Config>,
+    request: Request<Incoming>,
+    permit: Option<AdaptivePermit>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    let response = forward(clients, config, request).await;
+    // The upstream's answer, or the gateway's 502 or 504 for it: either is its latency.
+    if let Some(permit) = permit {
+        permit.answered();
+    }
+    Ok(response)
+}
+
+/// The 503 (or gRPC `UNAVAILABLE`) of a request the shedding refused.
+fn shed_answer<B>(shed: &ShedDecision, request: &Request<B>) -> Response<ProxyBody> {
+    let grpc = floodgate::adaptive::is_grpc(request.headers());
+    shed.response(grpc)
+        .map(|body| Either::Right(Full::new(body)))
 }
 
 #[cfg(test)]

@@ -8,9 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use floodgate::adaptive::{
-    AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot, Admission, ShedDecision,
-};
+use floodgate::adaptive::{AdaptiveLimiter, AdaptiveSnapshot, Admission};
 use http::Request;
 
 use crate::client::ResolvedClient;
@@ -37,8 +35,8 @@ impl Shedding {
         self.settings == *settings
     }
 
-    /// Admits `request` to `upstream`: a permit to hold until the upstream answers, or why
-    /// it is shed. The class header is read only from a trusted proxy (`trusted_peer`), as the
+    /// Admits `request` to `upstream`: a permit to hold until the upstream answers, why it is
+    /// shed, or its place in its class's wait. The class header is read only from a trusted proxy (`trusted_peer`), as the
     /// plan header is: a client that names its own class would call itself critical. The
     /// operator's own words come next: the request's route's class, then the class a verified
     /// token names, then its plan's.
@@ -48,7 +46,7 @@ impl Shedding {
         route: Option<&RouteTarget>,
         request: &Request<B>,
         trusted_peer: bool,
-    ) -> Result<AdaptivePermit, ShedDecision> {
+    ) -> Admission {
         let limiter = self.limiter(upstream);
         let resolved = request.extensions().get::<ResolvedClient>();
         let known = |name: &&str| limiter.classes().iter().any(|known| **known == **name);
@@ -69,10 +67,7 @@ impl Shedding {
             let hash = resolved.identity.hash().0;
             u64::from_le_bytes(hash[..8].try_into().unwrap_or_default())
         });
-        match limiter.admit(limiter.class_index(class), client) {
-            Admission::Admitted(permit) => Ok(permit),
-            Admission::Shed(shed) => Err(shed),
-        }
+        limiter.admit(limiter.class_index(class), client)
     }
 
     /// What each upstream's limiter shows, by upstream.
@@ -126,6 +121,15 @@ pub(crate) fn carried_over(
 mod tests {
     use super::*;
     use crate::config::parse;
+    use floodgate::adaptive::AdaptivePermit;
+
+    /// The permit of an admitted request.
+    fn permit_of(admission: Admission) -> AdaptivePermit {
+        match admission {
+            Admission::Admitted(permit) => permit,
+            other => panic!("not admitted: {other:?}"),
+        }
+    }
 
     fn settings(initial_limit: u32) -> AdaptiveSettings {
         let text = format!("adaptive_concurrency:\n  initial_limit: {initial_limit}\n");
@@ -139,7 +143,7 @@ mod tests {
             .unwrap()
             .upstream;
         let request = Request::new(());
-        let permit = first.admit(&upstream, None, &request, false).unwrap();
+        let permit = permit_of(first.admit(&upstream, None, &request, false));
         let kept = carried_over(Some(&first), Some(&settings(20))).unwrap();
         assert!(Arc::ptr_eq(&first, &kept));
         assert_eq!(kept.snapshots()[0].1.gate.in_flight, 1, "the same limiter");
@@ -175,13 +179,13 @@ mod tests {
             let class = snapshot.gate.classes.iter().find(|c| &*c.name == class);
             class.map_or(0, |class| class.admitted)
         };
-        let _from_a_client = shedding.admit(&upstream, None, &claiming, false).unwrap();
+        let _from_a_client = permit_of(shedding.admit(&upstream, None, &claiming, false));
         assert_eq!(
             (admitted("critical"), admitted("default")),
             (0, 1),
             "a client's own claim is not a class"
         );
-        let _through_a_trusted_proxy = shedding.admit(&upstream, None, &claiming, true).unwrap();
+        let _through_a_trusted_proxy = permit_of(shedding.admit(&upstream, None, &claiming, true));
         assert_eq!((admitted("critical"), admitted("default")), (1, 1));
     }
 
@@ -229,11 +233,12 @@ mod tests {
         let mut permits = Vec::new();
         let mut admit = |request: Request<()>, trusted: bool| {
             let route = route_of(&request);
-            permits.push(
-                shedding
-                    .admit(&config.upstream, route, &request, trusted)
-                    .unwrap(),
-            );
+            permits.push(permit_of(shedding.admit(
+                &config.upstream,
+                route,
+                &request,
+                trusted,
+            )));
         };
         admit(request("/other", None, None), false);
         assert_eq!(admitted(), (0, 0, 1), "the plan's class");

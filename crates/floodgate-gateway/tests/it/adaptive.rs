@@ -275,3 +275,67 @@ async fn a_route_s_class_places_its_requests() {
         "{answer}"
     );
 }
+
+/// A class with a `wait` (SPEC §11, amended): a critical request that finds the limit full waits
+/// for a place instead of being refused at once, and is refused only when its wait runs out.
+/// The limit is fixed at 2 (`min_limit` = `max_limit`), both places held by slow default
+/// requests: one ends at 1.5 s, the other at 6 s; critical requests wait up to 1 s. The first
+/// critical request, sent at once, finds nothing freed within its second: 503. The second, sent
+/// then, gets the place freed at 1.5 s: 200. Bounds of half a second each way, for a loaded
+/// machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_critical_request_waits_for_a_place_and_is_refused_when_its_wait_runs_out() {
+    let upstream = support::Upstream::start().await;
+    // One client (the test's address) holds both places: `client_share: 1` lets it.
+    let rest = "adaptive_concurrency:\n  initial_limit: 2\n  min_limit: 2\n  max_limit: 2\n  \
+                client_share: 1\n  class_header: x-priority\n  default_class: default\n  \
+                classes:\n    - { name: critical, wait: 1s }\n    - { name: default }\n\
+                identity:\n  trusted_proxies: [\"127.0.0.1/32\"]\n";
+    let (gateway, _directory) = support::start_gateway(&upstream.url(), rest);
+    let client = client();
+    let started = Instant::now();
+    let holders: Vec<_> = [1_500, 6_000]
+        .into_iter()
+        .map(|ms| {
+            let (client, url) = (client.clone(), gateway.url(&format!("/slow?ms={ms}")));
+            tokio::spawn(async move { get(&client, &url, &[]).await.status() })
+        })
+        .collect();
+    // Both holders in flight (a `Notify` would keep one wake-up of two arriving together).
+    while adaptive_status(&gateway).await["upstreams"][0]["in_flight"] != 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "holders not in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let critical = [("x-priority", "critical")];
+
+    let refused = get(&client, &gateway.url("/"), &critical).await;
+    let refused_at = started.elapsed();
+    assert_eq!(refused.status(), 503);
+    assert_shed_answer(&refused);
+    assert!(
+        refused_at >= Duration::from_secs(1) && refused_at < Duration::from_millis(1_500),
+        "refused at {refused_at:?}: after its whole wait, before the first place freed"
+    );
+
+    let served = get(&client, &gateway.url("/"), &critical).await;
+    assert_eq!(served.status(), 200, "the place freed at 1.5 s went to it");
+    assert!(started.elapsed() < Duration::from_secs(6));
+    let answer = adaptive_status(&gateway).await;
+    let critical = &answer["upstreams"][0]["classes"][0];
+    assert_eq!(
+        (
+            &critical["admitted"],
+            &critical["waited"],
+            &critical["refused"]
+        ),
+        (&1.into(), &1.into(), &1.into()),
+        "{answer}"
+    );
+    assert_eq!(critical["waiting"], 0, "{answer}");
+    for holder in holders {
+        assert_eq!(holder.await.unwrap(), 200);
+    }
+}

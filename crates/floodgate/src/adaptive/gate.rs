@@ -8,17 +8,29 @@
 //! admitted. Within a class, once it is half full, one client may hold at most `client_share`
 //! of what the class may fill, so that one client cannot take its class's whole share.
 //!
+//! A class may `wait`: a request of it that finds its class full waits up to that long for a
+//! place instead of being refused at once. While a class has requests waiting, no request of
+//! a lower class is admitted (the place a release frees goes up, not down), and a new request
+//! of the class joins the wait behind them. A release wakes one waiter of the highest class
+//! that has any. At most as many requests of a class wait as its ceiling admits in flight:
+//! beyond that, the wait would outlast about one round trip of the service, and the request
+//! is refused at once.
+//!
 //! Every decision and release happens under one lock: the counts a decision reads are the
 //! counts it changes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 /// A priority class: its name and the share of the limit it keeps from the classes below it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Class {
     name: Arc<str>,
     reserve: f64,
+    wait: Duration,
 }
 
 impl Class {
@@ -27,7 +39,20 @@ impl Class {
         Class {
             name: name.into(),
             reserve: 0.0,
+            wait: Duration::ZERO,
         }
+    }
+
+    /// Lets a request that finds the class full wait up to `wait` for a place (see the
+    /// module's documentation) instead of being refused at once. Zero, the default: no wait.
+    pub fn wait(mut self, wait: Duration) -> Class {
+        self.wait = wait;
+        self
+    }
+
+    /// How long a request of the class may wait for a place.
+    pub fn waits(&self) -> Duration {
+        self.wait
     }
 
     /// Keeps `share` of the limit (0 to 1) from every class below this one.
@@ -62,8 +87,23 @@ pub(crate) struct Gate {
     /// The fill ceiling of each class as a share of the limit (1 minus what the classes above
     /// it reserve).
     ceilings: Vec<f64>,
+    /// Whether each class's requests may wait for a place.
+    may_wait: Vec<bool>,
+    /// Each class's waiters, woken one at a time as places free.
+    freed: Vec<Notify>,
     client_share: f64,
     state: Mutex<GateState>,
+}
+
+/// What [`Gate::admit`] made of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Counted in flight.
+    Admitted,
+    /// Counted as waiting: [`Gate::admit_waiting`] when woken, [`Gate::stop_waiting`] at the end.
+    Queued,
+    /// Refused (counted in flight all the same when not enforcing).
+    Refused(Refusal),
 }
 
 #[derive(Debug, Default)]
@@ -77,6 +117,10 @@ struct GateState {
     by_client: HashMap<(usize, u64), u32>,
     admitted: Vec<u64>,
     refused: Vec<u64>,
+    /// Requests waiting for a place, by class.
+    waiting: Vec<u32>,
+    /// Requests admitted after a wait, by class.
+    waited: Vec<u64>,
 }
 
 /// What the gate shows of itself.
@@ -102,6 +146,10 @@ pub struct ClassSnapshot {
     pub admitted: u64,
     /// Requests refused since the start.
     pub refused: u64,
+    /// Requests waiting for a place now.
+    pub waiting: u32,
+    /// Requests admitted after a wait since the start (also in `admitted`).
+    pub waited: u64,
 }
 
 impl Gate {
@@ -117,14 +165,19 @@ impl Gate {
                 ceiling
             })
             .collect();
+        let count = classes.len();
         Gate {
             ceilings,
+            may_wait: classes.iter().map(|class| !class.wait.is_zero()).collect(),
+            freed: (0..count).map(|_| Notify::new()).collect(),
             client_share,
             state: Mutex::new(GateState {
                 limit,
-                by_class: vec![0; classes.len()],
-                admitted: vec![0; classes.len()],
-                refused: vec![0; classes.len()],
+                by_class: vec![0; count],
+                admitted: vec![0; count],
+                refused: vec![0; count],
+                waiting: vec![0; count],
+                waited: vec![0; count],
                 ..GateState::default()
             }),
         }
@@ -132,61 +185,118 @@ impl Gate {
 
     /// Decides a request of `class` from `client`. Admitted (or, with `enforce` false, let
     /// through whatever the answer) requests are counted in flight until [`Gate::release`].
-    pub(crate) fn admit(
-        &self,
-        class: usize,
-        client: Option<u64>,
-        enforce: bool,
-    ) -> Result<(), Refusal> {
+    /// Only when enforcing may a request of a class that waits be queued.
+    pub(crate) fn admit(&self, class: usize, client: Option<u64>, enforce: bool) -> Verdict {
         let mut state = self.lock();
         let ceiling = self.class_ceiling(class, state.limit);
-        let verdict = if state.in_flight >= ceiling {
+        // Behind those of its class already waiting: a newcomer does not take the place a
+        // release freed for them.
+        let verdict = if self.may_wait[class] && state.waiting[class] > 0 {
             Err(Refusal::ClassFull)
-        } else if let Some(client) = client
-            && state.by_class[class] * 2 >= ceiling
-            && state.by_client.get(&(class, client)).copied().unwrap_or(0)
-                >= self.client_cap(ceiling)
-        {
-            Err(Refusal::ClientShare)
         } else {
-            Ok(())
+            self.verdict(&state, class, client, ceiling)
         };
         match verdict {
-            Ok(()) => state.admitted[class] += 1,
-            Err(_) => {
+            Ok(()) => {
+                state.admitted[class] += 1;
+                state.count_in(class, client);
+                Verdict::Admitted
+            }
+            Err(Refusal::ClassFull)
+                if enforce && self.may_wait[class] && state.waiting[class] < ceiling =>
+            {
+                state.waiting[class] += 1;
+                // The limit binds: the controller must not read the queue as the service's.
+                state.refused_in_window = true;
+                Verdict::Queued
+            }
+            Err(refusal) => {
+                state.refused[class] += 1;
+                state.refused_in_window = true;
+                if !enforce {
+                    state.count_in(class, client);
+                }
+                Verdict::Refused(refusal)
+            }
+        }
+    }
+
+    /// A queued request of `class` tries again: whether it is now admitted (and no longer
+    /// waiting).
+    pub(crate) fn admit_waiting(&self, class: usize, client: Option<u64>) -> bool {
+        let mut state = self.lock();
+        let ceiling = self.class_ceiling(class, state.limit);
+        if self.verdict(&state, class, client, ceiling).is_err() {
+            return false;
+        }
+        state.waiting[class] -= 1;
+        state.admitted[class] += 1;
+        state.waited[class] += 1;
+        state.count_in(class, client);
+        true
+    }
+
+    /// A queued request of `class` stops waiting unadmitted: refused when its wait ran out
+    /// (`refused`), neither admitted nor refused when its client left.
+    pub(crate) fn stop_waiting(&self, class: usize, refused: bool) {
+        let next = {
+            let mut state = self.lock();
+            state.waiting[class] = state.waiting[class].saturating_sub(1);
+            if refused {
                 state.refused[class] += 1;
                 state.refused_in_window = true;
             }
+            // It may have been woken for a place it now leaves: the next waiter's.
+            Self::highest_waiting(&state)
+        };
+        if let Some(next) = next {
+            self.freed[next].notify_one();
         }
-        if verdict.is_ok() || !enforce {
-            state.in_flight += 1;
-            state.peak_in_flight = state.peak_in_flight.max(state.in_flight);
-            state.by_class[class] += 1;
-            if let Some(client) = client {
-                *state.by_client.entry((class, client)).or_insert(0) += 1;
-            }
-        }
-        verdict
+    }
+
+    /// The waiters of `class`, woken as places free: a waiter enables its
+    /// [`tokio::sync::futures::Notified`] before [`Gate::admit_waiting`], so that no release
+    /// between the two is missed.
+    pub(crate) fn freed(&self, class: usize) -> &Notify {
+        &self.freed[class]
     }
 
     /// A request of `class` from `client` that [`Gate::admit`] counted is done.
     pub(crate) fn release(&self, class: usize, client: Option<u64>) {
-        let mut state = self.lock();
-        state.in_flight = state.in_flight.saturating_sub(1);
-        state.by_class[class] = state.by_class[class].saturating_sub(1);
-        if let Some(client) = client
-            && let Some(held) = state.by_client.get_mut(&(class, client))
-        {
-            *held -= 1;
-            if *held == 0 {
-                state.by_client.remove(&(class, client));
+        let next = {
+            let mut state = self.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            state.by_class[class] = state.by_class[class].saturating_sub(1);
+            if let Some(client) = client
+                && let Some(held) = state.by_client.get_mut(&(class, client))
+            {
+                *held -= 1;
+                if *held == 0 {
+                    state.by_client.remove(&(class, client));
+                }
             }
+            Self::highest_waiting(&state)
+        };
+        if let Some(next) = next {
+            self.freed[next].notify_one();
         }
     }
 
-    /// Sets the limit in force.
+    /// Sets the limit in force; a higher one wakes every waiter to try the new places.
     pub(crate) fn set_limit(&self, limit: u32) {
-        self.lock().limit = limit;
+        let (raised, waiting) = {
+            let mut state = self.lock();
+            let raised = limit > state.limit;
+            state.limit = limit;
+            (raised, state.waiting.clone())
+        };
+        if raised {
+            for (class, waiting) in waiting.into_iter().enumerate() {
+                if waiting > 0 {
+                    self.freed[class].notify_waiters();
+                }
+            }
+        }
     }
 
     /// The peak in flight since the last call, and whether a request was refused; the next
@@ -215,9 +325,37 @@ impl Gate {
                     in_flight: state.by_class[index],
                     admitted: state.admitted[index],
                     refused: state.refused[index],
+                    waiting: state.waiting[index],
+                    waited: state.waited[index],
                 })
                 .collect(),
         }
+    }
+
+    /// Whether a request of `class` from `client` fits, with `ceiling` its class's.
+    fn verdict(
+        &self,
+        state: &GateState,
+        class: usize,
+        client: Option<u64>,
+        ceiling: u32,
+    ) -> Result<(), Refusal> {
+        if state.in_flight >= ceiling || state.waiting[..class].iter().any(|&w| w > 0) {
+            Err(Refusal::ClassFull)
+        } else if let Some(client) = client
+            && state.by_class[class] * 2 >= ceiling
+            && state.by_client.get(&(class, client)).copied().unwrap_or(0)
+                >= self.client_cap(ceiling)
+        {
+            Err(Refusal::ClientShare)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The highest class with requests waiting.
+    fn highest_waiting(state: &GateState) -> Option<usize> {
+        state.waiting.iter().position(|&waiting| waiting > 0)
     }
 
     /// How many requests may be in flight in all when one of `class` is admitted.
@@ -236,6 +374,18 @@ impl Gate {
         self.state
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl GateState {
+    /// Counts a request of `class` from `client` in flight.
+    fn count_in(&mut self, class: usize, client: Option<u64>) {
+        self.in_flight += 1;
+        self.peak_in_flight = self.peak_in_flight.max(self.in_flight);
+        self.by_class[class] += 1;
+        if let Some(client) = client {
+            *self.by_client.entry((class, client)).or_insert(0) += 1;
+        }
     }
 }
 
@@ -264,16 +414,16 @@ mod tests {
         let gate = Gate::new(&three_classes(), 100, 1.0);
         // Sheddable fills up to 70 % of the limit, no further.
         let sheddable = (0..100)
-            .filter(|_| gate.admit(SHEDDABLE, None, true).is_ok())
+            .filter(|_| gate.admit(SHEDDABLE, None, true) == Verdict::Admitted)
             .count();
         assert_eq!(sheddable, 70);
         // Default gets the next 10 %, critical the last 20 %: nothing lower took them.
         let default = (0..100)
-            .filter(|_| gate.admit(DEFAULT, None, true).is_ok())
+            .filter(|_| gate.admit(DEFAULT, None, true) == Verdict::Admitted)
             .count();
         assert_eq!(default, 10);
         let critical = (0..100)
-            .filter(|_| gate.admit(CRITICAL, None, true).is_ok())
+            .filter(|_| gate.admit(CRITICAL, None, true) == Verdict::Admitted)
             .count();
         assert_eq!(critical, 20);
         let snapshot = gate.snapshot(&names(&["critical", "default", "sheddable"]));
@@ -302,11 +452,14 @@ mod tests {
             }
             let class = rng.usize(..3);
             match gate.admit(class, None, true) {
-                Ok(()) => held.push(class),
-                Err(_) => {
+                Verdict::Admitted => held.push(class),
+                _ => {
                     for lower in class + 1..3 {
                         let admitted = gate.admit(lower, None, true);
-                        assert!(admitted.is_err(), "class {lower} admitted, {class} refused");
+                        assert!(
+                            admitted != Verdict::Admitted,
+                            "class {lower} admitted, {class} refused"
+                        );
                     }
                 }
             }
@@ -317,27 +470,36 @@ mod tests {
     fn one_client_cannot_take_its_classs_whole_share() {
         let gate = Gate::new(&[Class::new("default")], 20, 0.25);
         let greedy = (0..20)
-            .filter(|_| gate.admit(0, Some(1), true).is_ok())
+            .filter(|_| gate.admit(0, Some(1), true) == Verdict::Admitted)
             .count();
         // Free until the class is half full (10 of 20); from then on a client holding a
         // quarter of it (5) or more is refused, and the greedy client holds 10.
         assert_eq!(greedy, 10);
         let others = (2..12u64)
-            .filter(|&c| gate.admit(0, Some(c), true).is_ok())
+            .filter(|&c| gate.admit(0, Some(c), true) == Verdict::Admitted)
             .count();
         assert_eq!(others, 10, "the rest of the class is left to other clients");
-        assert_eq!(gate.admit(0, Some(1), true), Err(Refusal::ClassFull));
+        assert_eq!(
+            gate.admit(0, Some(1), true),
+            Verdict::Refused(Refusal::ClassFull)
+        );
         // The greedy client gives one back: it is still over its share, another client is not.
         gate.release(0, Some(1));
-        assert_eq!(gate.admit(0, Some(1), true), Err(Refusal::ClientShare));
-        assert_eq!(gate.admit(0, Some(99), true), Ok(()));
+        assert_eq!(
+            gate.admit(0, Some(1), true),
+            Verdict::Refused(Refusal::ClientShare)
+        );
+        assert_eq!(gate.admit(0, Some(99), true), Verdict::Admitted);
     }
 
     #[test]
     fn not_enforcing_counts_what_would_be_refused_and_lets_it_through() {
         let gate = Gate::new(&[Class::new("only")], 2, 1.0);
         let verdicts: Vec<_> = (0..4).map(|_| gate.admit(0, None, false)).collect();
-        assert_eq!(verdicts.iter().filter(|v| v.is_err()).count(), 2);
+        assert_eq!(
+            verdicts.iter().filter(|&&v| v != Verdict::Admitted).count(),
+            2
+        );
         let snapshot = gate.snapshot(&names(&["only"]));
         assert_eq!(snapshot.in_flight, 4, "all four went through");
         assert_eq!(
@@ -354,7 +516,7 @@ mod tests {
     fn the_peak_covers_the_window_and_restarts_from_what_is_in_flight() {
         let gate = Gate::new(&[Class::new("only")], 10, 1.0);
         for _ in 0..6 {
-            gate.admit(0, None, true).unwrap();
+            assert_eq!(gate.admit(0, None, true), Verdict::Admitted);
         }
         for _ in 0..4 {
             gate.release(0, None);
@@ -366,5 +528,106 @@ mod tests {
         }
         assert_eq!(gate.take_window(), (10, true), "a refusal is reported once");
         assert_eq!(gate.take_window(), (10, false));
+    }
+
+    fn waiting_critical() -> Vec<Class> {
+        vec![
+            Class::new("critical").wait(Duration::from_millis(50)),
+            Class::new("default"),
+        ]
+    }
+
+    #[test]
+    fn a_waiting_class_takes_the_freed_place_before_any_lower_or_newer_request() {
+        let gate = Gate::new(&waiting_critical(), 2, 1.0);
+        assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
+        assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
+        assert_eq!(gate.admit(CRITICAL, None, true), Verdict::Queued);
+        assert!(!gate.admit_waiting(CRITICAL, None), "nothing freed yet");
+        gate.release(DEFAULT, None);
+        // A place is free, and a default request would fit: it goes to the waiter.
+        assert_eq!(
+            gate.admit(DEFAULT, None, true),
+            Verdict::Refused(Refusal::ClassFull)
+        );
+        // A newer critical request queues behind the waiter rather than taking it.
+        assert_eq!(gate.admit(CRITICAL, None, true), Verdict::Queued);
+        assert!(gate.admit_waiting(CRITICAL, None));
+        let snapshot = gate.snapshot(&names(&["critical", "default"]));
+        let critical = &snapshot.classes[CRITICAL];
+        assert_eq!(
+            (critical.in_flight, critical.waiting, critical.waited),
+            (1, 1, 1)
+        );
+        assert_eq!((critical.admitted, critical.refused), (1, 0));
+        // The second waiter gives up: refused once, the queue empty, default admitted again.
+        gate.stop_waiting(CRITICAL, true);
+        gate.release(CRITICAL, None);
+        assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
+        let snapshot = gate.snapshot(&names(&["critical", "default"]));
+        assert_eq!(snapshot.classes[CRITICAL].waiting, 0);
+        assert_eq!(snapshot.classes[CRITICAL].refused, 1);
+        assert_eq!(snapshot.classes[DEFAULT].refused, 1);
+    }
+
+    #[test]
+    fn no_more_wait_than_the_class_may_hold_in_flight_and_never_for_a_clients_share() {
+        let gate = Gate::new(&waiting_critical(), 2, 0.5);
+        assert_eq!(gate.admit(CRITICAL, Some(1), true), Verdict::Admitted);
+        // Half the class is held by client 1, which holds half of it: its share.
+        assert_eq!(
+            gate.admit(CRITICAL, Some(1), true),
+            Verdict::Refused(Refusal::ClientShare)
+        );
+        assert_eq!(gate.admit(CRITICAL, Some(2), true), Verdict::Admitted);
+        assert_eq!(gate.admit(CRITICAL, Some(3), true), Verdict::Queued);
+        assert_eq!(gate.admit(CRITICAL, Some(4), true), Verdict::Queued);
+        assert_eq!(
+            gate.admit(CRITICAL, Some(5), true),
+            Verdict::Refused(Refusal::ClassFull),
+            "two wait, as many as the class may hold in flight"
+        );
+        // In shadow nothing waits: it goes through and is counted as it would have been.
+        let shadow = Gate::new(&waiting_critical(), 1, 1.0);
+        assert_eq!(shadow.admit(CRITICAL, None, false), Verdict::Admitted);
+        assert_eq!(
+            shadow.admit(CRITICAL, None, false),
+            Verdict::Refused(Refusal::ClassFull)
+        );
+        assert_eq!(
+            shadow.snapshot(&names(&["critical", "default"])).in_flight,
+            2
+        );
+    }
+
+    #[tokio::test]
+    async fn a_release_wakes_a_waiter_of_the_highest_waiting_class() {
+        let classes = [
+            Class::new("critical").wait(Duration::from_secs(1)),
+            Class::new("default").wait(Duration::from_secs(1)),
+        ];
+        let gate = Gate::new(&classes, 1, 1.0);
+        assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
+        assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Queued);
+        assert_eq!(gate.admit(CRITICAL, None, true), Verdict::Queued);
+        let mut default = std::pin::pin!(gate.freed(DEFAULT).notified());
+        let mut critical = std::pin::pin!(gate.freed(CRITICAL).notified());
+        default.as_mut().enable();
+        critical.as_mut().enable();
+        gate.release(DEFAULT, None);
+        let woken = |notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>| {
+            let waker = std::task::Waker::noop();
+            notified
+                .poll(&mut std::task::Context::from_waker(waker))
+                .is_ready()
+        };
+        assert!(woken(critical.as_mut()), "the critical waiter is woken");
+        assert!(!woken(default.as_mut()), "the default one is not");
+        assert!(!gate.admit_waiting(DEFAULT, None), "critical goes first");
+        assert!(gate.admit_waiting(CRITICAL, None));
+        // A higher limit wakes every waiter.
+        gate.set_limit(3);
+        assert!(woken(default.as_mut()));
+        assert!(gate.admit_waiting(DEFAULT, None));
     }
 }

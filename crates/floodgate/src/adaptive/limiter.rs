@@ -11,7 +11,7 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 use http::{HeaderName, Response, StatusCode};
 
 use super::controller::{Gradient, GradientSettings, WindowSample};
-use super::gate::{Class, Gate, GateSnapshot, Refusal};
+use super::gate::{Class, Gate, GateSnapshot, Refusal, Verdict};
 use crate::headers::{retry_after_secs, write_retry_after};
 use crate::outcome::{Outcome, RequestOutcome};
 use crate::time::{Clock, Timestamp};
@@ -38,6 +38,8 @@ struct LimiterState {
     name: Arc<str>,
     gate: Gate,
     names: Vec<Arc<str>>,
+    /// How long each class's requests may wait for a place.
+    waits: Vec<Duration>,
     default_class: usize,
     enforce: bool,
     clock: Arc<dyn Clock>,
@@ -62,6 +64,19 @@ pub enum Admission {
     Admitted(AdaptivePermit),
     /// Refused: answer with [`ShedDecision::response`].
     Shed(ShedDecision),
+    /// Its class is full and waits ([`Class::wait`]): [`Queued::wait`] for a place.
+    Queued(Queued),
+}
+
+/// A request waiting for a place in its class. Dropped before its wait ends (its client
+/// left), it leaves the queue, neither admitted nor refused.
+#[derive(Debug)]
+pub struct Queued {
+    limiter: AdaptiveLimiter,
+    class: usize,
+    client: Option<u64>,
+    /// Whether it left the queue, admitted or refused.
+    settled: bool,
 }
 
 /// A refused request: its class, why, and when to come back.
@@ -98,6 +113,7 @@ impl AdaptiveLimiter {
                 name,
                 gate: Gate::new(classes, settings.initial_limit, client_share),
                 names: classes.iter().map(|class| class.name().clone()).collect(),
+                waits: classes.iter().map(Class::waits).collect(),
                 default_class,
                 enforce,
                 clock,
@@ -120,30 +136,53 @@ impl AdaptiveLimiter {
     /// Decides a request of the class at `class` (see [`AdaptiveLimiter::class_index`]) from
     /// `client`. In shadow, every request is admitted and what would have been refused is
     /// counted.
+    /// A class that waits may answer [`Admission::Queued`] (never in shadow).
     pub fn admit(&self, class: usize, client: Option<u64>) -> Admission {
         let shared = &self.shared;
         let class = class.min(shared.names.len() - 1);
-        if let Err(refusal) = shared.gate.admit(class, client, shared.enforce) {
-            let mode = if shared.enforce { "enforce" } else { "shadow" };
-            // Shared strings as labels: a refusal, frequent under overload, allocates nothing.
-            // Shared strings as labels: a refusal, frequent under overload, allocates nothing.
-            let (limiter, name) = (shared.name.clone(), shared.names[class].clone());
-            metrics::counter!(ADAPTIVE_SHED_TOTAL, "limiter" => limiter, "class" => name, "mode" => mode)
-                .increment(1);
-            if shared.enforce {
-                return Admission::Shed(ShedDecision {
-                    class: shared.names[class].clone(),
-                    refusal,
-                    retry_after_secs: self.retry_after(),
-                });
+        match shared.gate.admit(class, client, shared.enforce) {
+            Verdict::Admitted => Admission::Admitted(self.permit(class, client)),
+            Verdict::Queued => Admission::Queued(Queued {
+                limiter: self.clone(),
+                class,
+                client,
+                settled: false,
+            }),
+            Verdict::Refused(refusal) => {
+                self.count_shed(class);
+                if shared.enforce {
+                    Admission::Shed(self.shed(class, refusal))
+                } else {
+                    Admission::Admitted(self.permit(class, client))
+                }
             }
         }
-        Admission::Admitted(AdaptivePermit {
+    }
+
+    fn permit(&self, class: usize, client: Option<u64>) -> AdaptivePermit {
+        AdaptivePermit {
             limiter: self.clone(),
             class,
             client,
-            started: shared.clock.now(),
-        })
+            started: self.shared.clock.now(),
+        }
+    }
+
+    fn shed(&self, class: usize, refusal: Refusal) -> ShedDecision {
+        ShedDecision {
+            class: self.shared.names[class].clone(),
+            refusal,
+            retry_after_secs: self.retry_after(),
+        }
+    }
+
+    fn count_shed(&self, class: usize) {
+        let shared = &self.shared;
+        let mode = if shared.enforce { "enforce" } else { "shadow" };
+        // Shared strings as labels: a refusal, frequent under overload, allocates nothing.
+        let (limiter, name) = (shared.name.clone(), shared.names[class].clone());
+        metrics::counter!(ADAPTIVE_SHED_TOTAL, "limiter" => limiter, "class" => name, "mode" => mode)
+            .increment(1);
     }
 
     /// What the limiter shows: the limit, in flight, latencies, counts by class.
@@ -195,6 +234,40 @@ impl std::fmt::Debug for AdaptiveLimiter {
         f.debug_struct("AdaptiveLimiter")
             .field("classes", &self.shared.names)
             .finish_non_exhaustive()
+    }
+}
+
+impl Queued {
+    /// Waits for a place, up to its class's wait: a permit, or the refusal once the wait ran
+    /// out (counted as shed then, once).
+    pub async fn wait(mut self) -> Result<AdaptivePermit, ShedDecision> {
+        let limiter = self.limiter.clone();
+        let gate = &limiter.shared.gate;
+        let deadline = tokio::time::Instant::now() + limiter.shared.waits[self.class];
+        loop {
+            let freed = gate.freed(self.class).notified();
+            let mut freed = std::pin::pin!(freed);
+            // Enabled before trying: a release between the try and the wait wakes it.
+            freed.as_mut().enable();
+            if gate.admit_waiting(self.class, self.client) {
+                self.settled = true;
+                return Ok(limiter.permit(self.class, self.client));
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                self.settled = true;
+                gate.stop_waiting(self.class, true);
+                limiter.count_shed(self.class);
+                return Err(limiter.shed(self.class, Refusal::ClassFull));
+            }
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.limiter.shared.gate.stop_waiting(self.class, false);
+        }
     }
 }
 

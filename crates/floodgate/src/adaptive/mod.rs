@@ -4,15 +4,20 @@
 //! ([`controller`]: a gradient, as Envoy's `adaptive_concurrency` filter, with its minimum
 //! round trip learned from live traffic) and admits requests by priority class under it
 //! ([`Class`]: ordered, each able to reserve a share of the limit from the classes below it,
-//! one client held to a share of its class), so that what matters is served while the rest
-//! is shed with a 503 and a `Retry-After` of about the service's latency.
+//! one client held to a share of its class, a class able to wait briefly for a place), so
+//! that what matters is served while the rest is shed with a 503 and a `Retry-After` of about
+//! the service's latency.
 //!
 //! ```
+//! use std::time::Duration;
+//!
 //! use floodgate::adaptive::{AdaptiveConcurrencyLayer, Class};
 //!
 //! let layer = AdaptiveConcurrencyLayer::builder()
 //!     .classes([
-//!         Class::new("critical").reserve(0.2),
+//!         Class::new("critical")
+//!             .reserve(0.2)
+//!             .wait(Duration::from_millis(100)),
 //!         Class::new("default"),
 //!         Class::new("sheddable"),
 //!     ])
@@ -38,7 +43,7 @@ pub use controller::{Gradient, GradientSettings, WindowSample};
 pub use gate::{Class, ClassSnapshot, GateSnapshot, Refusal};
 pub use limiter::{
     ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot,
-    Admission, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
+    Admission, Queued, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
 };
 pub use service::{
     AdaptiveConcurrency, AdaptiveConcurrencyBuilder, AdaptiveConcurrencyLayer, AdaptiveFuture,

@@ -15,7 +15,9 @@ use tower_service::Service;
 
 use super::controller::GradientSettings;
 use super::gate::Class;
-use super::limiter::{AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot, Admission, is_grpc};
+use super::limiter::{
+    AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot, Admission, ShedDecision, is_grpc,
+};
 use crate::body::RateLimitBody;
 use crate::key::RequestInfo;
 use crate::time::{Clock, SystemClock};
@@ -228,7 +230,8 @@ impl<S: std::fmt::Debug> std::fmt::Debug for AdaptiveConcurrency<S> {
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for AdaptiveConcurrency<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    ReqBody: Send + 'static,
 {
     type Response = Response<RateLimitBody<ResBody>>;
     type Error = S::Error;
@@ -251,6 +254,19 @@ where
                 return AdaptiveFuture {
                     state: FutureState::Shed {
                         answer: Some(answer),
+                    },
+                };
+            }
+            Admission::Queued(queued) => {
+                // The service made ready goes with the request; this one keeps a clone.
+                let ready = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, ready);
+                let grpc = is_grpc(request.headers());
+                return AdaptiveFuture {
+                    state: FutureState::Queued {
+                        wait: Box::pin(queued.wait()),
+                        call: Some(Box::new(move || inner.call(request))),
+                        grpc,
                     },
                 };
             }
@@ -277,8 +293,15 @@ pin_project! {
     enum FutureState<F> {
         Inner { #[pin] future: F, permit: Option<AdaptivePermit> },
         Shed { answer: Option<Response<Bytes>> },
+        Queued { wait: WaitForPlace, call: Option<CallInner<F>>, grpc: bool },
     }
 }
+
+/// A queued request's wait for a place.
+type WaitForPlace = Pin<Box<dyn Future<Output = Result<AdaptivePermit, ShedDecision>> + Send>>;
+
+/// Calls the inner service with the request once it has a place.
+type CallInner<F> = Box<dyn FnOnce() -> F + Send>;
 
 impl<F, B, E> Future for AdaptiveFuture<F>
 where
@@ -286,25 +309,42 @@ where
 {
     type Output = Result<Response<RateLimitBody<B>>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
-            StateProjection::Shed { answer } => {
-                let answer = answer
-                    .take()
-                    .expect("AdaptiveFuture polled after it completed");
-                Poll::Ready(Ok(answer.map(RateLimitBody::full)))
-            }
-            StateProjection::Inner { future, permit } => {
-                let answered = ready!(future.poll(cx));
-                if let Some(permit) = permit.take() {
-                    permit.answered();
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project().state.project() {
+                StateProjection::Shed { answer } => {
+                    let answer = answer
+                        .take()
+                        .expect("AdaptiveFuture polled after it completed");
+                    return Poll::Ready(Ok(answer.map(RateLimitBody::full)));
                 }
-                Poll::Ready(
-                    answered.map(|response| {
+                StateProjection::Inner { future, permit } => {
+                    let answered = ready!(future.poll(cx));
+                    if let Some(permit) = permit.take() {
+                        permit.answered();
+                    }
+                    return Poll::Ready(answered.map(|response| {
                         response.map(|body| RateLimitBody::inner(body, None, None))
-                    }),
-                )
-            }
+                    }));
+                }
+                StateProjection::Queued { wait, call, grpc } => {
+                    match ready!(wait.as_mut().poll(cx)) {
+                        Ok(permit) => {
+                            let call = call
+                                .take()
+                                .expect("AdaptiveFuture polled after it completed");
+                            FutureState::Inner {
+                                future: call(),
+                                permit: Some(permit),
+                            }
+                        }
+                        Err(shed) => FutureState::Shed {
+                            answer: Some(shed.response(*grpc)),
+                        },
+                    }
+                }
+            };
+            self.as_mut().project().state.set(next);
         }
     }
 }
@@ -493,6 +533,82 @@ mod tests {
         assert_eq!(snapshot.min_rtt, Some(Duration::from_millis(1_500)));
         assert_eq!(snapshot.sample_latency, Some(Duration::from_millis(4_500)));
         assert_eq!(snapshot.gate.limit, 9);
+    }
+
+    /// Critical requests wait up to `wait` for a place; the default class never.
+    fn waiting_layer(limit: u32, wait: Duration) -> AdaptiveConcurrencyLayer {
+        AdaptiveConcurrencyLayer::builder()
+            .gradient(GradientSettings {
+                initial_limit: limit,
+                min_limit: 1,
+                ..GradientSettings::default()
+            })
+            .classes([Class::new("critical").wait(wait), Class::new("default")])
+            .classify(|request| {
+                request
+                    .headers
+                    .contains_key("x-critical")
+                    .then_some("critical")
+            })
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_class_is_served_when_a_place_frees_within_its_wait() {
+        let layer = waiting_layer(1, Duration::from_millis(100));
+        let (inner, mut calls) = held_service();
+        let service = layer.layer(inner);
+        let first = tokio::spawn(service.clone().oneshot(request(true, false)));
+        let held = calls.recv().await.unwrap();
+        let waiting = tokio::spawn(service.clone().oneshot(request(true, false)));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(layer.snapshot().gate.classes[0].waiting, 1);
+        held.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+        // The freed place went to the waiter, 60 ms into its 100 ms wait.
+        calls.recv().await.unwrap().send(()).unwrap();
+        assert_eq!(waiting.await.unwrap().unwrap().status(), StatusCode::OK);
+        let critical = &layer.snapshot().gate.classes[0];
+        assert_eq!(
+            (critical.admitted, critical.waited, critical.refused),
+            (2, 1, 0)
+        );
+        assert_eq!(critical.waiting, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_runs_out_is_shed_once_and_a_client_that_leaves_leaves_the_queue() {
+        let layer = waiting_layer(1, Duration::from_millis(100));
+        let (inner, mut calls) = held_service();
+        let service = layer.layer(inner);
+        let first = tokio::spawn(service.clone().oneshot(request(true, false)));
+        let held = calls.recv().await.unwrap();
+        let started = tokio::time::Instant::now();
+        let shed = service.clone().oneshot(request(true, true)).await.unwrap();
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(100),
+            "its whole wait"
+        );
+        assert_eq!(
+            shed.headers()["grpc-status"],
+            "14",
+            "answered as it was asked"
+        );
+        let critical = &layer.snapshot().gate.classes[0];
+        assert_eq!((critical.refused, critical.waiting), (1, 0));
+        // A waiter whose client leaves: neither admitted nor refused, and out of the queue.
+        let leaving = tokio::spawn(service.clone().oneshot(request(true, false)));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(layer.snapshot().gate.classes[0].waiting, 1);
+        leaving.abort();
+        assert!(leaving.await.unwrap_err().is_cancelled());
+        let critical = &layer.snapshot().gate.classes[0];
+        assert_eq!((critical.refused, critical.waiting), (1, 0));
+        held.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+        assert_eq!(layer.snapshot().gate.in_flight, 0);
     }
 
     #[test]
