@@ -119,6 +119,8 @@ struct GateState {
     refused: Vec<u64>,
     /// Requests waiting for a place, by class.
     waiting: Vec<u32>,
+    /// Requests waiting for a place, by class and client.
+    waiting_by_client: HashMap<(usize, u64), u32>,
     /// Requests admitted after a wait, by class.
     waited: Vec<u64>,
 }
@@ -196,19 +198,34 @@ impl Gate {
         } else {
             self.verdict(&state, class, client, ceiling)
         };
+        let verdict = match verdict {
+            Err(Refusal::ClassFull)
+                if enforce && self.may_wait[class] && state.waiting[class] < ceiling =>
+            {
+                match client {
+                    // Its place in the queue counts toward its share: one client filling the
+                    // queue would have the class's other clients refused at once.
+                    Some(client)
+                        if state.held_or_waiting(class, client) >= self.client_cap(ceiling) =>
+                    {
+                        Err(Refusal::ClientShare)
+                    }
+                    _ => {
+                        state.join_queue(class, client);
+                        // The limit binds: the controller must not read the queue as the
+                        // service's.
+                        state.refused_in_window = true;
+                        return Verdict::Queued;
+                    }
+                }
+            }
+            other => other,
+        };
         match verdict {
             Ok(()) => {
                 state.admitted[class] += 1;
                 state.count_in(class, client);
                 Verdict::Admitted
-            }
-            Err(Refusal::ClassFull)
-                if enforce && self.may_wait[class] && state.waiting[class] < ceiling =>
-            {
-                state.waiting[class] += 1;
-                // The limit binds: the controller must not read the queue as the service's.
-                state.refused_in_window = true;
-                Verdict::Queued
             }
             Err(refusal) => {
                 state.refused[class] += 1;
@@ -221,27 +238,43 @@ impl Gate {
         }
     }
 
-    /// A queued request of `class` tries again: whether it is now admitted (and no longer
-    /// waiting).
-    pub(crate) fn admit_waiting(&self, class: usize, client: Option<u64>) -> bool {
-        let mut state = self.lock();
-        let ceiling = self.class_ceiling(class, state.limit);
-        if self.verdict(&state, class, client, ceiling).is_err() {
-            return false;
+    /// A queued request of `class` tries again: admitted (`Ok(true)`, no longer waiting),
+    /// still waiting for a place (`Ok(false)`), or refused because its client now holds its
+    /// share (the limit fell): out of the queue, counted refused.
+    pub(crate) fn admit_waiting(&self, class: usize, client: Option<u64>) -> Result<bool, Refusal> {
+        let next = {
+            let mut state = self.lock();
+            let ceiling = self.class_ceiling(class, state.limit);
+            match self.verdict(&state, class, client, ceiling) {
+                Err(Refusal::ClassFull) => return Ok(false),
+                Ok(()) => {
+                    state.leave_queue(class, client);
+                    state.admitted[class] += 1;
+                    state.waited[class] += 1;
+                    state.count_in(class, client);
+                    return Ok(true);
+                }
+                Err(Refusal::ClientShare) => {
+                    state.leave_queue(class, client);
+                    state.refused[class] += 1;
+                    state.refused_in_window = true;
+                    // It may have been woken for a place it now leaves: the next waiter's.
+                    Self::highest_waiting(&state)
+                }
+            }
+        };
+        if let Some(next) = next {
+            self.freed[next].notify_one();
         }
-        state.waiting[class] -= 1;
-        state.admitted[class] += 1;
-        state.waited[class] += 1;
-        state.count_in(class, client);
-        true
+        Err(Refusal::ClientShare)
     }
 
     /// A queued request of `class` stops waiting unadmitted: refused when its wait ran out
     /// (`refused`), neither admitted nor refused when its client left.
-    pub(crate) fn stop_waiting(&self, class: usize, refused: bool) {
+    pub(crate) fn stop_waiting(&self, class: usize, client: Option<u64>, refused: bool) {
         let next = {
             let mut state = self.lock();
-            state.waiting[class] = state.waiting[class].saturating_sub(1);
+            state.leave_queue(class, client);
             if refused {
                 state.refused[class] += 1;
                 state.refused_in_window = true;
@@ -378,6 +411,37 @@ impl Gate {
 }
 
 impl GateState {
+    /// What `client` holds of `class`, in flight and waiting.
+    fn held_or_waiting(&self, class: usize, client: u64) -> u32 {
+        let held = self.by_client.get(&(class, client)).copied().unwrap_or(0);
+        held + self
+            .waiting_by_client
+            .get(&(class, client))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Counts a request of `class` from `client` as waiting.
+    fn join_queue(&mut self, class: usize, client: Option<u64>) {
+        self.waiting[class] += 1;
+        if let Some(client) = client {
+            *self.waiting_by_client.entry((class, client)).or_insert(0) += 1;
+        }
+    }
+
+    /// A waiting request of `class` from `client` leaves the queue.
+    fn leave_queue(&mut self, class: usize, client: Option<u64>) {
+        self.waiting[class] = self.waiting[class].saturating_sub(1);
+        if let Some(client) = client
+            && let Some(waiting) = self.waiting_by_client.get_mut(&(class, client))
+        {
+            *waiting -= 1;
+            if *waiting == 0 {
+                self.waiting_by_client.remove(&(class, client));
+            }
+        }
+    }
+
     /// Counts a request of `class` from `client` in flight.
     fn count_in(&mut self, class: usize, client: Option<u64>) {
         self.in_flight += 1;
@@ -543,7 +607,11 @@ mod tests {
         assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
         assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
         assert_eq!(gate.admit(CRITICAL, None, true), Verdict::Queued);
-        assert!(!gate.admit_waiting(CRITICAL, None), "nothing freed yet");
+        assert_eq!(
+            gate.admit_waiting(CRITICAL, None),
+            Ok(false),
+            "nothing freed yet"
+        );
         gate.release(DEFAULT, None);
         // A place is free, and a default request would fit: it goes to the waiter.
         assert_eq!(
@@ -552,7 +620,7 @@ mod tests {
         );
         // A newer critical request queues behind the waiter rather than taking it.
         assert_eq!(gate.admit(CRITICAL, None, true), Verdict::Queued);
-        assert!(gate.admit_waiting(CRITICAL, None));
+        assert_eq!(gate.admit_waiting(CRITICAL, None), Ok(true));
         let snapshot = gate.snapshot(&names(&["critical", "default"]));
         let critical = &snapshot.classes[CRITICAL];
         assert_eq!(
@@ -561,7 +629,7 @@ mod tests {
         );
         assert_eq!((critical.admitted, critical.refused), (1, 0));
         // The second waiter gives up: refused once, the queue empty, default admitted again.
-        gate.stop_waiting(CRITICAL, true);
+        gate.stop_waiting(CRITICAL, None, true);
         gate.release(CRITICAL, None);
         assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
         let snapshot = gate.snapshot(&names(&["critical", "default"]));
@@ -623,11 +691,51 @@ mod tests {
         };
         assert!(woken(critical.as_mut()), "the critical waiter is woken");
         assert!(!woken(default.as_mut()), "the default one is not");
-        assert!(!gate.admit_waiting(DEFAULT, None), "critical goes first");
-        assert!(gate.admit_waiting(CRITICAL, None));
+        assert_eq!(
+            gate.admit_waiting(DEFAULT, None),
+            Ok(false),
+            "critical goes first"
+        );
+        assert_eq!(gate.admit_waiting(CRITICAL, None), Ok(true));
         // A higher limit wakes every waiter.
         gate.set_limit(3);
         assert!(woken(default.as_mut()));
-        assert!(gate.admit_waiting(DEFAULT, None));
+        assert_eq!(gate.admit_waiting(DEFAULT, None), Ok(true));
+    }
+
+    #[test]
+    fn one_client_cannot_fill_its_classs_queue() {
+        let gate = Gate::new(&waiting_critical(), 4, 0.5);
+        for _ in 0..4 {
+            assert_eq!(gate.admit(DEFAULT, None, true), Verdict::Admitted);
+        }
+        // A client may hold half the class (2 of 4), in flight and waiting together: two of
+        // its requests queue, the third is refused at once and leaves room for others.
+        assert_eq!(gate.admit(CRITICAL, Some(1), true), Verdict::Queued);
+        assert_eq!(gate.admit(CRITICAL, Some(1), true), Verdict::Queued);
+        assert_eq!(
+            gate.admit(CRITICAL, Some(1), true),
+            Verdict::Refused(Refusal::ClientShare)
+        );
+        assert_eq!(gate.admit(CRITICAL, Some(2), true), Verdict::Queued);
+        gate.release(DEFAULT, None);
+        assert_eq!(gate.admit_waiting(CRITICAL, Some(1)), Ok(true));
+        // The limit falls to 2 and the default requests end: client 1's share is now 1, which
+        // it holds in flight, so its second waiter is refused (and leaves the queue) rather
+        // than wait for a place it may not take while holding lower classes off; client 2's
+        // takes the place.
+        gate.set_limit(2);
+        for _ in 0..3 {
+            gate.release(DEFAULT, None);
+        }
+        assert_eq!(
+            gate.admit_waiting(CRITICAL, Some(1)),
+            Err(Refusal::ClientShare)
+        );
+        assert_eq!(gate.admit_waiting(CRITICAL, Some(2)), Ok(true));
+        let snapshot = gate.snapshot(&names(&["critical", "default"]));
+        let critical = &snapshot.classes[CRITICAL];
+        assert_eq!((critical.waiting, critical.waited), (0, 2));
+        assert_eq!((critical.admitted, critical.refused), (2, 2));
     }
 }

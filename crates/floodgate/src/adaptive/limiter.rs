@@ -249,13 +249,21 @@ impl Queued {
             let mut freed = std::pin::pin!(freed);
             // Enabled before trying: a release between the try and the wait wakes it.
             freed.as_mut().enable();
-            if gate.admit_waiting(self.class, self.client) {
-                self.settled = true;
-                return Ok(limiter.permit(self.class, self.client));
+            match gate.admit_waiting(self.class, self.client) {
+                Ok(true) => {
+                    self.settled = true;
+                    return Ok(limiter.permit(self.class, self.client));
+                }
+                Ok(false) => {}
+                Err(refusal) => {
+                    self.settled = true;
+                    limiter.count_shed(self.class);
+                    return Err(limiter.shed(self.class, refusal));
+                }
             }
             if tokio::time::timeout_at(deadline, freed).await.is_err() {
                 self.settled = true;
-                gate.stop_waiting(self.class, true);
+                gate.stop_waiting(self.class, self.client, true);
                 limiter.count_shed(self.class);
                 return Err(limiter.shed(self.class, Refusal::ClassFull));
             }
@@ -266,7 +274,10 @@ impl Queued {
 impl Drop for Queued {
     fn drop(&mut self) {
         if !self.settled {
-            self.limiter.shared.gate.stop_waiting(self.class, false);
+            self.limiter
+                .shared
+                .gate
+                .stop_waiting(self.class, self.client, false);
         }
     }
 }

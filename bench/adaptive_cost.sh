@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# What adaptive concurrency costs the gateway's request path when it sheds nothing (issue 49's
+# last goal): the same binary with `adaptive_concurrency` absent (`off`) and configured with
+# three classes, a class header and a waiting class but no pressure (`on`: the upstream answers
+# at once, the limit never binds), and, given REV, REV's binary with the same configuration as
+# `off` (`before`: a build without the feature, or one before a change to it). Memory store,
+# one wrk client at 1 and at 64 connections, the arms alternating in every round. Prints each
+# run, then the median ratio to `off` of requests/s and of p99 per arm.
+#
+#   bash bench/adaptive_cost.sh [seconds] [rounds] [REV]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-5}
+rounds=${2:-3}
+rev=${3:-}
+for tool in wrk; do
+    command -v "$tool" >/dev/null || { echo "$tool is missing (apt-get install wrk)" >&2; exit 1; }
+done
+cargo build --release -p floodgate-gateway -p floodgate --example overhead --bin floodgate >/dev/null 2>&1
+arms="off on"
+if [ -n "$rev" ]; then
+    rev=$(git rev-parse --short "$rev")
+    before_tree=/tmp/floodgate-before-$rev
+    [ -d "$before_tree" ] || git worktree add --detach "$before_tree" "$rev" >/dev/null
+    (cd "$before_tree" && CARGO_TARGET_DIR=$before_tree-target cargo build --release \
+        -p floodgate-gateway --bin floodgate >/dev/null 2>&1)
+    arms="before off on"
+fi
+source bench/common.sh
+
+upstream_port=$(free_port)
+target/release/examples/overhead plain "$upstream_port" & pids+=($!)
+wait_for "http://127.0.0.1:$upstream_port/"
+
+declare -A port
+start_floodgate "store: { backend: memory }"
+port[off]=$started_port
+start_floodgate "store: { backend: memory }
+identity: { trusted_proxies: [\"127.0.0.1/32\"] }
+adaptive_concurrency:
+  class_header: x-priority
+  default_class: default
+  classes:
+    - { name: critical, reserve: 0.2, wait: 100ms }
+    - { name: default, reserve: 0.1 }
+    - { name: sheddable }"
+port[on]=$started_port
+if [ -n "$rev" ]; then
+    floodgate_bin=$before_tree-target/release/floodgate start_floodgate "store: { backend: memory }"
+    port[before]=$started_port
+fi
+
+results=$work/results.txt
+run() { # arm connections
+    wrk -t1 -c"$2" -d"${seconds}s" --latency -H 'x-api-key: bench-key' -H 'x-priority: default' \
+        "http://127.0.0.1:${port[$1]}/" > "$work/wrk.txt"
+    local rps p99 non2xx
+    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
+    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    printf '%-7s c=%-3s %10s req/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$rps" "$p99" "${non2xx:-0}"
+    echo "$1 $2 $round $rps $p99" >> "$results"
+}
+
+echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), $(date -u +%FT%TZ), $(git rev-parse --short HEAD)${rev:+, before: $rev}; wrk -t1 -d${seconds}s, $rounds rounds"
+for round in $(seq "$rounds"); do
+    for connections in 1 64; do
+        # Rotate which arm goes first, so that none always runs on a warmer machine.
+        order=$(echo $arms | tr ' ' '\n' | awk -v r="$round" '{a[NR]=$0} END {for (i = 0; i < NR; i++) print a[(i + r) % NR + 1]}')
+        for arm in $order; do run "$arm" "$connections"; done
+    done
+done
+
+echo
+echo "median ratio to off, round by round (requests/s; p99, lower is better):"
+python3 - "$results" <<'PY'
+import re, statistics, sys
+def ms(text):
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+runs = {}
+for line in open(sys.argv[1]):
+    arm, connections, round_, rps, p99 = line.split()
+    runs.setdefault(int(connections), {}).setdefault(arm, {})[round_] = (float(rps), ms(p99))
+for connections, arms in sorted(runs.items()):
+    off = arms["off"]
+    for arm, by_round in sorted(arms.items()):
+        if arm == "off":
+            continue
+        rps = statistics.median(by_round[r][0] / off[r][0] for r in by_round)
+        p99 = statistics.median(by_round[r][1] / off[r][1] for r in by_round)
+        print(f"{arm:<7} c={connections:<3} req/s {rps:.2f}x   p99 {p99:.2f}x   ({len(by_round)} rounds)")
+PY
