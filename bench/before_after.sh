@@ -64,7 +64,7 @@ run() { # row side connections
     local rps p99 non2xx
     rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
     p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
     printf '%-18s %-6s c=%-3s %10s req/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$3" "$rps" "$p99" "${non2xx:-0}"
     echo "$1 $3 $2 $rps $p99" >> "$results"
 }

@@ -77,7 +77,7 @@ load() { # name port [scheme]
     rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
     p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
     p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
     printf '%-26s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
 }
 

@@ -128,7 +128,7 @@ load() { # label port [header]
     local rps total non2xx calls usec
     rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
     total=$(awk '/requests in/ {print $1}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $4}' "$work/wrk.txt")
+    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
     read -r calls usec <<< "$(stat fcall)"
     calls=${calls:-0}; usec=${usec:-0}
     # Every decision that reaches Redis reads its first key once (GET or HMGET, inside the call).

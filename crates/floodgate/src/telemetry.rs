@@ -546,6 +546,12 @@ pub const METRICS: &[MetricDescription] = &[
         help: "Requests adaptive concurrency refused (mode enforce) or would have (mode shadow), by limiter and class",
     },
     MetricDescription {
+        name: crate::adaptive::ADAPTIVE_WAITED_TOTAL,
+        kind: MetricKind::Counter,
+        seconds: false,
+        help: "Requests adaptive concurrency admitted after they waited for a place, by limiter and class",
+    },
+    MetricDescription {
         name: DECISIONS_TOTAL,
         kind: MetricKind::Counter,
         seconds: false,

@@ -37,6 +37,8 @@ pub(crate) struct RawAdaptive {
     pub percentile: f64,
     /// The share above the minimum round trip that counts as no queueing.
     pub buffer: f64,
+    /// A sampled latency at or below it never shrinks the limit.
+    pub latency_floor: String,
     /// The shortest sampling window.
     pub window: String,
     /// The fewest answers a window needs.
@@ -72,6 +74,7 @@ impl Default for RawAdaptive {
             max_limit: gradient.max_limit,
             percentile: gradient.percentile,
             buffer: gradient.buffer,
+            latency_floor: "5ms".to_owned(),
             window: "500ms".to_owned(),
             min_samples: gradient.min_samples,
         }
@@ -152,6 +155,10 @@ pub(super) fn adaptive(
     let raw = raw?;
     let path = "adaptive_concurrency";
     let window = errors.ok(format!("{path}.window"), parse_duration(&raw.window));
+    let latency_floor = errors.ok(
+        format!("{path}.latency_floor"),
+        parse_duration(&raw.latency_floor),
+    );
     let class_header = raw.class_header.as_ref().and_then(|name| {
         let parsed = HeaderName::try_from(name.as_str())
             .map_err(|_| super::errors::Problem::from(format!("`{name}` is not a header name")));
@@ -191,6 +198,7 @@ pub(super) fn adaptive(
             max_limit: raw.max_limit,
             percentile: raw.percentile,
             buffer: raw.buffer,
+            latency_floor: latency_floor.unwrap_or(GradientSettings::default().latency_floor),
             window: window.unwrap_or(Duration::from_millis(500)),
             min_samples: raw.min_samples,
             ..GradientSettings::default()
@@ -225,12 +233,14 @@ mod tests {
     #[test]
     fn every_setting_is_checked_with_its_field_path() {
         let errors = errors_of(&format!(
-            "{PLANS}adaptive_concurrency:\n  window: soon\n  class_header: \"bad header\"\n  \
+            "{PLANS}adaptive_concurrency:\n  window: soon\n  latency_floor: low\n  \
+             class_header: \"bad header\"\n  \
              classes: [ {{ name: critical, wait: soon }}, {{ name: rest }} ]\n  \
              plan_classes: {{ platinum: critical, free: bronze }}\n"
         ));
         let expected = [
             "adaptive_concurrency.window: ",
+            "adaptive_concurrency.latency_floor: ",
             "adaptive_concurrency.class_header: `bad header` is not a header name",
             "adaptive_concurrency.classes[0].wait: ",
             "adaptive_concurrency.plan_classes.free: `bronze` is not one of the classes",

@@ -335,6 +335,16 @@ async fn a_critical_request_waits_for_a_place_and_is_refused_when_its_wait_runs_
         "{answer}"
     );
     assert_eq!(critical["waiting"], 0, "{answer}");
+    let metrics = get(&client, &gateway.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(metrics.body()).into_owned();
+    let waited = text
+        .lines()
+        .find(|line| line.starts_with("floodgate_adaptive_waited_total{"))
+        .unwrap_or_else(|| panic!("no waited counter:\n{text}"));
+    assert!(
+        waited.contains("class=\"critical\"") && waited.ends_with(" 1"),
+        "{waited}"
+    );
     for holder in holders {
         assert_eq!(holder.await.unwrap(), 200);
     }

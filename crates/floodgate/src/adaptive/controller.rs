@@ -6,15 +6,20 @@
 //! number in flight. Then
 //!
 //! ```text
-//! gradient  = clamp((min_rtt × (1 + buffer)) / sample, 0.5, 2)
+//! gradient  = clamp(max(min_rtt × (1 + buffer), latency_floor) / sample, 0.5, 2)
 //! target    = gradient × limit + √limit          (√limit: room for a short queue)
 //! limit     = clamp(limit + smoothing × (target − limit), min_limit, max_limit)
 //! ```
 //!
 //! Latency at the upstream's minimum (plus the buffer) lets the limit grow by up to √limit a
 //! window; latency above it shrinks the limit in proportion, by at most half a window.
-//! The limit does not grow from a window whose peak in flight stayed under half the limit:
-//! the traffic, not the upstream, set that window's latency.
+//! Latency under `latency_floor` (5 ms) never shrinks it: a fast upstream's round trip of tens
+//! of microseconds grows to a millisecond or two when the gateway's own CPU is busy, and read
+//! as queueing that collapsed the limit to its minimum, the 503s it then sent kept the CPU busy
+//! (measured: a gateway whose 64 connections saturated it served 8 % of what it served
+//! without the limiter). A queue of a few milliseconds is not what shedding protects against.
+//! The limit does not grow from a window whose peak in flight stayed under half the limit
+//! and in which nothing was refused: the traffic, not the upstream, set that window's latency.
 //!
 //! `min_rtt` follows the lowest window minimum at once. It rises only from windows in which
 //! the limit did not bind (nothing refused, the limit never reached) (a queue the limit itself builds must not read as the upstream's
@@ -37,6 +42,9 @@ pub struct GradientSettings {
     pub percentile: f64,
     /// The share above `min_rtt` that counts as no queueing (Envoy's default, 25 %).
     pub buffer: f64,
+    /// A sampled latency at or below it never shrinks the limit (5 ms; zero: Envoy's gradient
+    /// as it is).
+    pub latency_floor: Duration,
     /// How far the limit moves toward its target per window (0 to 1).
     pub smoothing: f64,
     /// How far `min_rtt` rises toward a higher window minimum per window in which the limit
@@ -56,6 +64,7 @@ impl Default for GradientSettings {
             max_limit: 1_000,
             percentile: 0.9,
             buffer: 0.25,
+            latency_floor: Duration::from_millis(5),
             smoothing: 0.5,
             min_rtt_drift: 0.1,
             window: Duration::from_millis(500),
@@ -153,11 +162,14 @@ impl Gradient {
         let bound = sample.refused || f64::from(sample.peak_in_flight) >= limit.round();
         let min_rtt = self.learn_min_rtt(sample, bound);
         let latency = sample.latency.as_secs_f64().max(1e-6);
-        let expected = min_rtt.as_secs_f64() * (1.0 + self.settings.buffer);
+        let expected = (min_rtt.as_secs_f64() * (1.0 + self.settings.buffer))
+            .max(self.settings.latency_floor.as_secs_f64());
         let gradient = (expected / latency).clamp(0.5, 2.0);
         let mut target = gradient * limit + limit.sqrt();
-        if f64::from(sample.peak_in_flight) < limit / 2.0 {
-            // The traffic kept the window's concurrency low: nothing says more would do.
+        if f64::from(sample.peak_in_flight) < limit / 2.0 && !sample.refused {
+            // The traffic kept the window's concurrency low: nothing says more would do. A
+            // refusal does (a client held to its share of a class under half the limit): the
+            // limit then grows as far as the latency allows.
             target = target.min(limit);
         }
         let next = limit + self.settings.smoothing * (target - limit);
@@ -304,6 +316,7 @@ mod tests {
             initial_limit: 10,
             max_limit: 30,
             smoothing: 1.0,
+            latency_floor: Duration::ZERO,
             ..GradientSettings::default()
         });
         // No queueing at all, every window full: growth as fast as the clamp allows.
@@ -320,6 +333,49 @@ mod tests {
             controller.on_window(quiet(controller.limit()));
         }
         assert_eq!(controller.limit(), 30, "held at max_limit");
+    }
+
+    /// Measured through the gateway (BENCHMARKS, "adaptive concurrency's cost"): a fast
+    /// upstream's round trip of 25 µs, sampled at 1.1-1.6 ms while 64 connections kept the
+    /// gateway's CPU busy, drove the limit from 20 to 5, and the 503s kept the CPU as busy.
+    #[test]
+    fn a_latency_under_the_floor_never_shrinks_the_limit() {
+        let busy = WindowSample {
+            latency: Duration::from_micros(1_500),
+            min_latency: Duration::from_micros(25),
+            peak_in_flight: 20,
+            refused: true,
+        };
+        let mut floored = Gradient::new(GradientSettings::default());
+        let mut bare = Gradient::new(GradientSettings {
+            latency_floor: Duration::ZERO,
+            ..GradientSettings::default()
+        });
+        for _ in 0..10 {
+            floored.on_window(busy);
+            bare.on_window(busy);
+        }
+        // Refused while under half the limit (one client held to its share of its class):
+        // the latency allows more, so the limit grows.
+        assert!(floored.limit() > 100, "{}", floored.limit());
+        assert!(
+            bare.limit() <= 7,
+            "Envoy's gradient alone falls toward 4, where √limit holds it: {}",
+            bare.limit()
+        );
+        // Above the floor the gradient applies as before: 10 ms against 5 ms halves it.
+        let slow = WindowSample {
+            latency: Duration::from_millis(10),
+            ..busy
+        };
+        let before = floored.limit();
+        floored.on_window(slow);
+        assert!(
+            floored.limit() < before,
+            "{} then {}",
+            before,
+            floored.limit()
+        );
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub const ADAPTIVE_LIMIT: &str = "floodgate_adaptive_limit";
 /// `floodgate_adaptive_shed_total{limiter,class,mode}`: requests refused (`mode="enforce"`) or
 /// that would have been (`mode="shadow"`).
 pub const ADAPTIVE_SHED_TOTAL: &str = "floodgate_adaptive_shed_total";
+/// `floodgate_adaptive_waited_total{limiter,class}`: requests admitted after waiting for a
+/// place ([`Class::wait`]).
+pub const ADAPTIVE_WAITED_TOTAL: &str = "floodgate_adaptive_waited_total";
 
 /// The limit, the gate and the controller one service (or upstream) is protected by. Clones
 /// share them.
@@ -252,6 +255,10 @@ impl Queued {
             match gate.admit_waiting(self.class, self.client) {
                 Ok(true) => {
                     self.settled = true;
+                    let shared = &limiter.shared;
+                    let (name, class) = (shared.name.clone(), shared.names[self.class].clone());
+                    metrics::counter!(ADAPTIVE_WAITED_TOTAL, "limiter" => name, "class" => class)
+                        .increment(1);
                     return Ok(limiter.permit(self.class, self.client));
                 }
                 Ok(false) => {}

@@ -42,8 +42,8 @@ mod simulation;
 pub use controller::{Gradient, GradientSettings, WindowSample};
 pub use gate::{Class, ClassSnapshot, GateSnapshot, Refusal};
 pub use limiter::{
-    ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot,
-    Admission, Queued, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
+    ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, ADAPTIVE_WAITED_TOTAL, AdaptiveLimiter, AdaptivePermit,
+    AdaptiveSnapshot, Admission, Queued, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
 };
 pub use service::{
     AdaptiveConcurrency, AdaptiveConcurrencyBuilder, AdaptiveConcurrencyLayer, AdaptiveFuture,
