@@ -546,6 +546,24 @@ pub const METRICS: &[MetricDescription] = &[
         help: "Requests adaptive concurrency refused (mode enforce) or would have (mode shadow), by limiter and class",
     },
     MetricDescription {
+        name: crate::adaptive::ADAPTIVE_PEAK_IN_FLIGHT,
+        kind: MetricKind::Gauge,
+        seconds: false,
+        help: "The most requests adaptive concurrency had in flight at once in its last window, by limiter",
+    },
+    MetricDescription {
+        name: crate::adaptive::ADAPTIVE_LATENCY_SECONDS,
+        kind: MetricKind::Gauge,
+        seconds: true,
+        help: "The latency adaptive concurrency sampled in its last window (its percentile), by limiter",
+    },
+    MetricDescription {
+        name: crate::adaptive::ADAPTIVE_MIN_RTT_SECONDS,
+        kind: MetricKind::Gauge,
+        seconds: true,
+        help: "The minimum round trip adaptive concurrency learned, by limiter",
+    },
+    MetricDescription {
         name: crate::adaptive::ADAPTIVE_WAITED_TOTAL,
         kind: MetricKind::Counter,
         seconds: false,

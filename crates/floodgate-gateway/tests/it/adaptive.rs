@@ -164,6 +164,20 @@ async fn an_overloaded_upstream_sheds_the_lowest_class_and_serves_the_critical_o
     assert_eq!(only["classes"][2]["name"], "sheddable");
     assert_eq!(only["classes"][2]["refused"], sheddable_shed);
     assert_eq!(only["classes"][0]["refused"], critical_shed);
+    // The same, as gauges for dashboards: the round trip learned (the upstream's 20 ms at
+    // least), the last window's sampled latency and peak in flight.
+    let metrics = get(&client(), &gateway.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(metrics.body()).into_owned();
+    let gauge = |name: &str| -> f64 {
+        text.lines()
+            .find(|line| line.starts_with(&format!("{name}{{")))
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}:\n{text}"))
+    };
+    let min_rtt = gauge("floodgate_adaptive_min_rtt_seconds");
+    assert!(min_rtt >= 0.02, "{min_rtt}");
+    assert!(gauge("floodgate_adaptive_latency_seconds") >= min_rtt);
+    assert!(gauge("floodgate_adaptive_peak_in_flight") >= 1.0);
     // The access log (`only: limited`) names the shedding as the refusal, once per request.
     let first = wait_for_first_line(&log).await;
     let line: serde_json::Value = serde_json::from_str(&first).unwrap();

@@ -25,6 +25,13 @@ pub const ADAPTIVE_LIMIT: &str = "floodgate_adaptive_limit";
 /// `floodgate_adaptive_shed_total{limiter,class,mode}`: requests refused (`mode="enforce"`) or
 /// that would have been (`mode="shadow"`).
 pub const ADAPTIVE_SHED_TOTAL: &str = "floodgate_adaptive_shed_total";
+/// `floodgate_adaptive_peak_in_flight{limiter}`: the most requests in flight at once in the
+/// last window.
+pub const ADAPTIVE_PEAK_IN_FLIGHT: &str = "floodgate_adaptive_peak_in_flight";
+/// `floodgate_adaptive_latency_seconds{limiter}`: the last window's sampled latency.
+pub const ADAPTIVE_LATENCY_SECONDS: &str = "floodgate_adaptive_latency_seconds";
+/// `floodgate_adaptive_min_rtt_seconds{limiter}`: the minimum round trip learned.
+pub const ADAPTIVE_MIN_RTT_SECONDS: &str = "floodgate_adaptive_min_rtt_seconds";
 /// `floodgate_adaptive_waited_total{limiter,class}`: requests admitted after waiting for a
 /// place ([`Class::wait`]).
 pub const ADAPTIVE_WAITED_TOTAL: &str = "floodgate_adaptive_waited_total";
@@ -221,8 +228,15 @@ impl AdaptiveLimiter {
             refused,
         });
         self.shared.gate.set_limit(limit);
-        metrics::gauge!(ADAPTIVE_LIMIT, "limiter" => self.shared.name.clone())
-            .set(f64::from(limit));
+        let name = &self.shared.name;
+        metrics::gauge!(ADAPTIVE_LIMIT, "limiter" => name.clone()).set(f64::from(limit));
+        metrics::gauge!(ADAPTIVE_PEAK_IN_FLIGHT, "limiter" => name.clone()).set(f64::from(peak));
+        metrics::gauge!(ADAPTIVE_LATENCY_SECONDS, "limiter" => name.clone())
+            .set(sampled.as_secs_f64());
+        if let Some(min_rtt) = window.controller.min_rtt() {
+            metrics::gauge!(ADAPTIVE_MIN_RTT_SECONDS, "limiter" => name.clone())
+                .set(min_rtt.as_secs_f64());
+        }
     }
 
     /// When a refused client may come back: about the service's latency, at least a second.

@@ -42,8 +42,9 @@ mod simulation;
 pub use controller::{Gradient, GradientSettings, WindowSample};
 pub use gate::{Class, ClassSnapshot, GateSnapshot, Refusal};
 pub use limiter::{
-    ADAPTIVE_LIMIT, ADAPTIVE_SHED_TOTAL, ADAPTIVE_WAITED_TOTAL, AdaptiveLimiter, AdaptivePermit,
-    AdaptiveSnapshot, Admission, Queued, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
+    ADAPTIVE_LATENCY_SECONDS, ADAPTIVE_LIMIT, ADAPTIVE_MIN_RTT_SECONDS, ADAPTIVE_PEAK_IN_FLIGHT,
+    ADAPTIVE_SHED_TOTAL, ADAPTIVE_WAITED_TOTAL, AdaptiveLimiter, AdaptivePermit, AdaptiveSnapshot,
+    Admission, Queued, REDUCED_CAPACITY_PROBLEM, Shed, ShedDecision, is_grpc,
 };
 pub use service::{
     AdaptiveConcurrency, AdaptiveConcurrencyBuilder, AdaptiveConcurrencyLayer, AdaptiveFuture,
