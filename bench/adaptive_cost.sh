@@ -54,15 +54,12 @@ results=$work/results.txt
 run() { # arm connections
     wrk -t1 -c"$2" -d"${seconds}s" --latency -H 'x-api-key: bench-key' -H 'x-priority: default' \
         "http://127.0.0.1:${port[$1]}/" > "$work/wrk.txt"
-    local rps p99 requests non2xx ok
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
-    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    requests=$(awk '/requests in/ {print $1}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
+    local rps p50 p99 non2xx requests ok
+    read -r rps p50 p99 non2xx requests < <(wrk_figures)
     # Served (2xx) per second: a shed 503 is quick, and counts in wrk's rate.
-    ok=$(python3 -c "print(round($rps * (1 - ${non2xx:-0} / $requests), 2))")
-    printf '%-7s c=%-3s %10s req/s   %10s served/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$rps" "$ok" "$p99" "${non2xx:-0}"
-    echo "$1 $2 $round $ok $p99" >> "$results"
+    ok=$(python3 -c "print(round($rps * (1 - $non2xx / $requests), 2))")
+    printf '%-7s c=%-3s %10s req/s   %10s served/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$rps" "$ok" "$p99" "$non2xx"
+    echo "gateway $2 $1 $round $ok $p99" >> "$results"
 }
 
 echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), $(date -u +%FT%TZ), $(git rev-parse --short HEAD)${rev:+, before: $rev}; wrk -t1 -d${seconds}s, $rounds rounds"
@@ -75,22 +72,5 @@ for round in $(seq "$rounds"); do
 done
 
 echo
-echo "median ratio to off, round by round (served requests/s; p99 of all answers, lower is better):"
-python3 - "$results" <<'PY'
-import re, statistics, sys
-def ms(text):
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()
-    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-runs = {}
-for line in open(sys.argv[1]):
-    arm, connections, round_, rps, p99 = line.split()
-    runs.setdefault(int(connections), {}).setdefault(arm, {})[round_] = (float(rps), ms(p99))
-for connections, arms in sorted(runs.items()):
-    off = arms["off"]
-    for arm, by_round in sorted(arms.items()):
-        if arm == "off":
-            continue
-        rps = statistics.median(by_round[r][0] / off[r][0] for r in by_round)
-        p99 = statistics.median(by_round[r][1] / off[r][1] for r in by_round)
-        print(f"{arm:<7} c={connections:<3} served/s {rps:.2f}x   p99 {p99:.2f}x   ({len(by_round)} rounds)")
-PY
+echo "median ratio to off, round by round (req/s: served, 2xx, requests per second; p99 of all answers, lower is better):"
+python3 bench/ratios.py off "$results"

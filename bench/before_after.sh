@@ -61,12 +61,10 @@ results=$work/results.txt
 run() { # row side connections
     wrk -t1 -c"$3" -d"${seconds}s" --latency -H 'x-api-key: bench-key' -H 'x-max-tokens: 4' \
         "http://127.0.0.1:${port[$1-$2]}/" > "$work/wrk.txt"
-    local rps p99 non2xx
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
-    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
-    printf '%-18s %-6s c=%-3s %10s req/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$3" "$rps" "$p99" "${non2xx:-0}"
-    echo "$1 $3 $2 $rps $p99" >> "$results"
+    local rps p50 p99 non2xx requests
+    read -r rps p50 p99 non2xx requests < <(wrk_figures)
+    printf '%-18s %-6s c=%-3s %10s req/s   p99 %8s   non-2xx %s\n' "$1" "$2" "$3" "$rps" "$p99" "$non2xx"
+    echo "$1 $3 $2 $round $rps $p99" >> "$results"
 }
 
 echo "machine: $(nproc) cores, $(lscpu | awk -F: '/Model name/ {gsub(/^ +/, "", $2); print $2}'), redis $(redis-server --version | awk '{print $3}'), $(date -u +%FT%TZ)"
@@ -83,18 +81,4 @@ done
 
 echo
 echo "median after/before per row (requests/s; p99, lower is better):"
-python3 - "$results" <<'PY'
-import re, statistics, sys
-def ms(text):
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()
-    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-runs = {}
-for line in open(sys.argv[1]):
-    row, connections, side, rps, p99 = line.split()
-    runs.setdefault((row, int(connections)), {}).setdefault(side, []).append((float(rps), ms(p99)))
-for (row, connections), sides in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0])):
-    pairs = list(zip(sides["before"], sides["after"]))
-    rps = statistics.median(after[0] / before[0] for before, after in pairs)
-    p99 = statistics.median(after[1] / before[1] for before, after in pairs)
-    print(f"{row:<18} c={connections:<3} req/s {rps:.2f}x   p99 {p99:.2f}x   ({len(pairs)} rounds)")
-PY
+python3 bench/ratios.py before "$results"

@@ -69,15 +69,20 @@ NGINX
     wait_for "http://127.0.0.1:$nginx_port/"
 }
 
+# What the wrk run in $work/wrk.txt measured, on one line: requests per second, p50, p99,
+# non-2xx answers (0 when wrk printed none) and requests.
+wrk_figures() {
+    awk '/Requests\/sec/ {rps = $2} $1 == "50%" {p50 = $2} $1 == "99%" {p99 = $2}
+         /Non-2xx/ {non2xx = $NF} /requests in/ {requests = $1}
+         END {print rps, p50, p99, non2xx + 0, requests}' "$work/wrk.txt"
+}
+
 # One wrk run of $seconds with $connections against 127.0.0.1:port (over `scheme`, default
 # http): requests per second, p50, p99 and non-2xx answers on one line.
 load() { # name port [scheme]
     wrk -t1 -c"$connections" -d"${seconds}s" --latency "${3:-http}://127.0.0.1:$2/" > "$work/wrk.txt"
-    local rps p50 p99 non2xx
-    rps=$(awk '/Requests\/sec/ {print $2}' "$work/wrk.txt")
-    p50=$(awk '$1=="50%" {print $2}' "$work/wrk.txt")
-    p99=$(awk '$1=="99%" {print $2}' "$work/wrk.txt")
-    non2xx=$(awk '/Non-2xx/ {print $NF}' "$work/wrk.txt")
+    local rps p50 p99 non2xx requests
+    read -r rps p50 p99 non2xx requests < <(wrk_figures)
     printf '%-26s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${non2xx:-0}"
 }
 
