@@ -7,9 +7,11 @@
 //! - [`buckets`]: a reported bucket matched to its rule and its limit's key.
 //! - [`assignment`]: shares as the token buckets and blanket rules Envoy's filter reads.
 //! - [`stream`]: one Envoy's stream, from its reports to its assignments.
+//! - `counters`: a stream's metrics, registered once per domain.
 
 pub(crate) mod assignment;
 pub(crate) mod buckets;
+mod counters;
 pub(crate) mod stream;
 
 use std::collections::{BTreeMap, HashMap};

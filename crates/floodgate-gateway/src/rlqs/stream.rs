@@ -24,9 +24,11 @@ use tokio::time::Instant;
 
 use super::assignment::{self, Strategy};
 use super::buckets::{self, Target};
+use super::counters::StreamCounters;
 use super::{HoldingView, Shared};
 use crate::config::{Config, QuotaSettings};
 use crate::telemetry;
+use crate::version::ConfigVersion;
 
 /// How often a stream looks at its holdings between reports, and how long a lowered Envoy is
 /// still counted at what it had (the lower assignment's way to it): a fifth of the report
@@ -53,6 +55,8 @@ struct Holding {
     /// The board's name for this Envoy's use of the bucket.
     holder: String,
     target: Target,
+    /// The stream's epoch `target` was matched in (0: not yet).
+    target_epoch: u64,
     /// Thousandths of a request per second: the larger of the last two reports' (a few
     /// requests per interval are a noisy count, and a drop that lasts one report is not worth
     /// a new assignment).
@@ -102,8 +106,13 @@ pub(super) struct QuotaStream {
     next_holding: u64,
     /// See [`step_of`].
     step: Duration,
-    /// The configuration the holdings were last decided under (its address).
-    config_seen: usize,
+    /// The configuration the holdings are matched to their rules under, and the epoch it
+    /// started (a reload or a new domain starts the next one).
+    config: Option<Arc<ConfigVersion>>,
+    epoch: u64,
+    /// The epoch the last tick decided every holding in.
+    ticked_epoch: u64,
+    counters: StreamCounters,
     /// Holdings lowered by the last decisions, whose lower assignment is about to be sent.
     lowered: Vec<(String, String)>,
     /// The buckets this stream abandoned lately, and when. A report of one without a request
@@ -128,7 +137,10 @@ impl QuotaStream {
             domain: String::new(),
             holdings: HashMap::new(),
             next_holding: 0,
-            config_seen: 0,
+            config: None,
+            epoch: 0,
+            ticked_epoch: 0,
+            counters: StreamCounters::new(UNKNOWN_DOMAIN.to_owned()),
             lowered: Vec::new(),
             abandoned: HashMap::new(),
         }
@@ -140,18 +152,18 @@ impl QuotaStream {
         &mut self,
         reports: RateLimitQuotaUsageReports,
     ) -> Vec<BucketAction> {
-        if !reports.domain.is_empty() {
+        let named = !reports.domain.is_empty() && reports.domain != self.domain;
+        if named {
             self.domain = reports.domain;
         }
-        let current = self.shared.gateway.current();
+        let current = self.observe(named);
         let config = &current.config;
         let Some(settings) = quota_settings(config) else {
             return Vec::new();
         };
-        let domain_label = self.domain_label(settings);
         let mut actions = Vec::new();
         for usage in reports.bucket_quota_usages {
-            let Some(name) = self.record_usage(&usage, &domain_label) else {
+            let Some(name) = self.record_usage(&usage) else {
                 continue;
             };
             let Some(holding) = self.holdings.get(&name) else {
@@ -161,8 +173,7 @@ impl QuotaStream {
                 let holding = self.holdings.remove(&name).expect("present above");
                 actions.push(assignment::abandon(&holding.bucket));
                 self.abandoned.insert(name, Instant::now());
-                metrics::counter!(telemetry::RLQS_ABANDONED_TOTAL, "domain" => domain_label.clone())
-                    .increment(1);
+                self.counters.abandoned();
                 if let Some(key) = holding.target.key() {
                     self.release(key, &holding.holder).await;
                 }
@@ -179,7 +190,7 @@ impl QuotaStream {
     /// assignment changes), any assignment about to end is renewed, every holding is decided
     /// again after a reload, and a bucket the Envoy stopped reporting is let go.
     pub(super) async fn on_tick(&mut self) -> Vec<BucketAction> {
-        let current = self.shared.gateway.current();
+        let current = self.observe(false);
         let config = &current.config;
         let Some(settings) = quota_settings(config) else {
             return Vec::new();
@@ -190,8 +201,7 @@ impl QuotaStream {
         let remembered = settings.report_interval * 3;
         self.abandoned
             .retain(|_, at| now.saturating_duration_since(*at) < remembered);
-        let reloaded = std::mem::replace(&mut self.config_seen, Arc::as_ptr(&current) as usize)
-            != Arc::as_ptr(&current) as usize;
+        let reloaded = std::mem::replace(&mut self.ticked_epoch, self.epoch) != self.epoch;
         let renew_within = settings.report_interval + self.step;
         let renewing = |holding: &Holding| {
             holding
@@ -234,7 +244,7 @@ impl QuotaStream {
 
     /// Counts one bucket's usage: the holding created on its first report (its subscription),
     /// its demand and idleness updated. `None` for a usage without a bucket.
-    fn record_usage(&mut self, usage: &BucketQuotaUsage, domain_label: &str) -> Option<String> {
+    fn record_usage(&mut self, usage: &BucketQuotaUsage) -> Option<String> {
         let bucket = usage.bucket_id.as_ref()?;
         let name = buckets::canonical(&borrowed(bucket));
         let requests = usage
@@ -243,15 +253,8 @@ impl QuotaStream {
         let reported_elapsed = usage.time_elapsed.as_ref().map_or(1.0, |elapsed| {
             elapsed.seconds as f64 + f64::from(elapsed.nanos) / 1e9
         });
-        metrics::counter!(telemetry::RLQS_REPORTS_TOTAL, "domain" => domain_label.to_owned())
-            .increment(1);
-        for (decision, count) in [
-            ("allowed", usage.num_requests_allowed),
-            ("denied", usage.num_requests_denied),
-        ] {
-            metrics::counter!(telemetry::RLQS_REQUESTS_TOTAL, "domain" => domain_label.to_owned(), "decision" => decision)
-                .increment(count);
-        }
+        self.counters
+            .report(usage.num_requests_allowed, usage.num_requests_denied);
         let full = self.holdings.len() >= MOST_HOLDINGS;
         let holding = match self.holdings.entry(name.clone()) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
@@ -271,6 +274,7 @@ impl QuotaStream {
                     bucket: bucket.clone(),
                     holder: format!("{}.{}.{}", self.shared.server, self.id, self.next_holding),
                     target: Target::Unmatched,
+                    target_epoch: 0,
                     demand_milli: 0,
                     last_demand_milli: 0,
                     idle_reports: 0,
@@ -317,25 +321,10 @@ impl QuotaStream {
     ) -> Option<BucketAction> {
         let now = Instant::now();
         let ttl = settings.assignment_ttl();
-        let target = {
-            let holding = self.holdings.get(name)?;
-            buckets::resolve(
-                settings,
-                &config.store.prefix,
-                &self.domain,
-                &borrowed(&holding.bucket),
-            )
-        };
-        let previous_key = self.holdings[name].target.key().map(str::to_owned);
-        if let Some(previous) = previous_key.filter(|key| Some(key.as_str()) != target.key()) {
-            // The rules changed under a reload: the old limit is no longer this bucket's.
-            let holder = self.holdings[name].holder.clone();
-            self.release(&previous, &holder).await;
-        }
+        self.match_rule(name, config, settings).await;
+        let target = self.holdings.get(name)?.target.clone();
         let decided = self.decide(name, &target, config, settings, now).await;
-        let domain = self.domain_label(settings);
         let holding = self.holdings.get_mut(name)?;
-        holding.target = target;
         let (strategy, share) = decided?;
         let changed = holding.sent.is_none_or(|sent| sent.strategy != strategy);
         let in_force = holding.in_force(now, self.step);
@@ -362,9 +351,57 @@ impl QuotaStream {
             at,
             expires: now + ttl,
         });
-        metrics::counter!(telemetry::RLQS_ASSIGNMENTS_TOTAL, "domain" => domain, "strategy" => strategy.label())
-            .increment(1);
+        self.counters.assigned(strategy);
         Some(assignment::assign(&holding.bucket, strategy, ttl))
+    }
+
+    /// Matches holding `name` to its rule, once per epoch (a reload or a new domain), and
+    /// releases the limit it held if that is no longer its.
+    async fn match_rule(&mut self, name: &str, config: &Config, settings: &QuotaSettings) {
+        let Some(holding) = self.holdings.get_mut(name) else {
+            return;
+        };
+        if holding.target_epoch == self.epoch {
+            return;
+        }
+        let target = buckets::resolve(
+            settings,
+            &config.store.prefix,
+            &self.domain,
+            &borrowed(&holding.bucket),
+        );
+        holding.target_epoch = self.epoch;
+        let previous = std::mem::replace(&mut holding.target, target);
+        // The rules changed under a reload: the old limit is no longer this bucket's.
+        let moved = previous
+            .key()
+            .is_some_and(|key| Some(key) != holding.target.key());
+        if let (true, Some(key)) = (moved, previous.key()) {
+            let holder = holding.holder.clone();
+            self.release(key, &holder).await;
+        }
+    }
+
+    /// The configuration in force, noting a new one (or a new domain, `named`) as a new epoch,
+    /// in which every holding is matched to its rule again and the counters follow the
+    /// domain's label.
+    fn observe(&mut self, named: bool) -> Arc<ConfigVersion> {
+        let current = self.shared.gateway.current();
+        let reloaded = self
+            .config
+            .as_ref()
+            .is_none_or(|seen| !Arc::ptr_eq(seen, &current));
+        if reloaded || named {
+            self.epoch += 1;
+            self.config = Some(current.clone());
+            let label = quota_settings(&current.config)
+                .filter(|settings| settings.domains.contains_key(&self.domain))
+                .map_or(UNKNOWN_DOMAIN, |_| self.domain.as_str());
+            if label != self.counters.label() {
+                self.counters = StreamCounters::new(label.to_owned());
+            }
+        }
+        current
     }
 
     /// The strategy (and the share it holds on the board) for holding `name` under `target`;
@@ -511,16 +548,6 @@ impl QuotaStream {
         }
     }
 
-    /// The domain as a metric label: a configured domain, else `unknown` (a client cannot
-    /// make up label values).
-    fn domain_label(&self, settings: &QuotaSettings) -> String {
-        if settings.domains.contains_key(&self.domain) {
-            self.domain.clone()
-        } else {
-            "unknown".to_owned()
-        }
-    }
-
     /// Writes this stream's holdings where `GET /admin/rlqs` reads them, when it asked.
     fn publish(&self) {
         if !self.shared.views.wanted(self.id) {
@@ -551,6 +578,10 @@ impl QuotaStream {
         self.shared.views.set(self.id, views);
     }
 }
+
+/// The metric label of a domain the configuration does not name (a client cannot make up label
+/// values).
+const UNKNOWN_DOMAIN: &str = "unknown";
 
 fn quota_settings(config: &Config) -> Option<&QuotaSettings> {
     config.rls.as_ref()?.quota.as_ref()
