@@ -8,7 +8,7 @@
 //! is sent only for a bucket the Envoy reported (an action for any other is dropped by Envoy),
 //! always with a whole-second time to live of three report intervals, re-sent before it ends.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +18,8 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use floodgate::FailurePolicy;
-use floodgate::store::quota::{Claim, Held};
+use floodgate::store::StoreError;
+use floodgate::store::quota::{Claim, Grant, Held};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -162,6 +163,8 @@ impl QuotaStream {
             return Vec::new();
         };
         let mut actions = Vec::new();
+        let mut due = Vec::new();
+        let mut seen = HashSet::new();
         for usage in reports.bucket_quota_usages {
             let Some(name) = self.record_usage(&usage) else {
                 continue;
@@ -169,6 +172,10 @@ impl QuotaStream {
             let Some(holding) = self.holdings.get(&name) else {
                 continue;
             };
+            if !seen.insert(name.clone()) {
+                // The same bucket twice in one report: counted twice, answered once.
+                continue;
+            }
             if holding.idle_reports >= settings.abandon_after {
                 let holding = self.holdings.remove(&name).expect("present above");
                 actions.push(assignment::abandon(&holding.bucket));
@@ -179,10 +186,9 @@ impl QuotaStream {
                 }
                 continue;
             }
-            if let Some(action) = self.assign(&name, config, settings, true).await {
-                actions.push(action);
-            }
+            due.push((name, true));
         }
+        actions.extend(self.assign_all(due, config, settings).await);
         actions
     }
 
@@ -214,12 +220,7 @@ impl QuotaStream {
             .filter(|(_, holding)| reloaded || holding.pressed || renewing(holding))
             .map(|(name, holding)| (name.clone(), renewing(holding)))
             .collect();
-        let mut actions = Vec::new();
-        for (name, renewing) in due {
-            if let Some(action) = self.assign(&name, config, settings, renewing).await {
-                actions.push(action);
-            }
-        }
+        let actions = self.assign_all(due, config, settings).await;
         self.publish();
         actions
     }
@@ -310,22 +311,73 @@ impl QuotaStream {
         Some(name)
     }
 
-    /// Decides holding `name` and, if it is to be sent (`always`, or its strategy changed),
-    /// the action that tells its Envoy.
-    async fn assign(
+    /// Decides each holding of `due` and, for those to be sent (`always`, or their strategy
+    /// changed), the actions that tell its Envoy. The claims on the board are made together
+    /// ([`QuotaBoard::claim_all`](floodgate::store::quota::QuotaBoard::claim_all)).
+    async fn assign_all(
         &mut self,
-        name: &str,
+        due: Vec<(String, bool)>,
         config: &Config,
         settings: &QuotaSettings,
-        always: bool,
-    ) -> Option<BucketAction> {
+    ) -> Vec<BucketAction> {
         let now = Instant::now();
+        for (name, _) in &due {
+            self.match_rule(name, config, settings).await;
+        }
+        let lifetime = settings.assignment_ttl() + self.step;
+        let (claimed, claims): (Vec<usize>, Vec<Claim<'_>>) = due
+            .iter()
+            .enumerate()
+            .filter_map(|(index, (name, _))| {
+                let claim = self.claim_of(self.holdings.get(name)?, lifetime, now)?;
+                Some((index, claim))
+            })
+            .unzip();
+        let mut grants: Vec<Option<Result<Grant, StoreError>>> = due.iter().map(|_| None).collect();
+        for (index, grant) in claimed
+            .into_iter()
+            .zip(self.shared.board.claim_all(&claims).await)
+        {
+            grants[index] = Some(grant);
+        }
+        let mut actions = Vec::new();
+        for ((name, always), grant) in due.into_iter().zip(grants) {
+            let decided = match grant {
+                Some(grant) => self.granted(&name, grant, config, settings, now),
+                None => self
+                    .holdings
+                    .get(&name)
+                    .and_then(|holding| match holding.target {
+                        Target::Unmatched | Target::AllowAll { .. } => {
+                            Some((Strategy::AllowAll, 0))
+                        }
+                        Target::DenyAll { .. } => Some((Strategy::DenyAll, 0)),
+                        // A limit's holding always claims.
+                        Target::Limit { .. } => None,
+                    }),
+            };
+            if let Some(action) =
+                decided.and_then(|decided| self.send_decided(&name, decided, settings, always, now))
+            {
+                actions.push(action);
+            }
+        }
+        actions
+    }
+
+    /// Holding `name`'s new assignment, `decided` (a strategy and the share it holds on the
+    /// board), recorded; the action that tells its Envoy if it is to be sent (`always`, or
+    /// its strategy changed).
+    fn send_decided(
+        &mut self,
+        name: &str,
+        (strategy, share): (Strategy, u64),
+        settings: &QuotaSettings,
+        always: bool,
+        now: Instant,
+    ) -> Option<BucketAction> {
         let ttl = settings.assignment_ttl();
-        self.match_rule(name, config, settings).await;
-        let target = self.holdings.get(name)?.target.clone();
-        let decided = self.decide(name, &target, config, settings, now).await;
         let holding = self.holdings.get_mut(name)?;
-        let (strategy, share) = decided?;
         let changed = holding.sent.is_none_or(|sent| sent.strategy != strategy);
         let in_force = holding.in_force(now, self.step);
         if let Some(key) = holding.target.key()
@@ -404,26 +456,18 @@ impl QuotaStream {
         current
     }
 
-    /// The strategy (and the share it holds on the board) for holding `name` under `target`;
-    /// `None` to keep what the Envoy has (the board failed and its assignment is still good).
-    async fn decide(
-        &mut self,
-        name: &str,
-        target: &Target,
-        config: &Config,
-        settings: &QuotaSettings,
+    /// The claim of `holding` on the board, if its rule is a limit.
+    fn claim_of<'a>(
+        &self,
+        holding: &'a Holding,
+        lifetime: Duration,
         now: Instant,
-    ) -> Option<(Strategy, u64)> {
-        let (key, limit) = match target {
-            Target::Unmatched | Target::AllowAll { .. } => return Some((Strategy::AllowAll, 0)),
-            Target::DenyAll { .. } => return Some((Strategy::DenyAll, 0)),
-            Target::Limit { key, limit, .. } => (key, *limit),
+    ) -> Option<Claim<'a>> {
+        let Target::Limit { key, limit, .. } = &holding.target else {
+            return None;
         };
-        let holding = self.holdings.get(name)?;
         let held = holding.in_force(now, self.step);
-        let in_force = held.share.max(held.prior);
-        let lifetime = settings.assignment_ttl() + self.step;
-        let claim = Claim {
+        Some(Claim {
             key,
             holder: &holding.holder,
             limit: limit.rate_milli,
@@ -432,13 +476,30 @@ impl QuotaStream {
             // what the others leave. An idle holder wants a thousandth of the limit: enough
             // to admit a request or so before its next report raises it.
             want: holding.demand_milli.max(limit.rate_milli / 1000).max(1),
-            in_force,
+            in_force: held.share.max(held.prior),
             lifetime,
             settle: self.step,
+        })
+    }
+
+    /// The strategy (and the share it holds on the board) for holding `name` after its claim
+    /// was answered with `grant`; `None` to keep what the Envoy has (the board failed and its
+    /// assignment is still good).
+    fn granted(
+        &mut self,
+        name: &str,
+        grant: Result<Grant, StoreError>,
+        config: &Config,
+        settings: &QuotaSettings,
+        now: Instant,
+    ) -> Option<(Strategy, u64)> {
+        let holding = self.holdings.get_mut(name)?;
+        let Target::Limit { key, limit, .. } = &holding.target else {
+            return None;
         };
-        match self.shared.board.claim(&claim).await {
+        let limit = *limit;
+        match grant {
             Ok(grant) => {
-                let holding = self.holdings.get_mut(name)?;
                 holding.pressed = grant.pressed;
                 holding.fair_milli = grant.fair;
                 Some((Strategy::for_share(grant.share, limit), grant.share))
@@ -447,7 +508,6 @@ impl QuotaStream {
                 metrics::counter!(telemetry::RLQS_STORE_ERRORS_TOTAL).increment(1);
                 tracing::warn!(%error, "rlqs: the quota board failed");
                 // Claim again at the next step: a claim that timed out may yet be applied.
-                let holding = self.holdings.get_mut(name)?;
                 holding.pressed = true;
                 // Keep what the Envoy has until it nears its end (SPEC §10a).
                 if holding.sent.is_some_and(|sent| {
@@ -456,7 +516,8 @@ impl QuotaStream {
                 }) {
                     return None;
                 }
-                Some(self.outage_strategy(key, limit, config))
+                let key = key.clone();
+                Some(self.outage_strategy(&key, limit, config))
             }
         }
     }

@@ -69,6 +69,39 @@ async fn memory_and_redis_grant_the_same_and_never_above_the_limit() {
     }
 }
 
+/// A report's claims go to the board together: more than are ever under way at once
+/// (`CLAIMS_UNDER_WAY`), several holders of each limit, so that a grant out of order, or lost
+/// in the window's refill, gives some holder another's grant.
+#[tokio::test]
+async fn claims_made_together_are_granted_as_one_after_another() {
+    let redis = RedisServer::start();
+    let remote = QuotaBoard::redis(&redis.url(), Duration::from_secs(2)).unwrap();
+    let local = QuotaBoard::memory();
+    let count = floodgate::store::quota::CLAIMS_UNDER_WAY * 2 + 7;
+    let mut rng = fastrand::Rng::with_seed(0xC1A1);
+    let asked: Vec<(String, String, u64)> = (0..count)
+        .map(|index| {
+            let key = format!("limit{}", index % 97);
+            let holder = format!("holder{index}");
+            (key, holder, rng.u64(1..LIMIT / 3))
+        })
+        .collect();
+    let claims: Vec<Claim<'_>> = asked
+        .iter()
+        .map(|(key, holder, want)| claim(key, holder, *want, 0))
+        .collect();
+    let together = remote.claim_all(&claims).await;
+    assert_eq!(together.len(), count);
+    for (index, (claim, grant)) in claims.iter().zip(together).enumerate() {
+        let one_by_one = local.claim(claim).await.unwrap();
+        assert_eq!(grant.unwrap(), one_by_one, "claim {index}: {claim:?}");
+    }
+    for limit in 0..97 {
+        let total = recorded_total(&redis, &format!("limit{limit}"));
+        assert!(total <= LIMIT, "limit{limit}: {total} held of {LIMIT}");
+    }
+}
+
 #[tokio::test]
 async fn a_held_share_counts_until_released_on_both_boards() {
     let redis = RedisServer::start();

@@ -87,6 +87,9 @@ impl std::fmt::Debug for QuotaBoard {
     }
 }
 
+/// The most claims of one [`QuotaBoard::claim_all`] under way on Redis at once.
+pub const CLAIMS_UNDER_WAY: usize = 256;
+
 /// A board in this process: one server's holders only.
 struct Memory {
     started: Instant,
@@ -211,6 +214,41 @@ impl QuotaBoard {
             }
             #[cfg(feature = "redis")]
             Board::Redis(board) => board.claim(claim.key, claim.holder, args).await,
+        }
+    }
+
+    /// Claims every one of `claims` ([`QuotaBoard::claim`]), their grants in the same order.
+    /// On Redis they are under way together (up to [`CLAIMS_UNDER_WAY`] at once, pipelined on
+    /// the connection), not one round trip after another: a report of thousands of buckets is
+    /// answered in a few round trips.
+    pub async fn claim_all(&self, claims: &[Claim<'_>]) -> Vec<Result<Grant, StoreError>> {
+        match &self.board {
+            Board::Memory(_) => {
+                let mut grants = Vec::with_capacity(claims.len());
+                for claim in claims {
+                    grants.push(self.claim(claim).await);
+                }
+                grants
+            }
+            #[cfg(feature = "redis")]
+            Board::Redis(_) => {
+                use futures_util::StreamExt as _;
+                // By hand, not `stream::iter(..).map(..).buffered(..)`: the closure's
+                // borrowed claim made the callers' futures not `Send` for every lifetime.
+                let mut waiting = claims.iter();
+                let mut under_way = futures_util::stream::FuturesOrdered::new();
+                for claim in waiting.by_ref().take(CLAIMS_UNDER_WAY) {
+                    under_way.push_back(self.claim(claim));
+                }
+                let mut grants = Vec::with_capacity(claims.len());
+                while let Some(grant) = under_way.next().await {
+                    grants.push(grant);
+                    if let Some(claim) = waiting.next() {
+                        under_way.push_back(self.claim(claim));
+                    }
+                }
+                grants
+            }
         }
     }
 
