@@ -88,7 +88,7 @@ impl std::fmt::Debug for QuotaBoard {
 }
 
 /// The most claims of one [`QuotaBoard::claim_all`] under way on Redis at once.
-pub const CLAIMS_UNDER_WAY: usize = 256;
+pub const CLAIMS_UNDER_WAY: usize = 64;
 
 /// A board in this process: one server's holders only.
 struct Memory {
