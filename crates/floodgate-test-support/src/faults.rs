@@ -69,6 +69,13 @@ pub enum Fault {
     /// swallowed anything is closed when the fault changes, since the client and the server can
     /// no longer agree on which reply answers which command; one that did not carries on.
     BlackHole,
+    /// A connection gone silent for good, the server being fine: the connections open when it
+    /// is set swallow everything from then on and are never closed, whatever the fault later
+    /// becomes (a peer whose host vanished, a firewall or NAT that forgot the connection:
+    /// nothing answers, nothing closes, and the kernel of a real client would go on
+    /// retransmitting for minutes), while connections accepted after it was set forward
+    /// plainly, so that a client that gives up the silent connection for a new one is served.
+    Strand,
     /// A node gone: existing connections are closed, and new ones closed as soon as they are
     /// accepted (the port stays bound, so a later [`Fault::None`] brings it back on the same
     /// address: clients see a reset, not a refused connect).
@@ -285,6 +292,10 @@ struct Connection {
     dropping: bool,
     /// [`Fault::BlackHole`] threw bytes away on this connection.
     swallowed: bool,
+    /// Silent for good ([`Fault::Strand`] was set while it was open).
+    stranded: bool,
+    /// Accepted while [`Fault::Strand`] was in effect: not one of the connections it strands.
+    accepted_after_strand: bool,
 }
 
 /// Why a connection's loop goes on or ends.
@@ -300,6 +311,7 @@ impl Connection {
         (fault, control): FaultWatch,
         counters: Arc<Counters>,
     ) -> Connection {
+        let accepted_after_strand = *fault.borrow() == Fault::Strand;
         Connection {
             client,
             upstream_addr,
@@ -311,18 +323,33 @@ impl Connection {
             outbound: VecDeque::new(),
             dropping: false,
             swallowed: false,
+            stranded: false,
+            accepted_after_strand,
         }
     }
 
     /// The fault in effect now: read at the moment bytes are handled (not when the loop last
     /// went round), so that bytes arriving after [`FaultProxy::set`] returned see the new one.
+    /// [`Fault::Strand`] is this connection's for good once it saw it, and [`Fault::None`] for
+    /// a connection accepted while it was in effect.
     fn current(&mut self) -> Fault {
-        *self.fault.borrow_and_update()
+        let fault = *self.fault.borrow_and_update();
+        if fault != Fault::Strand {
+            self.accepted_after_strand = false;
+        } else if !self.accepted_after_strand {
+            self.stranded = true;
+        }
+        match fault {
+            _ if self.stranded => Fault::Strand,
+            Fault::Strand => Fault::None,
+            fault => fault,
+        }
     }
 
     /// Whether the connection must end under `fault` before handling anything more.
     fn must_close(&self, fault: Fault) -> bool {
-        fault == Fault::Refuse || (self.swallowed && fault != Fault::BlackHole)
+        fault == Fault::Refuse
+            || (self.swallowed && !matches!(fault, Fault::BlackHole | Fault::Strand))
     }
 
     async fn serve(mut self) {
@@ -375,7 +402,7 @@ impl Connection {
     async fn on_client_bytes(&mut self, bytes: &[u8]) -> Next {
         match self.current() {
             Fault::Refuse => Next::Close,
-            Fault::BlackHole => self.swallow(bytes),
+            Fault::BlackHole | Fault::Strand => self.swallow(bytes),
             fault => {
                 if self.must_close(fault) {
                     return Next::Close;
@@ -405,7 +432,7 @@ impl Connection {
             let fault = self.current();
             let next = match fault {
                 Fault::Refuse => Next::Close,
-                Fault::BlackHole => self.swallow(&bytes),
+                Fault::BlackHole | Fault::Strand => self.swallow(&bytes),
                 _ => self.forward(&bytes, fault).await,
             };
             if let Next::Close = next {
@@ -465,7 +492,7 @@ impl Connection {
         }
         match self.current() {
             Fault::Refuse => Next::Close,
-            Fault::BlackHole => self.swallow(bytes),
+            Fault::BlackHole | Fault::Strand => self.swallow(bytes),
             Fault::DropAfterForward => {
                 self.swallow(bytes);
                 Next::Close
@@ -497,7 +524,7 @@ impl Connection {
             };
             let next = match self.current() {
                 Fault::Refuse => Next::Close,
-                Fault::BlackHole => self.swallow(&bytes),
+                Fault::BlackHole | Fault::Strand => self.swallow(&bytes),
                 _ => self.deliver(&bytes).await,
             };
             if let Next::Close = next {

@@ -191,6 +191,34 @@ fn a_black_hole_answers_nothing_and_applies_nothing() {
 }
 
 #[test]
+fn strand_silences_the_open_connections_for_good_and_serves_new_ones() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.port());
+    let mut existing = connect(&proxy.url(), CLIENT_DEADLINE).unwrap();
+    ping(&mut existing).unwrap();
+    proxy.set(Fault::Strand);
+
+    let error = incr(&mut existing, "k").expect_err("no answer");
+    assert!(error.is_timeout(), "{error}");
+    assert_eq!(stored(&server, "k"), None, "nothing reached Redis");
+    // A connection opened while the fault is set is served.
+    let mut fresh = connect(&proxy.url(), CLIENT_DEADLINE).unwrap();
+    assert_eq!(incr(&mut fresh, "k").unwrap(), 1);
+
+    // The stranded connection stays silent and open whatever the fault becomes: nothing
+    // closes it (a client must notice the silence itself).
+    proxy.set(Fault::None);
+    let error = ping(&mut existing).expect_err("still silent");
+    assert!(error.is_timeout(), "silent, not closed: {error}");
+    assert_eq!(incr(&mut fresh, "k").unwrap(), 2);
+    assert_eq!(
+        stored(&server, "k"),
+        Some(2),
+        "nothing the stranded one sent applied"
+    );
+}
+
+#[test]
 fn refuse_closes_existing_and_new_connections_until_switched_back() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.port());

@@ -1,7 +1,8 @@
 //! Sentinel failover under load: one master, one replica, three sentinels (quorum 2,
-//! `down-after-milliseconds` 1000). The master is killed while requests flow through the
-//! layer; meanwhile the failure policy answers (here `closed`: 503), and within 10 s the
-//! store decides again, on the promoted replica.
+//! `down-after-milliseconds` 1000). The master is killed (or frozen: a host gone silent, its
+//! connections left open) while requests flow through the layer; meanwhile the failure policy
+//! answers (here `closed`: 503), and within 10 s the store decides again, on the promoted
+//! replica.
 
 use floodgate_test_support as support;
 
@@ -32,8 +33,27 @@ async fn send(service: &Service, client: &str) -> StatusCode {
     status
 }
 
+/// How the master is lost.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// SIGKILL: its connections close at once.
+    Killed,
+    /// SIGSTOP: it answers nothing and closes nothing (a frozen or vanished host), so the store
+    /// must notice the silence itself before it asks the sentinels again.
+    Frozen,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_follows_the_promoted_replica_within_ten_seconds() {
+    follows_the_promoted_replica(Loss::Killed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_leaves_a_frozen_master_for_the_promoted_replica_within_ten_seconds() {
+    follows_the_promoted_replica(Loss::Frozen).await;
+}
+
+async fn follows_the_promoted_replica(loss: Loss) {
     let mut group = SentinelGroup::start();
     let store = RedisStore::sentinel(SENTINEL_MASTER, group.sentinel_urls())
         .timeout(Duration::from_millis(200))
@@ -65,7 +85,10 @@ async fn the_store_follows_the_promoted_replica_within_ten_seconds() {
     let first_master = group.master.port();
     assert_eq!(group.current_master_port(), Some(first_master));
 
-    group.master.kill();
+    match loss {
+        Loss::Killed => group.master.kill(),
+        Loss::Frozen => group.master.freeze(),
+    }
     let killed_at = Instant::now();
     // Load continues: each new client is one request; while the store is gone every answer
     // is the policy's 503, never a hang or a 500.
@@ -81,7 +104,8 @@ async fn the_store_follows_the_promoted_replica_within_ten_seconds() {
         }
         assert!(
             killed_at.elapsed() < Duration::from_secs(10),
-            "enforcement did not resume within 10 s ({unavailable} answered by the policy)"
+            "{loss:?}: enforcement did not resume within 10 s ({unavailable} answered by the \
+             policy)"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -108,8 +132,8 @@ async fn the_store_follows_the_promoted_replica_within_ten_seconds() {
         ]
     );
     eprintln!(
-        "failover: store decided again {resumed_after:?} after the kill; {unavailable} requests \
-         answered by the policy meanwhile"
+        "failover ({loss:?}): store decided again {resumed_after:?} after the master was lost; \
+         {unavailable} requests answered by the policy meanwhile"
     );
 }
 

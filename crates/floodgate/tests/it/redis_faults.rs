@@ -315,3 +315,69 @@ async fn a_data_error_is_not_transient_and_never_opens_the_breaker() {
     let (result, _) = timed(&redis, &other).await;
     assert!(result.expect("other identities are decided").is_allowed());
 }
+
+/// A connection gone silent for good, the server being fine (a host whose network state was
+/// lost: nothing answers and nothing closes, and the kernel would retransmit for about fifteen
+/// minutes before calling it dead). Decisions fail at their deadline, and once calls have gone
+/// unanswered for a second (four deadlines, at least a second: SPEC §4) the store gives the
+/// connection up; the breaker's next probe then decides on a new one. Bound: 10 s against about
+/// 1.5 s expected (the silence, then the breaker's `OPEN_FOR`), for a loaded machine.
+async fn a_silent_connection_is_given_up(mode: floodgate::store::ConnectionMode) {
+    let server = RedisServer::start();
+    let proxy = support::faults::FaultProxy::start(server.port());
+    let store = RedisStore::builder(proxy.url())
+        .connection_mode(mode)
+        .timeout(DEADLINE)
+        .breaker(5, OPEN_FOR)
+        .deny_cache(false)
+        .build()
+        .unwrap();
+    let limit = Arc::new(per_hour(1_000));
+    let checks = check(&limit);
+    let remaining = |decision: &floodgate::Decision| decision.limits()[0].remaining;
+    let first = store.check_and_consume(&checks, None).await.unwrap();
+    assert_eq!(remaining(&first), 999);
+    let connections = proxy.connections_accepted();
+
+    proxy.set(support::faults::Fault::Strand);
+    let (result, took) = timed(&store, &checks).await;
+    assert!(
+        matches!(result, Err(StoreError::Timeout(_))),
+        "the silent connection fails at the deadline: {result:?}"
+    );
+    assert!(took < DEADLINE + SLACK * 5, "{took:?}");
+    let stranded_at = Instant::now();
+    let mut failed = 1;
+    let decided = loop {
+        match store.check_and_consume(&checks, None).await {
+            Ok(decision) => break decision,
+            Err(_) => failed += 1,
+        }
+        assert!(
+            stranded_at.elapsed() < Duration::from_secs(10),
+            "{mode:?}: no decision within 10 s of the connection going silent ({failed} \
+             failed): the store kept calling on it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        proxy.connections_accepted() > connections,
+        "decided on a new connection"
+    );
+    // Nothing sent on the silent connection reached Redis: the count goes on from one.
+    assert_eq!(remaining(&decided), 998, "{mode:?}");
+    eprintln!(
+        "{mode:?}: decided again {:?} after the connection went silent ({failed} calls failed)",
+        stranded_at.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_multiplexed_connection_is_given_up_for_a_new_one() {
+    a_silent_connection_is_given_up(floodgate::store::ConnectionMode::Multiplexed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_pooled_connection_is_given_up_for_a_new_one() {
+    a_silent_connection_is_given_up(floodgate::store::ConnectionMode::Pool(2)).await;
+}

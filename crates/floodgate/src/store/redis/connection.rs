@@ -2,8 +2,11 @@
 //! sentinel; multiplexed or pooled), running commands and scripts on it, and sorting Redis's
 //! errors into the store's failure classes.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
 
 use deadpool_redis::redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
@@ -13,6 +16,7 @@ use deadpool_redis::redis::cluster_async::ClusterConnection;
 use deadpool_redis::redis::sentinel::{SentinelClient, SentinelServerType};
 use deadpool_redis::redis::{self, Client, RedisError, Value};
 
+use super::silence::{SilenceWatch, silence_limit};
 use super::{ConnectionMode, Deployment};
 use crate::store::StoreError;
 use crate::store::resilience::GuardConfig;
@@ -55,6 +59,7 @@ pub(super) fn connect(
                 client,
                 config,
                 manager: tokio::sync::OnceCell::new(),
+                silence: SilenceWatch::new(silence_limit(guard.timeout)),
             }))
         }
         (Deployment::Single(url), ConnectionMode::Pool(_)) => Connection::Pool(tuned!(
@@ -93,6 +98,7 @@ pub(super) fn connect(
                     .map_err(invalid_url)?,
                 ),
                 current: std::sync::Mutex::new(None),
+                silence: SilenceWatch::new(silence_limit(guard.timeout)),
             })),
             ConnectionMode::Pool(_) => Connection::SentinelPool(tuned!(
                 deadpool_redis::sentinel::Config::from_urls(
@@ -161,15 +167,24 @@ impl LazyCluster {
     }
 }
 
-/// A multiplexed connection to the master the sentinels name. A failed call drops it, so the
-/// next call asks the sentinels again and, after a failover, reaches the promoted replica.
+/// A multiplexed connection to the master the sentinels name. A failed call drops it, and so
+/// does a connection gone silent (a master whose host vanished or froze answers nothing and
+/// closes nothing), so the next call asks the sentinels again and, after a failover, reaches
+/// the promoted replica.
 pub(super) struct SentinelMaster {
     client: tokio::sync::Mutex<SentinelClient>,
     current: std::sync::Mutex<Option<MultiplexedConnection>>,
+    silence: SilenceWatch,
 }
 
 impl SentinelMaster {
     async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+        if self.silence.take_given_up() {
+            tracing::warn!(
+                "the Redis master's connection went silent: asking the sentinels for the master again"
+            );
+            self.forget();
+        }
         if let Some(connection) = self.current() {
             return Ok(connection);
         }
@@ -201,11 +216,14 @@ impl SentinelMaster {
     }
 }
 
-/// A multiplexed connection created on first use, inside the runtime that will drive it.
+/// A multiplexed connection created on first use, inside the runtime that will drive it, and
+/// replaced by a new one when it goes silent (redis-rs's manager reconnects only when the
+/// connection breaks, and a host that vanished breaks nothing).
 pub(super) struct LazyManager {
     client: Client,
     config: ConnectionManagerConfig,
-    manager: tokio::sync::OnceCell<ConnectionManager>,
+    manager: tokio::sync::OnceCell<ArcSwap<ConnectionManager>>,
+    silence: SilenceWatch,
 }
 
 impl LazyManager {
@@ -215,17 +233,44 @@ impl LazyManager {
     /// manager's own connection retries.
     async fn manager(&self) -> Result<ConnectionManager, StoreError> {
         if let Some(manager) = self.manager.get() {
-            return Ok(manager.clone());
+            if self.silence.take_given_up() {
+                self.replace(manager);
+            }
+            return Ok(ConnectionManager::clone(&manager.load()));
         }
         // Boxed: connecting is a future of kilobytes that only the first call awaits, and
         // every decision's future would otherwise carry (and move) room for it.
         Box::pin(self.manager.get_or_try_init(|| async {
             drop(self.client.get_multiplexed_async_connection().await?);
             ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+                .map(ArcSwap::from_pointee)
         }))
         .await
-        .cloned()
+        .map(|manager| ConnectionManager::clone(&manager.load()))
         .map_err(classify)
+    }
+
+    /// Puts a new connection (dialled on its first call) in place of the silent one. Calls
+    /// still waiting on the old one end at their deadlines; it closes when the last is gone.
+    fn replace(&self, manager: &ArcSwap<ConnectionManager>) {
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => {
+                manager.store(Arc::new(fresh));
+                tracing::warn!("the Redis connection went silent: replaced by a new one");
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the Redis connection went silent and could not be replaced");
+            }
+        }
+    }
+
+    /// Runs `command` on the shared connection, watching it for silence.
+    async fn run(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
+        let mut connection = self.manager().await.map_err(ConnectionError::Store)?;
+        let unanswered = self.silence.sent();
+        let result = run_on(&mut connection, command).await;
+        unanswered.answered();
+        result
     }
 }
 
@@ -288,10 +333,7 @@ impl Connection {
     /// ([`not_run`]): a redirection, a cluster or server not ready, a connection refused.
     pub(super) async fn run(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         let result = match self {
-            Connection::Multiplexed(lazy) => {
-                let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
-                run_on(&mut connection, command).await
-            }
+            Connection::Multiplexed(lazy) => lazy.run(command).await,
             other => Box::pin(other.run_elsewhere(command)).await,
         };
         match result {
@@ -339,10 +381,7 @@ impl Connection {
     /// is served in place by `run`).
     async fn run_elsewhere(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         match self {
-            Connection::Multiplexed(lazy) => {
-                let mut connection = lazy.manager().await.map_err(ConnectionError::Store)?;
-                run_on(&mut connection, command).await
-            }
+            Connection::Multiplexed(lazy) => lazy.run(command).await,
             Connection::Pool(pool) => {
                 let mut connection = pool.get().await.map_err(pool_error)?;
                 run_on(&mut *connection, command).await
@@ -353,7 +392,9 @@ impl Connection {
             }
             Connection::Sentinel(master) => {
                 let mut connection = master.connection().await.map_err(ConnectionError::Store)?;
+                let unanswered = master.silence.sent();
                 let result = run_on(&mut connection, command).await;
+                unanswered.answered();
                 if result.is_err() {
                     // Maybe a failover: ask the sentinels again next time.
                     master.forget();

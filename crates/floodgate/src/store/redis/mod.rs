@@ -20,6 +20,7 @@ mod resets;
 mod script;
 mod server_clock;
 mod sharded;
+mod silence;
 mod slot;
 
 pub use deny_cache::RESETS_CHANNEL;
