@@ -3,26 +3,32 @@
 //! answers nothing; the kernel declares it dead only when its retransmissions give up, about
 //! fifteen minutes on Linux's defaults. Until then every call on it fails at its deadline, and
 //! a breaker's probe, made on a connection of its own, succeeds and sends decisions back to the
-//! dead socket. So a connection on which calls have gone unanswered for long enough is given
-//! up, and the next call opens (or asks the sentinels for) a new one.
+//! dead socket. So a connection that has answered nothing for long enough since a call on it
+//! missed its deadline is given up, and the next call opens (or asks the sentinels for) a new
+//! one.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How long calls may go unanswered on a connection before it is given up: four deadlines,
-/// and at least a second, so that a Redis merely slower than the deadline for a moment (a fork
+/// How long a connection may answer nothing, from the first call on it that missed its
+/// deadline, before it is given up: four deadlines, and at least a second, so that a Redis merely slower than the deadline for a moment (a fork
 /// for a snapshot, one slow script) keeps its connection.
 pub(super) fn silence_limit(deadline: Duration) -> Duration {
     (deadline * 4).max(Duration::from_secs(1))
 }
 
-/// One connection's watch: since when calls sent on it have gone unanswered.
+/// One connection's watch: since when it has answered nothing while calls were cut short.
+///
+/// Nothing on the path of a call that is answered writes or reads a clock: an answer only
+/// reads one atomic (and clears it after a silence). A call dropped unanswered (its deadline
+/// passed) starts the silence, or finds it long enough to give the connection up; so the
+/// silence is counted from the first deadline missed, a deadline after the call was sent.
 #[derive(Debug)]
 pub(super) struct SilenceWatch {
     anchor: Instant,
-    /// Microseconds from `anchor`, plus one, to the first call sent after the last answer; 0
-    /// while every call sent has been answered.
-    unanswered_since: AtomicU64,
+    /// Microseconds from `anchor`, plus one, to the first call dropped unanswered since the
+    /// last answer; 0 when none was.
+    silent_since: AtomicU64,
     /// The connection was given up and not yet replaced.
     given_up: AtomicBool,
     limit: Duration,
@@ -32,23 +38,15 @@ impl SilenceWatch {
     pub(super) fn new(limit: Duration) -> SilenceWatch {
         SilenceWatch {
             anchor: Instant::now(),
-            unanswered_since: AtomicU64::new(0),
+            silent_since: AtomicU64::new(0),
             given_up: AtomicBool::new(false),
             limit,
         }
     }
 
-    /// A call is about to be sent: until [`Unanswered::answered`], or until the call is
-    /// dropped unanswered (its deadline passed), it counts towards the silence.
+    /// A call is about to be sent: [`Unanswered::answered`] when it comes back; dropped
+    /// before that, it counts towards the silence.
     pub(super) fn sent(&self) -> Unanswered<'_> {
-        if self.unanswered_since.load(Ordering::Relaxed) == 0 {
-            let _ = self.unanswered_since.compare_exchange(
-                0,
-                self.now(),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
         Unanswered {
             watch: self,
             answered: false,
@@ -65,17 +63,29 @@ impl SilenceWatch {
         u64::try_from(self.anchor.elapsed().as_micros()).unwrap_or(u64::MAX - 1) + 1
     }
 
-    /// A call was dropped before its answer: if calls have gone unanswered for the limit, the
-    /// connection is given up (and the watch starts over for the next one).
+    fn answered(&self) {
+        if self.silent_since.load(Ordering::Relaxed) != 0 {
+            self.silent_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A call was dropped before its answer: the silence starts, or, if it has lasted the
+    /// limit, the connection is given up (and the watch starts over for the next one).
     fn dropped_unanswered(&self) {
-        let since = self.unanswered_since.load(Ordering::Relaxed);
+        let since = self.silent_since.load(Ordering::Relaxed);
         if since == 0 {
+            let _ = self.silent_since.compare_exchange(
+                0,
+                self.now(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
             return;
         }
         let silent_for = Duration::from_micros(self.now().saturating_sub(since));
         if silent_for >= self.limit
             && self
-                .unanswered_since
+                .silent_since
                 .compare_exchange(since, 0, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
@@ -95,7 +105,7 @@ impl Unanswered<'_> {
     /// The call came back (a reply or an error from the connection): it is not silent.
     pub(super) fn answered(mut self) {
         self.answered = true;
-        self.watch.unanswered_since.store(0, Ordering::Relaxed);
+        self.watch.answered();
     }
 }
 
@@ -112,11 +122,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_call_dropped_unanswered_past_the_limit_gives_the_connection_up_once() {
+    fn calls_dropped_unanswered_past_the_limit_give_the_connection_up_once() {
         let watch = SilenceWatch::new(Duration::ZERO);
+        drop(watch.sent());
+        assert!(
+            !watch.take_given_up(),
+            "the first missed deadline starts the silence"
+        );
         drop(watch.sent());
         assert!(watch.take_given_up());
         assert!(!watch.take_given_up(), "given up once, replaced once");
+        drop(watch.sent());
+        assert!(
+            !watch.take_given_up(),
+            "the next connection's silence starts over"
+        );
     }
 
     #[test]
@@ -128,14 +148,13 @@ mod tests {
     }
 
     #[test]
-    fn any_answer_ends_the_silence_of_the_calls_sent_before_it() {
+    fn any_answer_ends_the_silence() {
         let watch = SilenceWatch::new(Duration::ZERO);
-        let first = watch.sent();
-        let second = watch.sent();
-        second.answered();
-        // The connection answered after `first` was sent: dropping `first` is its deadline,
-        // not the connection's silence.
-        drop(first);
+        drop(watch.sent());
+        watch.sent().answered();
+        // The connection answered after the first deadline was missed: the next one missed
+        // starts a new silence rather than ending a long one.
+        drop(watch.sent());
         assert!(!watch.take_given_up());
     }
 
