@@ -1105,19 +1105,38 @@ async fn a_dead_nodes_bucket_lease_costs_at_most_its_lifetime_of_refill() {
 }
 
 /// SPEC §9 on a batched node: a bucket refunded after it refilled is never above its
-/// capacity. A 100-token bucket spent by one estimate of 100, full again a refill later, then
-/// refunded the whole estimate: the node (holding a lease by then) admits 100 in all, not the
-/// 100 plus the refund its lease would have taken. Fails when a refund is added to a bucket's
-/// lease unchecked (it admitted 200).
+/// capacity, and a batched node gives back no more than the exact store does. A 100-token
+/// bucket spent by one estimate of 100, full again a refill later, one request admitted (the
+/// node then holds a lease), then the whole estimate refunded: the node admits what the exact
+/// store admits in the same sequence (the one request, then its capacity: the refund fills the
+/// unit the request took), not the 100 plus the refund its lease would have taken. Fails when a
+/// refund is added to a bucket's lease unchecked (it admitted 200), or to the shared bucket
+/// without counting the node's lease (102).
 #[tokio::test]
 async fn a_bucket_refunded_after_it_refilled_admits_its_capacity_and_no_more() {
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let server = RedisServer::start();
-        let node = node(&server);
         let limit = Arc::new(Limit::new("tokens", algorithm, 100, secs(100)).unwrap());
         let key = format!("fgtest:{{key:alice}}:plan:{algorithm}");
         let estimate = [Check::new(key.clone(), limit.clone(), 100)];
-        let charged_at = at(ms(0));
+        let one = [Check::new(key.clone(), limit.clone(), 1)];
+        let (charged_at, refilled) = (at(ms(0)), at(secs(100)));
+
+        let exact = RedisStore::builder(server.url()).build().unwrap();
+        let exact_key = [Check::new(format!("{key}:exact"), limit.clone(), 100)];
+        let exact_one = [Check::new(format!("{key}:exact"), limit.clone(), 1)];
+        assert!(hit(&exact, &exact_key, charged_at).await);
+        assert!(hit(&exact, &exact_one, refilled).await);
+        exact
+            .refund(&exact_key, charged_at, Some(refilled))
+            .await
+            .unwrap();
+        let mut exact_after = 0;
+        while hit(&exact, &exact_one, refilled).await {
+            exact_after += 1;
+        }
+
+        let node = node(&server);
         assert!(
             node.check_and_consume(&estimate, Some(charged_at))
                 .await
@@ -1125,8 +1144,6 @@ async fn a_bucket_refunded_after_it_refilled_admits_its_capacity_and_no_more() {
                 .is_allowed()
         );
         node.sync_now(Some(charged_at)).await.unwrap();
-        let refilled = at(secs(100));
-        let one = [Check::new(key, limit, 1)];
         assert!(
             node.check_and_consume(&one, Some(refilled))
                 .await
@@ -1138,8 +1155,18 @@ async fn a_bucket_refunded_after_it_refilled_admits_its_capacity_and_no_more() {
             .await
             .expect("refund");
         let more = admitted_over_rounds(&node, &one, refilled).await;
-        assert_eq!(1 + more, 100, "{algorithm}: the bucket's capacity");
+        assert_eq!(exact_after, 100, "{algorithm}: the exact store's capacity");
+        assert_eq!(more, exact_after, "{algorithm}: as the exact store");
     }
+}
+
+/// Whether `store` admits `checks` at `now`.
+async fn hit(store: &RedisStore, checks: &[Check], now: Timestamp) -> bool {
+    store
+        .check_and_consume(checks, Some(now))
+        .await
+        .unwrap()
+        .is_allowed()
 }
 
 /// A calendar period in batched mode: two nodes share a daily quota of 3 (their leases are

@@ -772,9 +772,7 @@ async fn refunds_settle_estimates(store: &dyn Store, algorithms: &[Algorithm]) {
             .await
             .expect("store refunds");
         let after = peek_now(store, &check(1), charged_at).await;
-        // A batched bucket gives back its node's unsent debt only (none here): SPEC §9.
-        let batched_bucket = store.backend() == "batched" && !algorithm.counts_in_windows();
-        if !algorithm.is_batchable() || batched_bucket {
+        if !algorithm.is_batchable() {
             assert_eq!(summary(&after), summary(&before), "{algorithm}: left alone");
             continue;
         }

@@ -540,25 +540,42 @@ impl Entry {
     /// left for the shared store to refund, which this node's view of it counts as given back
     /// already (the next trade reads the shared store's own).
     ///
-    /// A bucket gives back its unsent debt only: the shared bucket's level does not count the
-    /// leases nodes hold, so units given back to it (capped at its capacity) or to a lease
-    /// after it refilled could be spent on top of a full bucket. The rest of its estimate
-    /// stays charged.
+    /// A bucket's units never go back into a lease, which is not capped as the shared bucket
+    /// is (tried: the fault-schedule checker found 13 admitted where a bucket of 10 allowed
+    /// 11.2, seed 5126). They go to the shared bucket, but no more than the room this node's
+    /// view of it has below its capacity with this node's unused lease given back: the shared
+    /// level does not count the leases nodes hold, and a bucket that refilled while this
+    /// node held a lease would otherwise take the refund on top of it.
     fn take_back(&mut self, now: u64, units: u64) -> u64 {
         let from_debt = units.min(self.debt);
         self.debt -= from_debt;
-        let windowed = self.limit.algorithm().counts_in_windows();
-        let rest = if windowed { units - from_debt } else { 0 };
-        self.expire_lease(now);
-        let spendable = self.lease > 0 && now < self.lease_expires;
-        if rest > 0 && spendable {
-            self.lease += rest;
-        }
-        let sent = if spendable { 0 } else { rest };
         if let Some(state) = &mut self.shared {
-            algorithm::unconsume(&self.limit, state, now, from_debt + sent);
+            algorithm::unconsume(&self.limit, state, now, from_debt);
+        }
+        let rest = units - from_debt;
+        self.expire_lease(now);
+        let sent = if !self.limit.algorithm().counts_in_windows() {
+            rest.min(self.room_below_capacity(now))
+        } else if self.lease > 0 && now < self.lease_expires {
+            self.lease += rest;
+            0
+        } else {
+            rest
+        };
+        if let Some(state) = &mut self.shared {
+            algorithm::unconsume(&self.limit, state, now, sent);
         }
         sent
+    }
+
+    /// Whole units this node's view of a bucket (the shared level with its unused lease
+    /// given back) lacks of the bucket's capacity at `now`; none without a view.
+    fn room_below_capacity(&self, now: u64) -> u64 {
+        let Some(state) = self.virtual_state(now) else {
+            return 0;
+        };
+        let level = algorithm::evaluate(&self.limit, Some(&state), now, 0).remaining;
+        self.limit.capacity().saturating_sub(level)
     }
 
     /// Stops spending a lease that may not be spent any more. Past its lifetime it is given
@@ -802,7 +819,8 @@ impl<T: SyncTarget> Shared<T> {
     /// (the same window, within its lifetime), and the rest, and windows this node does not
     /// hold, are refunded in the shared store, whose own window decides whether anything is
     /// given back. A window's units counted in a window that has ended are not given back at
-    /// all; a bucket gives back its unsent debt only ([`Entry::take_back`]).
+    /// all; a bucket's, past its unsent debt, are refunded in the shared bucket up to the room
+    /// the node's view of it has below its capacity ([`Entry::take_back`]).
     async fn refund(
         &self,
         checks: &[Check],
@@ -825,7 +843,7 @@ impl<T: SyncTarget> Shared<T> {
             let rest = match shard.get_mut(&*check.key) {
                 Some(Slot::Ready(entry)) => entry.take_back(decided_at, check.cost),
                 // A window this node does not hold is refunded where it is counted; a bucket's
-                // units are not given back (see `Entry::take_back`).
+                // units are not given back without a view of the leases (`Entry::take_back`).
                 _ if check.limit.algorithm().counts_in_windows() => check.cost,
                 _ => 0,
             };
