@@ -20,8 +20,11 @@ const CI_SEEDS: std::ops::RangeInclusive<u64> = 1..=24;
 
 /// Seeds that found a bug, kept in the CI set as its regression tests: 20110 (a region's
 /// gateway restarted after the global store was restored from an older snapshot admitted 87 of
-/// 60: the new gateway's trader had seen no generation, so it could not find the store behind).
-const FOUND_SEEDS: [u64; 1] = [20110];
+/// 60: the new gateway's trader had seen no generation, so it could not find the store behind);
+/// 5092 and 5218 (87 of 60: a region's gateway restarted while the global store was down,
+/// its clock never measured, traded without a deadline and reported its fixed share, which the
+/// store granted beside the borrower's count, breaking the region's promise to stay low).
+const FOUND_SEEDS: [u64; 3] = [20110, 5092, 5218];
 
 fn seeds() -> Vec<u64> {
     if let Ok(list) = std::env::var("FLOODGATE_CHAOS_SEEDS") {

@@ -36,7 +36,7 @@
 //! deadline is a duration measured by the process that keeps it), and a trade the global store
 //! applies within `timeout` of its sending or not at all (a trade carries a deadline by the
 //! global store's clock, from the offset each gateway measures when it starts and every answer
-//! renews; a trade sent before any measurement renews no promise).
+//! renews; no trade goes before a measurement).
 //! A gateway whose syncs with its region's store fail for two intervals and a `timeout`
 //! decides every tradeable limit at one unit until one succeeds (its region may have lowered
 //! any share), and so does a gateway before its first sync.

@@ -474,8 +474,13 @@ impl Trader {
             // No longer the region's trader.
             return Ok(());
         };
-        let mut items = self.items(keys, &view).await;
+        let items = self.items(keys, &view).await;
         self.renew_promises(&items, &mut view).await?;
+        if self.offset_ms.is_none() {
+            // The global store's clock was never measured (it was unreachable when this
+            // gateway started): measured first, since a trade goes only with a deadline.
+            let _ = self.call_global(&[], Instant::now(), false).await;
+        }
         // The trade must be applied while this gateway still holds the trader's lock (taken
         // at the round's sync), so that two traders never overlap: else it waits a round.
         let lock_left =
@@ -484,16 +489,17 @@ impl Trader {
             tracing::warn!(region = %self.settings.name, "region round too slow: trade skipped");
             return Ok(());
         }
-        if self.offset_ms.is_none() {
-            // The clock was never measured: a trade without a deadline could be applied late,
-            // and only what cannot harm may go (promises to stay low are not renewed).
-            let regions = self.settings.regions.len();
-            for item in &mut items {
-                item.report = item.report.max(fixed_share(item.limit.limit(), regions));
-            }
-        }
         let global_sent = Instant::now();
-        let replies = match self.call_global(&items, global_sent, true).await {
+        // Without a deadline a trade could be applied late, and no report is safe then: a
+        // promise renewed late outlives the region's, and one given up (the fixed share
+        // reported, as this did before) is granted beside a borrower whose window still
+        // counts (seeds 5092 and 5218: 87 admitted of 60 after a restarted gateway's first
+        // trades). So none goes: the round fails as a trade that found no store does.
+        let traded = match self.offset_ms {
+            Some(_) => self.call_global(&items, global_sent, true).await,
+            None => Err(TradeResult::Failed),
+        };
+        let replies = match traded {
             Ok(replies) => {
                 self.failing = false;
                 self.status.traded(TradeResult::Ok);
