@@ -827,6 +827,10 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
     );
 
     redis.kill();
+    // Under `closed`, a key the gateway never denied: one it denied before the kill may still be
+    // denied from its memory of denials until it notices the lost server (deny_cache.rs), which
+    // races with the first request here (it lost once in a full suite: OverLimit, not
+    // UNAVAILABLE).
     for _ in 0..3 {
         let started = Instant::now();
         let answer = ask(&mut open_client, "api", &[&[("path", "p")]]).await;
@@ -839,7 +843,11 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
 
         let started = Instant::now();
         let status = closed_client
-            .should_rate_limit(request("api", vec![descriptor(&[("path", "p")])], 0))
+            .should_rate_limit(request(
+                "api",
+                vec![descriptor(&[("path", "never-denied")])],
+                0,
+            ))
             .await
             .expect_err("closed refuses");
         assert_eq!(status.code(), tonic::Code::Unavailable);
@@ -851,7 +859,7 @@ async fn with_redis_killed_open_answers_ok_and_closed_unavailable_within_the_dea
         // `/json` answers 503, saying nothing of Redis or the policy.
         let (status, _, text) = post_json(
             &closed,
-            r#"{"domain":"api","descriptors":[{"entries":[{"key":"path","value":"p"}]}]}"#,
+            r#"{"domain":"api","descriptors":[{"entries":[{"key":"path","value":"never-denied"}]}]}"#,
         )
         .await;
         assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE, "{text}");

@@ -7,7 +7,7 @@
 //! missed its deadline is given up, and the next call opens (or asks the sentinels for) a new
 //! one.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long a connection may answer nothing, from the first call on it that missed its
@@ -17,18 +17,26 @@ pub(super) fn silence_limit(deadline: Duration) -> Duration {
     (deadline * 4).max(Duration::from_secs(1))
 }
 
+/// Calls cut short, with no answer between them, before a silence may give a connection up: a
+/// connection on which a client that left cut a call now and then, with no traffic between,
+/// has answered nothing for as long, and is not silent for that.
+const CUT_CALLS: u32 = 3;
+
 /// One connection's watch: since when it has answered nothing while calls were cut short.
 ///
 /// Nothing on the path of a call that is answered writes or reads a clock: an answer only
-/// reads one atomic (and clears it after a silence). A call dropped unanswered (its deadline
-/// passed) starts the silence, or finds it long enough to give the connection up; so the
-/// silence is counted from the first deadline missed, a deadline after the call was sent.
+/// reads one atomic (and clears the watch after a silence). A call dropped unanswered (its
+/// deadline passed) starts the silence, or finds it long enough, and [`CUT_CALLS`] calls cut in
+/// it, to give the connection up; so the silence is counted from the first deadline missed, a
+/// deadline after the call was sent.
 #[derive(Debug)]
 pub(super) struct SilenceWatch {
     anchor: Instant,
     /// Microseconds from `anchor`, plus one, to the first call dropped unanswered since the
     /// last answer; 0 when none was.
     silent_since: AtomicU64,
+    /// Calls dropped unanswered since the last answer.
+    cut: AtomicU32,
     /// The connection was given up and not yet replaced.
     given_up: AtomicBool,
     limit: Duration,
@@ -39,6 +47,7 @@ impl SilenceWatch {
         SilenceWatch {
             anchor: Instant::now(),
             silent_since: AtomicU64::new(0),
+            cut: AtomicU32::new(0),
             given_up: AtomicBool::new(false),
             limit,
         }
@@ -66,12 +75,14 @@ impl SilenceWatch {
     fn answered(&self) {
         if self.silent_since.load(Ordering::Relaxed) != 0 {
             self.silent_since.store(0, Ordering::Relaxed);
+            self.cut.store(0, Ordering::Relaxed);
         }
     }
 
     /// A call was dropped before its answer: the silence starts, or, if it has lasted the
     /// limit, the connection is given up (and the watch starts over for the next one).
     fn dropped_unanswered(&self) {
+        let cut = self.cut.fetch_add(1, Ordering::Relaxed).saturating_add(1);
         let since = self.silent_since.load(Ordering::Relaxed);
         if since == 0 {
             let _ = self.silent_since.compare_exchange(
@@ -84,11 +95,13 @@ impl SilenceWatch {
         }
         let silent_for = Duration::from_micros(self.now().saturating_sub(since));
         if silent_for >= self.limit
+            && cut >= CUT_CALLS
             && self
                 .silent_since
                 .compare_exchange(since, 0, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
+            self.cut.store(0, Ordering::Relaxed);
             self.given_up.store(true, Ordering::Release);
         }
     }
@@ -130,8 +143,14 @@ mod tests {
             "the first missed deadline starts the silence"
         );
         drop(watch.sent());
+        assert!(
+            !watch.take_given_up(),
+            "two calls cut are not yet a silence"
+        );
+        drop(watch.sent());
         assert!(watch.take_given_up());
         assert!(!watch.take_given_up(), "given up once, replaced once");
+        drop(watch.sent());
         drop(watch.sent());
         assert!(
             !watch.take_given_up(),
@@ -140,10 +159,11 @@ mod tests {
     }
 
     #[test]
-    fn a_call_dropped_within_the_limit_keeps_the_connection() {
+    fn calls_dropped_within_the_limit_keep_the_connection() {
         let watch = SilenceWatch::new(Duration::from_secs(3600));
-        drop(watch.sent());
-        drop(watch.sent());
+        for _ in 0..10 {
+            drop(watch.sent());
+        }
         assert!(!watch.take_given_up());
     }
 
@@ -151,9 +171,11 @@ mod tests {
     fn any_answer_ends_the_silence() {
         let watch = SilenceWatch::new(Duration::ZERO);
         drop(watch.sent());
+        drop(watch.sent());
         watch.sent().answered();
-        // The connection answered after the first deadline was missed: the next one missed
-        // starts a new silence rather than ending a long one.
+        // The connection answered after two deadlines were missed: the next ones missed start
+        // a new silence rather than ending a long one.
+        drop(watch.sent());
         drop(watch.sent());
         assert!(!watch.take_given_up());
     }
