@@ -267,10 +267,7 @@ impl LazyManager {
     /// Runs `command` on the shared connection, watching it for silence.
     async fn run(&self, command: &redis::Cmd) -> Result<Value, ConnectionError> {
         let mut connection = self.manager().await.map_err(ConnectionError::Store)?;
-        let unanswered = self.silence.sent();
-        let result = run_on(&mut connection, command).await;
-        unanswered.answered();
-        result
+        self.silence.watch(run_on(&mut connection, command)).await
     }
 }
 
@@ -392,9 +389,7 @@ impl Connection {
             }
             Connection::Sentinel(master) => {
                 let mut connection = master.connection().await.map_err(ConnectionError::Store)?;
-                let unanswered = master.silence.sent();
-                let result = run_on(&mut connection, command).await;
-                unanswered.answered();
+                let result = master.silence.watch(run_on(&mut connection, command)).await;
                 if result.is_err() {
                     // Maybe a failover: ask the sentinels again next time.
                     master.forget();

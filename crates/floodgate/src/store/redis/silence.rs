@@ -7,6 +7,7 @@
 //! missed its deadline is given up, and the next call opens (or asks the sentinels for) a new
 //! one.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -53,10 +54,19 @@ impl SilenceWatch {
         }
     }
 
-    /// A call is about to be sent: [`Unanswered::answered`] when it comes back; dropped
-    /// before that, it counts towards the silence.
-    pub(super) fn sent(&self) -> Unanswered<'_> {
-        Unanswered {
+    /// Runs `call` on the watched connection: its answer (a reply or an error) ends a silence;
+    /// dropped before it (its deadline passed), it counts towards one.
+    pub(super) async fn watch<T>(&self, call: impl Future<Output = T>) -> T {
+        let in_flight = self.sent();
+        let answer = call.await;
+        in_flight.answered();
+        answer
+    }
+
+    /// A call is about to be sent: [`InFlight::answered`] when it comes back; dropped before
+    /// that, it counts towards the silence.
+    fn sent(&self) -> InFlight<'_> {
+        InFlight {
             watch: self,
             answered: false,
         }
@@ -109,20 +119,20 @@ impl SilenceWatch {
 
 /// A call sent and not yet answered (see [`SilenceWatch::sent`]).
 #[must_use = "a call's answer is what keeps its connection"]
-pub(super) struct Unanswered<'a> {
+struct InFlight<'a> {
     watch: &'a SilenceWatch,
     answered: bool,
 }
 
-impl Unanswered<'_> {
+impl InFlight<'_> {
     /// The call came back (a reply or an error from the connection): it is not silent.
-    pub(super) fn answered(mut self) {
+    fn answered(mut self) {
         self.answered = true;
         self.watch.answered();
     }
 }
 
-impl Drop for Unanswered<'_> {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         if !self.answered {
             self.watch.dropped_unanswered();

@@ -124,8 +124,6 @@ pub(super) struct Trader {
     rounds_as_trader: u32,
     /// Until when this gateway puts no table in force (its region's store lost its table).
     distrust_until: Option<Instant>,
-    /// The global store's clock was asked for once, at start.
-    clock_asked: bool,
     epoch: Instant,
 }
 
@@ -187,7 +185,6 @@ impl Trader {
             failing: false,
             rounds_as_trader: 0,
             distrust_until: None,
-            clock_asked: false,
             epoch: Instant::now(),
         }
     }
@@ -220,11 +217,10 @@ impl Trader {
                 return;
             }
         };
-        if self.offset_ms.is_none() && !self.clock_asked {
-            // Every gateway measures the global store's clock once when it starts (and every
-            // trade measures it again), so that even a new trader's first trade carries a
-            // deadline without a call of its own.
-            self.clock_asked = true;
+        if self.offset_ms.is_none() {
+            // Every gateway measures the global store's clock when it starts, and at every
+            // round until a measurement succeeds (every trade measures it again), so that a
+            // trader's trades always carry a deadline: without one none is sent (`trade`).
             let _ = self.call_global(&[], Instant::now(), false).await;
         }
         if !view.trader {
@@ -476,11 +472,6 @@ impl Trader {
         };
         let items = self.items(keys, &view).await;
         self.renew_promises(&items, &mut view).await?;
-        if self.offset_ms.is_none() {
-            // The global store's clock was never measured (it was unreachable when this
-            // gateway started): measured first, since a trade goes only with a deadline.
-            let _ = self.call_global(&[], Instant::now(), false).await;
-        }
         // The trade must be applied while this gateway still holds the trader's lock (taken
         // at the round's sync), so that two traders never overlap: else it waits a round.
         let lock_left =
